@@ -1,0 +1,1 @@
+"""The conformance suite: run as ``pytest conformance --impl=NAME``."""

@@ -1,0 +1,1 @@
+"""pytest plugin of the conformance runner (work in progress)."""

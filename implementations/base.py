@@ -1,0 +1,271 @@
+"""The plug-in protocol: an implementation and its capabilities, as data.
+
+An :class:`Implementation` exposes attention at one or both of two levels:
+
+* **SDPA level** — ``sdpa(query, key, value, attn_mask=None, dropout_p=0.0,
+  is_causal=False, scale=None, enable_gqa=False) -> Tensor`` with exactly the
+  calling convention of ``torch.nn.functional.scaled_dot_product_attention``:
+  ``query (B, N, L, E)``, ``key (B, K, S, E)``, ``value (B, K, S, Ev)`` (any number
+  of leading batch dims), ``attn_mask`` broadcastable to ``(B, N, L, S)`` and either
+  bool (**True = may attend**) or floating (**added** to the scaled scores).
+  ``is_causal`` means the alignment the implementation declares in
+  ``capabilities.causal`` (``"upper_left"`` is PyTorch's, ``"lower_right"`` is
+  FlashAttention's). Returns the output ``(B, N, L, Ev)``.
+* **MHA level** — ``mha(embed_dim, num_heads, **options) -> module`` building a
+  module with the constructor options and ``forward`` of
+  ``torch.nn.MultiheadAttention`` (bool masks there are **True = blocked**), plus
+  ``load_weights(module, params)`` copying a ``spec.mha.MHAParams`` into it.
+
+Dimension letters: B batch, N query heads, K key/value heads, L query length,
+S key length, E q/k head dim, Ev value head dim, D model dim.
+
+The runner talks to implementations only through this module: it never imports
+an implementation's internals, and implementations never import ``conformance``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "ALL_DTYPES",
+    "ALL_MASK_KINDS",
+    "ALL_MHA_FEATURES",
+    "CAUSAL_ALIGNMENTS",
+    "FULLY_MASKED_POLICIES",
+    "Capabilities",
+    "ExpectedFailure",
+    "Implementation",
+    "ImplementationError",
+]
+
+ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
+CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
+FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
+#: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
+ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
+#: Optional features of an MHA-level implementation (constructor options and
+#: forward arguments of ``torch.nn.MultiheadAttention``).
+ALL_MHA_FEATURES = frozenset(
+    {
+        "bias",              # bias=False supported
+        "kdim_vdim",         # kdim/vdim != embed_dim (separate projection weights)
+        "bias_kv",           # add_bias_kv=True
+        "zero_attn",         # add_zero_attn=True
+        "batch_first",       # batch_first=True
+        "unbatched",         # 2-D inputs (L, D)
+        "key_padding_mask",  # key_padding_mask argument, bool and float
+        "attn_mask",         # attn_mask argument, bool and float
+        "is_causal",         # is_causal argument (with its attn_mask hint)
+        "need_weights",      # returns weights when need_weights=True
+        "average_weights",   # average_attn_weights=False returns per-head weights
+        "dropout",           # dropout>0 constructor option, train/eval modes
+    }
+)
+
+
+class ImplementationError(ValueError):
+    """An implementation is misdeclared or cannot be resolved/loaded."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an implementation claims to support, as data (xformers style).
+
+    A case outside these claims is skipped with the reason from
+    :meth:`Implementation.not_supported_reasons`; a case inside them must pass.
+    """
+
+    devices: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[str, ...] = ("float64", "float32")
+    mask_kinds: frozenset[str] = ALL_MASK_KINDS
+    #: Alignment that ``is_causal=True`` means; ``None``: no causal flag support.
+    causal: str | None = "upper_left"
+    #: Output for query rows where every key is blocked: zero / nan / uniform / unspecified.
+    fully_masked: str = "zero"
+    #: Level-specific: MHA modules may return weights; SDPA weights are probed with V = I.
+    returns_weights: bool = False
+    different_v_dim: bool = True     # Ev != E
+    gqa: bool = True                 # K < N with enable_gqa=True
+    dropout: bool = False            # dropout_p > 0 honoured
+    custom_scale: bool = True        # scale= honoured
+    autograd: bool = True            # backward through q, k, v (and additive mask)
+    mask_grad: bool = True           # gradient w.r.t. an additive mask
+    non_contiguous: bool = True      # arbitrary strides accepted without error
+    max_head_dim: int | None = None  # E and Ev at most this
+    max_seq_len: int | None = None   # L and S at most this
+    min_head_dim: int | None = None  # E and Ev at least this (e.g. tensor-core tiles)
+    tf32: bool = False               # float32 matmuls may run as TF32 on CUDA
+    mha_features: frozenset[str] = ALL_MHA_FEATURES
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.dtypes if d not in ALL_DTYPES]
+        if bad:
+            raise ImplementationError(
+                f"dtypes={self.dtypes!r} contains {bad!r}; each must be one of {ALL_DTYPES}"
+            )
+        if self.causal is not None and self.causal not in CAUSAL_ALIGNMENTS:
+            raise ImplementationError(
+                f"causal={self.causal!r} is not an alignment; use one of "
+                f"{CAUSAL_ALIGNMENTS} or None for no causal flag"
+            )
+        if self.fully_masked not in FULLY_MASKED_POLICIES:
+            raise ImplementationError(
+                f"fully_masked={self.fully_masked!r} is not a policy; use one of "
+                f"{FULLY_MASKED_POLICIES}"
+            )
+        if not set(self.mask_kinds) <= ALL_MASK_KINDS:
+            raise ImplementationError(
+                f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
+            )
+        if not set(self.mha_features) <= ALL_MHA_FEATURES:
+            raise ImplementationError(
+                f"mha_features has unknown entries "
+                f"{sorted(set(self.mha_features) - ALL_MHA_FEATURES)}; known: "
+                f"{sorted(ALL_MHA_FEATURES)}"
+            )
+
+    def replace(self, **changes: Any) -> "Capabilities":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    """A known deviation: property id (+ optional case filter) -> reason.
+
+    ``match`` maps case attribute names (see ``conformance.cases``) to the value
+    they must have for the entry to apply, e.g. ``{"level": "mha",
+    "need_weights": True}``; an empty match applies to every case of the property.
+    """
+
+    property: str
+    reason: str
+    match: Mapping[str, Any] = field(default_factory=dict)
+    reference: str = ""  # e.g. "pytorch/pytorch#41508"
+
+    def applies(self, property_id: str, case_attrs: Mapping[str, Any]) -> bool:
+        if property_id != self.property:
+            return False
+        return all(case_attrs.get(k) == v for k, v in self.match.items())
+
+
+SDPACallable = Callable[..., Any]
+MHAFactory = Callable[..., Any]
+WeightLoader = Callable[[Any, Any], None]
+
+
+@dataclass
+class Implementation:
+    """One attention implementation to certify.
+
+    ``sdpa``: function with ``torch.nn.functional.scaled_dot_product_attention``'s
+    signature (see module docstring), or None.
+    ``mha``: factory ``mha(embed_dim, num_heads, *, dropout=0.0, bias=True,
+    add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None,
+    batch_first=False, device=None, dtype=None)`` returning a module with
+    ``torch.nn.MultiheadAttention``'s forward, or None.
+    ``load_weights(module, params)``: copies ``spec.mha.MHAParams`` (NumPy,
+    float64) into the module, casting to its dtype/device; required with ``mha``.
+    """
+
+    name: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    sdpa: SDPACallable | None = None
+    mha: MHAFactory | None = None
+    load_weights: WeightLoader | None = None
+    mha_capabilities: Capabilities | None = None  # defaults to ``capabilities``
+    version: str = "0"
+    description: str = ""
+    expected_failures: tuple[ExpectedFailure, ...] = ()
+    #: Set when the implementation cannot run here (missing optional dependency...).
+    unavailable_reason: str | None = None
+    #: Registry implementations listed by ``--impl=list``; mutants are not.
+    listed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.unavailable_reason is None and self.sdpa is None and self.mha is None:
+            raise ImplementationError(
+                f"Implementation(name={self.name!r}) exposes neither sdpa= nor mha=; "
+                "give at least one callable"
+            )
+        if self.mha is not None and self.load_weights is None:
+            raise ImplementationError(
+                f"Implementation(name={self.name!r}) has mha= but no load_weights=; "
+                "the suite must copy the oracle's weights into the module"
+            )
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason is None
+
+    def caps(self, level: str) -> Capabilities:
+        """Capabilities at ``level`` (``"sdpa"`` or ``"mha"``)."""
+        if level == "mha" and self.mha_capabilities is not None:
+            return self.mha_capabilities
+        return self.capabilities
+
+    def not_supported_reasons(self, case: Mapping[str, Any]) -> list[str]:
+        """Readable reasons why ``case`` is outside this implementation's claims.
+
+        ``case`` is a mapping of case attributes: ``level`` ("sdpa"/"mha"),
+        ``device``, ``dtype``, ``mask_kind``, ``causal`` (None or alignment),
+        ``E``, ``Ev``, ``L``, ``S``, ``N``, ``K``, ``dropout_p``, ``scale``
+        (None = default), ``grad`` (bool), ``layout`` ("contiguous" or other),
+        ``mha_features`` (set of features the case uses). Missing keys are not checked.
+        """
+        level = case.get("level", "sdpa")
+        reasons: list[str] = []
+        if not self.available:
+            return [f"{self.name} is unavailable: {self.unavailable_reason}"]
+        if level == "sdpa" and self.sdpa is None:
+            return [f"{self.name} has no SDPA-level callable"]
+        if level == "mha" and self.mha is None:
+            return [f"{self.name} has no MHA-level module"]
+        c = self.caps(level)
+        if "device" in case and case["device"] not in c.devices:
+            reasons.append(f"device={case['device']!r} not in declared devices {c.devices}")
+        if "dtype" in case and case["dtype"] not in c.dtypes:
+            reasons.append(f"dtype={case['dtype']!r} not in declared dtypes {c.dtypes}")
+        if case.get("mask_kind", "none") not in c.mask_kinds:
+            reasons.append(f"mask_kind={case['mask_kind']!r} not in declared {sorted(c.mask_kinds)}")
+        causal = case.get("causal")
+        if causal is not None and c.causal != causal:
+            reasons.append(f"causal={causal!r} but the causal flag means {c.causal!r}")
+        if case.get("E") is not None and case.get("Ev") is not None:
+            if case["E"] != case["Ev"] and not c.different_v_dim:
+                reasons.append("Ev != E not supported")
+        if case.get("N") is not None and case.get("K") is not None:
+            if case["N"] != case["K"] and not c.gqa:
+                reasons.append("GQA (K < N) not supported")
+        if case.get("dropout_p", 0.0) and not c.dropout:
+            reasons.append("dropout not supported")
+        if case.get("scale") is not None and not c.custom_scale:
+            reasons.append("custom scale not supported")
+        if case.get("grad") and not c.autograd:
+            reasons.append("autograd not supported")
+        if case.get("mask_grad") and not c.mask_grad:
+            reasons.append("gradient w.r.t. the additive mask not supported")
+        if case.get("layout", "contiguous") != "contiguous" and not c.non_contiguous:
+            reasons.append(f"layout={case['layout']!r} but only contiguous inputs are supported")
+        for dim in ("E", "Ev"):
+            v = case.get(dim)
+            if v is not None and c.max_head_dim is not None and v > c.max_head_dim:
+                reasons.append(f"{dim}={v} > max_head_dim={c.max_head_dim}")
+            if v is not None and c.min_head_dim is not None and v < c.min_head_dim:
+                reasons.append(f"{dim}={v} < min_head_dim={c.min_head_dim}")
+        for dim in ("L", "S"):
+            v = case.get(dim)
+            if v is not None and c.max_seq_len is not None and v > c.max_seq_len:
+                reasons.append(f"{dim}={v} > max_seq_len={c.max_seq_len}")
+        missing = set(case.get("mha_features", ())) - set(c.mha_features)
+        if level == "mha" and missing:
+            reasons.append(f"MHA features not supported: {sorted(missing)}")
+        return reasons
+
+    def expected_failure(self, property_id: str, case: Mapping[str, Any]) -> ExpectedFailure | None:
+        for entry in self.expected_failures:
+            if entry.applies(property_id, case):
+                return entry
+        return None
