@@ -1,0 +1,508 @@
+"""A Triton fused-attention (flash-attention style) forward kernel.
+
+Dimension letters: B batch, N query heads, K key/value heads, L query length,
+S key length, E q/k head dim, Ev value head dim.
+
+``make_implementation()`` returns an :class:`~implementations.base.Implementation`
+named ``"triton"`` whose ``sdpa`` has torch SDPA's calling convention. The kernel
+(``_attn_fwd_kernel``) computes one tile of BLOCK_M queries of one (batch, head)
+per program, streams over key blocks of BLOCK_N keys with an online softmax and
+accumulates in float32 (float64 for float64 inputs):
+
+* every input is read through its own strides (q, k, v, mask); stride-0
+  (expanded) dims are read in place. No hidden ``.contiguous()`` copy, with one
+  declared exception: more than one leading batch dim whose strides cannot be
+  merged into one (``Tensor.view`` refuses) is reshaped, i.e. copied.
+* E != Ev, L != S, GQA (query head h reads kv head h // (N // K), as
+  ``repeat_interleave``); N % K != 0 raises ValueError.
+* ``is_causal`` means the alignment given to ``make_implementation``
+  (``"upper_left"``: key j visible to query i iff j <= i, PyTorch; ``"lower_right"``:
+  iff j <= i + S - L, FlashAttention). An explicit mask may be combined with it.
+* masks broadcastable to (B, N, L, S): bool (True = may attend, read as uint8
+  through a no-copy ``view``) or floating (added to the scaled scores, any float
+  dtype, upcast in the kernel).
+* query rows where every key is blocked give output 0 (policy ``zero``).
+* float16 / bfloat16: q·kᵀ and p·v accumulate in float32; the output is stored as
+  float32 and cast on the host (see the interpreter notes). float32: ``tl.dot``
+  with ``input_precision="ieee"`` (never TF32). float64: computed in float64.
+* no dropout (``dropout_p > 0`` raises), no backward (inputs that require grad
+  raise: see ``Capabilities.autograd``), head dims up to 256.
+
+CPU: the Triton interpreter
+---------------------------
+``@triton.jit`` decides at decoration time whether a kernel is compiled or
+interpreted (``triton.knobs.runtime.interpret``, i.e. ``TRITON_INTERPRET``). When
+torch sees no CUDA device this module therefore sets ``TRITON_INTERPRET=1`` with
+``os.environ.setdefault`` *before* importing triton and decorating the kernel, so
+the kernel runs on CPU tensors under the interpreter. The variable is
+process-wide: Triton kernels decorated later in the same process are interpreted
+too (harmless without a GPU, where they could not run anyway); an explicit
+``TRITON_INTERPRET=0`` is respected (the kernel then needs a GPU). The raw Python
+function is kept as ``_attn_fwd_kernel_fn`` so tests can build a compiled
+``JITFunction`` from it whatever the mode.
+
+The interpreter differs from the GPU compiler; the kernel avoids each trap so
+that what passes here also holds on a GPU:
+
+* bf16 ``tl.dot`` is silently wrong under the interpreter: when interpreting,
+  16-bit operands are upcast to float32 before every dot (``NATIVE_DOT=False``).
+  Exact: a product of two fp16/bf16 numbers is exact in float32, so this equals a
+  16-bit dot with float32 accumulation up to summation order. On a GPU the dots
+  run natively on 16-bit operands (``NATIVE_DOT=True``: p is rounded to the
+  value dtype before p·v, as in FlashAttention-2).
+* fp32 -> bf16 stores truncate under the interpreter: the kernel stores float32
+  and the host casts (round to nearest even) — on both devices.
+* ``tl.arange`` needs powers of 2: head dims are padded to BLOCK_E =
+  max(16, next_pow2(E)) and masked.
+* the GPU compiler rejects dots with a dim < 16 for 16-bit inputs: every dot dim
+  (BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV) is >= 16.
+* ``input_precision`` is ignored by the interpreter, but on a GPU a float32
+  ``tl.dot`` is TF32 unless told otherwise: float32 uses ``"ieee"`` (so
+  ``tf32=False`` is declared).
+
+Per-call cost under the interpreter is dominated by Python-level execution of
+each program instance; CPU blocks are BLOCK_M = BLOCK_N = 16 (ragged key blocks
+and multi-block online softmax are exercised even at S <= 70).
+
+Planted bugs (``planted_bug=``), each one kernel/launcher defect for the bug zoo:
+
+* ``"drop_ragged_block"``: the key loop stops at the last full BLOCK_N block, so
+  the trailing partial key block is never read (S % BLOCK_N != 0 gives a wrong
+  answer; S < BLOCK_N gives all zeros).
+* ``"no_rescale"``: the output accumulator is not multiplied by
+  exp(m_old - m_new) when the running row max grows (the normaliser still is),
+  so any row whose max grows after its first key block is wrong (S > BLOCK_N).
+* ``"ignore_strides"``: the launcher passes the contiguous strides of q, k and v's
+  logical shapes instead of their real strides, i.e. reads storage as if
+  contiguous (transposed / sliced inputs give wrong answers). To keep the bug zoo
+  from reading past an allocation (a crash, not a wrong answer), a tensor whose
+  storage is smaller than its contiguous extent (e.g. a stride-0 expansion) keeps
+  its real strides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from implementations.base import ALL_MASK_KINDS, CAUSAL_ALIGNMENTS, Capabilities, Implementation
+
+__all__ = ["PLANTED_BUGS", "LaunchPlan", "make_implementation", "plan_launch"]
+
+#: planted_bug name -> the ``BUG`` constexpr the kernel sees (0: none).
+PLANTED_BUGS = {"drop_ragged_block": 1, "no_rescale": 2, "ignore_strides": 3}
+#: Largest head dim (E and Ev) the kernel accepts: BLOCK_E up to 256.
+MAX_HEAD_DIM = 256
+#: ``MASK_KIND`` constexpr values.
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+
+if not torch.cuda.is_available():
+    # Must happen before ``triton.jit`` decorates the kernel below (see module doc).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+    _IMPORT_ERROR: str | None = f"triton is not importable ({exc})"
+else:
+    _IMPORT_ERROR = None
+
+
+def _interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+if triton is not None:
+
+    def _attn_fwd_kernel_fn(
+        Q, K, V, Mask, Out,
+        stride_qb, stride_qh, stride_ql, stride_qe,
+        stride_kb, stride_kh, stride_ks, stride_ke,
+        stride_vb, stride_vh, stride_vs, stride_ve,
+        stride_mb, stride_mh, stride_ml, stride_ms,
+        stride_ob, stride_oh, stride_ol, stride_oe,
+        N, L, S, E, EV, GROUP,
+        scale, causal_offset,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+        ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        BUG: tl.constexpr,
+    ):
+        """One program: BLOCK_M queries of one (batch, query head); all keys."""
+        # axis 0 (up to 2**31 - 1 programs) takes B*N, which can exceed 65535.
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        b = (pid_bh // N).to(tl.int64)
+        h = (pid_bh % N).to(tl.int64)
+        kv_h = h // GROUP  # GQA as repeat_interleave
+        if ACC_F64:
+            acc_dtype = tl.float64
+        else:
+            acc_dtype = tl.float32
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_ev = tl.arange(0, BLOCK_EV)
+        row_ok = offs_m < L
+
+        q_ptrs = (Q + b * stride_qb + h * stride_qh
+                  + offs_m[:, None] * stride_ql + offs_e[None, :] * stride_qe)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(acc_dtype)
+        k_base = K + b * stride_kb + kv_h * stride_kh
+        v_base = V + b * stride_vb + kv_h * stride_vh
+        m_base = Mask + b * stride_mb + h * stride_mh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
+        l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
+        acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=acc_dtype)
+
+        hi = S
+        if CAUSAL:
+            # keys past the last query's diagonal are never visible to this tile
+            hi = tl.maximum(tl.minimum(S, pid_m * BLOCK_M + BLOCK_M + causal_offset), 0)
+        if BUG == 1:  # planted: drop_ragged_block
+            hi = tl.minimum(hi, (S // BLOCK_N) * BLOCK_N)
+
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            col_ok = offs_n < S
+            k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke,
+                        mask=col_ok[None, :] & (offs_e[:, None] < E), other=0.0)
+            if not NATIVE_DOT:
+                k = k.to(acc_dtype)
+            s = tl.dot(q, k, input_precision="ieee", out_dtype=acc_dtype) * scale
+
+            visible = row_ok[:, None] & col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if MASK_KIND == 1:
+                attend = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
+                                 mask=visible, other=0)
+                visible = visible & (attend != 0)
+            if MASK_KIND == 2:
+                bias = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
+                               mask=visible, other=0.0)
+                s = s + bias.to(acc_dtype)
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing visible yet keeps m = -inf; subtract 0 there, not -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if BUG != 2:  # planted no_rescale skips this
+                acc = acc * alpha[:, None]
+
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_ev[None, :] * stride_ve,
+                        mask=col_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
+            if NATIVE_DOT:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            else:
+                acc = tl.dot(p, v.to(acc_dtype), acc, input_precision="ieee")
+            m_i = m_new
+
+        # fully-masked rows: l = 0 and acc = 0 -> output 0 (never 0/0)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_ptrs = (Out + b * stride_ob + h * stride_oh
+                  + offs_m[:, None] * stride_ol + offs_ev[None, :] * stride_oe)
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_ev[None, :] < EV))
+
+    _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and launch options for one (device kind, dtype, head dims)."""
+
+    block_m: int
+    block_n: int
+    block_e: int
+    block_ev: int
+    num_warps: int = 4
+    num_stages: int = 1
+    native_dot: bool = False
+
+
+def kernel_config(dtype: torch.dtype, E: int, Ev: int, *, gpu: bool) -> KernelConfig:
+    """Block sizes the launcher uses; the compile test enumerates these.
+
+    Every dot dim is >= 16 (NVIDIA rejects smaller 16-bit dots); head dims are
+    padded to a power of 2. CPU (interpreter): 16 x 16 tiles, 16-bit operands
+    upcast before dots. GPU: tiles sized to fit shared memory on sm_80 and sm_90.
+    """
+    block_e = max(16, _next_pow2(E))
+    block_ev = max(16, _next_pow2(Ev))
+    if not gpu:
+        return KernelConfig(16, 16, block_e, block_ev)
+    widest = max(block_e, block_ev)
+    if dtype in (torch.float16, torch.bfloat16):
+        if widest <= 64:
+            return KernelConfig(128, 64, block_e, block_ev, num_warps=4, num_stages=3, native_dot=True)
+        if widest <= 128:
+            return KernelConfig(128, 64, block_e, block_ev, num_warps=8, num_stages=2, native_dot=True)
+        return KernelConfig(64, 32, block_e, block_ev, num_warps=8, num_stages=2, native_dot=True)
+    if dtype == torch.float32:  # ieee fp32 dots run on FMA units: smaller tiles
+        if widest <= 64:
+            return KernelConfig(64, 32, block_e, block_ev, num_warps=4, num_stages=2)
+        return KernelConfig(32, 32, block_e, block_ev, num_warps=4, num_stages=1)
+    # float64
+    if widest <= 64:
+        return KernelConfig(32, 32, block_e, block_ev, num_warps=4, num_stages=1)
+    return KernelConfig(16, 16, block_e, block_ev, num_warps=4, num_stages=1)
+
+
+_SUPPORTED_DTYPES = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+
+@dataclass
+class LaunchPlan:
+    """Everything one kernel launch needs: grid, positional args, constexprs."""
+
+    grid: tuple[int, int, int]
+    args: list[Any]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    out: torch.Tensor          # float32/float64 buffer the kernel writes, (B, N, L, Ev)
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+
+
+def _as_4d(t: torch.Tensor, what: str) -> torch.Tensor:
+    """(..., X, Y, Z) -> (B, X, Y, Z) without a copy where strides allow."""
+    if t.dim() < 4:
+        return t[(None,) * (4 - t.dim())]
+    if t.dim() == 4:
+        return t
+    try:
+        return t.view(-1, *t.shape[-3:])
+    except RuntimeError:  # declared: non-mergeable leading batch dims are copied
+        return t.reshape(-1, *t.shape[-3:])
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _strides(t: torch.Tensor, ignore_strides: bool) -> tuple[int, ...]:
+    if not ignore_strides:
+        return tuple(t.stride())
+    available = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    if available < t.numel() * t.element_size():
+        return tuple(t.stride())  # see module doc: the mutant must not read past memory
+    return _contiguous_strides(tuple(t.shape))
+
+
+def _validate(query, key, value, attn_mask, dropout_p, enable_gqa) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"{name}.dim()={t.dim()}; need (..., L, E) with at least 2 dims")
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p}: the triton implementation has no dropout; "
+                         "use dropout_p=0.0")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}; "
+                         "they must be equal")
+    if query.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"query.dtype={query.dtype} is not supported; use one of "
+                         f"{sorted(_SUPPORTED_DTYPES.values())}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key, value are on {query.device}, {key.device}, {value.device}; "
+                         "put them on one device")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(f"query.dim()={query.dim()}, key.dim()={key.dim()}, value.dim()={value.dim()}; "
+                         "they must be equal")
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
+        raise ValueError(f"batch dims differ: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}; broadcast them first")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query E={query.shape[-1]} != key E={key.shape[-1]}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key S={key.shape[-2]} != value S={value.shape[-2]}")
+    if query.dim() >= 3:
+        N, Kh, Kv = query.shape[-3], key.shape[-3], value.shape[-3]
+        if Kh != Kv:
+            raise ValueError(f"key has K={Kh} heads but value has {Kv}; they must be equal")
+        if N != Kh:
+            if not enable_gqa:
+                raise ValueError(f"query has N={N} heads, key/value K={Kh}; pass enable_gqa=True "
+                                 "for grouped-query attention or repeat the kv heads")
+            if Kh == 0 or N % Kh != 0:
+                raise ValueError(f"GQA needs N % K == 0, got N={N}, K={Kh}; use a K that divides N")
+    for name, dim in (("E", query.shape[-1]), ("Ev", value.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}={dim} > {MAX_HEAD_DIM}, the largest head dim the triton "
+                             "kernel supports")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask.dtype={attn_mask.dtype}; use bool (True = may attend) "
+                             "or a floating dtype (added to the scores)")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, query on {query.device}")
+        target = (*query.shape[:-1], key.shape[-2])
+        try:
+            broadcast = torch.broadcast_shapes(tuple(attn_mask.shape), target)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != torch.Size(target):
+            raise ValueError(f"attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to "
+                             f"(..., N, L, S)={target}; build the mask for these q/k lengths")
+
+
+def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+                causal_alignment: str = "upper_left", planted_bug: str | None = None,
+                gpu: bool | None = None) -> LaunchPlan:
+    """Validate nothing; turn SDPA arguments into one kernel launch.
+
+    ``gpu`` picks the block configuration (default: the tensors' device). The
+    compile test calls this with CPU tensors and ``gpu=True`` to get exactly the
+    arguments and constexprs a GPU launch would use.
+    """
+    if gpu is None:
+        gpu = query.device.type == "cuda"
+    bug = PLANTED_BUGS.get(planted_bug, 0) if planted_bug else 0
+    out_shape = (*query.shape[:-1], value.shape[-1])
+    q4, k4, v4 = _as_4d(query, "query"), _as_4d(key, "key"), _as_4d(value, "value")
+    B, N, L, E = q4.shape
+    _, Kh, S, _ = k4.shape
+    Ev = v4.shape[-1]
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.empty((B, N, L, Ev), dtype=acc_dtype, device=query.device)
+
+    if attn_mask is None:
+        mask_kind, mask, m_strides = MASK_NONE, q4, (0, 0, 0, 0)
+    else:
+        m4 = _as_4d(attn_mask.expand(*query.shape[:-1], S), "attn_mask")
+        if attn_mask.dtype == torch.bool:
+            mask_kind, mask = MASK_BOOL, m4.view(torch.uint8)  # same itemsize: no copy
+        else:
+            mask_kind, mask = MASK_ADDITIVE, m4
+        m_strides = tuple(m4.stride())
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    causal_offset = 0
+    if is_causal and causal_alignment == "lower_right":
+        causal_offset = S - L
+
+    ignore = bug == PLANTED_BUGS["ignore_strides"]
+    cfg = kernel_config(query.dtype, E, Ev, gpu=gpu)
+    args = [
+        q4, k4, v4, mask, out,
+        *_strides(q4, ignore), *_strides(k4, ignore), *_strides(v4, ignore),
+        *m_strides, *out.stride(),
+        N, L, S, E, Ev, N // Kh,
+        float(scale), causal_offset,
+    ]
+    constexprs = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_EV=cfg.block_ev,
+        CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
+        ACC_F64=acc_dtype == torch.float64,
+        NATIVE_DOT=cfg.native_dot and query.dtype in (torch.float16, torch.bfloat16),
+        BUG=bug if bug in (1, 2) else 0,
+    )
+    grid = (B * N, triton.cdiv(L, cfg.block_m) if triton else -(-L // cfg.block_m), 1)
+    return LaunchPlan(grid, args, constexprs, cfg.num_warps, cfg.num_stages, out,
+                      tuple(out_shape), query.dtype)
+
+
+def _make_sdpa(causal_alignment: str, planted_bug: str | None):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        _validate(query, key, value, attn_mask, dropout_p, enable_gqa)
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, attn_mask)
+        ):
+            raise NotImplementedError(
+                "the triton implementation has no backward (capabilities.autograd=False); "
+                "call it under torch.no_grad() or pass tensors that do not require grad")
+        plan = plan_launch(query, key, value, attn_mask, is_causal, scale,
+                           causal_alignment=causal_alignment, planted_bug=planted_bug)
+        if plan.out.numel() and plan.grid[1] > 0:
+            _attn_fwd_kernel[plan.grid](*plan.args, **plan.constexprs,
+                                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        out = plan.out.view(plan.out_shape)
+        return out if out.dtype == plan.out_dtype else out.to(plan.out_dtype)
+
+    sdpa.__name__ = "triton_sdpa"
+    return sdpa
+
+
+def make_implementation(*, causal_alignment: str = "upper_left",
+                        planted_bug: str | None = None) -> Implementation:
+    """The Triton flash-attention forward as an SDPA-level Implementation.
+
+    ``causal_alignment``: what ``is_causal=True`` means ("upper_left" = PyTorch,
+    "lower_right" = FlashAttention). ``planted_bug``: None or one of
+    ``PLANTED_BUGS`` (see the module docstring), for the bug zoo.
+    """
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment={causal_alignment!r}; use one of {CAUSAL_ALIGNMENTS}")
+    if planted_bug is not None and planted_bug not in PLANTED_BUGS:
+        raise ValueError(f"planted_bug={planted_bug!r}; use None or one of {sorted(PLANTED_BUGS)}")
+    name = "triton" if planted_bug is None else f"triton-{planted_bug.replace('_', '-')}"
+    if triton is None:
+        return Implementation(name=name, unavailable_reason=_IMPORT_ERROR, listed=planted_bug is None)
+    interpreting = _interpreting()
+    if not interpreting and not torch.cuda.is_available():
+        return Implementation(
+            name=name, listed=planted_bug is None,
+            unavailable_reason="TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run")
+    capabilities = Capabilities(
+        devices=("cpu",) if interpreting else ("cuda",),
+        dtypes=("float64", "float32", "float16", "bfloat16"),
+        mask_kinds=ALL_MASK_KINDS,
+        causal=causal_alignment,
+        fully_masked="zero",
+        returns_weights=False,
+        different_v_dim=True,
+        gqa=True,
+        dropout=False,
+        custom_scale=True,
+        autograd=False,
+        mask_grad=False,
+        non_contiguous=True,
+        max_head_dim=MAX_HEAD_DIM,
+        tf32=False,
+    )
+    mode = "interpreter (CPU)" if interpreting else "compiled (CUDA)"
+    description = (f"Triton flash-attention forward, {mode}, causal={causal_alignment}"
+                   + (f", planted bug {planted_bug!r}" if planted_bug else ""))
+    return Implementation(
+        name=name,
+        capabilities=capabilities,
+        sdpa=_make_sdpa(causal_alignment, planted_bug),
+        version=f"0.1+triton{triton.__version__}",
+        description=description,
+        listed=planted_bug is None,
+    )
