@@ -1,0 +1,93 @@
+"""A naive SDPA computed in low-precision arithmetic: the error yardstick for tolerances.
+
+The conformance runner allows an implementation ``k ×`` the error that this naive
+same-precision computation makes against the float64 oracle (FlashAttention's rule).
+So the emulation is deliberately plain: each operation's result is rounded to ``dtype``;
+reductions (the two matmuls and the softmax sum) accumulate in float32 for the 16-bit
+dtypes, as fused kernels and PyTorch's CPU/GPU ops do, and in ``dtype`` itself for
+float32/float64. Overflow is not guarded against: a float16 score beyond 65504 becomes
+inf exactly as in a naive float16 implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _checks
+from ._sdpa import prepare
+from .errors import fail
+
+__all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_to"]
+
+#: dtype name -> (storage dtype, accumulation dtype)
+EMULATED_DTYPES: dict[str, tuple[Any, Any]] = {
+    "float64": (np.float64, np.float64),
+    "float32": (np.float32, np.float32),
+    "float16": (np.float16, np.float32),
+    "bfloat16": (None, np.float32),   # ml_dtypes.bfloat16, imported lazily
+}
+
+
+def _storage_dtype(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return EMULATED_DTYPES[dtype][0]
+
+
+def round_to(values: Any, dtype: str) -> np.ndarray:
+    """Round float values to ``dtype`` (round-to-nearest-even) and return them as float64."""
+    _checks.check_choice("dtype", dtype, tuple(EMULATED_DTYPES))
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return np.asarray(values, dtype=np.float64).astype(_storage_dtype(dtype)).astype(np.float64)
+
+
+def _rounder(dtype: str) -> tuple[Callable[[np.ndarray], np.ndarray], Any]:
+    """``store(x)``: round x to dtype, hand it back in the accumulation dtype."""
+    storage, accumulate = _storage_dtype(dtype), EMULATED_DTYPES[dtype][1]
+
+    def store(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            return np.asarray(x).astype(storage).astype(accumulate)
+
+    return store, accumulate
+
+
+def emulate_sdpa(query: Any, key: Any, value: Any, *, dtype: str, attend_mask: Any = None,
+                 additive_mask: Any = None, causal: str | None = None,
+                 scale: float | None = None, fully_masked: str = "zero") -> np.ndarray:
+    """Output (..., N, L, Ev) of a naive SDPA run in ``dtype`` arithmetic, as float64 values.
+
+    Same arguments and mask polarity as :func:`spec.sdpa` (``attend_mask`` True = may
+    attend, ``additive_mask`` added to the scaled scores). ``dtype`` is one of "float64",
+    "float32", "float16", "bfloat16". Inputs are first rounded to ``dtype`` (values already
+    stored in that dtype are unchanged). With "float64" the result equals the oracle.
+    """
+    _checks.check_choice("dtype", dtype, tuple(EMULATED_DTYPES))
+    _checks.check_policy(fully_masked)
+    p = prepare(query, key, value, attend_mask=attend_mask, additive_mask=additive_mask,
+                causal=causal, scale=scale)
+    store, accumulate = _rounder(dtype)
+    q, k, v = store(p.query), store(p.key), store(p.value)        # rounded to dtype
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        # 1. logits = scale · (q kᵀ): a rounded matmul, then a rounded multiply  (..., N, L, S)
+        logits = store(accumulate(p.scale) * store(q @ np.swapaxes(k, -1, -2)))
+        # 2. scores = logits + additive mask; blocked keys -> -inf
+        scores = logits if p.additive is None else store(logits + store(p.additive))
+        scores = np.where(p.allowed, scores, accumulate(-np.inf))
+        # 3-4. softmax in the accumulation dtype, weights rounded once to dtype
+        empty_row = ~p.allowed.any(axis=-1, keepdims=True)                   # (..., N, L, 1)
+        row_max = np.where(empty_row, accumulate(0), scores.max(axis=-1, keepdims=True))
+        unnormalised = np.exp(scores - row_max)
+        total = unnormalised.sum(axis=-1, keepdims=True)
+        weights = store(unnormalised / np.where(empty_row, accumulate(1), total))
+        if fully_masked == "nan":
+            weights = np.where(empty_row, accumulate(np.nan), weights)
+        elif fully_masked == "uniform":
+            weights = np.where(empty_row, store(accumulate(1.0 / weights.shape[-1])), weights)
+        # 5. output = weights · v, rounded to dtype                          (..., N, L, Ev)
+        output = store(weights @ v)
+    return output.astype(np.float64)
