@@ -1,0 +1,24 @@
+"""The built-in implementations, built lazily by ``implementations.registry``.
+
+``BUILTINS`` maps each registered name to ``"module:function"``; the function is
+called with the name as keyword ``name`` only when that implementation is resolved,
+so listing the registry imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BUILTINS"]
+
+BUILTINS: dict[str, str] = {
+    "spec": "implementations.builtins.spec_oracle:make_implementation",
+    "handwritten": "implementations.builtins.handwritten_impl:make_implementation",
+    "sdpa": "implementations.builtins.torch_sdpa:make_default",
+    "sdpa-math": "implementations.builtins.torch_sdpa:make_backend",
+    "sdpa-flash": "implementations.builtins.torch_sdpa:make_backend",
+    "sdpa-flash-cuda": "implementations.builtins.torch_sdpa:make_backend",
+    "sdpa-efficient": "implementations.builtins.torch_sdpa:make_backend",
+    "sdpa-cudnn": "implementations.builtins.torch_sdpa:make_backend",
+    "torch-mha": "implementations.builtins.torch_mha:make_implementation",
+    "flex": "implementations.builtins.flex:make_implementation",
+    "triton": "implementations.triton_attention:make_implementation",
+}
