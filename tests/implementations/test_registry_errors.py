@@ -1,0 +1,119 @@
+"""Bad ``--impl`` values: each gives a one-paragraph ImplementationError saying what was
+found and what was expected."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from implementations import registry
+from implementations.base import ImplementationError
+
+
+def error_for(spec: str) -> str:
+    with pytest.raises(ImplementationError) as info:
+        registry.resolve(spec)
+    message = str(info.value)
+    assert "\n" not in message, f"not one paragraph: {message!r}"
+    return message
+
+
+def test_unknown_name_lists_registered_names():
+    message = error_for("handwriten")
+    assert "'handwriten'" in message and "not a registered implementation" in message
+    for name in ("handwritten", "sdpa-math", "torch-mha", "spec"):
+        assert name in message
+    assert "module:attr" in message
+
+
+def test_empty_spec():
+    assert "empty" in error_for("  ")
+
+
+def test_bad_file_path(tmp_path):
+    missing = tmp_path / "nope.py"
+    message = error_for(f"{missing}:attention")
+    assert "no file" in message and str(missing) in message
+
+
+def test_unimportable_module():
+    message = error_for("no_such_package_xyz.attention:attention")
+    assert "no module named 'no_such_package_xyz.attention'" in message
+
+
+def test_missing_attribute(tmp_path):
+    path = tmp_path / "has_other.py"
+    path.write_text("def something_else(query, key, value):\n    return query\n")
+    message = error_for(f"{path}:attention")
+    assert "has no attribute 'attention'" in message and "something_else" in message
+    assert "scaled_dot_product_attention" in message
+
+
+def test_wrong_function_signature(tmp_path):
+    path = tmp_path / "wrong_sig.py"
+    path.write_text("def attention(q, k, v, mask=None):\n    return q\n")
+    message = error_for(f"{path}:attention")
+    assert "attention(q, k, v, mask)" in message
+    assert "query, key, value" in message
+
+
+def test_wrong_class_signature(tmp_path):
+    path = tmp_path / "wrong_cls.py"
+    path.write_text(textwrap.dedent(
+        """
+        import torch.nn as nn
+
+        class Attention(nn.Module):
+            def __init__(self, d_model, n_heads):
+                super().__init__()
+
+            def forward(self, x, mask=None):
+                return x
+        """
+    ))
+    message = error_for(f"{path}:Attention")
+    assert "not a drop-in for torch.nn.MultiheadAttention" in message
+    assert "embed_dim" in message and "key_padding_mask" in message
+
+
+def test_exception_inside_the_users_module(tmp_path):
+    path = tmp_path / "crashes.py"
+    path.write_text("import math\nvalue = 1 / 0\n\ndef attention(query, key, value):\n    return query\n")
+    message = error_for(f"{path}:attention")
+    assert "ZeroDivisionError: division by zero" in message
+    assert f"{path}:2" in message  # the line in the user's file
+
+
+def test_exception_inside_an_imported_module(tmp_path, monkeypatch):
+    (tmp_path / "crashing_mod_xyz.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    message = error_for("crashing_mod_xyz:attention")
+    assert "importing module 'crashing_mod_xyz' raised ModuleNotFoundError" in message
+    assert "no_such_dependency_xyz" in message
+
+
+def test_not_callable(tmp_path):
+    path = tmp_path / "constant.py"
+    path.write_text("attention = 42\n")
+    message = error_for(f"{path}:attention")
+    assert "is a int, not callable" in message
+
+
+def test_zero_arg_factory_returning_something_else(tmp_path):
+    path = tmp_path / "factory.py"
+    path.write_text("def make():\n    return 'not an implementation'\n")
+    message = error_for(f"{path}:make")
+    assert "returned str" in message and "Implementation" in message
+
+
+def test_sdpa_function_that_cannot_run(tmp_path):
+    path = tmp_path / "raises.py"
+    path.write_text("def attention(query, key, value, attn_mask=None):\n    raise RuntimeError('nope')\n")
+    message = error_for(f"{path}:attention")
+    assert "RuntimeError: nope" in message and "plain float32 call" in message
+
+
+def test_unknown_mutant():
+    message = error_for("mutant:definitely_not_a_mutant")
+    assert "definitely_not_a_mutant" in message
