@@ -111,3 +111,10 @@ def additive_mask_array(mask: Any, target: tuple[int, ...], letters: str) -> np.
         fail("additive_mask", mask, "must hold finite values or -inf (NaN and +inf have no meaning)",
              "use -inf (or attend_mask=False) to block a key and finite values to bias it")
     return mask
+
+
+def check_alignment(value: Any) -> None:
+    """A causal alignment that must be given (mask builders): 'upper_left' or 'lower_right'."""
+    check_choice("alignment", value, CAUSAL_ALIGNMENTS,
+                 "pass alignment='upper_left' (PyTorch is_causal, tril(ones(L, S))) or "
+                 "'lower_right' (FlashAttention, tril(ones(L, S), S - L))")

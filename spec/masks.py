@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._checks import CAUSAL_ALIGNMENTS, check_causal, check_choice, is_real_float
+from ._checks import check_alignment, check_causal, check_choice, is_real_float
 from .errors import fail
 
 __all__ = [
@@ -67,9 +67,7 @@ def causal_mask(L: int, S: int, alignment: str = "upper_left") -> np.ndarray:
     j <= i + S - L (so with L > S the first L - S queries see nothing).
     """
     L, S = _check_size("L", L), _check_size("S", S)
-    check_causal(alignment)
-    if alignment is None:
-        fail("alignment", alignment, "must be 'upper_left' or 'lower_right'", "pass one of them")
+    check_alignment(alignment)
     return np.tri(L, S, _diagonal_offset(L, S, alignment), dtype=bool)
 
 
@@ -95,7 +93,7 @@ def sliding_window_mask(L: int, S: int, window: int | tuple[int, int],
     ``(w, 0)``: causal, the query's own position and the ``w`` keys before it.
     """
     L, S = _check_size("L", L), _check_size("S", S)
-    check_causal(alignment)
+    check_alignment(alignment)
     if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
         left, right = int(window), 0
     elif isinstance(window, tuple) and len(window) == 2:
@@ -104,7 +102,7 @@ def sliding_window_mask(L: int, S: int, window: int | tuple[int, int],
         fail("window", window, "must be an int or a (left, right) pair of ints",
              "pass window=3 or window=(3, 0)")
     left, right = _check_size("window[0]", left), _check_size("window[1]", right)
-    position = np.arange(L)[:, None] + _diagonal_offset(L, S, alignment or "upper_left")  # (L, 1)
+    position = np.arange(L)[:, None] + _diagonal_offset(L, S, alignment)  # (L, 1)
     keys = np.arange(S)[None, :]                                                          # (1, S)
     return (keys >= position - left) & (keys <= position + right)
 

@@ -121,6 +121,47 @@ def brute_force_sdpa(query, key, value, *, attend_mask=None, additive_mask=None,
     return output, weights, logits
 
 
+def torch_sdpa(case, *, requires_grad: bool = False):
+    """Run F.scaled_dot_product_attention on a spec case, translating the masks to torch's one mask.
+
+    With ``requires_grad`` returns ``(output, {name: leaf tensor})`` for autograd.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def _t(array):
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if requires_grad and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+            leaves[name_of[id(array)]] = tensor
+        return tensor
+
+    leaves: dict = {}
+    name_of = {id(case[n]): n for n in ("query", "key", "value", "additive_mask") if case[n] is not None}
+    q, k, v = _t(case["query"]), _t(case["key"]), _t(case["value"])
+    N, L, S = q.shape[-3], q.shape[-2], k.shape[-2]
+    attend, additive, causal = case["attend_mask"], case["additive_mask"], case["causal"]
+    kwargs = dict(scale=case["scale"], enable_gqa=k.shape[-3] != N)
+    if attend is None and additive is None and causal == "upper_left":
+        output = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        return (output, leaves) if requires_grad else output
+    mask = None
+    if attend is not None and additive is None and causal is None:
+        mask = torch.from_numpy(attend)                           # torch bool: True = attend
+    elif attend is not None or additive is not None or causal is not None:
+        mask = torch.zeros(q.shape[:-1] + (S,), dtype=torch.float64)
+        if attend is not None:
+            mask = mask.masked_fill(~torch.from_numpy(np.ascontiguousarray(attend)), float("-inf"))
+        if causal is not None:
+            diagonal = 0 if causal == "upper_left" else S - L
+            allowed = torch.ones(L, S, dtype=torch.bool).tril(diagonal)
+            mask = mask.masked_fill(~allowed, float("-inf"))
+        if additive is not None:
+            mask = mask + _t(additive)
+    output = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    return (output, leaves) if requires_grad else output
+
+
 def assert_close(name: str, got, expected, *, atol: float = 1e-12, rtol: float = 1e-12,
                  call: str = "") -> float:
     """Staged comparison (shape, NaN positions, values); returns the worst abs difference."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import spec
 from spec import masks
-from spec_test_cases import assert_close, describe_case, sdpa_cases
+from spec_test_cases import assert_close, describe_case, sdpa_cases, torch_sdpa
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -28,30 +28,6 @@ def _t(array):
 
 
 # --------------------------------------------------------------------------- SDPA
-
-
-def torch_sdpa(case):
-    """Run F.scaled_dot_product_attention on a spec case, translating the masks to torch's one mask."""
-    q, k, v = _t(case["query"]), _t(case["key"]), _t(case["value"])
-    N, L, S = q.shape[-3], q.shape[-2], k.shape[-2]
-    attend, additive, causal = case["attend_mask"], case["additive_mask"], case["causal"]
-    kwargs = dict(scale=case["scale"], enable_gqa=k.shape[-3] != N)
-    if attend is None and additive is None and causal == "upper_left":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-    mask = None
-    if attend is not None and additive is None and causal is None:
-        mask = _t(attend)                                         # torch bool: True = attend
-    elif attend is not None or additive is not None or causal is not None:
-        mask = torch.zeros(q.shape[:-1] + (S,), dtype=torch.float64)
-        if attend is not None:
-            mask = mask.masked_fill(~_t(attend), float("-inf"))
-        if causal is not None:
-            diagonal = 0 if causal == "upper_left" else S - L
-            allowed = torch.ones(L, S, dtype=torch.bool).tril(diagonal)
-            mask = mask.masked_fill(~allowed, float("-inf"))
-        if additive is not None:
-            mask = mask + _t(additive)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
 
 
 @settings(deadline=None, max_examples=150)
