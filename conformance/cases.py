@@ -25,6 +25,12 @@ __all__ = ["SDPACase", "MHACase", "LAYOUTS"]
 LAYOUTS = ("contiguous", "transposed", "stride0", "poisoned")
 
 
+def _scale_sign(scale: float | None) -> str:
+    if scale is None:
+        return "default"
+    return "positive" if scale > 0 else "zero" if scale == 0 else "negative"
+
+
 def _mask_kind(attend_mask: Any, additive_mask: Any) -> str:
     if additive_mask is not None:
         return "additive"
@@ -33,7 +39,7 @@ def _mask_kind(attend_mask: Any, additive_mask: Any) -> str:
     return "none"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class SDPACase:
     """One scaled-dot-product-attention call.
 
@@ -115,6 +121,7 @@ class SDPACase:
             "mask_kind": self.mask_kind,
             "causal": self.causal,
             "scale": self.scale,
+            "scale_sign": _scale_sign(self.scale),
             "layout": self.layout,
             "regime": self.regime,
             **self.sizes(),
@@ -127,6 +134,9 @@ class SDPACase:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SDPACase(**values)
+
+    def __repr__(self) -> str:
+        return f"SDPACase({self.describe()})"
 
     def describe(self) -> str:
         """One line naming the case (sizes, dtype, device, mask, causal, scale, layout)."""
@@ -142,7 +152,7 @@ class SDPACase:
         )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class MHACase:
     """One ``nn.MultiheadAttention``-style module call, in that module's conventions.
 
@@ -286,6 +296,9 @@ class MHACase:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return MHACase(**values)
+
+    def __repr__(self) -> str:
+        return f"MHACase({self.describe()})"
 
     def describe(self) -> str:
         p = self.params

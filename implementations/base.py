@@ -136,7 +136,7 @@ class ExpectedFailure:
     """A known deviation: property id (+ optional case filter) -> reason.
 
     ``match`` maps case attribute names (see ``conformance.cases``) to the value
-    they must have for the entry to apply, e.g. ``{"level": "mha",
+    (or list of values) they must have for the entry to apply, e.g. ``{"level": "mha",
     "need_weights": True}``; an empty match applies to every case of the property.
     """
 
@@ -146,9 +146,18 @@ class ExpectedFailure:
     reference: str = ""  # e.g. "pytorch/pytorch#41508"
 
     def applies(self, property_id: str, case_attrs: Mapping[str, Any]) -> bool:
-        if property_id != self.property:
+        """``property`` may be ``"*"`` (a deviation that shows in every property);
+        a ``match`` value that is a list matches any of its members."""
+        if self.property not in ("*", property_id):
             return False
-        return all(case_attrs.get(k) == v for k, v in self.match.items())
+        for key, wanted in self.match.items():
+            got = case_attrs.get(key)
+            if isinstance(wanted, (list, tuple, set, frozenset)):
+                if got not in wanted:
+                    return False
+            elif got != wanted:
+                return False
+        return True
 
 
 SDPACallable = Callable[..., Any]

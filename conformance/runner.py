@@ -1,0 +1,293 @@
+"""The harness every property runs in.
+
+A property is a function ``check(target, case) -> ratio | None`` plus a strategy
+factory ``cases(target)``. :func:`conformance_property` turns it into a pytest
+test parametrized over targets (level × dtype × device), which draws cases with
+Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
+known deviations (expected-failures files) as such without stopping the search
+for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
+and records everything for the certificate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure, FlakyReplay
+
+from conformance.compare import PropertyFailure
+from implementations.base import Capabilities, Implementation
+
+__all__ = [
+    "PROPERTIES",
+    "PropertyInfo",
+    "Target",
+    "ImplementationRaised",
+    "ImplementationHung",
+    "conformance_property",
+    "call_guarded",
+    "RECORDS",
+]
+
+
+class ImplementationRaised(PropertyFailure):
+    """The implementation raised on a case it claims to support."""
+
+
+class ImplementationHung(PropertyFailure):
+    """The implementation did not return within the per-example timeout."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One certification target: an implementation at a level, dtype and device."""
+
+    impl: Implementation
+    level: str
+    dtype: str
+    device: str
+    timeout: float = 60.0
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.impl.caps(self.level)
+
+    @property
+    def id(self) -> str:
+        return f"{self.level}-{self.dtype}-{self.device}"
+
+    @property
+    def tf32(self) -> bool:
+        return self.device == "cuda" and self.dtype == "float32" and self.caps.tf32
+
+
+@dataclass(frozen=True)
+class PropertyInfo:
+    id: str
+    level: str
+    section: str
+    doc: str
+    examples_factor: float
+
+
+PROPERTIES: dict[str, PropertyInfo] = {}
+
+
+@dataclass
+class Record:
+    """What one property test on one target measured (for the certificate)."""
+
+    property: str
+    level: str
+    dtype: str
+    device: str
+    outcome: str = "passed"
+    examples: int = 0
+    worst_ratio: float | None = None
+    seconds: float = 0.0
+    reason: str = ""
+    counterexample: dict[str, Any] | None = None
+    message: str = ""
+    failure_file: str = ""
+    xfail_hits: int = 0
+    xfail_reason: str = ""
+    failing_case: Any = field(default=None, repr=False)
+    first_failure_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("failing_case")
+        return d
+
+
+class _Records:
+    def __init__(self) -> None:
+        self.current: Record | None = None
+
+
+RECORDS = _Records()
+
+
+def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call into the implementation: exceptions and hangs become property failures.
+
+    The call runs in a daemon thread so that a hang fails the property after
+    ``target.timeout`` seconds instead of stalling the run (the thread itself
+    cannot be killed and is left behind).
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - everything is the implementation's
+            box["error"] = exc
+
+    if target.timeout and target.timeout > 0:
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(target.timeout)
+        if worker.is_alive():
+            raise ImplementationHung(
+                f"{target.impl.name} did not return within {target.timeout:g}s "
+                "(per-example timeout, --example-timeout)"
+            )
+    else:
+        run()
+    if "error" in box:
+        exc = box["error"]
+        tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        raise ImplementationRaised(
+            f"{target.impl.name} raised on a case it claims to support: {tb}"
+        ) from exc
+    return box["value"]
+
+
+def _examples_setting(factor: float) -> settings:
+    base = settings.default.max_examples
+    return settings(
+        settings.default,
+        max_examples=max(1, int(round(base * factor))),
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def conformance_property(
+    property_id: str,
+    *,
+    level: str,
+    section: str,
+    cases: Callable[[Target], Any],
+    requires: Callable[[Target], str | None] | None = None,
+    examples_factor: float = 1.0,
+) -> Callable[[Callable[[Target, Any], float | None]], Callable[..., None]]:
+    """Register ``check`` as property ``property_id`` and return its pytest test.
+
+    ``requires(target)`` returns a skip reason when the target cannot have the
+    property checked (e.g. no autograd declared); ``cases(target)`` returns the
+    Hypothesis strategy of cases; ``check(target, case)`` raises
+    :class:`PropertyFailure` or returns the worst error ratio (None if the
+    property is exact or not ratio-based).
+    """
+
+    def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
+        PROPERTIES[property_id] = PropertyInfo(
+            property_id, level, section, (check.__doc__ or "").strip(), examples_factor
+        )
+
+        def test(target: Target) -> None:
+            from conformance import failures
+
+            record = Record(property_id, target.level, target.dtype, target.device)
+            RECORDS.current = record
+            if target.level != level:
+                record.outcome = "skipped"
+                pytest.skip(f"{property_id} is an {level}-level property")
+            reasons = _target_skip_reasons(target, level)
+            if requires is not None and not reasons:
+                reason = requires(target)
+                reasons = [reason] if reason else []
+            if reasons:
+                record.outcome = "skipped"
+                record.reason = "; ".join(reasons)
+                pytest.skip(record.reason)
+
+            start = time.perf_counter()
+
+            def one_example(case: Any) -> None:
+                record.examples += 1
+                try:
+                    ratio = check(target, case)
+                except PropertyFailure as exc:
+                    entry = target.impl.expected_failure(property_id, case.attrs())
+                    if entry is not None:
+                        record.xfail_hits += 1
+                        record.xfail_reason = entry.reason + (
+                            f" ({entry.reference})" if entry.reference else ""
+                        )
+                        return
+                    record.failing_case = case
+                    if record.first_failure_seconds is None:
+                        record.first_failure_seconds = time.perf_counter() - start
+                    raise
+                if ratio is not None and (record.worst_ratio is None or ratio > record.worst_ratio):
+                    record.worst_ratio = float(ratio)
+
+            replay = failures.active_replay()
+            try:
+                if replay is not None:
+                    if replay.property != property_id or replay.target_id != target.id:
+                        record.outcome = "skipped"
+                        pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
+                    one_example(replay.case)
+                else:
+                    strategy = cases(target)
+
+                    @_examples_setting(examples_factor)
+                    @given(data=st.data())
+                    def search(data: st.DataObject) -> None:
+                        one_example(data.draw(strategy, label="case"))
+
+                    search()
+            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
+                record.seconds = time.perf_counter() - start
+                record.outcome = "failed"
+                failures.annotate(exc, property_id, target, record)
+                raise
+            record.seconds = time.perf_counter() - start
+            if record.xfail_hits:
+                record.outcome = "xfailed"
+            else:
+                stale = [e for e in target.impl.expected_failures if e.property == property_id
+                         and e.match.get("dtype", target.dtype) == target.dtype
+                         and e.match.get("device", target.device) == target.device]
+                if stale:
+                    record.outcome = "stale-xfail"
+                    record.reason = (
+                        "expected failure listed but no drawn case failed: "
+                        + "; ".join(e.reason for e in stale)
+                    )
+
+        test.__name__ = f"test_{property_id}"
+        test.__qualname__ = test.__name__
+        test.__doc__ = check.__doc__
+        test.conformance_property = property_id  # type: ignore[attr-defined]
+        test.conformance_level = level  # type: ignore[attr-defined]
+        return test
+
+    return decorate
+
+
+def _target_skip_reasons(target: Target, level: str) -> list[str]:
+    impl = target.impl
+    if not impl.available:
+        return [f"{impl.name} is unavailable: {impl.unavailable_reason}"]
+    if level == "sdpa" and impl.sdpa is None:
+        return [f"{impl.name} has no SDPA-level callable"]
+    if level == "mha" and impl.mha is None:
+        return [f"{impl.name} has no MHA-level module"]
+    caps = target.caps
+    if target.device not in caps.devices:
+        return [f"device={target.device!r} not in declared devices {caps.devices}"]
+    if target.dtype not in caps.dtypes:
+        return [f"dtype={target.dtype!r} not in declared dtypes {caps.dtypes}"]
+    if target.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ["no CUDA device on this machine (torch.cuda.is_available() is False)"]
+    return []
+
+
+def example_timeout_default() -> float:
+    return float(os.environ.get("ATTENTION_CONFORMANCE_TIMEOUT", "60"))

@@ -1,0 +1,233 @@
+"""SDPA agreement with the oracle (spec.sdpa, spec.sdpa_vjp): forward, gradients,
+fully-masked rows, the output contract, invalid inputs and large logits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import spec
+from conformance import tolerance
+from conformance.calls import (
+    assert_output_contract,
+    check_against_oracle,
+    fold_causal,
+    oracle,
+    run_sdpa,
+    valid_rows,
+)
+from conformance.compare import compare_values, fail
+from conformance.helpers import case_rng, cases_for, expect_raise, require, round_to
+from conformance.runner import Target, call_guarded, conformance_property
+from conformance.tensors import dtype_of, sdpa_inputs, to_numpy
+
+
+@conformance_property(
+    "forward_agreement", level="sdpa", section="spec.sdpa",
+    cases=lambda t: cases_for(t, layouts=("contiguous",)),
+)
+def test_forward_agreement(target: Target, case) -> float:
+    """The output equals the float64 oracle run on the stored inputs, within
+    k × the error of a naive same-precision computation plus a rounding floor
+    (rows with every key blocked are checked by fully_masked_rows)."""
+    call = run_sdpa(target, case)
+    assert_output_contract(target, case, call)
+    return check_against_oracle(target, case, call.output).ratio
+
+
+def _grad_magnitudes(case, ref: spec.SDPAResult, grad_out: np.ndarray):
+    """Absolute-value bounds on each gradient (see conformance.tolerance)."""
+    group = case.N // case.K
+    w = ref.weights  # (B, N, L, S)
+    v = np.repeat(np.abs(case.value), group, axis=1)  # (B, N, S, Ev)
+    k = np.repeat(np.abs(case.key), group, axis=1)  # (B, N, S, E)
+    g = np.abs(grad_out)
+    dp = g @ np.swapaxes(v, -1, -2)  # (B, N, L, S)
+    ds = w * (dp + (w * dp).sum(-1, keepdims=True))
+    scale = abs(case.scale if case.scale is not None else 1 / np.sqrt(case.E))
+
+    def fold(x):  # (B, N, S, .) -> (B, K, S, .)
+        return x.reshape(case.B, case.K, group, *x.shape[2:]).sum(2)
+
+    return {
+        "dquery": scale * ds @ k,
+        "dkey": fold(scale * np.swapaxes(ds, -1, -2) @ np.abs(case.query)),
+        "dvalue": fold(np.swapaxes(w, -1, -2) @ g),
+        "dmask": ds,
+    }
+
+
+def check_gradients(target: Target, case, *, rows_only_valid: bool = True) -> float:
+    import torch
+
+    rng = case_rng(case, "grad")
+    grad_out = round_to(rng.standard_normal((case.B, case.N, case.L, case.Ev)), case.dtype)
+    with_mask_grad = case.additive_mask is not None and target.caps.mask_grad
+    call_case = fold_causal(case) if (case.causal is not None and
+                                      (case.causal != target.caps.causal or case.mask_kind != "none")) else case
+    tensors = sdpa_inputs(call_case, requires_grad=True)
+    mask_t = tensors["attn_mask"]
+    if mask_t is not None and mask_t.requires_grad and not (with_mask_grad and call_case is case):
+        mask_t = mask_t.detach()
+        tensors = dict(tensors, attn_mask=mask_t)
+    call = run_sdpa(target, case, inputs=tensors)
+    g = torch.from_numpy(grad_out).to(dtype_of(case.dtype)).to(call.tensor.device)
+
+    def backward():
+        call.tensor.backward(g)
+
+    call_guarded(target, backward)
+    ref = oracle(case)
+    grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out,
+                          attend_mask=case.attend_mask, additive_mask=case.additive_mask,
+                          causal=case.causal, scale=case.scale)
+    bounds = _grad_magnitudes(case, ref, grad_out)
+    finite_logits = ref.logits[np.isfinite(ref.logits)]
+    logit_range = float(np.abs(finite_logits).max()) if finite_logits.size else 0.0
+    if case.additive_mask is not None:
+        add = case.additive_mask[np.isfinite(case.additive_mask)]
+        logit_range += float(np.abs(add).max()) if add.size else 0.0
+    worst = 0.0
+    pairs = [("dquery", "query", grads.dquery), ("dkey", "key", grads.dkey), ("dvalue", "value", grads.dvalue)]
+    for what, name, expected in pairs:
+        grad = tensors[name].grad
+        if grad is None:
+            fail(f"{what} is None, but should be a gradient (autograd is declared)")
+        allowed = tolerance.grad_allowed(case.dtype, bounds[what], logit_range, tf32=target.tf32)
+        worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
+    if with_mask_grad and mask_t is not None and mask_t.requires_grad:
+        if mask_t.grad is None:
+            fail("dadditive_mask is None, but should be a gradient (mask_grad is declared)")
+        bound = spec._sdpa._reduce_to_shape(bounds["dmask"], case.additive_mask.shape)
+        allowed = tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
+        expected = np.where(np.isfinite(case.additive_mask), grads.dadditive_mask, 0.0)
+        reduced = spec._sdpa._reduce_to_shape(to_numpy(mask_t.grad), case.additive_mask.shape)
+        actual = np.where(np.isfinite(case.additive_mask), reduced, 0.0)
+        worst = max(worst, compare_values("dadditive_mask", actual, expected, allowed).ratio)
+    return worst
+
+
+@conformance_property(
+    "gradient_agreement", level="sdpa", section="spec.sdpa_vjp",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=False),
+    requires=lambda t: require(t.caps.autograd, "autograd not declared"),
+    examples_factor=0.5,
+)
+def test_gradient_agreement(target: Target, case) -> float:
+    """dq, dk, dv (and d-additive-mask, where declared) equal the float64
+    closed-form VJP in spec, within the gradient rounding floor."""
+    return check_gradients(target, case)
+
+
+@conformance_property(
+    "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True),
+)
+def test_fully_masked_rows(target: Target, case) -> float:
+    """Rows whose keys are all blocked follow the declared policy (zero: output 0;
+    nan: NaN; uniform: mean of V), never change any other row, and (with
+    autograd) give finite gradients that match the VJP."""
+    call = run_sdpa(target, case)
+    policy = target.caps.fully_masked
+    dead = case.fully_masked_rows()[..., None]  # (B, N, L, 1)
+    dead_full = np.broadcast_to(dead, call.output.shape)
+    if policy == "zero":
+        bad = dead_full & ~(call.output == 0)
+        if bad.any():
+            i = tuple(int(x) for x in np.argwhere(bad)[0])
+            fail(f"fully-masked row output at {i}={call.output[i]!r}, but should be 0 "
+                 f"(declared fully_masked='zero'); {int(bad.sum())} such elements")
+    elif policy == "nan":
+        bad = dead_full & ~np.isnan(call.output)
+        if bad.any():
+            i = tuple(int(x) for x in np.argwhere(bad)[0])
+            fail(f"fully-masked row output at {i}={call.output[i]!r}, but should be NaN "
+                 "(declared fully_masked='nan')")
+    elif policy == "uniform":
+        uniform = oracle(case, fully_masked="uniform").output
+        compare_values("fully-masked row output (uniform policy)", call.output, uniform,
+                       tolerance.sdpa_allowed(case.dtype, 0.0, np.abs(uniform) + 1e-300), where=dead)
+    ratio = check_against_oracle(target, case, call.output, what="output of the other rows").ratio
+    if target.caps.autograd and policy in ("zero", "uniform") and target.dtype in ("float64", "float32"):
+        if policy == "zero":
+            ratio = max(ratio, check_gradients(target, case))
+    return ratio
+
+
+@conformance_property(
+    "output_contract", level="sdpa", section="DESIGN.md (dtype)",
+    cases=lambda t: cases_for(t),
+)
+def test_output_contract(target: Target, case) -> None:
+    """The output is a tensor of shape (B, N, L, Ev) with the input dtype and
+    device, the inputs are not modified, and a second call gives the same result."""
+    import torch
+
+    tensors = sdpa_inputs(case)
+    before = {k: v.detach().clone() for k, v in tensors.items() if v is not None}
+    first = run_sdpa(target, case, inputs=tensors)
+    assert_output_contract(target, case, first)
+    for name, old in before.items():
+        now = tensors[name]
+        same = torch.equal(now.detach(), old) if old.dtype == torch.bool else torch.equal(
+            torch.nan_to_num(now.detach()), torch.nan_to_num(old))
+        if not same:
+            fail(f"input {name} was modified in place by the call, but should be left unchanged")
+    second = run_sdpa(target, case, inputs=tensors)
+    a, b = first.output, second.output
+    if not np.array_equal(np.nan_to_num(a, nan=7.0), np.nan_to_num(b, nan=7.0)):
+        diff = np.nanmax(np.abs(a - b))
+        fail(f"two identical calls (dropout_p=0) differ by up to {diff:.3g}, but should be equal "
+             "(no dropout means a deterministic result)")
+
+
+@conformance_property(
+    "invalid_inputs_raise", level="sdpa", section="spec.sdpa (invalid input)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,)),
+    examples_factor=0.25,
+)
+def test_invalid_inputs_raise(target: Target, case) -> None:
+    """Inputs invalid per the spec raise instead of computing: N % K != 0 with
+    enable_gqa, and a mask built for another key length (S + 1)."""
+    import torch
+
+    t = sdpa_inputs(case)
+    q, k, v = t["query"], t["key"], t["value"]
+    # N query heads against N + 1 kv heads: N % (N + 1) != 0 for every N >= 1.
+    k_bad = torch.cat([k[:, :1]] * (case.N + 1), dim=1)
+    v_bad = torch.cat([v[:, :1]] * (case.N + 1), dim=1)
+    expect_raise(target, f"query heads N={case.N} with K={case.N + 1} kv heads and enable_gqa=True",
+                 target.impl.sdpa, q, k_bad, v_bad, enable_gqa=True)
+    mask = torch.ones(case.L, case.S + 1, dtype=torch.bool, device=q.device)
+    expect_raise(target, f"attn_mask of shape (L, S+1)=({case.L}, {case.S + 1}) for S={case.S} keys",
+                 target.impl.sdpa, q, k, v, attn_mask=mask, enable_gqa=case.K != case.N)
+
+
+@conformance_property(
+    "large_logits", level="sdpa", section="KNOWN_BUGS.md #8 (fp16 overflow)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
+                              regimes=("normal",), fully_masked=False),
+    requires=lambda t: require(t.dtype == "float16", "only float16 has a range that q·kᵀ can "
+                               "overflow while the scaled logits stay representable")
+    or require(t.caps.custom_scale, "needs an explicit scale"),
+    examples_factor=0.5,
+)
+def test_large_logits(target: Target, case) -> float:
+    """With |q·kᵀ| beyond float16's 65504 but scale·q·kᵀ well inside it, the
+    output is finite and agrees with the oracle (an implementation must not
+    form the unscaled product in float16)."""
+    rng = case_rng(case, "large")
+    q = rng.uniform(0.5, 1.0, case.query.shape) * rng.choice([-1, 1], case.query.shape)
+    k = rng.uniform(0.5, 1.0, case.key.shape) * rng.choice([-1, 1], case.key.shape)
+    # Every |q·k| is at least E·0.25·c²: choose c so that the largest product overflows.
+    c = float(np.sqrt(2 * 65504.0 / (0.25 * case.E)))
+    # scale 1/64 keeps every scaled logit at most ~2048, far inside float16.
+    big = case.replace(query=round_to(q * c, "float16"), key=round_to(k * c, "float16"), scale=1 / 64)
+    raw = np.abs(big.query @ np.swapaxes(np.repeat(big.key, case.N // case.K, axis=1), -1, -2))
+    if raw.max() <= 65504.0:
+        return None
+    call = run_sdpa(target, big)
+    if not np.isfinite(call.output).all():
+        fail(f"output has non-finite values for |q·kᵀ| up to {raw.max():.3g} (> 65504) with "
+             f"scale={big.scale} keeping the scaled logits ≤ {raw.max() * big.scale:.3g}; "
+             "the unscaled product overflowed float16")
+    return check_against_oracle(target, big, call.output).ratio

@@ -1,0 +1,144 @@
+"""Equivalent spellings of one problem give one answer (spec.masks, GQA, layouts),
+and dropout keeps the expectation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import spec
+from conformance.calls import check_against_oracle, run_sdpa, valid_rows
+from conformance.cases import SDPACase
+from conformance.compare import compare_values, fail
+from conformance.helpers import allowed_for, case_rng, cases_for, require, round_to
+from conformance.runner import Target, conformance_property
+
+
+@conformance_property(
+    "bool_additive_equivalence", level="sdpa", section="spec.masks (to_additive)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
+    requires=lambda t: require({"bool", "additive"} <= set(t.caps.mask_kinds),
+                               "needs both bool and additive masks"),
+)
+def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
+    """A bool mask (True = may attend) and the additive mask 0 / -inf made from
+    it give the same output, and that output is the oracle's."""
+    additive = case.replace(attend_mask=None, additive_mask=spec.masks.to_additive(case.attend_mask))
+    out_bool = run_sdpa(target, case).output
+    out_add = run_sdpa(target, additive).output
+    allowed, _ = allowed_for(target, case)
+    ratio = compare_values("output with the additive 0/-inf form of the bool mask", out_add, out_bool,
+                           2 * allowed, where=valid_rows(case)).ratio
+    return max(ratio, check_against_oracle(target, case, out_bool, what="output with the bool mask").ratio)
+
+
+@conformance_property(
+    "causal_flag_equivalence", level="sdpa", section="spec.masks (causal_mask)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",),
+                              causal=(t.caps.causal,)),
+    requires=lambda t: require(t.caps.causal is not None, "no causal flag declared"),
+)
+def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
+    """is_causal=True equals the explicit causal mask of the declared alignment
+    (upper_left: tril(ones(L, S)); lower_right: tril(ones(L, S), S - L)), for
+    L < S, L = S and L > S, and agrees with the oracle."""
+    flagged = run_sdpa(target, case).output
+    explicit_mask = spec.masks.causal_mask(case.L, case.S, case.causal)  # (L, S)
+    if "bool" in target.caps.mask_kinds:
+        explicit = case.replace(causal=None, attend_mask=explicit_mask)
+    else:
+        explicit = case.replace(causal=None, additive_mask=spec.masks.to_additive(explicit_mask))
+    ratio = check_against_oracle(target, case, flagged,
+                                 what=f"output with is_causal=True ({case.causal}, L={case.L}, S={case.S})").ratio
+    if set(target.caps.mask_kinds) - {"none"}:
+        by_mask = run_sdpa(target, explicit).output
+        allowed, _ = allowed_for(target, case)
+        ratio = max(ratio, compare_values("output with is_causal=True vs the explicit causal mask",
+                                          flagged, by_mask, 2 * allowed, where=valid_rows(case)).ratio)
+    return ratio
+
+
+@conformance_property(
+    "gqa_equivalence", level="sdpa", section="spec.sdpa (GQA, repeat_interleave)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), gqa=True),
+    requires=lambda t: require(t.caps.gqa, "GQA not declared"),
+)
+def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
+    """K < N kv heads with enable_gqa equals repeating each kv head N/K times in
+    place (repeat_interleave: query head h uses kv head h // (N/K))."""
+    group = case.N // case.K
+    repeated = case.replace(key=np.repeat(case.key, group, axis=1), value=np.repeat(case.value, group, axis=1))
+    grouped = run_sdpa(target, case).output
+    expanded = run_sdpa(target, repeated).output
+    allowed, _ = allowed_for(target, case)
+    ratio = compare_values(f"output with K={case.K} kv heads vs the same heads repeated to N={case.N}",
+                           grouped, expanded, 2 * allowed, where=valid_rows(case)).ratio
+    return max(ratio, check_against_oracle(target, case, grouped).ratio)
+
+
+@conformance_property(
+    "layout_independence", level="sdpa", section="DESIGN.md (memory layout)",
+    cases=lambda t: cases_for(t, layouts=("transposed", "stride0", "poisoned")),
+    requires=lambda t: require(t.caps.non_contiguous, "only contiguous inputs declared"),
+)
+def test_layout_independence(target: Target, case: SDPACase) -> float:
+    """Non-contiguous, stride-0 and transposed inputs, and slices of buffers
+    poisoned with NaN past the logical end, give the contiguous result."""
+    strided = run_sdpa(target, case).output
+    contiguous = run_sdpa(target, case.replace(layout="contiguous")).output
+    allowed, _ = allowed_for(target, case)
+    ratio = compare_values(f"output with layout={case.layout} vs contiguous", strided, contiguous,
+                           2 * allowed, where=valid_rows(case)).ratio
+    return max(ratio, check_against_oracle(target, case, strided, what=f"output with layout={case.layout}").ratio)
+
+
+#: Dropout samples per example, as copies along the batch dimension.
+DROPOUT_SAMPLES = 1024
+
+
+@conformance_property(
+    "dropout_expectation", level="sdpa", section="DESIGN.md (dropout keeps the expectation)",
+    cases=lambda t: cases_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
+    requires=lambda t: require(t.caps.dropout, "dropout not declared")
+    or require(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
+    examples_factor=0.2,
+)
+def test_dropout_expectation(target: Target, case: SDPACase) -> float:
+    """With dropout_p = p the mean of many dropout outputs is the dropout-free
+    output, and no sample is NaN (not even next to -inf mask entries).
+
+    V is made positive, so each sample of an output element lies in [0, c] with
+    c = Σ w|v| / (1 - p); Hoeffding's inequality bounds the mean of M samples
+    within t = c·sqrt(ln(2/δ) / 2M) with probability 1 - δ, δ = 1e-7 / (#elements):
+    a false-alarm rate below 1e-7 per example. Forgetting the 1/(1 - p) rescale
+    moves the mean by p·mean, beyond t for p = 0.5 and M = 1024.
+    """
+    p = 0.5
+    positive = case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
+    M = DROPOUT_SAMPLES
+    tiled = positive.replace(
+        query=np.tile(positive.query, (M, 1, 1, 1)),
+        key=np.tile(positive.key, (M, 1, 1, 1)),
+        value=np.tile(positive.value, (M, 1, 1, 1)),
+        attend_mask=_tile_mask(positive.attend_mask, M),
+        additive_mask=_tile_mask(positive.additive_mask, M),
+    )
+    out = run_sdpa(target, tiled, dropout_p=p).output.reshape(M, *positive.query.shape[:3], positive.Ev)
+    rows = valid_rows(positive)
+    if np.isnan(out[:, rows[..., 0]]).any():
+        fail(f"dropout output has NaN with dropout_p={p} (e.g. -inf mask entries times a dropout mask)")
+    _, ref = allowed_for(target, positive)
+    mean = out.mean(axis=0)
+    from conformance.calls import magnitude
+
+    c = magnitude(positive, ref.weights) / (1 - p)
+    delta = 1e-7 / max(1, mean.size)
+    bound = c * np.sqrt(np.log(2 / delta) / (2 * M)) + 1e-6 * c
+    return compare_values(f"mean of {M} dropout outputs (dropout_p={p})", mean, ref.output, bound,
+                          where=rows).ratio
+
+
+def _tile_mask(mask: np.ndarray | None, M: int) -> np.ndarray | None:
+    if mask is None:
+        return None
+    m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    return np.tile(m4, (M, 1, 1, 1)) if m4.shape[0] > 1 else m4
