@@ -1,0 +1,23 @@
+"""The bug zoo: implementations with exactly one documented bug each.
+
+``MUTANTS[name]`` is a :class:`Mutant` record (bug, origin, smallest exposing case,
+the property expected to catch it) whose ``build()`` returns an ``Implementation``
+named ``mutant:<name>`` (``listed=False``); the registry resolves
+``--impl=mutant:NAME`` through it. A conformance suite worth its name fails every
+one of them (``tests/test_mutants.py``, ``benchmarks/mutation_score.py``).
+
+Mutants are small subclasses of correct bases in :mod:`._base` (straight-line SDPA,
+manual-backward SDPA, tiled online-softmax SDPA, hand-written MHA), each overriding
+one step; their capabilities are honest about everything except their bug.
+"""
+
+from __future__ import annotations
+
+from implementations.mutants.mha_mutants import MHA_MUTANTS
+from implementations.mutants.record import Mutant
+from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
+from implementations.mutants.tiled_mutants import TILED_MUTANTS
+
+__all__ = ["MUTANTS", "Mutant"]
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS)}

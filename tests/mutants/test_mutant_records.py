@@ -1,0 +1,415 @@
+"""The bug zoo's records are complete and true (fast; no conformance runner).
+
+For every mutant: the record is complete; its documented smallest case gives a
+result that differs from a correct float64 reference (torch SDPA / nn.MultiheadAttention
+with the same weights), proving the case exposes the bug; and its safe case agrees
+with the reference, proving the bug is the only one there. The correct bases the
+mutants are built from are checked against torch too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from implementations.base import Implementation
+from implementations.mutants import MUTANTS, Mutant
+from implementations.mutants._base import (
+    MHA_CAPABILITIES,
+    SDPA_CAPABILITIES,
+    HandwrittenMHA,
+    ManualBackwardSDPA,
+    NaiveSDPA,
+    TiledSDPA,
+    load_mha_weights,
+)
+from implementations.mutants.cases import case_attrs, mha_call, sdpa_call
+
+PROPERTY_IDS = {
+    # SDPA level (docs/CONTRACTS.md)
+    "forward_agreement", "gradient_agreement", "fully_masked_rows",
+    "weights_are_distributions", "masked_keys_ignored", "query_permutation",
+    "key_permutation", "shift_invariance", "temperature", "value_linearity", "convex_hull",
+    "batch_independence", "head_independence", "bool_additive_equivalence",
+    "causal_flag_equivalence", "gqa_equivalence", "scaling_variance",
+    "layout_independence", "output_contract", "invalid_inputs_raise", "large_logits",
+    "dropout_expectation",
+    # MHA level
+    "mha_agreement", "mha_gradients", "mha_fully_masked_rows",
+    "mha_need_weights_equivalence", "mha_averaged_weights", "mha_eval_determinism",
+    "mha_dropout_expectation", "mha_causal_flag_equivalence", "mha_mask_conventions",
+    "mha_output_contract",
+}
+SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
+#: The hand-written pitfalls at the end of KNOWN_BUGS.md and the kernel bugs of the issue.
+REQUIRED = {
+    "mha_scale_sqrt_embed_dim", "mha_split_heads_view", "mha_merge_without_transpose",
+    "mha_missing_contiguous", "mha_no_out_proj", "mask_after_softmax", "mha_mask_eq_zero",
+    "dropout_on_masked_logits", "mha_dropout_functional_default",
+    "tiled_ragged_tail_dropped", "tiled_no_rescale", "tiled_assumes_contiguous",
+    "tiled_bf16_accumulator", "tiled_kv_batch_offset", "tiled_global_max",
+}
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
+DROPOUT_DRAWS = 4000
+
+ALL = sorted(MUTANTS)
+WITH_SAFE = sorted(name for name, m in MUTANTS.items() if m.safe_case is not None)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> bool:
+    tol = TOLERANCE[dtype]
+    got = got.detach().to(torch.float64)
+    want = want.detach().to(torch.float64)
+    if got.shape != want.shape:
+        return False
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol))
+
+
+def _reference_sdpa(call, *, requires_grad: bool):
+    """torch SDPA in float64 on the same stored values (contiguous copies)."""
+    q, k, v = (t.detach().to(torch.float64).contiguous() for t in (call.query, call.key, call.value))
+    if requires_grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    kwargs = dict(call.kwargs)
+    kwargs.pop("dropout_p", None)
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kwargs["attn_mask"] = mask.to(torch.float64)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs), (q, k, v)
+
+
+def _sdpa_results(sdpa, case: dict, seed: int = 0):
+    """(output, grads or None) of ``sdpa`` on ``case``; the mean over draws with dropout."""
+    call = sdpa_call(case, seed)
+    grad = bool(case.get("grad"))
+    if case.get("dropout_p"):
+        torch.manual_seed(seed)
+        outs = [call.run(sdpa)[0].to(torch.float64) for _ in range(DROPOUT_DRAWS)]
+        return torch.stack(outs).mean(0), None
+    out, inputs = call.run(sdpa, requires_grad=grad)
+    if not grad:
+        return out, None
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1),
+                           dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad(out, inputs, upstream)
+    return out, grads
+
+
+def _sdpa_reference(case: dict, seed: int = 0):
+    call = sdpa_call(case, seed)
+    grad = bool(case.get("grad"))
+    out, inputs = _reference_sdpa(call, requires_grad=grad)
+    if not grad:
+        return out, None
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1),
+                           dtype=torch.float64).to(_dtype_of(case)).to(torch.float64)
+    return out, torch.autograd.grad(out, inputs, upstream)
+
+
+def _dtype_of(case: dict) -> torch.dtype:
+    return getattr(torch, case.get("dtype", "float64"))
+
+
+def _sdpa_agrees(sdpa, case: dict) -> bool:
+    """Does ``sdpa`` agree with the float64 reference on ``case`` (output and grads)?"""
+    dtype = case.get("dtype", "float64")
+    try:
+        got, got_grads = _sdpa_results(sdpa, case)
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    want, want_grads = _sdpa_reference(case)
+    if case.get("dropout_p"):
+        # E[dropout(W) V] = W V: compare the mean of many draws, 10% relative.
+        scale = float(want.abs().max())
+        return bool(torch.allclose(got, want, rtol=0.1, atol=0.05 * scale))
+    if not _close(got, want, dtype):
+        return False
+    if got_grads is not None:
+        return all(_close(a, b, dtype) for a, b in zip(got_grads, want_grads))
+    return True
+
+
+def _raises(sdpa, case: dict) -> bool:
+    call = sdpa_call(case)
+    try:
+        call.run(sdpa)
+    except (RuntimeError, ValueError):
+        return True
+    return False
+
+
+def _reference_mha(call):
+    module = torch.nn.MultiheadAttention(
+        call.params.embed_dim, call.params.num_heads, dropout=call.options["dropout"],
+        dtype=torch.float64,
+    )
+    load_mha_weights(module, call.params)
+    module.eval()
+    out, weights = module(call.query, call.key, call.value, **call.kwargs)
+    # torch's MHA gives NaN rows where every key is blocked; the declared policy is
+    # "zero": attention output 0, i.e. out_proj.bias after the projection, weights 0.
+    nan_rows = torch.isnan(out).any(dim=-1, keepdim=True)
+    out = torch.where(nan_rows, module.out_proj.bias.detach().expand_as(out), out)
+    if weights is not None:
+        weights = torch.nan_to_num(weights, nan=0.0)
+    return out, weights
+
+
+def _mha_agrees(implementation: Implementation, case: dict) -> bool:
+    call = mha_call(case)
+    torch.manual_seed(0)
+    try:
+        out, weights = call.run(implementation.mha, implementation.load_weights)
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    want_out, want_weights = _reference_mha(call)
+    if not _close(out, want_out, "float64"):
+        return False
+    if (weights is None) != (want_weights is None):
+        return False
+    return weights is None or _close(weights, want_weights, "float64")
+
+
+def _agrees(mutant: Mutant, case: dict) -> bool:
+    implementation = mutant.build()
+    if mutant.level == "mha":
+        return _mha_agrees(implementation, case)
+    return _sdpa_agrees(implementation.sdpa, case)
+
+
+# --------------------------------------------------------------------------- records
+
+
+def test_zoo_size_and_coverage():
+    assert len(MUTANTS) >= 32, f"len(MUTANTS)={len(MUTANTS)}, but should be >= 32"
+    rows = {int(n) for m in MUTANTS.values() for n in re.findall(r"KNOWN_BUGS #(\d+)", m.origin)}
+    missing = set(range(1, 16)) - rows
+    assert not missing, f"KNOWN_BUGS rows without a mutant: {sorted(missing)}"
+    assert REQUIRED <= set(MUTANTS), f"missing mutants: {sorted(REQUIRED - set(MUTANTS))}"
+    assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_record_is_complete(name):
+    mutant = MUTANTS[name]
+    assert mutant.name == name
+    assert mutant.bug and "\n" not in mutant.bug and len(mutant.bug) < 240, f"bug={mutant.bug!r}"
+    assert re.search(r"KNOWN_BUGS #\d+|hand-written|kernel bug|classic", mutant.origin), (
+        f"origin={mutant.origin!r}, but should name a KNOWN_BUGS row, a hand-written "
+        "pitfall/classic mistake, or a kernel bug"
+    )
+    assert mutant.expected_property in PROPERTY_IDS, f"expected_property={mutant.expected_property!r}"
+    assert mutant.expected_property.startswith("mha_") == (mutant.level == "mha")
+    for dim in SIZES:
+        value = mutant.smallest_case.get(dim)
+        assert isinstance(value, int) and value >= 1, f"smallest_case[{dim!r}]={value!r}"
+    implementation = mutant.build()
+    assert isinstance(implementation, Implementation)
+    assert implementation.name == f"mutant:{name}"
+    assert implementation.listed is False
+    if mutant.level == "sdpa":
+        assert implementation.sdpa is not None and implementation.mha is None
+    else:
+        assert implementation.mha is not None and implementation.load_weights is not None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_smallest_case_is_claimed(name):
+    """The exposing case lies inside the mutant's declared capabilities, so the suite
+    must run it (an invalid-input case is claimed like any other)."""
+    mutant = MUTANTS[name]
+    implementation = mutant.build()
+    attrs = case_attrs(mutant.smallest_case, mutant.level)
+    assert implementation.not_supported_reasons(attrs) == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_capabilities_are_the_bases(name):
+    """Honest claims: a mutant declares what its base supports, bug included."""
+    mutant = MUTANTS[name]
+    caps = mutant.build().capabilities
+    base = SDPA_CAPABILITIES if mutant.level == "sdpa" else MHA_CAPABILITIES
+    if mutant.level == "sdpa" and not caps.dropout:
+        base = base.replace(dropout=False)  # the tiled and manual-backward bases have none
+    assert caps == base
+
+
+# --------------------------------------------------------------------------- truth
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_smallest_case_exposes_the_bug(name):
+    mutant = MUTANTS[name]
+    case = mutant.smallest_case
+    if case.get("expect") == "raise":
+        assert _raises(NaiveSDPA(), case), "the correct base should raise on this case"
+        assert not _raises(mutant.build().sdpa, case), f"{name} raises on {case}"
+        return
+    assert not _agrees(mutant, case), f"{name} agrees with the reference on its smallest case {case}"
+
+
+@pytest.mark.parametrize("name", WITH_SAFE)
+def test_safe_case_agrees(name):
+    mutant = MUTANTS[name]
+    assert _agrees(mutant, mutant.safe_case), (
+        f"{name} disagrees with the reference on its safe case {mutant.safe_case}: "
+        "it has more than one bug"
+    )
+
+
+# --------------------------------------------------------------------------- the bases
+
+ONE = {"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1}
+BASE_CASES = [
+    dict(ONE, B=2, N=2, K=2, L=3, S=5, E=4, Ev=3),
+    dict(ONE, L=3, S=5, E=2, mask="block_last"),
+    dict(ONE, L=2, S=3, mask="additive", grad=True),
+    dict(ONE, L=2, S=3, mask="all_blocked"),
+    dict(ONE, L=2, S=3, mask="all_blocked", grad=True),
+    dict(ONE, L=2, S=3, mask="additive_all_blocked", grad=True),
+    dict(ONE, L=5, S=3, causal=True, grad=True),
+    dict(ONE, L=2, S=4, causal=True),
+    dict(ONE, N=4, K=2, L=2, S=3, E=2, Ev=3, grad=True),
+    dict(ONE, S=3, scale=-0.7),
+    dict(ONE, S=3, scale=0.0),
+    dict(ONE, B=2, N=2, K=2, L=3, S=33, E=2, Ev=2, mask="additive", grad=True),
+    dict(ONE, N=2, K=2, L=3, S=17, layout="transposed", grad=True),
+    dict(ONE, N=2, K=2, L=2, S=20, values="ascending_keys"),
+    dict(ONE, L=2, S=2, dtype="float32", values="wide_rows"),
+    dict(ONE, dtype="float32", values="large"),
+    dict(ONE, dtype="float16", values="huge"),
+    dict(ONE, L=3, S=5, E=3, dtype="bfloat16"),
+    dict(ONE, L=3, S=5, E=3, dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("base", [NaiveSDPA, ManualBackwardSDPA, TiledSDPA], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("case", BASE_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items() if ONE.get(k) != v))
+def test_sdpa_bases_match_torch(base, case):
+    assert _sdpa_agrees(base(), case)
+
+
+def test_naive_base_dropout_keeps_the_expectation():
+    assert _sdpa_agrees(NaiveSDPA(), dict(ONE, S=2, mask="block_last", dropout_p=0.5))
+    assert _sdpa_agrees(NaiveSDPA(), dict(ONE, L=2, S=3, dropout_p=0.3))
+
+
+@pytest.mark.parametrize(
+    "case, should_raise",
+    [(dict(ONE, S=3, mask="oversized"), True), (dict(ONE, N=3, K=2), True), (dict(ONE, N=2, K=1), False)],
+    ids=["oversized-mask", "gqa-indivisible", "gqa-ok"],
+)
+def test_naive_base_raises_on_invalid_inputs(case, should_raise):
+    assert _raises(NaiveSDPA(), case) == should_raise
+
+
+MHA_OPTIONS = [
+    {},
+    {"batch_first": True},
+    {"bias": False},
+    {"add_bias_kv": True},
+    {"add_zero_attn": True},
+    {"kdim": 3, "vdim": 5},
+]
+MHA_FORWARDS = [
+    {},
+    {"need_weights": False},
+    {"average_attn_weights": False},
+    {"key_padding_mask": "bool"},
+    {"key_padding_mask": "float", "attn_mask": "float"},
+    {"attn_mask": "bool3d"},
+    {"attn_mask": "causal", "is_causal": True},
+    {"attn_mask": "causal", "is_causal": True, "need_weights": False},
+    {"unbatched": True, "key_padding_mask": "bool"},
+]
+
+
+def _mha_forward_args(spec, B, N, L, S, D, kdim, vdim, batch_first, g):
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    unbatched = spec.get("unbatched", False)
+    if unbatched:
+        q, k, v = randn(L, D), randn(S, kdim), randn(S, vdim)
+    elif batch_first:
+        q, k, v = randn(B, L, D), randn(B, S, kdim), randn(B, S, vdim)
+    else:
+        q, k, v = randn(L, B, D), randn(S, B, kdim), randn(S, B, vdim)
+    kwargs = {k_: v_ for k_, v_ in spec.items() if k_ in ("need_weights", "average_attn_weights", "is_causal")}
+    kpm_shape = (S,) if unbatched else (B, S)
+    if spec.get("key_padding_mask") == "bool":
+        kwargs["key_padding_mask"] = torch.rand(kpm_shape, generator=g) < 0.3
+    elif spec.get("key_padding_mask") == "float":
+        kwargs["key_padding_mask"] = torch.where(torch.rand(kpm_shape, generator=g) < 0.3,
+                                                 float("-inf"), 0.0).to(torch.float64)
+    if spec.get("attn_mask") == "float":
+        kwargs["attn_mask"] = randn(L, S)
+    elif spec.get("attn_mask") == "bool3d":
+        kwargs["attn_mask"] = torch.rand(B * N, L, S, generator=g) < 0.3
+    elif spec.get("attn_mask") == "causal":
+        kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)
+    return q, k, v, kwargs
+
+
+@pytest.mark.parametrize("options", MHA_OPTIONS, ids=lambda o: ",".join(o) or "default")
+@pytest.mark.parametrize("forward", MHA_FORWARDS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "plain")
+def test_mha_base_matches_torch(options, forward):
+    g = torch.Generator().manual_seed(7)
+    B, N, L, S, E = 2, 2, 3, 4, 2
+    D = N * E
+    torch.manual_seed(3)
+    reference = torch.nn.MultiheadAttention(D, N, dtype=torch.float64, **options).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    module = HandwrittenMHA(D, N, dtype=torch.float64, **options).eval()
+    load_mha_weights(module, _params_of(reference))
+    q, k, v, kwargs = _mha_forward_args(forward, B, N, L, S, D, options.get("kdim", D),
+                                        options.get("vdim", D), options.get("batch_first", False), g)
+    want_out, want_w = reference(q, k, v, **kwargs)
+    got_out, got_w = module(q, k, v, **kwargs)
+    finite = ~torch.isnan(want_out)  # torch's NaN rows (fully padded) are policy, not math
+    assert got_out.shape == want_out.shape
+    assert torch.allclose(got_out[finite], want_out[finite], atol=1e-10)
+    assert (got_w is None) == (want_w is None)
+    if want_w is not None:
+        assert got_w.shape == want_w.shape
+        assert torch.allclose(got_w, torch.nan_to_num(want_w, nan=0.0), atol=1e-10)
+
+
+def _params_of(module):
+    from types import SimpleNamespace
+
+    def arr(t):
+        return None if t is None else t.detach().numpy()
+
+    return SimpleNamespace(
+        **{name: arr(getattr(module, name, None)) for name in
+           ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+            "in_proj_bias", "bias_k", "bias_v")},
+        out_proj_weight=arr(module.out_proj.weight),
+        out_proj_bias=arr(module.out_proj.bias),
+    )
+
+
+def test_mha_base_gradients_match_torch():
+    g = torch.Generator().manual_seed(11)
+    D, N = 4, 2
+    reference = torch.nn.MultiheadAttention(D, N, dtype=torch.float64).eval()
+    module = HandwrittenMHA(D, N, dtype=torch.float64).eval()
+    load_mha_weights(module, _params_of(reference))
+    x = torch.randn(3, 2, D, generator=g, dtype=torch.float64)
+    grads = []
+    for m in (reference, module):
+        xi = x.clone().requires_grad_(True)
+        out, _ = m(xi, xi, xi, need_weights=False)
+        grads.append(torch.autograd.grad(out.sum(), xi)[0])
+    assert torch.allclose(grads[0], grads[1], atol=1e-10)
+    assert math.isfinite(float(grads[1].sum()))
