@@ -1,0 +1,32 @@
+"""The correct bases of the bug zoo as implementations: the controls.
+
+``pytest conformance --impl=implementations.mutants.controls:tiled`` must pass for
+each of them; otherwise a mutant could be "caught" by a bug of its base.
+"""
+
+from __future__ import annotations
+
+from implementations.mutants._base import (
+    MHA_CAPABILITIES,
+    SDPA_CAPABILITIES,
+    HandwrittenMHA,
+    ManualBackwardSDPA,
+    NaiveSDPA,
+    TiledSDPA,
+    mha_implementation,
+    sdpa_implementation,
+)
+
+__all__ = ["CONTROLS", "naive", "manual_backward", "tiled", "mha"]
+
+naive = sdpa_implementation("control:naive", NaiveSDPA(), SDPA_CAPABILITIES,
+                            "correct straight-line SDPA (base of the SDPA mutants)")
+manual_backward = sdpa_implementation("control:manual_backward", ManualBackwardSDPA(),
+                                      SDPA_CAPABILITIES.replace(dropout=False),
+                                      "correct SDPA with a hand-written backward")
+tiled = sdpa_implementation("control:tiled", TiledSDPA(), SDPA_CAPABILITIES.replace(dropout=False),
+                            "correct tiled online-softmax SDPA (base of the kernel mutants)")
+mha = mha_implementation("control:mha", HandwrittenMHA, MHA_CAPABILITIES,
+                         "correct hand-written nn.MultiheadAttention drop-in (base of the MHA mutants)")
+
+CONTROLS = {"naive": naive, "manual_backward": manual_backward, "tiled": tiled, "mha": mha}
