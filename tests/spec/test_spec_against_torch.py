@@ -369,3 +369,31 @@ def test_difference_D7_gqa_needs_enable_gqa_in_torch():
         F.scaled_dot_product_attention(_t(q[:, :3]), _t(k), _t(v), enable_gqa=True)
     with pytest.raises(spec.SpecError, match="multiple of kv heads"):
         spec.sdpa(q[:, :3], k, v)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0])
+def test_difference_D8_upper_left_causal_with_non_positive_scale(scale):
+    """D8 (a PyTorch bug): with is_causal=True (or causal_upper_left) and scale <= 0, torch 2.13's
+    CPU flash kernel (taken when E == Ev) returns NaN for every query row that has a blocked key
+    (-inf · 0 = NaN, -inf · -1 = +inf), in float64 and float32. The math kernel (E != Ev), an
+    explicit bool mask and causal_lower_right are right and agree with the spec."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    rng = np.random.default_rng(9)
+    q, k, v = rng.normal(size=(1, 1, 3, 2)), rng.normal(size=(1, 1, 4, 2)), rng.normal(size=(1, 1, 4, 2))
+    for mask in (None, causal_upper_left(3, 4)):
+        got = F.scaled_dot_product_attention(_t(q), _t(k), _t(v), attn_mask=mask, is_causal=mask is None,
+                                             scale=scale).numpy()
+        assert np.isnan(got).all()                                 # every row has a blocked key here
+    expected = spec.sdpa(q, k, v, causal="upper_left", scale=scale).output
+    assert np.isfinite(expected).all()
+    explicit = _t(masks.causal_mask(3, 4, "upper_left"))
+    assert_close("explicit mask", F.scaled_dot_product_attention(_t(q), _t(k), _t(v), attn_mask=explicit,
+                                                                 scale=scale).numpy(), expected)
+    v_other = rng.normal(size=(1, 1, 4, 3))                        # E != Ev: math kernel
+    assert_close("math kernel", F.scaled_dot_product_attention(_t(q), _t(k), _t(v_other), is_causal=True,
+                                                               scale=scale).numpy(),
+                 spec.sdpa(q, k, v_other, causal="upper_left", scale=scale).output)
+    assert_close("lower_right", F.scaled_dot_product_attention(_t(q), _t(k), _t(v), attn_mask=causal_lower_right(3, 4),
+                                                               scale=scale).numpy(),
+                 spec.sdpa(q, k, v, causal="lower_right", scale=scale).output)
