@@ -232,15 +232,15 @@ class MHACase:
             used.add("average_weights")
         return used
 
-    def fully_masked_rows(self) -> bool:
-        """True when some query row has every key blocked.
+    def blocked_rows(self) -> np.ndarray:
+        """Bool (B, N, L): query rows of a head whose keys are all blocked.
 
         bias_k/bias_v and add_zero_attn append keys no mask blocks, so with
         either of them no row is ever fully masked.
         """
-        if self.params.bias_k is not None or self.params.add_zero_attn:
-            return False
         B, N, L, S = self.B, self.N, self.L, self.S
+        if self.params.bias_k is not None or self.params.add_zero_attn:
+            return np.zeros((B, N, L), dtype=bool)
         blocked = np.zeros((B, N, L, S), dtype=bool)
         for m, is_kpm in ((self.key_padding_mask, True), (self.attn_mask, False)):
             if m is None:
@@ -252,7 +252,11 @@ class MHACase:
                 blocked |= b.reshape(B, N, L, S)
             else:
                 blocked |= b.reshape(1, 1, L, S)
-        return bool(blocked.all(axis=-1).any())
+        return blocked.all(axis=-1)
+
+    def fully_masked_rows(self) -> bool:
+        """True when some query row of some head has every key blocked."""
+        return bool(self.blocked_rows().any())
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         def kind(m: np.ndarray | None) -> str | None:

@@ -638,7 +638,7 @@ def _draw_scale(draw: Any, kinds: Sequence[str], dtype: str) -> float | None:
     if kind == "default":
         return None
     if kind == "tiny":
-        return 1e-6
+        return 1e-6 if dtype == "float64" else float(np.float32(1e-6))
     if kind == "zero":
         return 0.0
     magnitude = draw(st.one_of(st.sampled_from([0.5, 0.25, 1.0, 0.125, 1.5]),
