@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._checks import check_alignment, check_causal, check_choice, is_real_float
+from ._checks import (additive_mask_array, attend_mask_array, check_alignment, check_causal,
+                      check_choice, is_real_float)
 from .errors import fail
 
 __all__ = [
@@ -116,21 +117,28 @@ def combined_attend_mask(shape: tuple[int, ...], attend_mask: np.ndarray | None 
     entry equal to -inf.
     """
     shape = tuple(shape)
+    if len(shape) < 2:
+        fail("shape", shape, "must be (..., L, S) with at least 2 dims", "pass the full (..., N, L, S) shape")
     L, S = shape[-2], shape[-1]
     allowed = np.ones(shape, dtype=bool)
     if attend_mask is not None:
-        allowed &= np.asarray(attend_mask, dtype=bool)
+        attend_mask = attend_mask_array(attend_mask, shape, "(..., N, L, S)")
+        allowed &= attend_mask
     if causal is not None:
         allowed &= causal_mask(L, S, causal)
     if additive_mask is not None:
-        allowed &= ~np.isneginf(np.asarray(additive_mask, dtype=np.float64))
+        additive_mask = additive_mask_array(additive_mask, shape, "(..., N, L, S)")
+        allowed &= ~np.isneginf(additive_mask)
     return allowed
 
 
 def fully_masked_rows(shape: tuple[int, ...], attend_mask: np.ndarray | None = None,
                       additive_mask: np.ndarray | None = None,
                       causal: str | None = None) -> np.ndarray:
-    """Which query rows may attend no key at all: bool (..., N, L) for ``shape`` (..., N, L, S)."""
+    """Which query rows may attend no key at all: bool (..., N, L) for ``shape`` (..., N, L, S).
+
+    ``attend_mask`` is True = may attend; ``additive_mask`` blocks where it is -inf.
+    """
     check_causal(causal)
     return ~combined_attend_mask(shape, attend_mask, additive_mask, causal).any(axis=-1)
 

@@ -61,6 +61,8 @@ INVALID_CALLS = [
     ("keep int values", lambda: masks.from_keep_int(np.array([0, 2])), "mask=", "only 0"),
     ("additive bias to bool", lambda: masks.from_additive(np.array([0.5])), "mask=", "other than 0 and -inf"),
     ("convention", lambda: masks.to_canonical(np.ones(2, bool), "sdpa"), "convention='sdpa'", "'mha_bool'"),
+    ("fully_masked_rows mask shape", lambda: masks.fully_masked_rows((2, 3, 4), np.ones((3, 5), bool)), "attend_mask=", "must broadcast"),
+    ("fully_masked_rows mask dtype", lambda: masks.fully_masked_rows((2, 3, 4), None, np.ones((3, 4), bool)), "additive_mask=", "float"),
     ("merge 3-D rows", lambda: masks.merge_key_padding(None, np.zeros((5, 2, 2)), num_heads=2), "attn_mask=", "num_heads=2"),
 ]
 
