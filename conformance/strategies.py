@@ -33,6 +33,7 @@ stride 0; the drawn values are equal along it), plus descriptive labels
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence, TypeVar
@@ -247,21 +248,8 @@ def _head_bounds(min_heads: int, max_heads: int, gqa: bool | None) -> tuple[int,
 
 
 def _draw_heads(draw: Any, lo: int, hi: int, gqa: bool | None) -> tuple[int, int]:
-    large = [n for n in _LARGE_HEADS if lo <= n <= hi and n > _SMALL_HEADS]
-    options = []
-    if lo <= _SMALL_HEADS:
-        options.append(("small", 8))
-    if large:
-        options.append(("large", 1))
-    if not options:
-        options.append(("any", 1))
-    kind = _weighted(draw, options)
-    if kind == "small":
-        n = draw(st.integers(lo, min(hi, _SMALL_HEADS)))
-    elif kind == "large":
-        n = draw(st.sampled_from(large))
-    else:
-        n = draw(st.integers(lo, hi))
+    # Mostly 1..4; sometimes 5..8 (6 and 8 a little more often).
+    n = _draw_size(draw, lo, hi, _SMALL_HEADS, _LARGE_HEADS, small_weight=8, special_weight=2)
     proper = [k for k in range(n - 1, 0, -1) if n % k == 0]  # largest first
     if gqa is False:
         return n, n
@@ -287,28 +275,40 @@ def head_configs(*, min_heads: int = 1, max_heads: int = 8,
     return draw_heads()
 
 
+@functools.lru_cache(maxsize=512)
+def _size_table(lo: int, hi: int, small: int, specials: tuple[int, ...], small_weight: int,
+                special_weight: int, others: bool) -> tuple[int, ...]:
+    """Sizes in [lo, hi], ascending, each repeated by its weight: the small ones
+    (<= ``small``) ``small_weight`` times, ``specials`` ``special_weight`` times,
+    other (prime) sizes once when ``others``. Drawing an index into this table is
+    weighted toward small sizes yet shrinks monotonically: every step down in the
+    index is a step down (or none) in size, so the shrinker walks to the smallest
+    size that still fails."""
+    table: list[int] = []
+    for n in range(lo, hi + 1):
+        if n <= small:
+            table += [n] * small_weight
+        elif n in specials:
+            table += [n] * special_weight
+        elif others and all(n % d for d in range(2, int(n**0.5) + 1)):
+            table.append(n)
+    return tuple(table) or tuple(range(lo, hi + 1))
+
+
+def _draw_size(draw: Any, lo: int, hi: int, small: int, specials: tuple[int, ...], *,
+               small_weight: int = 20, special_weight: int = 2, others: bool = True) -> int:
+    table = _size_table(lo, hi, small, specials, small_weight, special_weight, others)
+    return table[draw(st.integers(0, len(table) - 1))]
+
+
 def _draw_length(draw: Any, lo: int, hi: int) -> int:
-    blocks = [n for n in BLOCK_LENGTHS if lo <= n <= hi]
-    options = [("small", 8 if lo <= _SMALL_LENGTH else 0), ("block", 1 if blocks else 0),
-               ("wide", 1 if hi > _SMALL_LENGTH else 0)]
-    kind = _weighted(draw, options)
-    if kind == "small":
-        return draw(st.integers(lo, min(hi, _SMALL_LENGTH)))
-    if kind == "block":
-        return draw(st.sampled_from(blocks))
-    return draw(st.integers(max(lo, _SMALL_LENGTH + 1), hi))
+    """Mostly 1..12; sometimes a block-size neighbour (15, 16, 17, ..., 65) or a prime above 12."""
+    return _draw_size(draw, lo, hi, _SMALL_LENGTH, BLOCK_LENGTHS)
 
 
 def _draw_head_dim(draw: Any, lo: int, hi: int) -> int:
-    blocks = [n for n in _BLOCK_HEAD_DIMS if lo <= n <= hi]
-    options = [("small", 8 if lo <= _SMALL_HEAD_DIM else 0), ("block", 1 if blocks else 0),
-               ("wide", 1 if hi > _SMALL_HEAD_DIM else 0)]
-    kind = _weighted(draw, options)
-    if kind == "small":
-        return draw(st.integers(lo, min(hi, _SMALL_HEAD_DIM)))
-    if kind == "block":
-        return draw(st.sampled_from(blocks))
-    return draw(st.integers(max(lo, _SMALL_HEAD_DIM + 1), hi))
+    """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 or a prime above 16."""
+    return _draw_size(draw, lo, hi, _SMALL_HEAD_DIM, _BLOCK_HEAD_DIMS)
 
 
 @dataclass(frozen=True)
@@ -327,17 +327,25 @@ class _SizeBounds:
     different_v_dim: bool | None
 
 
-def _cap_bound(name: str, value: int | None, default: int, cap_name: str,
-               cap: int | None, *, upper: bool) -> int:
-    """A user bound checked against (or defaulted from) a capability bound."""
-    if value is None:
-        if cap is None:
-            return default
-        return min(default, cap) if upper else max(default, cap)
-    if cap is not None and (value > cap if upper else value < cap):
-        raise _fail(name, value, f"is outside {cap_name}={cap}",
-                    f"pass {name}{'<=' if upper else '>='}{cap} or leave it None")
-    return value
+def _cap_bound(value: int | None, default: int, cap: int | None, *, upper: bool) -> int:
+    """A user bound tightened by a capability bound (None: the default, tightened)."""
+    bound = default if value is None else value
+    if cap is None:
+        return bound
+    return min(bound, cap) if upper else max(bound, cap)
+
+
+def _check_capped_range(name_min: str, lo: int, name_max: str, hi: int, given_min: Any,
+                        given_max: Any, caps_note: str) -> None:
+    """Raise when [lo, hi] (user bounds tightened by the caps) is empty."""
+    for name, value in ((name_min, given_min), (name_max, given_max)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise _fail(name, value, "must be an int >= 1", f"pass {name}>=1")
+    if hi < lo:
+        raise _fail(name_max if given_max is not None else name_min,
+                    given_max if given_max is not None else given_min,
+                    f"leaves no size: [{name_min}, {name_max}] tightened by {caps_note} is [{lo}, {hi}]",
+                    f"choose bounds that overlap {caps_note}")
 
 
 def _size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
@@ -350,15 +358,19 @@ def _size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
     _check_bool_or_none("different_v_dim", different_v_dim)
     _check_bool_or_none("gqa", gqa)
     seq_cap = caps.max_seq_len if caps else None
-    max_L = _cap_bound("max_L", max_L, max(default_max_length, min_L), "caps.max_seq_len", seq_cap, upper=True)
-    max_S = _cap_bound("max_S", max_S, max(default_max_length, min_S), "caps.max_seq_len", seq_cap, upper=True)
-    _check_range("min_L", min_L, "max_L", max_L)
-    _check_range("min_S", min_S, "max_S", max_S)
-    lo_dim = _cap_bound("min_head_dim", min_head_dim, 1, "caps.min_head_dim",
-                        caps.min_head_dim if caps else None, upper=False)
-    hi_dim = _cap_bound("max_head_dim", max_head_dim, max(default_max_head_dim, lo_dim),
-                        "caps.max_head_dim", caps.max_head_dim if caps else None, upper=True)
-    _check_range("min_head_dim", lo_dim, "max_head_dim", hi_dim)
+    seq_note = f"caps.max_seq_len={seq_cap}"
+    for name, value in (("min_L", min_L), ("min_S", min_S)):
+        _check_capped_range(name, 1, name, 1, value, None, seq_note)
+    given_max_L, given_max_S = max_L, max_S
+    max_L = _cap_bound(max_L, max(default_max_length, min_L), seq_cap, upper=True)
+    max_S = _cap_bound(max_S, max(default_max_length, min_S), seq_cap, upper=True)
+    _check_capped_range("min_L", min_L, "max_L", max_L, min_L, given_max_L, seq_note)
+    _check_capped_range("min_S", min_S, "max_S", max_S, min_S, given_max_S, seq_note)
+    dim_caps = (caps.min_head_dim, caps.max_head_dim) if caps else (None, None)
+    lo_dim = _cap_bound(min_head_dim, 1, dim_caps[0], upper=False)
+    hi_dim = _cap_bound(max_head_dim, max(default_max_head_dim, lo_dim), dim_caps[1], upper=True)
+    _check_capped_range("min_head_dim", lo_dim, "max_head_dim", hi_dim, min_head_dim, max_head_dim,
+                        f"caps.min_head_dim={dim_caps[0]}, caps.max_head_dim={dim_caps[1]}")
     if caps is not None and not caps.gqa:
         if gqa:
             raise _fail("gqa", gqa, "but caps.gqa=False", "pass gqa=None or False")
@@ -925,7 +937,13 @@ def _mha_features(caps: Capabilities | None, features: Any, required: Any) -> tu
     if features is None:
         allowed = declared
     else:
-        allowed = set(_choices("features", features, sorted(ALL_MHA_FEATURES), sorted(ALL_MHA_FEATURES)))
+        if isinstance(features, str) or not isinstance(features, Collection):
+            raise _fail("features", features, "must be a collection of MHA feature names",
+                        "pass e.g. features={'need_weights'} (or an empty set for none)")
+        allowed = set(features)
+        if allowed - ALL_MHA_FEATURES:
+            raise _fail("features", features, f"has unknown {sorted(allowed - ALL_MHA_FEATURES)}",
+                        f"choose from {sorted(ALL_MHA_FEATURES)}")
         if allowed - declared:
             raise _fail("features", features, f"has {sorted(allowed - declared)} outside "
                         f"caps.mha_features", "drop them")

@@ -220,6 +220,7 @@ MHA_FORCING = [
     (dict(required_features=("attn_mask",), mask_kinds=("float",)),
      lambda c: c.attn_mask.dtype == np.float64),
     (dict(features=("need_weights",)), lambda c: c.mha_features() <= {"need_weights"}),
+    (dict(features=set()), lambda c: c.mha_features() == set()),
     (dict(self_attention=True), lambda c: c.key is c.query and c.value is c.query),
     (dict(self_attention=False), lambda c: c.key is not c.query),
 ]
@@ -251,6 +252,12 @@ def test_sdpa_shapes_respect_caps(sizes: dict) -> None:
     assert set(sizes) == {"B", "N", "K", "L", "S", "E", "Ev"}
     assert sizes["N"] == sizes["K"] and sizes["E"] == sizes["Ev"]
     assert 4 <= sizes["E"] <= 8 and max(sizes["L"], sizes["S"]) <= 16
+
+
+@settings(FAST, max_examples=20)
+@given(cs.sdpa_cases(dtype="float16", caps=CAPS["narrow"], max_L=64, min_head_dim=1, max_head_dim=64))
+def test_user_bounds_are_tightened_by_caps(case: SDPACase) -> None:
+    assert case.L <= 16 and 4 <= case.E <= 8
 
 
 def test_sdpa_shapes_reach_the_interesting_sizes() -> None:
@@ -343,8 +350,9 @@ INVALID = [
      "layouts=('stride0',)"),
     (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], scales=("negative",)),
      "scales=('negative',)"),
-    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], max_L=17), "max_L=17"),
-    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], min_head_dim=2), "min_head_dim=2"),
+    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], min_L=17), "min_L=17"),
+    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], max_head_dim=2), "max_head_dim=2"),
+    (lambda: cs.mha_cases(dtype="float32", features="need_weights"), "features='need_weights'"),
     (lambda: cs.sdpa_cases(dtype="float32", min_L=5, max_L=4), "max_L=4"),
     (lambda: cs.sdpa_cases(dtype="float32", min_S=0), "min_S=0"),
     (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], different_v_dim=True),
