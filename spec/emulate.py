@@ -17,7 +17,6 @@ import numpy as np
 
 from . import _checks
 from ._sdpa import prepare
-from .errors import fail
 
 __all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_to"]
 

@@ -87,7 +87,7 @@ def make_torch_mha(params: spec.MHAParams, *, bias: bool, batch_first: bool):
     return module
 
 
-def _mha_mask(draw, rng, kind: str, shape: tuple[int, ...]):
+def _mha_mask(rng, kind: str, shape: tuple[int, ...]):
     """An MHA-convention mask (bool True = blocked, float added) whose key 0 is never blocked."""
     if kind == "bool":
         mask = rng.random(shape) < 0.4
@@ -127,13 +127,13 @@ def mha_cases(draw, *, fast_path: bool = False):
     value = query if self_attention else rng.normal(size=(*key_lead, vdim))
     B_ = 1 if unbatched else B
     kpm_kind = draw(st.sampled_from([None, "bool"] if fast_path else [None, "bool", "float"]))
-    kpm = None if kpm_kind is None else _mha_mask(draw, rng, kpm_kind, (S,) if unbatched else (B, S))
+    kpm = None if kpm_kind is None else _mha_mask(rng, kpm_kind, (S,) if unbatched else (B, S))
     attn_kind = draw(st.sampled_from([None, "bool", "causal-bool"] if fast_path
                                      else [None, "bool", "float", "causal-bool", "causal-float"]))
     attn_mask, is_causal = None, False
     if attn_kind in ("bool", "float"):
         shape = draw(st.sampled_from([(L, S), (B_ * N, L, S)]))
-        attn_mask = _mha_mask(draw, rng, attn_kind, shape)
+        attn_mask = _mha_mask(rng, attn_kind, shape)
     elif attn_kind is not None:
         blocked = masks.to_mha_bool(masks.causal_mask(L, S, "upper_left"))
         attn_mask = blocked if attn_kind == "causal-bool" else np.where(blocked, -np.inf, 0.0)
