@@ -106,7 +106,7 @@ def _leaf(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """
     if not requires_grad:
         return tensor
-    base = tensor._base if tensor._base is not None else None
+    base = tensor._base
     if base is None:
         return tensor.requires_grad_(True)
     base.requires_grad_(True)
@@ -169,7 +169,10 @@ def mha_inputs(case: MHACase, *, requires_grad: bool = False) -> dict[str, Any]:
     """
     dtype = dtype_of(case.dtype)
     query = _tensor(case.query, dtype, case.device).requires_grad_(requires_grad)
-    key = query if case.key is case.query else _tensor(case.key, dtype, case.device).requires_grad_(requires_grad)
+    if case.key is case.query:
+        key = query
+    else:
+        key = _tensor(case.key, dtype, case.device).requires_grad_(requires_grad)
     if case.value is case.query:
         value = query
     elif case.value is case.key:
