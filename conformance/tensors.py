@@ -7,8 +7,9 @@ module is the only place that decides how they are laid out in memory:
 * ``transposed``: query stored (B, L, N, E), key/value (B, S, K, E|Ev), handed
   over as ``.transpose(1, 2)`` views (non-contiguous when N > 1 and L > 1);
 * ``stride0``: key/value built from size-1 slices and ``.expand``-ed with stride 0
-  along the dims the case notes (``"stride0:batch"``, ``"stride0:heads"``); the
-  case's values are equal along those dims by construction;
+  along the dims the case notes (``"stride0:batch"``, ``"stride0:heads"``; without
+  notes, every batch/kv-head dim along which they are constant); the case's
+  values are equal along those dims by construction;
 * ``poisoned``: every tensor is a strided view into a larger buffer filled with
   NaN (additive masks too; bool masks with False) — padding after each row and
   a storage offset — so a kernel that ignores strides or the offset reads NaN.
@@ -134,6 +135,22 @@ def _sdpa_mask(case: SDPACase, dtype: torch.dtype, requires_grad: bool) -> torch
     return _leaf(_laid_out(array, layout, mask_dtype, case.device), grad)
 
 
+def _stride0_axes(case: SDPACase) -> tuple[int, ...]:
+    """The dims key/value are expanded along: from the case's notes, or (a case
+    built by hand or replayed without notes) every batch/kv-head dim of size > 1
+    along which key and value are constant."""
+    noted = tuple(axis for note, axis in ((_NOTE_STRIDE0_BATCH, 0), (_NOTE_STRIDE0_HEADS, 1))
+                  if note in case.notes)
+    if noted:
+        return noted
+    return tuple(
+        axis for axis in (0, 1)
+        if case.key.shape[axis] > 1
+        and all(np.array_equal(x, np.broadcast_to(x.take([0], axis=axis), x.shape))
+                for x in (case.key, case.value))
+    )
+
+
 def sdpa_inputs(case: SDPACase, *, requires_grad: bool = False) -> dict[str, Any]:
     """``dict(query=, key=, value=, attn_mask=)`` torch tensors for ``case``.
 
@@ -144,8 +161,7 @@ def sdpa_inputs(case: SDPACase, *, requires_grad: bool = False) -> dict[str, Any
     ``backward()`` (views retain their gradient).
     """
     dtype = dtype_of(case.dtype)
-    kv_axes = tuple(axis for note, axis in ((_NOTE_STRIDE0_BATCH, 0), (_NOTE_STRIDE0_HEADS, 1))
-                    if note in case.notes)
+    kv_axes = _stride0_axes(case) if case.layout == "stride0" else ()
     query = _laid_out(case.query, case.layout, dtype, case.device)
     key = _laid_out(case.key, case.layout, dtype, case.device, kv_axes)
     value = _laid_out(case.value, case.layout, dtype, case.device, kv_axes)

@@ -126,6 +126,17 @@ def test_to_numpy_and_dtype_of() -> None:
         dtype_of("half")
 
 
+def test_stride0_without_notes_expands_where_key_and_value_are_constant() -> None:
+    rng = np.random.default_rng(0)
+    key = np.broadcast_to(rng.standard_normal((1, 2, 3, 4)), (2, 2, 3, 4)).copy()
+    value = np.broadcast_to(rng.standard_normal((1, 2, 3, 5)), (2, 2, 3, 5)).copy()
+    case = SDPACase(query=rng.standard_normal((2, 2, 1, 4)), key=key, value=value, layout="stride0")
+    inputs = sdpa_inputs(case)
+    assert inputs["key"].stride(0) == 0 and inputs["value"].stride(0) == 0
+    assert inputs["key"].stride(1) != 0
+    assert np.array_equal(to_numpy(inputs["key"]), key)
+
+
 def test_inputs_are_copies_of_the_case() -> None:
     case = SDPACase(query=np.ones((1, 1, 1, 1)), key=np.ones((1, 1, 1, 1)), value=np.ones((1, 1, 1, 1)))
     sdpa_inputs(case)["query"].mul_(0)
