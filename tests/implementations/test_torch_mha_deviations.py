@@ -76,3 +76,19 @@ def test_fast_path_ignores_is_causal_without_a_mask():
         causal, _ = module(x, x, x, is_causal=True, need_weights=False)
         plain, _ = module(x, x, x, need_weights=False)
     assert torch.equal(causal, plain)  # the fast path computed non-causal attention
+
+
+@pytest.mark.parametrize("extra", ["add_zero_attn", "add_bias_kv"])
+def test_is_causal_with_an_appended_key_blocks_it(extra):
+    """need_weights=False, no key_padding_mask: the causal flag replaces the padded mask."""
+    assert any(e.match == {"is_causal": True, extra: True, "need_weights": False}
+               for e in entries("mha_agreement"))
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(4, 2, **{extra: True}).double().eval()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    causal_blocked = ~torch.ones(3, 3, dtype=torch.bool).tril()
+    with_hint, _ = module(x, x, x, attn_mask=causal_blocked, is_causal=True, need_weights=False)
+    mask_only, _ = module(x, x, x, attn_mask=causal_blocked, need_weights=False)
+    with_weights, _ = module(x, x, x, attn_mask=causal_blocked, is_causal=True, need_weights=True)
+    assert not torch.allclose(with_hint, mask_only)
+    assert torch.allclose(with_weights, mask_only)
