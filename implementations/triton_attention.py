@@ -31,15 +31,22 @@ accumulates in float32 (float64 for float64 inputs):
 CPU: the Triton interpreter
 ---------------------------
 ``@triton.jit`` decides at decoration time whether a kernel is compiled or
-interpreted (``triton.knobs.runtime.interpret``, i.e. ``TRITON_INTERPRET``). When
-torch sees no CUDA device this module therefore sets ``TRITON_INTERPRET=1`` with
-``os.environ.setdefault`` *before* importing triton and decorating the kernel, so
-the kernel runs on CPU tensors under the interpreter. The variable is
-process-wide: Triton kernels decorated later in the same process are interpreted
-too (harmless without a GPU, where they could not run anyway); an explicit
-``TRITON_INTERPRET=0`` is respected (the kernel then needs a GPU). The raw Python
-function is kept as ``_attn_fwd_kernel_fn`` so tests can build a compiled
-``JITFunction`` from it whatever the mode.
+interpreted (``triton.knobs.runtime.interpret``, i.e. ``TRITON_INTERPRET``), and
+so do triton.language's own helpers (``tl.max``, ``tl.sum``, ``tl.zeros``), which
+are decorated when triton is *first imported*. When torch sees no CUDA device this
+module therefore sets ``TRITON_INTERPRET=1`` with ``os.environ.setdefault``
+*before* importing triton, so the kernel runs on CPU tensors under the
+interpreter. Consequences, all deliberate:
+
+* the variable is process-wide: Triton kernels decorated later in the same
+  process are interpreted too (harmless without a GPU, where they could not run);
+* if triton was already imported in compiled mode before this module (and there
+  is no GPU), the interpreter cannot work in this process: ``make_implementation``
+  returns an unavailable Implementation saying so, never a wrong answer;
+* an explicit ``TRITON_INTERPRET=0`` is respected (the kernel then needs a GPU);
+* in an interpreting process nothing can be compiled for a GPU target, so the
+  compile test compiles in a subprocess with ``TRITON_INTERPRET=0``, where
+  ``plan_launch`` and the raw kernel function ``_attn_fwd_kernel_fn`` still work.
 
 The interpreter differs from the GPU compiler; the kernel avoids each trap so
 that what passes here also holds on a GPU:
@@ -87,6 +94,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +111,9 @@ MAX_HEAD_DIM = 256
 #: ``MASK_KIND`` constexpr values.
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
+_TRITON_IMPORTED_EARLIER = "triton" in sys.modules
 if not torch.cuda.is_available():
-    # Must happen before ``triton.jit`` decorates the kernel below (see module doc).
+    # Must happen before triton is first imported (see module doc).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
@@ -120,6 +129,24 @@ else:
 
 def _interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _interpreter_mismatch() -> str | None:
+    """Why the interpreter cannot run here, when triton was imported in the other mode.
+
+    triton.language's own helpers (``tl.max``, ``tl.sum``, ``tl.zeros`` ...) are
+    decorated once, when triton is first imported: compiled ``JITFunction`` s
+    cannot be called by interpreted code, and interpreted ones cannot be compiled.
+    """
+    if not _interpreting():
+        return None
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.zeros, InterpretedFunction):
+        return ("triton was imported before TRITON_INTERPRET=1 was set, so its language "
+                "helpers cannot run under the interpreter; import "
+                "implementations.triton_attention before triton, or export TRITON_INTERPRET=1")
+    return None
 
 
 if triton is not None:
@@ -483,6 +510,9 @@ def make_implementation(*, causal_alignment: str = "upper_left",
     if triton is None:
         return Implementation(name=name, unavailable_reason=_IMPORT_ERROR, listed=planted_bug is None)
     interpreting = _interpreting()
+    mismatch = _interpreter_mismatch()
+    if mismatch is not None:
+        return Implementation(name=name, listed=planted_bug is None, unavailable_reason=mismatch)
     if not interpreting and not torch.cuda.is_available():
         return Implementation(
             name=name, listed=planted_bug is None,

@@ -14,6 +14,11 @@ would pass, and Triton's own binder (``create_function_from_signature`` +
 divisibility attrs, as ``JITFunction.run`` would on a device. Then
 ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(...))``.
 
+The builds run in one subprocess per target (this file run as a script) with
+``TRITON_INTERPRET=0``: a process where the interpreter is on (as it is for the CPU
+forward tests, see implementations/triton_attention.py) cannot compile for a GPU,
+because triton.language's helpers were decorated as interpreted functions.
+
 Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``, 116 builds): dtype (float64/32/16,
 bfloat16) x mask kind (none/bool/additive) x causal at E = Ev = 64; every head-dim block
 size (16..256, and E != Ev including the extremes 16/256) with causal + additive mask; a
@@ -27,23 +32,26 @@ must arrive as f64 (float64 keeps a float64 scale).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
-torch = pytest.importorskip("torch")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+import torch  # noqa: E402
 
 import implementations.triton_attention as ta  # noqa: E402
 
 #: target name -> (GPUTarget, max dynamic shared memory per block in bytes)
 TARGETS = {
-    "sm80": (GPUTarget("cuda", 80, 32), 163 * 1024),   # A100
-    "sm90": (GPUTarget("cuda", 90, 32), 227 * 1024),   # H100 / H200
+    "sm80": (("cuda", 80, 32), 163 * 1024),   # A100
+    "sm90": (("cuda", 90, 32), 227 * 1024),   # H100 / H200
 }
 DTYPES = {
     "float64": torch.float64,
@@ -51,11 +59,6 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-# A compiled JITFunction whatever TRITON_INTERPRET says: the module's kernel object may
-# be an InterpretedFunction on this machine.
-KERNEL = JITFunction(ta._attn_fwd_kernel_fn)
-
 
 def _all_variants():
     out = []
@@ -125,37 +128,74 @@ def _plan(v):
                           planted_bug=v.get("bug"), gpu=True)
 
 
-def _compile(plan, target):
+def _compile_all(target_name: str) -> dict[str, dict]:
+    """Worker side (TRITON_INTERPRET=0): build every variant for one target."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = ta._attn_fwd_kernel
+    assert isinstance(kernel, JITFunction), f"worker kernel is {type(kernel).__name__}"
+    target = GPUTarget(*TARGETS[target_name][0])
     backend = make_backend(target)
-    binder = create_function_from_signature(KERNEL.signature, KERNEL.params, backend)
-    kwargs = dict(plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    bound, specialization, options = binder(*plan.args, **kwargs)
-    options, signature, constexprs, attrs = KERNEL._pack_args(backend, kwargs, bound,
-                                                              specialization, options)
-    src = ASTSource(fn=KERNEL, signature=signature, constexprs=constexprs, attrs=attrs)
-    return signature, triton.compile(src, target=target, options=options.__dict__)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    results = {}
+    for variant in VARIANTS:
+        start = time.perf_counter()
+        row = {"ok": False}
+        try:
+            plan = _plan(variant)
+            kwargs = dict(plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            bound, specialization, options = binder(*plan.args, **kwargs)
+            options, signature, constexprs, attrs = kernel._pack_args(
+                backend, kwargs, bound, specialization, options)
+            src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+            built = triton.compile(src, target=target, options=options.__dict__)
+            ptx = built.asm["ptx"]
+            row.update(ok=True, cubin_bytes=len(built.asm.get("cubin") or b""),
+                       shared=built.metadata.shared, tf32="tf32" in ptx, mma="mma" in ptx,
+                       scale_type=signature["scale"], native_dot=plan.constexprs["NATIVE_DOT"],
+                       config=f"{plan.constexprs} warps={plan.num_warps} stages={plan.num_stages}")
+        except Exception as exc:  # reported per variant by the test
+            row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        results[_variant_id(variant)] = row
+    return results
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, dict[str, dict]]:
+    """Compile every variant for every target, one subprocess per target, in parallel."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    procs = {name: subprocess.Popen([sys.executable, __file__, name], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in TARGETS}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, f"compile worker for {name} failed:\n{stderr[-4000:]}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
 
 
 @pytest.mark.parametrize("target_name", sorted(TARGETS))
 @pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
-def test_kernel_variant_builds(variant, target_name):
-    target, smem_limit = TARGETS[target_name]
-    plan = _plan(variant)
-    signature, kernel = _compile(plan, target)
-
-    assert kernel.asm.get("cubin"), f"no cubin for {_variant_id(variant)} on {target_name}"
-    shared = kernel.metadata.shared
-    assert shared <= smem_limit, (
-        f"shared memory={shared} bytes, but should be <= {smem_limit} on {target_name} "
-        f"[{_variant_id(variant)}, config {plan.constexprs}, warps={plan.num_warps}, "
-        f"stages={plan.num_stages}]")
-    ptx = kernel.asm["ptx"]
+def test_kernel_variant_builds(builds, variant, target_name):
+    row = builds[target_name][_variant_id(variant)]
+    where = f"[{_variant_id(variant)} on {target_name}]"
+    assert row["ok"], f"compile failed {where}: {row.get('error')}"
+    assert row["cubin_bytes"] > 0, f"no cubin {where}"
+    smem_limit = TARGETS[target_name][1]
+    assert row["shared"] <= smem_limit, (
+        f"shared memory={row['shared']} bytes, but should be <= {smem_limit} {where} "
+        f"[{row['config']}]")
     if variant["dtype"] == "float32":
-        assert "tf32" not in ptx, "float32 dots must be IEEE (input_precision='ieee'), not TF32"
-    assert signature["scale"] == "fp64"
+        assert not row["tf32"], f"float32 dots must be IEEE, not TF32 {where}"
+    assert row["scale_type"] == "fp64", f"scale passed as {row['scale_type']} {where}"
     if variant["dtype"] in ("float16", "bfloat16"):
-        assert plan.constexprs["NATIVE_DOT"], "16-bit GPU launches should use native dots"
-        assert "mma" in ptx, "16-bit dots should lower to tensor-core mma instructions"
+        assert row["native_dot"], f"16-bit GPU launches should use native dots {where}"
+        assert row["mma"], f"16-bit dots should lower to tensor-core mma {where}"
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
@@ -187,3 +227,7 @@ def test_variants_cover_every_gpu_config():
                 family = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.native_dot)
                 assert family in {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.native_dot)
                                   for c in key_cfg}, f"{name} E={E} Ev={Ev}: {cfg} never compiled"
+
+
+if __name__ == "__main__":  # compile worker: python test_triton_compile.py sm80|sm90
+    print(json.dumps(_compile_all(sys.argv[1])))
