@@ -103,7 +103,12 @@ def sdpa_call(case: dict, seed: int = 0) -> SDPACall:
     dtype = _dtype(case)
     q, k, v = _values(case, g)
     mask = _sdpa_mask(case, g, dtype)
-    q, k, v = (_layout(t.to(dtype), case.get("layout")) for t in (q, k, v))
+    if case.get("layout") == "stride0":
+        # K/V of batch item 0 expanded over the batch with stride 0 (needs B >= 2).
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    else:
+        q, k, v = (_layout(t.to(dtype), case.get("layout")) for t in (q, k, v))
     kwargs: dict[str, Any] = {"attn_mask": mask}
     if case.get("causal"):
         kwargs["is_causal"] = True

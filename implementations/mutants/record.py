@@ -5,7 +5,8 @@ vocabulary that ``tests/mutants/test_mutant_records.py`` turns into tensors:
 
 * sizes ``B, N, K, L, S, E, Ev`` (MHA: ``D = N * E``, ``K = N``, ``Ev = E``);
 * ``dtype`` (default ``"float64"``), ``layout`` (``"transposed"``: q/k/v stored as
-  (B, L, N, E) and viewed as (B, N, L, E)), ``grad`` (compare dq/dk/dv too),
+  (B, L, N, E) and viewed as (B, N, L, E); ``"stride0"``: k/v of batch item 0
+  ``expand``-ed over B ≥ 2 with stride 0), ``grad`` (compare dq/dk/dv too),
   ``scale`` (explicit), ``causal`` (``is_causal=True``), ``dropout_p``;
 * ``mask`` (SDPA, True = may attend): ``"block_last"`` (every query row blocks the
   last key), ``"all_blocked"``, ``"additive"`` (randn, no zeros),

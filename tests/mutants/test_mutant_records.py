@@ -413,3 +413,14 @@ def test_mha_base_gradients_match_torch():
         grads.append(torch.autograd.grad(out.sum(), xi)[0])
     assert torch.allclose(grads[0], grads[1], atol=1e-10)
     assert math.isfinite(float(grads[1].sum()))
+
+
+@pytest.mark.parametrize("S, exposed", [(1, True), (16, False), (17, True), (32, False), (33, True)])
+def test_tail_mutant_shows_exactly_at_lengths_one_mod_16(S, exposed):
+    """KNOWN_BUGS #9's shape: wrong only for non-contiguous K/V with S ≡ 1 (mod 16)."""
+    mutant = MUTANTS["tiled_tail_assumes_contiguous"]
+    case = dict(ONE, N=2, K=2, S=S, layout="transposed")
+    if S == 1:
+        case = dict(ONE, B=2, S=1, layout="stride0")
+    assert _agrees(mutant, case) != exposed
+    assert _agrees(mutant, dict(case, layout="contiguous"))
