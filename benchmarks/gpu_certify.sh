@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU certification run, one prepared script for a CUDA machine (not runnable without one).
+#
+#   OUT=/some/dir bash benchmarks/gpu_certify.sh
+#
+# 1. pytest conformance --impl={triton,sdpa,torch-mha} --device cuda
+#    --dtype float32,float16,bfloat16 --hypothesis-profile ci
+#    --conformance-report $OUT/cert-<impl>          (-> $OUT/cert-<impl>.json / .md)
+# 2. benchmarks/triton_speed.py -> $OUT/triton_speed.md
+# 3. the triton unit tests on CUDA (compiled kernel vs float64 reference)
+#
+# Budget: under 8 minutes in all. Each step has its own `timeout` (seconds, below);
+# a step that times out is recorded as such and the script goes on. Logs are in $OUT.
+# Exit status: non-zero when any step failed or timed out (summary in $OUT/summary.txt).
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+export TRITON_INTERPRET=0          # compiled kernels on the GPU, never the interpreter
+export TRITON_DEFAULT_FP_FUSION=1  # triton 3.9's current default, stated explicitly
+
+CERT_TIMEOUT="${CERT_TIMEOUT:-100}"    # per implementation (x3)
+SPEED_TIMEOUT="${SPEED_TIMEOUT:-90}"
+UNIT_TIMEOUT="${UNIT_TIMEOUT:-40}"
+
+python - <<'EOF' > "$OUT/environment.txt" 2>&1
+import torch, platform
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton; print("triton", triton.__version__)
+except ImportError as exc:
+    print("triton missing:", exc)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
+EOF
+cat "$OUT/environment.txt"
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: nothing to certify" | tee -a "$SUMMARY"
+    exit 2
+fi
+
+status=0
+step() {  # step NAME TIMEOUT CMD... : run, log to $OUT/NAME.log, record the outcome
+    local name="$1" limit="$2"; shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local outcome="ok"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then outcome="TIMEOUT after ${limit}s"; status=1
+    elif [ "$rc" -ne 0 ]; then outcome="FAILED (exit $rc)"; status=1; fi
+    printf '%-22s %-24s %4ss  %s\n' "$name" "$outcome" "$((SECONDS - start))" "$OUT/$name.log" \
+        | tee -a "$SUMMARY"
+    tail -n 3 "$OUT/$name.log"
+}
+
+for impl in triton sdpa torch-mha; do
+    step "cert-$impl" "$CERT_TIMEOUT" \
+        python -m pytest conformance --impl="$impl" --device cuda \
+            --dtype float32,float16,bfloat16 --hypothesis-profile ci \
+            --conformance-report "$OUT/cert-$impl" -q -p no:cacheprovider
+done
+
+step "triton_speed" "$SPEED_TIMEOUT" python benchmarks/triton_speed.py --out "$OUT/triton_speed.md"
+step "triton_unit_tests" "$UNIT_TIMEOUT" \
+    python -m pytest tests/triton/test_triton_forward.py -q -p no:cacheprovider
+
+echo "results in $OUT (summary: $SUMMARY)"
+exit "$status"
