@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from implementations.base import Capabilities, Implementation
 from implementations.builtins._torch_common import flatten_batch, torch_version
+from implementations.registry import load_expected_failures
 
 __all__ = ["make_default", "make_backend"]
 
@@ -55,6 +56,7 @@ def make_default(**_: Any) -> Implementation:
         sdpa=F.scaled_dot_product_attention,
         version=torch_version(),
         description="torch.nn.functional.scaled_dot_product_attention, default dispatch",
+        expected_failures=load_expected_failures("sdpa"),
     )
 
 
@@ -123,4 +125,5 @@ def make_backend(name: str, **_: Any) -> Implementation:
         version=torch_version(),
         description=description,
         unavailable_reason=reason,
+        expected_failures=load_expected_failures(name),
     )
