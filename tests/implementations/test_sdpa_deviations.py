@@ -19,7 +19,9 @@ def test_causal_with_non_positive_scale_gives_nan(name, scale):
     assert entry is not None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
-    assert torch.isnan(impl.sdpa(q, k, v, is_causal=True, scale=scale)).all()
+    out = impl.sdpa(q, k, v, is_causal=True, scale=scale)  # (1, 2, 3, 4), L == S
+    assert torch.isnan(out[..., :2, :]).all()  # rows 0 and 1 have causally blocked keys
+    assert torch.isfinite(out[..., 2, :]).all()  # the last row sees every key
     math = registry.resolve("sdpa-math").sdpa(q, k, v, is_causal=True, scale=scale)
     assert torch.isfinite(math).all()
     # the same scale with an explicit causal mask, or a positive scale with the flag, is fine
