@@ -25,8 +25,14 @@ accumulates in float32 (float64 for float64 inputs):
 * float16 / bfloat16: q·kᵀ and p·v accumulate in float32; the output is stored as
   float32 and cast on the host (see the interpreter notes). float32: ``tl.dot``
   with ``input_precision="ieee"`` (never TF32). float64: computed in float64.
-* no dropout (``dropout_p > 0`` raises), no backward (inputs that require grad
-  raise: see ``Capabilities.autograd``), head dims up to 256.
+* backward (``torch.autograd.Function``): two Triton kernels recompute the
+  probabilities from the forward's saved row log-sum-exp (FlashAttention-2): one
+  program per key block gives dK and dV (summed over the key's GQA group of query
+  heads), one per query block gives dQ; delta = rowsum(dO * O) is one torch
+  reduction on the host. Same masks, causal, strides, dtypes as the forward. No
+  gradient w.r.t. an additive mask (an ``attn_mask`` that requires grad raises;
+  ``mask_grad=False``).
+* no dropout (``dropout_p > 0`` raises), head dims up to 256.
 
 CPU: the Triton interpreter
 ---------------------------
@@ -46,7 +52,7 @@ interpreter. Consequences, all deliberate:
 * an explicit ``TRITON_INTERPRET=0`` is respected (the kernel then needs a GPU);
 * in an interpreting process nothing can be compiled for a GPU target, so the
   compile test compiles in a subprocess with ``TRITON_INTERPRET=0``, where
-  ``plan_launch`` and the raw kernel function ``_attn_fwd_kernel_fn`` still work.
+  ``plan_launch`` / ``plan_backward`` and the kernels are compiled JITFunctions.
 
 The interpreter differs from the GPU compiler; the kernel avoids each trap so
 that what passes here also holds on a GPU:
@@ -74,7 +80,8 @@ so CPU tiles are BLOCK_M = 64 queries by BLOCK_N = 16 keys: 2-3x faster than
 are still exercised at S <= 70. Measured on a shared 2-core CPU: ~10 ms for
 L = S = 1, ~50 ms for (1, 1, 70, 70, E=40), ~130 ms for (2, 3, L=33, S=49).
 
-Planted bugs (``planted_bug=``), each one kernel/launcher defect for the bug zoo:
+Planted bugs (``planted_bug=``), each one forward kernel/launcher defect for the
+bug zoo (the backward kernels stay clean, but use the mutant forward's outputs):
 
 * ``"drop_ragged_block"``: the key loop stops at the last full BLOCK_N block, so
   the trailing partial key block is never read (S % BLOCK_N != 0 gives a wrong
@@ -102,7 +109,7 @@ import torch
 
 from implementations.base import ALL_MASK_KINDS, CAUSAL_ALIGNMENTS, Capabilities, Implementation
 
-__all__ = ["PLANTED_BUGS", "LaunchPlan", "make_implementation", "plan_launch"]
+__all__ = ["PLANTED_BUGS", "Launch", "LaunchPlan", "make_implementation", "plan_backward", "plan_launch"]
 
 #: planted_bug name -> the ``BUG`` constexpr the kernel sees (0: none).
 PLANTED_BUGS = {"drop_ragged_block": 1, "no_rescale": 2, "ignore_strides": 3}
@@ -152,7 +159,7 @@ def _interpreter_mismatch() -> str | None:
 if triton is not None:
 
     def _attn_fwd_kernel_fn(
-        Q, K, V, Mask, Out,
+        Q, K, V, Mask, Out, LSE,
         stride_qb, stride_qh, stride_ql, stride_qe,
         stride_kb, stride_kh, stride_ks, stride_ke,
         stride_vb, stride_vh, stride_vs, stride_ve,
@@ -253,8 +260,196 @@ if triton is not None:
         o_ptrs = (Out + b * stride_ob + h * stride_oh
                   + offs_m[:, None] * stride_ol + offs_ev[None, :] * stride_oe)
         tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_ev[None, :] < EV))
+        # log-sum-exp per row for the backward; +inf on fully-masked rows makes every
+        # recomputed probability exp(s - lse) exactly 0 there
+        lse = tl.where(l_i == 0.0, float("inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+        tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=row_ok)
 
     _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn)
+
+    def _attn_bwd_dkdv_kernel_fn(
+        Q, K, V, Mask, DO, LSE, Delta, DK, DV,
+        stride_qb, stride_qh, stride_ql, stride_qe,
+        stride_kb, stride_kh, stride_ks, stride_ke,
+        stride_vb, stride_vh, stride_vs, stride_ve,
+        stride_mb, stride_mh, stride_ml, stride_ms,
+        stride_dob, stride_doh, stride_dol, stride_doe,
+        stride_dkb, stride_dkh, stride_dks, stride_dke,
+        stride_dvb, stride_dvh, stride_dvs, stride_dve,
+        N, KH, L, S, E, EV, GROUP,
+        scale: tl.float64, causal_offset,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+        ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    ):
+        """One program: BLOCK_N keys of one (batch, kv head); dK, dV summed over its GQA group.
+
+        Works transposed (keys along rows): sT = k @ qT, pT = exp(sT - lse),
+        dV += pT @ dO, dpT = v @ dOT, dsT = pT * (dpT - delta), dK += scale * dsT @ q.
+        """
+        pid_bk = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        b = (pid_bk // KH).to(tl.int64)
+        kv_h = (pid_bk % KH).to(tl.int64)
+        if ACC_F64:
+            acc_dtype = tl.float64
+        else:
+            acc_dtype = tl.float32
+            scale = tl.cast(scale, tl.float32)
+
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_ev = tl.arange(0, BLOCK_EV)
+        col_ok = offs_n < S
+        k = tl.load(K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_ks
+                    + offs_e[None, :] * stride_ke, mask=col_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        v = tl.load(V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vs
+                    + offs_ev[None, :] * stride_ve, mask=col_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
+        if not NATIVE_DOT:
+            k = k.to(acc_dtype)
+            v = v.to(acc_dtype)
+        dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=acc_dtype)
+        dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=acc_dtype)
+
+        lo = 0
+        if CAUSAL:
+            # query i sees key j iff j <= i + causal_offset: skip query blocks before the first
+            lo = tl.maximum(pid_n * BLOCK_N - causal_offset, 0)
+            lo = (lo // BLOCK_M) * BLOCK_M
+        for g in range(0, GROUP):
+            h = kv_h * GROUP + g
+            bh = b * N + h
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = DO + b * stride_dob + h * stride_doh
+            m_base = Mask + b * stride_mb + h * stride_mh
+            for start_m in range(lo, L, BLOCK_M):
+                offs_m = start_m + offs_m0
+                row_ok = offs_m < L
+                qT = tl.load(q_base + offs_m[None, :] * stride_ql + offs_e[:, None] * stride_qe,
+                             mask=row_ok[None, :] & (offs_e[:, None] < E), other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_ev[None, :] * stride_doe,
+                             mask=row_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
+                if not NATIVE_DOT:
+                    qT = qT.to(acc_dtype)
+                    do = do.to(acc_dtype)
+                lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
+                delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+                sT = tl.dot(k, qT, input_precision="ieee", out_dtype=acc_dtype) * scale
+                visible = col_ok[:, None] & row_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                if MASK_KIND == 1:
+                    attend = tl.load(m_base + offs_m[None, :] * stride_ml + offs_n[:, None] * stride_ms,
+                                     mask=visible, other=0)
+                    visible = visible & (attend != 0)
+                if MASK_KIND == 2:
+                    bias = tl.load(m_base + offs_m[None, :] * stride_ml + offs_n[:, None] * stride_ms,
+                                   mask=visible, other=0.0)
+                    sT = sT + bias.to(acc_dtype)
+                pT = tl.where(visible, tl.exp(sT - lse[None, :]), 0.0)
+                if NATIVE_DOT:
+                    dv = tl.dot(pT.to(do.dtype), do, dv)
+                else:
+                    dv = tl.dot(pT, do, dv, input_precision="ieee")
+                dpT = tl.dot(v, tl.trans(do), input_precision="ieee", out_dtype=acc_dtype)
+                dsT = pT * (dpT - delta[None, :])
+                if NATIVE_DOT:
+                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+                else:
+                    dk = tl.dot(dsT, tl.trans(qT), dk, input_precision="ieee")
+        dk = dk * scale
+        tl.store(DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dks
+                 + offs_e[None, :] * stride_dke, dk, mask=col_ok[:, None] & (offs_e[None, :] < E))
+        tl.store(DV + b * stride_dvb + kv_h * stride_dvh + offs_n[:, None] * stride_dvs
+                 + offs_ev[None, :] * stride_dve, dv, mask=col_ok[:, None] & (offs_ev[None, :] < EV))
+
+    def _attn_bwd_dq_kernel_fn(
+        Q, K, V, Mask, DO, LSE, Delta, DQ,
+        stride_qb, stride_qh, stride_ql, stride_qe,
+        stride_kb, stride_kh, stride_ks, stride_ke,
+        stride_vb, stride_vh, stride_vs, stride_ve,
+        stride_mb, stride_mh, stride_ml, stride_ms,
+        stride_dob, stride_doh, stride_dol, stride_doe,
+        stride_dqb, stride_dqh, stride_dql, stride_dqe,
+        N, L, S, E, EV, GROUP,
+        scale: tl.float64, causal_offset,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+        ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    ):
+        """One program: BLOCK_M queries of one (batch, head); dQ = scale * sum_j dS_ij k_j."""
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        b = (pid_bh // N).to(tl.int64)
+        h = (pid_bh % N).to(tl.int64)
+        kv_h = h // GROUP
+        if ACC_F64:
+            acc_dtype = tl.float64
+        else:
+            acc_dtype = tl.float32
+            scale = tl.cast(scale, tl.float32)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_ev = tl.arange(0, BLOCK_EV)
+        row_ok = offs_m < L
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_ql
+                    + offs_e[None, :] * stride_qe, mask=row_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dol
+                     + offs_ev[None, :] * stride_doe, mask=row_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(acc_dtype)
+            do = do.to(acc_dtype)
+        bh = pid_bh.to(tl.int64)
+        lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+        k_base = K + b * stride_kb + kv_h * stride_kh
+        v_base = V + b * stride_vb + kv_h * stride_vh
+        m_base = Mask + b * stride_mb + h * stride_mh
+        dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=acc_dtype)
+
+        hi = S
+        if CAUSAL:
+            hi = tl.maximum(tl.minimum(S, pid_m * BLOCK_M + BLOCK_M + causal_offset), 0)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            col_ok = offs_n < S
+            kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke,
+                         mask=col_ok[None, :] & (offs_e[:, None] < E), other=0.0)
+            vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_ev[:, None] * stride_ve,
+                         mask=col_ok[None, :] & (offs_ev[:, None] < EV), other=0.0)
+            if not NATIVE_DOT:
+                kT = kT.to(acc_dtype)
+                vT = vT.to(acc_dtype)
+            s = tl.dot(q, kT, input_precision="ieee", out_dtype=acc_dtype) * scale
+            visible = row_ok[:, None] & col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if MASK_KIND == 1:
+                attend = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
+                                 mask=visible, other=0)
+                visible = visible & (attend != 0)
+            if MASK_KIND == 2:
+                bias = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
+                               mask=visible, other=0.0)
+                s = s + bias.to(acc_dtype)
+            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, vT, input_precision="ieee", out_dtype=acc_dtype)
+            ds = p * (dp - delta[:, None])
+            if NATIVE_DOT:
+                dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+            else:
+                dq = tl.dot(ds, tl.trans(kT), dq, input_precision="ieee")
+        dq = dq * scale
+        tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dql
+                 + offs_e[None, :] * stride_dqe, dq, mask=row_ok[:, None] & (offs_e[None, :] < E))
+
+    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn)
+    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn)
 
 
 def _next_pow2(n: int) -> int:
@@ -324,6 +519,20 @@ class LaunchPlan:
     out: torch.Tensor          # float32/float64 buffer the kernel writes, (B, N, L, Ev)
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
+    lse: torch.Tensor | None = None   # (B, N, L) row log-sum-exp, +inf on fully-masked rows
+    context: dict[str, Any] | None = None  # what plan_backward reuses
+
+
+@dataclass
+class Launch:
+    """One backward kernel launch (the compile test builds each of these too)."""
+
+    kernel: str                # "dkdv" or "dq"
+    grid: tuple[int, int, int]
+    args: list[Any]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
 
 
 def _as_4d(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -434,6 +643,7 @@ def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, 
     Ev = v4.shape[-1]
     acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     out = torch.empty((B, N, L, Ev), dtype=acc_dtype, device=query.device)
+    lse = torch.empty((B, N, L), dtype=acc_dtype, device=query.device)
 
     if attn_mask is None:
         mask_kind, mask, m_strides = MASK_NONE, q4, (0, 0, 0, 0)
@@ -454,7 +664,7 @@ def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, 
     ignore = bug == PLANTED_BUGS["ignore_strides"]
     cfg = kernel_config(query.dtype, E, Ev, gpu=gpu)
     args = [
-        q4, k4, v4, mask, out,
+        q4, k4, v4, mask, out, lse,
         *_strides(q4, ignore), *_strides(k4, ignore), *_strides(v4, ignore),
         *m_strides, *out.stride(),
         N, L, S, E, Ev, N // Kh,
@@ -467,28 +677,132 @@ def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, 
         NATIVE_DOT=cfg.native_dot and query.dtype in (torch.float16, torch.bfloat16),
         BUG=bug if bug in (1, 2) else 0,
     )
-    grid = (B * N, triton.cdiv(L, cfg.block_m) if triton else -(-L // cfg.block_m), 1)
+    grid = (B * N, -(-L // cfg.block_m), 1)
+    context = dict(q4=q4, k4=k4, v4=v4, mask=mask, m_strides=m_strides, mask_kind=mask_kind,
+                   sizes=(B, N, Kh, L, S, E, Ev), scale=float(scale), causal_offset=causal_offset,
+                   causal=bool(is_causal), acc_dtype=acc_dtype, gpu=gpu)
     return LaunchPlan(grid, args, constexprs, cfg.num_warps, cfg.num_stages, out,
-                      tuple(out_shape), query.dtype)
+                      tuple(out_shape), query.dtype, lse, context)
+
+
+def backward_config(dtype: torch.dtype, E: int, Ev: int, *, gpu: bool) -> KernelConfig:
+    """Block sizes of both backward kernels (dK/dV: BLOCK_N keys per program, BLOCK_M
+    queries per step; dQ: BLOCK_M queries per program, BLOCK_N keys per step)."""
+    block_e = max(16, _next_pow2(E))
+    block_ev = max(16, _next_pow2(Ev))
+    if not gpu:
+        return KernelConfig(64, 16, block_e, block_ev)
+    widest = max(block_e, block_ev)
+    if dtype in (torch.float16, torch.bfloat16):
+        if widest <= 64:
+            return KernelConfig(64, 64, block_e, block_ev, num_warps=4, num_stages=1, native_dot=True)
+        if widest <= 128:
+            return KernelConfig(64, 64, block_e, block_ev, num_warps=8, num_stages=1, native_dot=True)
+        return KernelConfig(32, 32, block_e, block_ev, num_warps=8, num_stages=1, native_dot=True)
+    if dtype == torch.float32:
+        if widest <= 64:
+            return KernelConfig(32, 32, block_e, block_ev, num_warps=4, num_stages=1)
+        return KernelConfig(16, 16, block_e, block_ev, num_warps=4, num_stages=1)
+    return KernelConfig(16, 16, block_e, block_ev, num_warps=4, num_stages=1)
+
+
+def plan_backward(plan: LaunchPlan, grad_out: torch.Tensor, out: torch.Tensor):
+    """The two backward launches for a forward ``plan``; returns (launches, dq, dk, dv).
+
+    ``grad_out`` and ``out`` have the forward output's shape (..., N, L, Ev); the
+    gradient buffers are float32 (float64 for float64), shaped (B, N|K, L|S, E|Ev).
+    delta_i = sum_e dO_ie * O_ie is computed on the host (one torch reduction).
+    """
+    ctx = plan.context
+    B, N, Kh, L, S, E, Ev = ctx["sizes"]
+    acc_dtype, device = ctx["acc_dtype"], grad_out.device
+    do4 = _as_4d(grad_out, "grad_out")
+    delta = (do4.to(acc_dtype) * _as_4d(out, "out").to(acc_dtype)).sum(-1).contiguous()  # (B, N, L)
+    dq = torch.empty((B, N, L, E), dtype=acc_dtype, device=device)
+    dk = torch.empty((B, Kh, S, E), dtype=acc_dtype, device=device)
+    dv = torch.empty((B, Kh, S, Ev), dtype=acc_dtype, device=device)
+    cfg = backward_config(plan.out_dtype, E, Ev, gpu=ctx["gpu"])
+    constexprs = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_EV=cfg.block_ev,
+        CAUSAL=ctx["causal"], MASK_KIND=ctx["mask_kind"], ACC_F64=acc_dtype == torch.float64,
+        NATIVE_DOT=cfg.native_dot and plan.out_dtype in (torch.float16, torch.bfloat16),
+    )
+    q4, k4, v4, mask = ctx["q4"], ctx["k4"], ctx["v4"], ctx["mask"]
+    inputs = [*q4.stride(), *k4.stride(), *v4.stride(), *ctx["m_strides"], *do4.stride()]
+    tail = [ctx["scale"], ctx["causal_offset"]]
+    dkdv = Launch("dkdv", (B * Kh, -(-S // cfg.block_n), 1),
+                  [q4, k4, v4, mask, do4, plan.lse, delta, dk, dv, *inputs,
+                   *dk.stride(), *dv.stride(), N, Kh, L, S, E, Ev, N // Kh, *tail],
+                  constexprs, cfg.num_warps, cfg.num_stages)
+    dq_launch = Launch("dq", (B * N, -(-L // cfg.block_m), 1),
+                       [q4, k4, v4, mask, do4, plan.lse, delta, dq, *inputs,
+                        *dq.stride(), N, L, S, E, Ev, N // Kh, *tail],
+                       constexprs, cfg.num_warps, cfg.num_stages)
+    return [dkdv, dq_launch], dq, dk, dv
+
+
+def _run_forward(plan: LaunchPlan) -> torch.Tensor:
+    if plan.out.numel() and plan.grid[1] > 0:
+        _attn_fwd_kernel[plan.grid](*plan.args, **plan.constexprs,
+                                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+    elif plan.lse is not None:
+        plan.lse.fill_(float("inf"))
+    out = plan.out.view(plan.out_shape)
+    return out if out.dtype == plan.out_dtype else out.to(plan.out_dtype)
+
+
+_BACKWARD_KERNELS = {"dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}
+
+
+class _TritonAttentionFunction(torch.autograd.Function):
+    """Forward and backward both in Triton kernels; gradients for q, k, v only."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, causal_alignment, planted_bug):
+        plan = plan_launch(query, key, value, attn_mask, is_causal, scale,
+                           causal_alignment=causal_alignment, planted_bug=planted_bug)
+        out = _run_forward(plan)
+        ctx.plan = plan
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        ctx.dtype = query.dtype
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (out,) = ctx.saved_tensors
+        q_shape, k_shape, v_shape = ctx.shapes
+        launches, dq, dk, dv = plan_backward(ctx.plan, grad_out, out)
+        if dq.numel() or dk.numel():
+            for launch in launches:
+                if launch.grid[0] and launch.grid[1]:
+                    kernel = globals()[_BACKWARD_KERNELS[launch.kernel]]
+                    kernel[launch.grid](*launch.args, **launch.constexprs,
+                                        num_warps=launch.num_warps, num_stages=launch.num_stages)
+                elif launch.kernel == "dkdv":
+                    dk.zero_(); dv.zero_()
+                else:
+                    dq.zero_()
+        grads = (dq.view(q_shape), dk.view(k_shape), dv.view(v_shape))
+        grads = tuple(g if g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grads)
+        return (*grads, None, None, None, None, None)
 
 
 def _make_sdpa(causal_alignment: str, planted_bug: str | None):
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
         _validate(query, key, value, attn_mask, dropout_p, enable_gqa)
-        if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, attn_mask)
-        ):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and attn_mask is not None and attn_mask.requires_grad:
             raise NotImplementedError(
-                "the triton implementation has no backward (capabilities.autograd=False); "
-                "call it under torch.no_grad() or pass tensors that do not require grad")
-        plan = plan_launch(query, key, value, attn_mask, is_causal, scale,
-                           causal_alignment=causal_alignment, planted_bug=planted_bug)
-        if plan.out.numel() and plan.grid[1] > 0:
-            _attn_fwd_kernel[plan.grid](*plan.args, **plan.constexprs,
-                                        num_warps=plan.num_warps, num_stages=plan.num_stages)
-        out = plan.out.view(plan.out_shape)
-        return out if out.dtype == plan.out_dtype else out.to(plan.out_dtype)
+                "the triton implementation has no gradient w.r.t. attn_mask "
+                "(capabilities.mask_grad=False); pass attn_mask.detach()")
+        if grad_enabled and any(t.requires_grad for t in (query, key, value)):
+            return _TritonAttentionFunction.apply(query, key, value, attn_mask, is_causal, scale,
+                                                  causal_alignment, planted_bug)
+        return _run_forward(plan_launch(query, key, value, attn_mask, is_causal, scale,
+                                        causal_alignment=causal_alignment,
+                                        planted_bug=planted_bug))
 
     sdpa.__name__ = "triton_sdpa"
     return sdpa
@@ -528,8 +842,8 @@ def make_implementation(*, causal_alignment: str = "upper_left",
         gqa=True,
         dropout=False,
         custom_scale=True,
-        autograd=False,
-        mask_grad=False,
+        autograd=True,
+        mask_grad=False,  # no d(additive mask): an attn_mask requiring grad raises
         non_contiguous=True,
         max_head_dim=MAX_HEAD_DIM,
         tf32=False,

@@ -325,14 +325,14 @@ def test_head_dim_too_large_raises():
         IMPL.sdpa(q, k, v)
 
 
-def test_requires_grad_raises_since_no_backward():
+def test_mask_requiring_grad_raises_since_no_mask_gradient():
     q, k, v = _qkv()
-    q.requires_grad_(True)
-    assert not IMPL.capabilities.autograd
-    with pytest.raises(NotImplementedError, match="backward"):
-        IMPL.sdpa(q, k, v)
+    mask = torch.zeros(5, 6, device=DEVICE, requires_grad=True)
+    assert not IMPL.capabilities.mask_grad
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        IMPL.sdpa(q, k, v, attn_mask=mask)
     with torch.no_grad():
-        IMPL.sdpa(q, k, v)
+        IMPL.sdpa(q, k, v, attn_mask=mask)
 
 
 def test_capabilities_are_declared():
@@ -340,6 +340,7 @@ def test_capabilities_are_declared():
     assert caps.causal == UL and ta.make_implementation(causal_alignment=LR).capabilities.causal == LR
     assert set(caps.dtypes) == {"float64", "float32", "float16", "bfloat16"}
     assert caps.fully_masked == "zero" and not caps.dropout and not caps.tf32
+    assert caps.autograd and not caps.mask_grad
     assert caps.gqa and caps.different_v_dim and caps.non_contiguous and caps.custom_scale
     assert IMPL.name == "triton"
 
