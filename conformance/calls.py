@@ -126,6 +126,9 @@ def run_sdpa(
 
     if not isinstance(out, torch.Tensor):
         fail(f"output type={type(out).__name__}, but should be torch.Tensor (SDPA returns one tensor)")
+    expected_shape = (case.B, case.N, case.L, case.Ev)
+    if tuple(out.shape) != expected_shape:
+        fail(f"output shape={tuple(out.shape)}, but should be {expected_shape} (B, N, L, Ev)")
     return SDPACall(to_numpy(out), out, tensors)
 
 

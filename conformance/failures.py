@@ -233,13 +233,14 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any) -> 
         path = None
         record.failure_file = f"(not saved: {err})"
     options = " ".join(f"--impl-option {k}={v}" for k, v in _IMPL_SPEC["options"].items())
+    record.reproducer = reproducer(case, property_id, impl, path)
     note = (
         f"\nproperty {property_id} failed for implementation {impl} on "
         f"{target.level}/{target.dtype}/{target.device}\n"
         f"shrunk case: {case.describe()}\n"
         f"saved: {record.failure_file}\n"
         f"replay: pytest conformance --impl={impl} {options} --replay {path}\n"
-        f"reproducer (paste into python):\n{reproducer(case, property_id, impl, path)}"
+        f"reproducer (paste into python):\n{record.reproducer}"
     )
     if hasattr(exc, "add_note"):
         exc.add_note(note)

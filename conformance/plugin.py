@@ -92,12 +92,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE_KEY] = state
     impl_spec = config.getoption("impl")
     if not impl_spec:
+        if _selects_conformance(config):
+            raise pytest.UsageError(
+                "the conformance suite needs --impl=NAME (a registered name, module:attr, "
+                "path/to/file.py:attr or mutant:NAME); see `pytest conformance --impl=list`"
+            )
         return
     from implementations import registry
 
     if impl_spec == "list":
-        listing = registry.listing()
-        pytest.exit(listing, returncode=0)
+        print(registry.listing(), flush=True)
+        pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
     options = _parse_options(config.getoption("impl_option"))
     try:
         impl = registry.resolve(impl_spec, options or None)
@@ -114,6 +119,14 @@ def pytest_configure(config: pytest.Config) -> None:
         except (OSError, KeyError, ValueError) as err:
             raise pytest.UsageError(f"--replay {replay_path}: cannot read a saved case ({err})") from None
         failures.set_replay(failures.Replay(meta["property"], meta["target"], meta.get("impl", ""), case))
+
+
+def _selects_conformance(config: pytest.Config) -> bool:
+    for arg in config.args:
+        path = Path(str(arg).split("::", 1)[0]).resolve()
+        if path == _CONFORMANCE_DIR or _CONFORMANCE_DIR in path.parents:
+            return True
+    return False
 
 
 def _devices(config: pytest.Config) -> list[str]:

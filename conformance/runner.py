@@ -98,6 +98,7 @@ class Record:
     counterexample: dict[str, Any] | None = None
     message: str = ""
     failure_file: str = ""
+    reproducer: str = ""
     xfail_hits: int = 0
     xfail_reason: str = ""
     failing_case: Any = field(default=None, repr=False)

@@ -1,0 +1,62 @@
+"""Small implementations the runner's own tests certify (plugged in as file.py:attr)."""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from implementations.base import Capabilities, ExpectedFailure, Implementation
+
+
+def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def ignores_scale(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+    """Bug: the explicit scale is dropped (KNOWN_BUGS #12)."""
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, enable_gqa=enable_gqa)
+
+
+def raises(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    raise RuntimeError("kernel launch failed")
+
+
+def wrong_shape(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[..., :1, :]
+
+
+def hangs(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    time.sleep(30)
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+_caps = Capabilities(dtypes=("float64", "float32"), dropout=True)
+
+#: The scale bug declared as a known deviation: forward_agreement becomes an
+#: expected failure; the temperature entry goes stale only if nothing catches it.
+known_scale_bug = Implementation(
+    name="known-scale-bug",
+    capabilities=_caps,
+    sdpa=ignores_scale,
+    expected_failures=(
+        ExpectedFailure("forward_agreement", "drops the explicit scale", {"scale_sign": ["positive", "negative", "zero"]}),
+    ),
+)
+
+#: A correct implementation with an expected failure that never happens: stale.
+stale_entry = Implementation(
+    name="stale-entry",
+    capabilities=_caps,
+    sdpa=correct,
+    expected_failures=(ExpectedFailure("output_contract", "was once wrong"),),
+)
+
+# Declared explicitly: the registry probes bare functions with a tiny call, and
+# these must reach the runner to show that misbehaviour fails properties.
+raises_impl = Implementation(name="raises", capabilities=_caps, sdpa=raises)
+wrong_shape_impl = Implementation(name="wrong-shape", capabilities=_caps, sdpa=wrong_shape)
+hangs_impl = Implementation(name="hangs", capabilities=_caps, sdpa=hangs)
