@@ -412,8 +412,8 @@ class HandwrittenMHA(nn.Module):
     """A drop-in for ``torch.nn.MultiheadAttention`` written like a tutorial.
 
     Same constructor, parameter names and ``forward``; masks in MHA's convention
-    (bool **True = blocked**, float added); ``is_causal`` is the same hint as
-    torch's (an ``attn_mask`` is required). Fully-masked query rows give a zero
+    (bool **True = blocked**, float added); ``is_causal`` is a hint as in torch
+    (an ``attn_mask`` is required, and applied). Fully-masked query rows give a zero
     attention output (so ``out_proj.bias`` after the projection) and zero weights.
     """
 
@@ -546,14 +546,18 @@ class HandwrittenMHA(nn.Module):
         return key_padding_mask.to(dtype)
 
     def resolve_causal(self, attn_mask, is_causal, padding, need_weights):
-        """torch's rule: the hint needs a mask; the flag replaces it only on the
-        need_weights=False, no-padding path. Returns (attn_mask, apply causal flag)."""
+        """is_causal is a hint that needs the causal attn_mask, and the mask is what
+        is applied. Returns (attn_mask, apply a causal triangle as well).
+
+        torch 2.13 swaps the mask for SDPA's is_causal on the need_weights=False,
+        no-padding path, which also blocks the keys add_zero_attn/add_bias_kv append
+        (so its output then depends on need_weights); the spec, and this base, apply
+        the (padded) mask on every path.
+        """
         if is_causal and attn_mask is None:
             raise AttentionInputError(
                 "is_causal=True needs attn_mask (the causal mask); the flag is only a hint"
             )
-        if is_causal and padding is None and not need_weights:
-            return None, True
         return attn_mask, False
 
     def attn_mask_to_additive(self, attn_mask, dtype):

@@ -373,7 +373,14 @@ def test_mha_base_matches_torch(options, forward):
     load_mha_weights(module, _params_of(reference))
     q, k, v, kwargs = _mha_forward_args(forward, B, N, L, S, D, options.get("kdim", D),
                                         options.get("vdim", D), options.get("batch_first", False), g)
-    want_out, want_w = reference(q, k, v, **kwargs)
+    if forward.get("is_causal") and not forward.get("need_weights", True) and (
+            options.get("add_zero_attn") or options.get("add_bias_kv")):
+        # torch swaps the mask for SDPA's is_causal here (see the pinned test below);
+        # the spec applies the mask, so compare with torch's need_weights=True path.
+        want_out, _ = reference(q, k, v, **dict(kwargs, need_weights=True))
+        want_w = None
+    else:
+        want_out, want_w = reference(q, k, v, **kwargs)
     got_out, got_w = module(q, k, v, **kwargs)
     finite = ~torch.isnan(want_out)  # torch's NaN rows (fully padded) are policy, not math
     assert got_out.shape == want_out.shape
@@ -424,3 +431,20 @@ def test_tail_mutant_shows_exactly_at_lengths_one_mod_16(S, exposed):
         case = dict(ONE, B=2, S=1, layout="stride0")
     assert _agrees(mutant, case) != exposed
     assert _agrees(mutant, dict(case, layout="contiguous"))
+
+
+def test_torch_mha_causal_hint_blocks_appended_keys():
+    """Pinned torch 2.13 behaviour the MHA base deliberately does not copy: with
+    add_zero_attn=True, is_causal=True and need_weights=False, nn.MultiheadAttention
+    runs SDPA's causal triangle over S + 1 keys and blocks the zero-attention key,
+    so the output differs from need_weights=True (which applies the padded mask)."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(2, 1, add_zero_attn=True, dtype=torch.float64).eval()
+    x = torch.randn(1, 1, 2, dtype=torch.float64)
+    mask = torch.zeros(1, 1, dtype=torch.bool)
+    with_weights = module(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)[0]
+    without = module(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+    assert not torch.allclose(with_weights, without)
+    base = HandwrittenMHA(2, 1, add_zero_attn=True, dtype=torch.float64).eval()
+    load_mha_weights(base, _params_of(module))
+    assert torch.allclose(base(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0], with_weights)
