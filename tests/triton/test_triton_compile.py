@@ -19,15 +19,17 @@ The builds run in one subprocess per target (this file run as a script) with
 forward tests, see implementations/triton_attention.py) cannot compile for a GPU,
 because triton.language's helpers were decorated as interpreted functions.
 
-Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``, 116 builds): dtype (float64/32/16,
-bfloat16) x mask kind (none/bool/additive) x causal at E = Ev = 64; every head-dim block
-size (16..256, and E != Ev including the extremes 16/256) with causal + additive mask; a
-strided/GQA/lower-right launch (non-unit last stride and a runtime GROUP change the
-integer specialisation); the two planted kernel bugs. Default: a core subset (48 builds)
-that still reaches every constexpr branch, every GPU tile family and the head-dim
-extremes once per dtype. Beyond "it builds", each kernel must fit the target's shared
-memory, float32 must not use TF32, 16-bit dots must reach tensor-core mma, and the scale
-must arrive as f64 (float64 keeps a float64 scale).
+Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 58 variants, 170 builds per
+target with the two backward kernels): dtype (float64/32/16, bfloat16) x mask kind
+(none/bool/additive) x causal at E = Ev = 64; every head-dim block size (16..256, and
+E != Ev including the extremes 16/256) with causal + additive mask; a strided/GQA/
+lower-right launch (non-unit last stride and a runtime GROUP change the integer
+specialisation); the two planted forward bugs. Forward, dK/dV and dQ kernels each.
+Default: a core subset (24 variants, 56 builds per target) that still reaches every
+constexpr branch, every GPU tile family of the forward and backward configs and the
+head-dim extremes once per dtype. Beyond "it builds", each kernel must fit the
+target's shared memory, float32 must not use TF32, 16-bit dots must reach tensor-core
+mma, and the scale must arrive as f64 (float64 keeps a float64 scale).
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def _all_variants():
     for dtype in DTYPES:
         for mask_kind in ("none", "bool", "additive"):
             for causal in (False, True):
-                out.append(dict(dtype=dtype, E=64, Ev=64, mask=mask_kind, causal=causal))
+                out.append(dict(dtype=dtype, E=64, Ev=64, mask=mask_kind, causal=causal, bwd=True))
         for E, Ev in ((16, 16), (32, 32), (128, 128), (256, 256), (40, 72), (16, 256), (256, 16)):
-            out.append(dict(dtype=dtype, E=E, Ev=Ev, mask="additive", causal=True))
+            out.append(dict(dtype=dtype, E=E, Ev=Ev, mask="additive", causal=True, bwd=True))
         out.append(dict(dtype=dtype, E=48, Ev=48, mask="bool", causal=True, layout="strided",
-                        alignment="lower_right"))
+                        alignment="lower_right", bwd=True))
     for bug in ("drop_ragged_block", "no_rescale"):
         out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, bug=bug))
     return out
@@ -81,9 +83,9 @@ def _core_variants():
     for dtype in DTYPES:
         out.append(dict(dtype=dtype, E=64, Ev=64, mask="none", causal=False))
         for E, Ev in ((64, 64), (128, 128), (256, 256)):
-            out.append(dict(dtype=dtype, E=E, Ev=Ev, mask="additive", causal=True))
+            out.append(dict(dtype=dtype, E=E, Ev=Ev, mask="additive", causal=True, bwd=True))
         out.append(dict(dtype=dtype, E=48, Ev=48, mask="bool", causal=True, layout="strided",
-                        alignment="lower_right"))
+                        alignment="lower_right", bwd=True))
     for dtype in ("float16", "float32"):
         out.append(dict(dtype=dtype, E=16, Ev=256, mask="additive", causal=True))
     for bug in ("drop_ragged_block", "no_rescale"):
@@ -91,8 +93,8 @@ def _core_variants():
     return out
 
 
-#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (116 builds, ~3 CPU-minutes);
-#: the default core set (48 builds) reaches every constexpr branch and tile family.
+#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (340 builds); the default core
+#: set (112 builds) reaches every constexpr branch and tile family.
 FULL_MATRIX = os.environ.get("ATTN_TRITON_COMPILE_ALL", "") == "1"
 
 VARIANTS = _all_variants() if FULL_MATRIX else _core_variants()
@@ -128,6 +130,23 @@ def _plan(v):
                           planted_bug=v.get("bug"), gpu=True)
 
 
+def _kernels(v) -> list[str]:
+    return ["fwd", "bwd-dkdv", "bwd-dq"] if v.get("bwd") else ["fwd"]
+
+
+def _launches(v) -> dict[str, tuple]:
+    """kernel key -> (kernel attribute of ta, args, constexprs, num_warps, num_stages)."""
+    plan = _plan(v)
+    out = {"fwd": ("_attn_fwd_kernel", plan.args, plan.constexprs, plan.num_warps, plan.num_stages)}
+    if v.get("bwd"):
+        grad_out = torch.randn(plan.out_shape, dtype=plan.out_dtype)
+        launches, *_ = ta.plan_backward(plan, grad_out, grad_out)
+        for launch in launches:
+            out[f"bwd-{launch.kernel}"] = (ta._BACKWARD_KERNELS[launch.kernel], launch.args,
+                                           launch.constexprs, launch.num_warps, launch.num_stages)
+    return out
+
+
 def _compile_all(target_name: str) -> dict[str, dict]:
     """Worker side (TRITON_INTERPRET=0): build every variant for one target."""
     import triton
@@ -135,32 +154,40 @@ def _compile_all(target_name: str) -> dict[str, dict]:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    kernel = ta._attn_fwd_kernel
-    assert isinstance(kernel, JITFunction), f"worker kernel is {type(kernel).__name__}"
     target = GPUTarget(*TARGETS[target_name][0])
     backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    binders = {}
     results = {}
     for variant in VARIANTS:
-        start = time.perf_counter()
-        row = {"ok": False}
         try:
-            plan = _plan(variant)
-            kwargs = dict(plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages)
-            bound, specialization, options = binder(*plan.args, **kwargs)
-            options, signature, constexprs, attrs = kernel._pack_args(
-                backend, kwargs, bound, specialization, options)
-            src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-            built = triton.compile(src, target=target, options=options.__dict__)
-            ptx = built.asm["ptx"]
-            row.update(ok=True, cubin_bytes=len(built.asm.get("cubin") or b""),
-                       shared=built.metadata.shared, tf32="tf32" in ptx, mma="mma" in ptx,
-                       scale_type=signature["scale"], native_dot=plan.constexprs["NATIVE_DOT"],
-                       config=f"{plan.constexprs} warps={plan.num_warps} stages={plan.num_stages}")
+            launches = _launches(variant)
         except Exception as exc:  # reported per variant by the test
-            row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        results[_variant_id(variant)] = row
+            for key in _kernels(variant):
+                results[f"{_variant_id(variant)}:{key}"] = {"ok": False, "error": repr(exc)}
+            continue
+        for key, (attr, args, constexprs_in, num_warps, num_stages) in launches.items():
+            start = time.perf_counter()
+            row = {"ok": False}
+            try:
+                kernel = getattr(ta, attr)
+                assert isinstance(kernel, JITFunction), f"worker kernel is {type(kernel).__name__}"
+                if attr not in binders:
+                    binders[attr] = create_function_from_signature(kernel.signature, kernel.params, backend)
+                kwargs = dict(constexprs_in, num_warps=num_warps, num_stages=num_stages)
+                bound, specialization, options = binders[attr](*args, **kwargs)
+                options, signature, constexprs, attrs = kernel._pack_args(
+                    backend, kwargs, bound, specialization, options)
+                src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+                built = triton.compile(src, target=target, options=options.__dict__)
+                ptx = built.asm["ptx"]
+                row.update(ok=True, cubin_bytes=len(built.asm.get("cubin") or b""),
+                           shared=built.metadata.shared, tf32="tf32" in ptx, mma="mma" in ptx,
+                           scale_type=signature["scale"], native_dot=constexprs_in["NATIVE_DOT"],
+                           config=f"{constexprs_in} warps={num_warps} stages={num_stages}")
+            except Exception as exc:  # reported per variant by the test
+                row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+            row["seconds"] = round(time.perf_counter() - start, 2)
+            results[f"{_variant_id(variant)}:{key}"] = row
     return results
 
 
@@ -180,10 +207,11 @@ def builds() -> dict[str, dict[str, dict]]:
 
 
 @pytest.mark.parametrize("target_name", sorted(TARGETS))
-@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
-def test_kernel_variant_builds(builds, variant, target_name):
-    row = builds[target_name][_variant_id(variant)]
-    where = f"[{_variant_id(variant)} on {target_name}]"
+@pytest.mark.parametrize("variant,kernel", [(v, k) for v in VARIANTS for k in _kernels(v)],
+                         ids=[f"{_variant_id(v)}:{k}" for v in VARIANTS for k in _kernels(v)])
+def test_kernel_variant_builds(builds, variant, kernel, target_name):
+    row = builds[target_name][f"{_variant_id(variant)}:{kernel}"]
+    where = f"[{_variant_id(variant)}:{kernel} on {target_name}]"
     assert row["ok"], f"compile failed {where}: {row.get('error')}"
     assert row["cubin_bytes"] > 0, f"no cubin {where}"
     smem_limit = TARGETS[target_name][1]
@@ -198,35 +226,38 @@ def test_kernel_variant_builds(builds, variant, target_name):
         assert row["mma"], f"16-bit dots should lower to tensor-core mma {where}"
 
 
+CONFIGS = {"forward": ta.kernel_config, "backward": ta.backward_config}
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_every_config_has_legal_dot_shapes(dtype, gpu):
+def test_every_config_has_legal_dot_shapes(dtype, gpu, which):
     """Powers of 2 (tl.arange) and >= 16 (NVIDIA 16-bit dots) for every head dim."""
     for E in range(0, ta.MAX_HEAD_DIM + 1):
         for Ev in (E, 1, ta.MAX_HEAD_DIM):
-            cfg = ta.kernel_config(dtype, E, Ev, gpu=gpu)
+            cfg = CONFIGS[which](dtype, E, Ev, gpu=gpu)
             for name in ("block_m", "block_n", "block_e", "block_ev"):
                 size = getattr(cfg, name)
                 assert size >= 16 and size & (size - 1) == 0, f"{name}={size} for E={E}, Ev={Ev}"
             assert cfg.block_e >= E and cfg.block_ev >= Ev
-            # the compile test above covers exactly these block-size families
             assert cfg.block_e in (16, 32, 64, 128, 256) and cfg.block_ev in (16, 32, 64, 128, 256)
 
 
-def test_variants_cover_every_gpu_config():
-    """Each distinct GPU KernelConfig (per dtype) is compiled by some variant above."""
-    covered = {(v["dtype"], ta.kernel_config(DTYPES[v["dtype"]], v["E"], v["Ev"], gpu=True))
-               for v in VARIANTS}
+def _family(cfg):
+    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.native_dot)
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_variants_cover_every_gpu_config(which):
+    """Every GPU tile family (tiles, warps, stages, dot mode) of every dtype is compiled."""
+    compiled = {(v["dtype"], _family(CONFIGS[which](DTYPES[v["dtype"]], v["E"], v["Ev"], gpu=True)))
+                for v in VARIANTS if which == "forward" or v.get("bwd")}
     for name, dtype in DTYPES.items():
         for E in range(1, ta.MAX_HEAD_DIM + 1):
             for Ev in (E, 16, ta.MAX_HEAD_DIM):
-                cfg = ta.kernel_config(dtype, E, Ev, gpu=True)
-                key_cfg = {c for (d, c) in covered if d == name}
-                # configs differing only in (block_e, block_ev) within one family share the
-                # tile shape; require the tile/warps/stages family to be compiled
-                family = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.native_dot)
-                assert family in {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.native_dot)
-                                  for c in key_cfg}, f"{name} E={E} Ev={Ev}: {cfg} never compiled"
+                cfg = CONFIGS[which](dtype, E, Ev, gpu=True)
+                assert (name, _family(cfg)) in compiled, f"{which} {name} E={E} Ev={Ev}: {cfg} never compiled"
 
 
 if __name__ == "__main__":  # compile worker: python test_triton_compile.py sm80|sm90
