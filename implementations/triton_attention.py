@@ -32,7 +32,9 @@ accumulates in float32 (float64 for float64 inputs):
   reduction on the host. Same masks, causal, strides, dtypes as the forward. No
   gradient w.r.t. an additive mask (an ``attn_mask`` that requires grad raises;
   ``mask_grad=False``).
-* no dropout (``dropout_p > 0`` raises), head dims up to 256.
+* no dropout (``dropout_p > 0`` raises), head dims up to 256. Batch/head base
+  offsets are 64-bit; offsets inside one (batch, head) slice are 32-bit (a slice
+  must span < 2**31 elements).
 
 CPU: the Triton interpreter
 ---------------------------
@@ -265,7 +267,11 @@ if triton is not None:
         lse = tl.where(l_i == 0.0, float("inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
         tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=row_ok)
 
-    _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn)
+    # Sizes vary from call to call; specialising on them (== 1, divisible by 16) would
+    # multiply the compiled variants for little gain. Strides stay specialised (a unit
+    # last-dim stride gives vectorised loads).
+    _SIZE_ARGS = ["N", "L", "S", "E", "EV", "GROUP", "causal_offset"]
+    _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn, do_not_specialize=_SIZE_ARGS)
 
     def _attn_bwd_dkdv_kernel_fn(
         Q, K, V, Mask, DO, LSE, Delta, DK, DV,
@@ -448,8 +454,8 @@ if triton is not None:
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dql
                  + offs_e[None, :] * stride_dqe, dq, mask=row_ok[:, None] & (offs_e[None, :] < E))
 
-    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn)
-    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn)
+    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn, do_not_specialize=_SIZE_ARGS + ["KH"])
+    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn, do_not_specialize=_SIZE_ARGS)
 
 
 def _next_pow2(n: int) -> int:
