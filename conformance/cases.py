@@ -289,6 +289,7 @@ class MHACase:
             "kdim_vdim": p.kdim != p.embed_dim or p.vdim != p.embed_dim,
             "bias": p.in_proj_bias is not None,
             "mha_features": self.mha_features(),
+            "self_attention": self.key is self.query and self.value is self.query,
             "mask_kind": "none",
             "training": False,
         }

@@ -314,6 +314,8 @@ def _details(cert: dict[str, Any]) -> list[str]:
             lines += ["    " + x for x in first]
         elif r["outcome"] == "xfailed":
             lines.append(f"expected failure {tag}: {r['xfail_reason']} ({r['xfail_hits']} of {r['examples']} examples)")
+            if r["reason"]:
+                lines.append(f"STALE expected failure {tag}: {r['reason']}")
         elif r["outcome"] == "stale-xfail":
             lines.append(f"STALE expected failure {tag}: {r['reason']}")
         elif r["outcome"] == "skipped" and r["reason"] and r["reason"] not in seen:

@@ -58,8 +58,8 @@ TOLERANCES: dict[str, Tolerance] = {
     "float64": Tolerance(k=8.0, floor=256.0, grad_floor=256.0, mha_floor=256.0),
     "float32": Tolerance(k=8.0, floor=256.0, grad_floor=256.0, mha_floor=256.0),
     "tf32": Tolerance(k=8.0, floor=64.0, grad_floor=64.0, mha_floor=64.0),
-    "float16": Tolerance(k=8.0, floor=16.0, grad_floor=256.0, mha_floor=64.0),
-    "bfloat16": Tolerance(k=8.0, floor=16.0, grad_floor=256.0, mha_floor=64.0),
+    "float16": Tolerance(k=8.0, floor=16.0, grad_floor=256.0, mha_floor=256.0),
+    "bfloat16": Tolerance(k=8.0, floor=16.0, grad_floor=256.0, mha_floor=256.0),
 }
 
 

@@ -146,18 +146,43 @@ class ExpectedFailure:
     reference: str = ""  # e.g. "pytorch/pytorch#41508"
 
     def applies(self, property_id: str, case_attrs: Mapping[str, Any]) -> bool:
-        """``property`` may be ``"*"`` (a deviation that shows in every property);
-        a ``match`` value that is a list matches any of its members."""
+        """Whether this entry covers ``property_id`` on a case with ``case_attrs``.
+
+        ``property`` may be ``"*"`` (a deviation that shows in every property).
+        A ``match`` value is compared with the case attribute of that name: a
+        list matches any of its members; a table of comparisons
+        (``lt/le/gt/ge/ne/in``, e.g. ``{"le": 0.0}``) must all hold (a None
+        attribute never satisfies one); the string ``"none"`` matches None
+        (TOML has no null); anything else must be equal.
+        """
         if self.property not in ("*", property_id):
             return False
-        for key, wanted in self.match.items():
-            got = case_attrs.get(key)
-            if isinstance(wanted, (list, tuple, set, frozenset)):
-                if got not in wanted:
-                    return False
-            elif got != wanted:
-                return False
-        return True
+        return all(_matches(case_attrs.get(key), wanted) for key, wanted in self.match.items())
+
+
+_COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
+    "lt": lambda got, bound: got < bound,
+    "le": lambda got, bound: got <= bound,
+    "gt": lambda got, bound: got > bound,
+    "ge": lambda got, bound: got >= bound,
+    "ne": lambda got, bound: got != bound,
+    "in": lambda got, bound: got in bound,
+}
+
+
+def _matches(got: Any, wanted: Any) -> bool:
+    if isinstance(wanted, Mapping):
+        if got is None:
+            return False
+        try:
+            return all(_COMPARISONS[op](got, bound) for op, bound in wanted.items())
+        except (TypeError, KeyError):
+            return False
+    if isinstance(wanted, (list, tuple, set, frozenset)):
+        return any(_matches(got, w) for w in wanted)
+    if wanted == "none":
+        return got is None
+    return got == wanted
 
 
 SDPACallable = Callable[..., Any]
