@@ -12,6 +12,7 @@ and the shrunk counterexample's sizes next to the documented smallest case. The
     python benchmarks/mutation_score.py                  # all mutants, one at a time
     python benchmarks/mutation_score.py --jobs 2 --only gqa_tile,tiled_no_rescale
     python benchmarks/mutation_score.py --json score.json
+    python benchmarks/mutation_score.py --expected-only  # only each mutant's expected property
 
 Exit status: 0 when every selected mutant is killed, 1 otherwise.
 """
@@ -77,7 +78,8 @@ def is_minimal(documented: dict[str, int], found: dict[str, Any] | None) -> bool
     return all(abs(found[d] - documented[d]) <= slack for d in shared)
 
 
-def score_mutant(mutant: Mutant, profile: str, timeout_s: float) -> Score:
+def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_only: bool = False) -> Score:
+    """Run the suite on one mutant (``expected_only``: only its expected property)."""
     score = Score(mutant.name, mutant.expected_property, documented_sizes(mutant))
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as workdir:
         report = Path(workdir) / mutant.name
@@ -86,6 +88,8 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float) -> Score:
             f"--impl=mutant:{mutant.name}", f"--hypothesis-profile={profile}",
             "-x", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report),
         ]
+        if expected_only:
+            cmd += ["-k", f"test_{mutant.expected_property}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
         start = time.perf_counter()
         try:
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="ci", help="Hypothesis profile (default ci)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mutant run")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the scores as JSON")
+    parser.add_argument("--expected-only", action="store_true",
+                        help="run only each mutant's expected_property (does that property alone kill it?)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or sorted(MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs={args.jobs} must be >= 1")
 
     def run(name: str) -> Score:
-        score = score_mutant(MUTANTS[name], args.profile, args.timeout)
+        score = score_mutant(MUTANTS[name], args.profile, args.timeout, expected_only=args.expected_only)
         print(f"  {name}: {'killed by ' + str(score.property) if score.killed else 'SURVIVED'} "
               f"({score.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
         return score
