@@ -25,6 +25,12 @@ from conformance.tensors import dtype_of, mha_inputs, to_numpy
 
 
 def _cases(target: Target, **kwargs: Any):
+    """mha_cases within the target's claims (self-attention only without
+    the ``cross_attention`` feature)."""
+    if "cross_attention" not in target.caps.mha_features:
+        kwargs["self_attention"] = True
+        features = set(kwargs.get("features", target.caps.mha_features))
+        kwargs["features"] = features - {"kdim_vdim"}
     return mha_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 

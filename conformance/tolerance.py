@@ -84,9 +84,14 @@ def sdpa_allowed(
     return tol.k * naive_error + tol.floor * eps * np.maximum(magnitude, tiny)
 
 
+#: Smallest positive subnormal of each dtype: gradients below a few of these
+#: are lost to underflow in any same-precision backward.
+SUBNORMAL = {"float64": 5e-324, "float32": 1.4e-45, "float16": 6.0e-8, "bfloat16": 9.2e-41}
+
+
 def grad_allowed(dtype: str, magnitude: np.ndarray, logit_range: float, *, tf32: bool = False) -> np.ndarray:
     tol, eps = tolerance_for(dtype, tf32=tf32)
-    return tol.grad_floor * eps * (1.0 + logit_range) * magnitude + tol.grad_floor * eps * 1e-30
+    return tol.grad_floor * eps * (1.0 + logit_range) * magnitude + 16 * SUBNORMAL[dtype]
 
 
 def mha_allowed(dtype: str, magnitude: np.ndarray, logit_range: float, *, tf32: bool = False) -> np.ndarray:

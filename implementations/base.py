@@ -62,6 +62,7 @@ ALL_MHA_FEATURES = frozenset(
         "need_weights",      # returns weights when need_weights=True
         "average_weights",   # average_attn_weights=False returns per-head weights
         "dropout",           # dropout>0 constructor option, train/eval modes
+        "cross_attention",   # query, key, value may differ (without it: self-attention only)
     }
 )
 
