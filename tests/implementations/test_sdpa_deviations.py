@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from implementations import registry
+from implementations.base import ImplementationError
 
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
 @pytest.mark.parametrize("scale", [0.0, -0.5])
 def test_causal_with_non_positive_scale_gives_nan(name, scale):
     impl = registry.resolve(name)
-    entry = impl.expected_failure("forward_agreement", {"causal": "upper_left", "scale": scale})
+    sign = "zero" if scale == 0 else "negative"
+    entry = impl.expected_failure("forward_agreement", {"causal": "upper_left", "scale": scale, "scale_sign": sign})
     assert entry is not None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
@@ -32,9 +34,10 @@ def test_causal_with_non_positive_scale_gives_nan(name, scale):
 
 def test_entries_do_not_cover_positive_or_default_scales():
     impl = registry.resolve("sdpa-flash")
-    assert impl.expected_failure("forward_agreement", {"causal": "upper_left", "scale": 0.5}) is None
-    assert impl.expected_failure("forward_agreement", {"causal": "upper_left", "scale": None}) is None
-    assert impl.expected_failure("forward_agreement", {"causal": None, "scale": -1.0}) is None
+    for attrs in ({"causal": "upper_left", "scale": 0.5, "scale_sign": "positive"},
+                  {"causal": "upper_left", "scale": None, "scale_sign": "default"},
+                  {"causal": None, "scale": -1.0, "scale_sign": "negative"}):
+        assert impl.expected_failure("forward_agreement", attrs) is None
 
 
 def test_range_match_syntax(tmp_path):
@@ -54,5 +57,5 @@ def test_range_match_syntax(tmp_path):
     (tmp_path / "bad.toml").write_text(
         '[[xfail]]\nproperty = "p"\nreason = "r"\nmatch = { S = { between = 3 } }\n'
     )
-    with pytest.raises(Exception, match="lt"):
+    with pytest.raises(ImplementationError, match="lt"):
         registry.load_expected_failures("bad", directory=tmp_path)

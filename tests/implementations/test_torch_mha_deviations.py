@@ -30,12 +30,16 @@ def fully_masked_inputs():
     return x, kpm
 
 
-def entries(property_id):
-    return [e for e in registry.resolve("torch-mha").expected_failures if e.property == property_id]
+def listed(property_id, **attrs):
+    """The torch-mha expected failure covering a case with these attributes, or None."""
+    base = {"level": "mha", "key_padding_mask": None, "attn_mask": None, "is_causal": False,
+            "batch_first": False, "self_attention": False, "add_bias_kv": False,
+            "add_zero_attn": False, "need_weights": True, "fully_masked_rows": False}
+    return registry.resolve("torch-mha").expected_failure(property_id, {**base, **attrs})
 
 
 def test_need_weights_true_gives_nan_rows_and_nan_gradients():
-    assert any(e.match == {"need_weights": True} for e in entries("mha_fully_masked_rows"))
+    assert listed("mha_fully_masked_rows", need_weights=True, fully_masked_rows=True)
     module, _ = build()
     x, kpm = fully_masked_inputs()
     x = x.clone().requires_grad_()
@@ -47,7 +51,8 @@ def test_need_weights_true_gives_nan_rows_and_nan_gradients():
 
 
 def test_fast_path_gives_nan_rows():
-    assert any(e.match == {"need_weights": False, "batch_first": True} for e in entries("mha_fully_masked_rows"))
+    assert listed("mha_fully_masked_rows", need_weights=False, batch_first=True, self_attention=True,
+                  fully_masked_rows=True)
     module, _ = build(batch_first=True)
     x, kpm = fully_masked_inputs()
     with torch.no_grad():  # eval + no grad + self-attention + need_weights=False: the fast path
@@ -63,7 +68,9 @@ def test_slow_path_without_weights_conforms_so_it_is_not_listed():
                                    key_padding_mask=kpm.numpy(), need_weights=False, batch_first=True)
     np.testing.assert_allclose(out.detach().double().numpy(), expected, atol=1e-5)
     np.testing.assert_allclose(expected[0], np.broadcast_to(params.out_proj_bias, (3, 8)), atol=1e-12)
-    assert not any(e.match == {"need_weights": False} for e in entries("mha_fully_masked_rows"))
+    assert not listed("mha_fully_masked_rows", need_weights=False, batch_first=True, self_attention=False,
+                      fully_masked_rows=True)
+    assert not listed("mha_agreement", need_weights=False, fully_masked_rows=True)
 
 
 def test_fast_path_ignores_is_causal_without_a_mask():
@@ -81,8 +88,10 @@ def test_fast_path_ignores_is_causal_without_a_mask():
 @pytest.mark.parametrize("extra", ["add_zero_attn", "add_bias_kv"])
 def test_is_causal_with_an_appended_key_blocks_it(extra):
     """need_weights=False, no key_padding_mask: the causal flag replaces the padded mask."""
-    assert any(e.match == {"is_causal": True, extra: True, "need_weights": False}
-               for e in entries("mha_agreement"))
+    for property_id in ("mha_agreement", "mha_gradients", "mha_mask_conventions"):
+        assert listed(property_id, is_causal=True, attn_mask="bool", need_weights=False, **{extra: True})
+    assert not listed("mha_agreement", is_causal=True, attn_mask="bool", need_weights=False,
+                      key_padding_mask="bool", **{extra: True})
     torch.manual_seed(0)
     module = torch.nn.MultiheadAttention(4, 2, **{extra: True}).double().eval()
     x = torch.randn(3, 2, 4, dtype=torch.float64)
