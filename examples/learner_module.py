@@ -93,6 +93,7 @@ implementation = Implementation(
     name="learner-self-attention",
     capabilities=Capabilities(
         dtypes=("float64", "float32"), causal=None, gqa=False, different_v_dim=False,
+        # no "cross_attention": the suite then only hands it query = key = value
         mha_features=frozenset({"batch_first", "key_padding_mask", "attn_mask", "is_causal"}),
     ),
     mha=_AsMHA,

@@ -524,18 +524,20 @@ def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
     """Capabilities of an nn.MultiheadAttention drop-in, found by tiny calls on CPU."""
     import torch
 
-    D, N, L, S, B = 4, 2, 2, 3, 2
+    # L == S and query = key = value unless a feature needs otherwise, so that a
+    # self-attention-only module is probed feature by feature too.
+    D, N, L, S, B = 4, 2, 3, 3, 2
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(L, B, D, generator=gen)
     kv = torch.randn(S, B, D, generator=gen)
     try:
         module = factory(D, N)
         module.eval()
-        module(x, kv, kv)
+        module(x, x, x)
     except Exception as exc:
         raise ImplementationError(
             f"{origin} has nn.MultiheadAttention's signature but building it with (embed_dim=4, "
-            f"num_heads=2) and calling it on query (2, 2, 4), key/value (3, 2, 4) raised "
+            f"num_heads=2) and calling it on query = key = value of shape (3, 2, 4) raised "
             f"{_summary(exc)}; it must at least run that"
         ) from exc
 
@@ -548,37 +550,37 @@ def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
     def call(build: dict | None = None, *args, **forward) -> Any:
         m = factory(D, N, **(build or {}))
         m.eval()
-        q_, k_, v_ = args or (x, kv, kv)
+        q_, k_, v_ = args or (x, x, x)
         return m(q_, k_, v_, **forward)
 
     kpm = torch.tensor([[False, False, True], [False, True, False]])
     causal = torch.ones(L, S, dtype=torch.bool).tril().logical_not()
     features = {
+        "cross_attention": lambda: call(None, x, kv, kv),
         "bias": lambda: call({"bias": False}),
         "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(S, B, 3), torch.randn(S, B, 5)),
         "bias_kv": lambda: call({"add_bias_kv": True}),
         "zero_attn": lambda: call({"add_zero_attn": True}),
-        "batch_first": lambda: call({"batch_first": True}, x.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1)),
-        "unbatched": lambda: call(None, x[:, 0], kv[:, 0], kv[:, 0]),
+        "batch_first": lambda: call({"batch_first": True}, *[x.transpose(0, 1)] * 3),
+        "unbatched": lambda: call(None, *[x[:, 0]] * 3),
         "key_padding_mask": lambda: (call(None, key_padding_mask=kpm),
                                      call(None, key_padding_mask=torch.zeros(B, S).masked_fill(kpm, float("-inf")))),
         "attn_mask": lambda: (call(None, attn_mask=causal), call(None, attn_mask=torch.randn(L, S))),
         "is_causal": lambda: call(None, attn_mask=causal, is_causal=True),
         "need_weights": lambda: call(None, need_weights=True)[1] is not None,
         "average_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,
-        "dropout": lambda: factory(D, N, dropout=0.5).train()(x, kv, kv),
+        "dropout": lambda: factory(D, N, dropout=0.5).train()(x, x, x),
     }
     mha_features = frozenset(f for f, probe in features.items() if runs(probe))
     dtypes = tuple(
         d for d in ALL_DTYPES
-        if runs(lambda d=d: call({"dtype": getattr(torch, d)}, x.to(getattr(torch, d)),
-                                 kv.to(getattr(torch, d)), kv.to(getattr(torch, d))))
+        if runs(lambda d=d: call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3))
     )
 
     def backward() -> bool:
         m = factory(D, N)
         xx = x.clone().requires_grad_()
-        m(xx, kv, kv)[0].sum().backward()
+        m(xx, xx, xx)[0].sum().backward()
         return xx.grad is not None
 
     fully_masked = "unspecified"
@@ -586,7 +588,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
         blocked = torch.tensor([[True, True, True], [False, False, False]])
         m = factory(D, N)
         m.eval()
-        out = m(x, kv, kv, key_padding_mask=blocked, need_weights=False)[0][:, 0]  # (L, D), batch 0
+        out = m(x, x, x, key_padding_mask=blocked, need_weights=False)[0][:, 0]  # (L, D), batch 0
         bias = getattr(getattr(m, "out_proj", None), "bias", None)
         if torch.isnan(out).all():
             fully_masked = "nan"

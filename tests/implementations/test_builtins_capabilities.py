@@ -89,6 +89,7 @@ def test_cuda_only_backends_are_marked_and_unavailable_without_cuda():
 
 
 MHA_FEATURE_CALLS = {
+    "cross_attention": ({}, {}),  # every call below has distinct query, key and value
     "bias": ({"bias": False}, {}),
     "kdim_vdim": ({"kdim": 3, "vdim": 5}, {}),
     "bias_kv": ({"add_bias_kv": True}, {}),

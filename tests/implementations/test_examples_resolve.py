@@ -45,7 +45,8 @@ def test_mha_dropin_example(batch_first):
     caps = impl.caps("mha")
     assert impl.mha is not None and caps.returns_weights
     assert {"bias_kv", "zero_attn", "kdim_vdim", "dropout"}.isdisjoint(caps.mha_features)
-    assert {"batch_first", "key_padding_mask", "attn_mask", "unbatched", "average_weights"} <= caps.mha_features
+    assert {"batch_first", "key_padding_mask", "attn_mask", "unbatched", "average_weights",
+            "cross_attention"} <= caps.mha_features
     rng = np.random.default_rng(1)
     params = spec.MHAParams.random(rng, 8, 2)
     q, kv = mha_inputs(rng, batch_first), mha_inputs(rng, batch_first)
@@ -65,6 +66,7 @@ def test_mha_dropin_example(batch_first):
 def test_learner_module_example():
     impl = registry.resolve(f"{EXAMPLES / 'learner_module.py'}:implementation")
     assert impl.name == "learner-self-attention" and impl.mha is not None
+    assert "cross_attention" not in impl.caps("mha").mha_features
     rng = np.random.default_rng(2)
     params = spec.MHAParams.random(rng, 8, 2)
     x = rng.standard_normal((4, 2, 8))  # (L, B, D), self-attention

@@ -208,3 +208,26 @@ def test_load_expected_failures(tmp_path):
 
 def test_capabilities_type_is_frozen_dataclass():
     assert isinstance(registry.resolve("sdpa").capabilities, Capabilities)
+
+
+def test_self_attention_only_dropin_is_probed_feature_by_feature(tmp_path):
+    path = tmp_path / "self_only.py"
+    path.write_text(textwrap.dedent(
+        """
+        from torch import nn
+
+        class SelfOnly(nn.MultiheadAttention):
+            def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                        average_attn_weights=True, is_causal=False):
+                if not (query is key and key is value):
+                    raise NotImplementedError("self-attention only")
+                return super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                       need_weights=need_weights, attn_mask=attn_mask,
+                                       average_attn_weights=average_attn_weights, is_causal=is_causal)
+        """
+    ))
+    caps = registry.resolve(f"{path}:SelfOnly").caps("mha")
+    assert "cross_attention" not in caps.mha_features
+    assert {"key_padding_mask", "attn_mask", "batch_first", "need_weights", "bias_kv"} <= caps.mha_features
+    assert "kdim_vdim" not in caps.mha_features  # needs distinct key/value tensors
+    assert caps.fully_masked == "zero"
