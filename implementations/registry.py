@@ -798,7 +798,9 @@ def listing() -> str:
         rows.append((
             name, _yes(impl.available), levels or "-", ",".join(c.devices),
             ",".join(short[d] for d in c.dtypes), ",".join(sorted(c.mask_kinds - {"none"})) or "-",
-            c.causal or "-", c.fully_masked, _yes(c.gqa), _yes(c.different_v_dim),
+            c.causal or "-", c.fully_masked,
+            _yes(c.gqa) if impl.sdpa is not None else "-",
+            _yes(c.different_v_dim) if impl.sdpa is not None else "-",
             _yes(c.dropout), _yes(c.autograd), str(len(impl.expected_failures)),
         ))
         if not impl.available:

@@ -32,6 +32,10 @@ __all__ = ["make_default", "make_backend"]
 _ALL = ("float64", "float32", "float16", "bfloat16")
 
 
+def _devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
 def _with_backend(backend: SDPBackend):
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         with sdpa_kernel(backend):
@@ -42,10 +46,6 @@ def _with_backend(backend: SDPBackend):
 
     sdpa.__name__ = f"sdpa_{backend.name.lower()}"
     return sdpa
-
-
-def _devices() -> tuple[str, ...]:
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def make_default(**_: Any) -> Implementation:
@@ -64,7 +64,7 @@ def make_default(**_: Any) -> Implementation:
 _BACKENDS: dict[str, tuple[str, Capabilities, str]] = {
     "sdpa-math": (
         "MATH",
-        Capabilities(devices=("cpu", "cuda"), dtypes=_ALL, dropout=True),
+        Capabilities(devices=_devices(), dtypes=_ALL, dropout=True),
         "SDPA forced to the MATH backend (the reference composite)",
     ),
     "sdpa-flash": (
