@@ -354,7 +354,8 @@ if triton is not None:
                     bias = tl.load(m_base + offs_m[None, :] * stride_ml + offs_n[:, None] * stride_ms,
                                    mask=visible, other=0.0)
                     sT = sT + bias.to(acc_dtype)
-                pT = tl.where(visible, tl.exp(sT - lse[None, :]), 0.0)
+                # blocked scores -> -inf first, so exp never overflows on a blocked entry
+                pT = tl.exp(tl.where(visible, sT, float("-inf")) - lse[None, :])
                 if NATIVE_DOT:
                     dv = tl.dot(pT.to(do.dtype), do, dv)
                 else:
@@ -443,7 +444,7 @@ if triton is not None:
                 bias = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
                                mask=visible, other=0.0)
                 s = s + bias.to(acc_dtype)
-            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+            p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])
             dp = tl.dot(do, vT, input_precision="ieee", out_dtype=acc_dtype)
             ds = p * (dp - delta[:, None])
             if NATIVE_DOT:
