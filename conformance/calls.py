@@ -70,6 +70,16 @@ def magnitude(case: SDPACase, weights: np.ndarray) -> np.ndarray:
     return weights @ value
 
 
+def logit_scale(case: SDPACase, ref: spec.SDPAResult) -> np.ndarray:
+    """(B, N, L, 1): largest |scaled logit (+ additive mask)| over the keys each row attends."""
+    logits = ref.logits
+    if case.additive_mask is not None:
+        with np.errstate(invalid="ignore"):
+            logits = logits + case.additive_mask
+    finite = np.isfinite(logits) & (ref.weights > 0)
+    return np.where(finite, np.abs(logits), 0.0).max(axis=-1, keepdims=True)
+
+
 def naive_error(case: SDPACase, reference: np.ndarray, rows: np.ndarray) -> float:
     """Largest error of a naive same-precision computation of this case."""
     if case.dtype == "float64":
@@ -146,7 +156,8 @@ def check_against_oracle(
     ref = reference if reference is not None else oracle(case)
     rows = valid_rows(case) if rows is None else rows
     allowed = tolerance.sdpa_allowed(
-        case.dtype, naive_error(case, ref.output, rows), magnitude(case, ref.weights), tf32=target.tf32
+        case.dtype, naive_error(case, ref.output, rows), magnitude(case, ref.weights), tf32=target.tf32,
+        logit_scale=logit_scale(case, ref),
     ) + extra_allowed
     return compare_values(what, actual, ref.output, allowed, where=rows)
 

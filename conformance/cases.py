@@ -126,6 +126,8 @@ class SDPACase:
             "regime": self.regime,
             **self.sizes(),
         }
+        out["gqa"] = self.K != self.N
+        out["different_v_dim"] = self.E != self.Ev
         out["fully_masked_rows"] = bool(self.fully_masked_rows().any())
         out.update(extra)
         return out

@@ -59,12 +59,12 @@ def attend_matrix(case: SDPACase) -> np.ndarray:
 
 def allowed_for(target: Target, case: SDPACase) -> tuple[np.ndarray, spec.SDPAResult]:
     """Elementwise allowed error of ``case``'s output, and the oracle's result."""
-    from conformance.calls import magnitude, naive_error, oracle, valid_rows
+    from conformance.calls import logit_scale, magnitude, naive_error, oracle, valid_rows
 
     ref = oracle(case)
     allowed = tolerance.sdpa_allowed(
         case.dtype, naive_error(case, ref.output, valid_rows(case)),
-        magnitude(case, ref.weights), tf32=target.tf32,
+        magnitude(case, ref.weights), tf32=target.tf32, logit_scale=logit_scale(case, ref),
     )
     return allowed, ref
 

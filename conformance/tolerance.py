@@ -75,9 +75,16 @@ def sdpa_allowed(
     magnitude: np.ndarray,
     *,
     tf32: bool = False,
+    logit_scale: np.ndarray | float = 0.0,
 ) -> np.ndarray:
-    """Elementwise allowed absolute error of an SDPA output (see module docstring)."""
+    """Elementwise allowed absolute error of an SDPA output (see module docstring).
+
+    ``logit_scale`` (per row): the largest |scaled logit| a row attends. exp(s)
+    carries a relative error of about eps·|s| in any implementation, so the
+    floor grows with it (it matters in float64, where the naive error is 0).
+    """
     tol, eps = tolerance_for(dtype, tf32=tf32)
+    magnitude = magnitude * (1.0 + logit_scale)
     # The smallest positive normal of the dtype keeps subnormal-only rows from
     # demanding exactness below what the dtype can represent.
     tiny = {"float64": 2.2e-308, "float32": 1.2e-38, "float16": 6.1e-5, "bfloat16": 1.2e-38}[dtype]
