@@ -93,8 +93,11 @@ implementation = Implementation(
     name="learner-self-attention",
     capabilities=Capabilities(
         dtypes=("float64", "float32"), causal=None, gqa=False, different_v_dim=False,
-        # no "cross_attention": the suite then only hands it query = key = value
-        mha_features=frozenset({"batch_first", "key_padding_mask", "attn_mask", "is_causal"}),
+        # No "cross_attention": the suite then only hands it query = key = value. No
+        # "attn_mask": that feature includes per-head (B*N, L, S) masks and float biases,
+        # which a 1/0 mask cannot express; causal cases (a 2-D mask with the is_causal
+        # hint) and key padding masks still run.
+        mha_features=frozenset({"batch_first", "key_padding_mask", "is_causal"}),
     ),
     mha=_AsMHA,
     load_weights=_load,
