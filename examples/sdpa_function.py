@@ -14,6 +14,10 @@ import torch
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    out_dtype = query.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):  # q·kᵀ can overflow float16: compute in float32
+        query, key, value = query.float(), key.float(), value.float()
+        attn_mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.float()
     N, K = query.shape[-3], key.shape[-3]
     if N != K:
         if not enable_gqa or N % K:
@@ -35,4 +39,4 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     weights = torch.softmax(scores.masked_fill(blocked_row, 0.0), dim=-1).masked_fill(blocked_row, 0.0)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
-    return weights @ value  # (..., N, L, Ev)
+    return (weights @ value).to(out_dtype)  # (..., N, L, Ev)
