@@ -405,7 +405,8 @@ def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_causal_flag_equivalence", level="mha", section="spec.mha_forward (is_causal)",
     cases=lambda t: _cases(t, is_causal=True),
-    requires=lambda t: require(_has(t, "is_causal"), "is_causal not declared"),
+    requires=lambda t: require(_has(t, "is_causal") and _has(t, "attn_mask"),
+                               "is_causal (a hint that needs the causal attn_mask) not declared"),
 )
 def test_mha_causal_flag_equivalence(target: Target, case: MHACase) -> float:
     """is_causal=True with the causal attn_mask equals the attn_mask alone, for
