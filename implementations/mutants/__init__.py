@@ -8,7 +8,9 @@ one of them (``tests/test_mutants.py``, ``benchmarks/mutation_score.py``).
 
 Mutants are small subclasses of correct bases in :mod:`._base` (straight-line SDPA,
 manual-backward SDPA, tiled online-softmax SDPA, hand-written MHA), each overriding
-one step; their capabilities are honest about everything except their bug.
+one step; their capabilities are honest about everything except their bug. The bases
+themselves are importable as implementations from :mod:`.controls` and must pass the
+suite; :mod:`.cases` turns a record's ``smallest_case`` into a concrete call.
 """
 
 from __future__ import annotations
