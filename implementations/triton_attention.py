@@ -1,4 +1,4 @@
-"""A Triton fused-attention (flash-attention style) forward kernel.
+"""Triton fused attention (flash-attention style): forward and backward kernels.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim.
@@ -79,8 +79,14 @@ Per-call cost under the interpreter is dominated by Python-level execution of
 every op of every program instance (~0.1-0.2 ms per op, whatever the tile size),
 so CPU tiles are BLOCK_M = 64 queries by BLOCK_N = 16 keys: 2-3x faster than
 16 x 16 on tiny cases, while ragged key blocks and the multi-block online softmax
-are still exercised at S <= 70. Measured on a shared 2-core CPU: ~10 ms for
-L = S = 1, ~50 ms for (1, 1, 70, 70, E=40), ~130 ms for (2, 3, L=33, S=49).
+are still exercised at S <= 70. Measured on a shared, busy 2-core CPU (median,
+forward / forward + backward): B=N=L=S=E=1 10-14 / 45 ms; (1, 1, 70, 70, E=40)
+50-70 / 220 ms; (2, 3, L=33, S=49, E=20) 130-300 / 600 ms; (2, 4, 70, 70, E=40)
+~600 / 1160 ms. torch's own CPU SDPA takes 0.01-36 ms on the same cases.
+
+The interpreter reads a kernel's source file lazily, at the kernel's first call:
+editing this file while a process that imported it is still running can make
+that first call fail (``KeyError`` in the interpreter's rewriter).
 
 Planted bugs (``planted_bug=``), each one forward kernel/launcher defect for the
 bug zoo (the backward kernels stay clean, but use the mutant forward's outputs):
