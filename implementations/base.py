@@ -182,7 +182,7 @@ def _matches(got: Any, wanted: Any) -> bool:
     if isinstance(wanted, (list, tuple, set, frozenset)):
         return any(_matches(got, w) for w in wanted)
     if wanted == "none":
-        return got is None
+        return got is None or got == "none"
     return got == wanted
 
 
