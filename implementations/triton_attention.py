@@ -862,7 +862,7 @@ def make_implementation(*, causal_alignment: str = "upper_left",
         tf32=False,
     )
     mode = "interpreter (CPU)" if interpreting else "compiled (CUDA)"
-    description = (f"Triton flash-attention forward, {mode}, causal={causal_alignment}"
+    description = (f"Triton flash-attention forward + backward, {mode}, causal={causal_alignment}"
                    + (f", planted bug {planted_bug!r}" if planted_bug else ""))
     return Implementation(
         name=name,
