@@ -18,7 +18,7 @@ def test_causal_with_non_positive_scale_gives_nan(name, scale):
     impl = registry.resolve(name)
     sign = "zero" if scale == 0 else "negative"
     entry = impl.expected_failure("forward_agreement", {"causal": "upper_left", "scale": scale, "scale_sign": sign,
-                                                        "mask_kind": "none", "gqa": False, "different_v_dim": False})
+                                                        "mask_kind": "none", "different_v_dim": False})
     assert entry is not None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
