@@ -77,7 +77,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: Value regimes, simplest first (shrinking goes to "normal").
-REGIMES = ("normal", "large_logits", "near_ties", "tiny", "constant_rows", "wide_range")
+REGIMES = ("normal", "large_logits", "near_ties", "tiny", "constant_rows", "wide_range", "ascending")
 #: Kinds of ``scale``, simplest first: None (1/sqrt(E)), an explicit positive
 #: value, 1e-6, a negative value, 0.
 SCALE_KINDS = ("default", "positive", "tiny", "negative", "zero")
@@ -629,7 +629,9 @@ def value_regimes(*, regimes: Sequence[str] | None = None) -> st.SearchStrategy[
     within a few ulps of each other per head; "tiny" every value ~2^-6 (float16) to
     2^-100 (float64); "constant_rows" some heads with all keys / values / queries
     equal along the sequence; "wide_range" row and batch magnitudes spread over
-    powers of two. Shrinks toward "normal".
+    powers of two; "ascending" logits that grow along the keys for about half the
+    queries (the running max of a tiled softmax changes in every key block).
+    Shrinks toward "normal".
     """
     return st.sampled_from(_choices("regimes", regimes, REGIMES, REGIMES))
 
@@ -733,6 +735,10 @@ def _regime_values(rng: np.random.Generator, sizes: dict[str, int], regime: str,
                 if rng.random() < 0.5:
                     query[b, h] = query[b, h, :1]
         key[0, 0] = key[0, 0, :1]  # at least one head with uniform weights
+    elif regime == "ascending":
+        direction = rng.standard_normal((B, K, 1, E))                 # (B, K, 1, E)
+        steps = np.linspace(0.0, 3.0, S).reshape(1, 1, S, 1)         # (1, 1, S, 1)
+        key = steps * direction + 0.1 * key
     elif regime == "wide_range":
         r = _WIDE_EXPONENT[dtype]
         batch = 2.0 ** rng.integers(-r, r + 1, size=(B, 1, 1, 1))

@@ -24,6 +24,7 @@ from conformance.tensors import dtype_of, sdpa_inputs, to_numpy
 @conformance_property(
     "forward_agreement", level="sdpa", section="spec.sdpa",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    examples_factor=2.0,
 )
 def test_forward_agreement(target: Target, case) -> float:
     """The output equals the float64 oracle run on the stored inputs, within

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Correct built-ins (registry names) and the zoo's own correct bases (module:attr).
-CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math"] + [
+CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ]
 TIMEOUT_S = 1800
@@ -56,6 +56,8 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_killed(name, tmp_path):
     mutant = MUTANTS[name]
+    if name.startswith("triton_"):
+        _require_triton()
     code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True)
     failed = [r for r in report["results"] if r["outcome"] == "failed"]
     assert code != 0 and failed, (
@@ -64,8 +66,18 @@ def test_mutant_is_killed(name, tmp_path):
     )
 
 
+def _require_triton() -> None:
+    from implementations.registry import resolve
+
+    impl = resolve("triton")
+    if not impl.available:
+        pytest.skip(f"triton unavailable: {impl.unavailable_reason}")
+
+
 @pytest.mark.parametrize("impl", CORRECT)
 def test_correct_implementation_passes(impl, tmp_path):
+    if impl == "triton":
+        _require_triton()
     code, report, output = run_conformance(impl, tmp_path, stop_at_first_failure=False)
     bad = [
         f"{r['property']}[{r['level']}-{r['dtype']}]: {r['outcome']} {r.get('message', '')[:300]}"

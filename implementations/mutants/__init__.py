@@ -19,7 +19,10 @@ from implementations.mutants.mha_mutants import MHA_MUTANTS
 from implementations.mutants.record import Mutant
 from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
 from implementations.mutants.tiled_mutants import TILED_MUTANTS
+from implementations.mutants.triton_mutants import TRITON_MUTANTS
 
 __all__ = ["MUTANTS", "Mutant"]
 
-MUTANTS: dict[str, Mutant] = {m.name: m for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS)}
+MUTANTS: dict[str, Mutant] = {
+    m.name: m for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS)
+}
