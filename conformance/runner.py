@@ -285,24 +285,15 @@ def conformance_property(
 
 
 def _target_skip_reasons(target: Target, level: str) -> list[str]:
-    impl = target.impl
-    if not impl.available:
-        return [f"{impl.name} is unavailable: {impl.unavailable_reason}"]
-    if level == "sdpa" and impl.sdpa is None:
-        return [f"{impl.name} has no SDPA-level callable"]
-    if level == "mha" and impl.mha is None:
-        return [f"{impl.name} has no MHA-level module"]
-    caps = target.caps
-    if target.device not in caps.devices:
-        return [f"device={target.device!r} not in declared devices {caps.devices}"]
-    if target.dtype not in caps.dtypes:
-        return [f"dtype={target.dtype!r} not in declared dtypes {caps.dtypes}"]
-    if target.device == "cuda":
+    reasons = target.impl.not_supported_reasons(
+        {"level": level, "device": target.device, "dtype": target.dtype}
+    )
+    if not reasons and target.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             return ["no CUDA device on this machine (torch.cuda.is_available() is False)"]
-    return []
+    return reasons
 
 
 def example_timeout_default() -> float:
