@@ -71,13 +71,17 @@ def magnitude(case: SDPACase, weights: np.ndarray) -> np.ndarray:
 
 
 def logit_scale(case: SDPACase, ref: spec.SDPAResult) -> np.ndarray:
-    """(B, N, L, 1): largest |scaled logit (+ additive mask)| over the keys each row attends."""
-    logits = ref.logits
+    """(B, N, L, 1): the largest |scale|·Σ|q_i·k_i| (+ |additive mask|) over the keys
+    each row attends: what a computed logit's rounding error is proportional to
+    (a dot product of large entries can cancel to a small logit; its error does not)."""
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(case.E)
+    key = np.repeat(np.abs(case.key), case.N // case.K, axis=1)  # (B, N, S, E)
+    size = abs(scale) * (np.abs(case.query) @ np.swapaxes(key, -1, -2))  # (B, N, L, S)
     if case.additive_mask is not None:
         with np.errstate(invalid="ignore"):
-            logits = logits + case.additive_mask
-    finite = np.isfinite(logits) & (ref.weights > 0)
-    return np.where(finite, np.abs(logits), 0.0).max(axis=-1, keepdims=True)
+            size = size + np.abs(case.additive_mask)
+    attended = np.isfinite(size) & (ref.weights > 0)
+    return np.where(attended, size, 0.0).max(axis=-1, keepdims=True)
 
 
 def naive_error(case: SDPACase, reference: np.ndarray, rows: np.ndarray) -> float:
