@@ -404,7 +404,7 @@ def test_impossible_arguments_raise_at_once(make, fragment: str) -> None:
 def test_l_ne_s_shrinks_to_a_tiny_case() -> None:
     case = find(cs.sdpa_cases(dtype="float32", mask_kinds=None, regimes=None,
                               layouts=LAYOUTS), lambda c: c.L != c.S,
-                settings=settings(database=None, max_examples=200))
+                settings=settings(database=None, max_examples=200, derandomize=True))
     assert (case.B, case.N, case.K, case.E, case.Ev) == (1, 1, 1, 1, 1)
     assert sorted((case.L, case.S)) == [1, 2]
     assert case.mask_kind == "none" and case.causal is None and case.scale is None
@@ -413,7 +413,7 @@ def test_l_ne_s_shrinks_to_a_tiny_case() -> None:
 
 def test_fully_masked_shrinks_to_a_tiny_case() -> None:
     case = find(cs.sdpa_cases(dtype="float32"), lambda c: bool(c.fully_masked_rows().any()),
-                settings=settings(database=None, max_examples=300))
+                settings=settings(database=None, max_examples=300, derandomize=True))
     # Either a 1x1 mask blocking the only key, or no mask and a lower-right causal
     # flag with L=2 > S=1: both are minimal.
     assert (case.B, case.N, case.K, case.E, case.Ev) == (1, 1, 1, 1, 1)
@@ -423,6 +423,6 @@ def test_fully_masked_shrinks_to_a_tiny_case() -> None:
 
 def test_mha_shrinks_to_a_tiny_case() -> None:
     case = find(cs.mha_cases(dtype="float32"), lambda c: c.L != c.S,
-                settings=settings(database=None, max_examples=200))
+                settings=settings(database=None, max_examples=200, derandomize=True))
     assert (case.B, case.N, case.D) == (1, 1, 1) and sorted((case.L, case.S)) == [1, 2]
     assert case.key_padding_mask is None and case.attn_mask is None and not case.is_causal
