@@ -98,6 +98,20 @@ def naive_error(case: SDPACase, reference: np.ndarray, rows: np.ndarray) -> floa
     return float(diff[finite].max()) if finite.any() else 0.0
 
 
+def uses_causal_flag(target: Target, case: SDPACase) -> bool:
+    """Whether the case's causality goes over as ``is_causal=True`` (the flag means
+    the case's alignment and no mask comes with it) rather than folded into a mask."""
+    return case.causal is not None and case.causal == target.caps.causal and case.mask_kind == "none"
+
+
+def allowed_error(target: Target, case: SDPACase, ref: spec.SDPAResult) -> np.ndarray:
+    """Elementwise allowed error of ``case``'s output under the tolerance rule."""
+    return tolerance.sdpa_allowed(
+        case.dtype, naive_error(case, ref.output, valid_rows(case)), magnitude(case, ref.weights),
+        tf32=target.tf32, logit_scale=logit_scale(case, ref),
+    )
+
+
 @dataclass
 class SDPACall:
     output: np.ndarray  # float64 copy of the implementation's output
@@ -116,12 +130,7 @@ def run_sdpa(
 ) -> SDPACall:
     """Call ``target.impl.sdpa`` on ``case`` (causal folded into the mask unless
     the implementation's flag means the case's alignment and no mask is given)."""
-    flag = (
-        use_causal_flag
-        and case.causal is not None
-        and case.causal == target.caps.causal
-        and case.mask_kind == "none"
-    )
+    flag = use_causal_flag and uses_causal_flag(target, case)
     call_case = case if (flag or case.causal is None) else fold_causal(case)
     tensors = inputs if inputs is not None else sdpa_inputs(call_case, requires_grad=requires_grad)
     out = call_guarded(
@@ -159,10 +168,7 @@ def check_against_oracle(
     """Compare an SDPA output with the oracle under the tolerance rule."""
     ref = reference if reference is not None else oracle(case)
     rows = valid_rows(case) if rows is None else rows
-    allowed = tolerance.sdpa_allowed(
-        case.dtype, naive_error(case, ref.output, rows), magnitude(case, ref.weights), tf32=target.tf32,
-        logit_scale=logit_scale(case, ref),
-    ) + extra_allowed
+    allowed = allowed_error(target, case, ref) + extra_allowed
     return compare_values(what, actual, ref.output, allowed, where=rows)
 
 

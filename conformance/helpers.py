@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance import tolerance
 from conformance.cases import SDPACase
 from conformance.compare import fail
 from conformance.runner import ImplementationRaised, Target
@@ -59,14 +58,10 @@ def attend_matrix(case: SDPACase) -> np.ndarray:
 
 def allowed_for(target: Target, case: SDPACase) -> tuple[np.ndarray, spec.SDPAResult]:
     """Elementwise allowed error of ``case``'s output, and the oracle's result."""
-    from conformance.calls import logit_scale, magnitude, naive_error, oracle, valid_rows
+    from conformance.calls import allowed_error, oracle
 
     ref = oracle(case)
-    allowed = tolerance.sdpa_allowed(
-        case.dtype, naive_error(case, ref.output, valid_rows(case)),
-        magnitude(case, ref.weights), tf32=target.tf32, logit_scale=logit_scale(case, ref),
-    )
-    return allowed, ref
+    return allowed_error(target, case, ref), ref
 
 
 def require(condition: bool, reason: str) -> str | None:

@@ -12,7 +12,6 @@ and records everything for the certificate.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 import traceback
@@ -214,7 +213,7 @@ def conformance_property(
                 record.examples += 1
                 try:
                     ratio = check(target, case)
-                except PropertyFailure as exc:
+                except PropertyFailure:
                     attrs = case.attrs()
                     entry = next((e for e in entries if e.applies(property_id, attrs)), None)
                     if entry is not None:
@@ -294,7 +293,3 @@ def _target_skip_reasons(target: Target, level: str) -> list[str]:
         if not torch.cuda.is_available():
             return ["no CUDA device on this machine (torch.cuda.is_available() is False)"]
     return reasons
-
-
-def example_timeout_default() -> float:
-    return float(os.environ.get("ATTENTION_CONFORMANCE_TIMEOUT", "60"))

@@ -124,6 +124,12 @@ def _bounds(case: MHACase) -> tuple[np.ndarray, float]:
     return magnitude, logit + mask_range
 
 
+def _pair_allowed(target: Target, case: MHACase) -> np.ndarray:
+    """Allowed difference between two outputs of the module, each within the bound."""
+    magnitude, logit_range = _bounds(case)
+    return 2 * tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+
+
 def _dead(case: MHACase) -> np.ndarray:
     """Bool (B, N, L): query rows of a head with every key blocked."""
     return case.blocked_rows()
@@ -290,8 +296,7 @@ def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
     without = run_mha(target, case, module, need_weights=False)
     if without.weights is not None:
         fail("weights returned with need_weights=False, but should be None")
-    magnitude, logit_range = _bounds(case)
-    allowed = 2 * tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    allowed = _pair_allowed(target, case)
     return compare_values("output with need_weights=False vs True", without.output, with_w.output,
                           allowed).ratio
 
@@ -340,8 +345,7 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
     ratio = check_mha(target, case, first, what=f"eval-mode output of a module built with dropout={p}")
     trained = build(target, case, dropout=0.0, training=True)
     train_out = run_mha(target, case, trained)
-    magnitude, logit_range = _bounds(case)
-    allowed = 2 * tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    allowed = _pair_allowed(target, case)
     return max(ratio, compare_values("train-mode output with dropout=0 vs eval", train_out.output,
                                      first.output, allowed).ratio)
 
@@ -417,8 +421,7 @@ def test_mha_causal_flag_equivalence(target: Target, case: MHACase) -> float:
     flagged = run_mha(target, case, module)
     plain = run_mha(target, case.replace(is_causal=False), module)
     ratio = check_mha(target, case, flagged, what="output with is_causal=True")
-    magnitude, logit_range = _bounds(case)
-    allowed = 2 * tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    allowed = _pair_allowed(target, case)
     rows = _out_rows(case, ~_dead(case).any(axis=1))
     return max(ratio, compare_values("output with is_causal=True vs the causal attn_mask alone",
                                      flagged.output, plain.output, allowed, where=rows).ratio)
@@ -443,8 +446,7 @@ def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
     ratio = check_mha(target, case, by_bool, what="output with bool masks (True = blocked)")
     as_float = case.replace(key_padding_mask=_as_float(case.key_padding_mask), attn_mask=_as_float(case.attn_mask))
     by_float = run_mha(target, as_float, module)
-    magnitude, logit_range = _bounds(case)
-    allowed = 2 * tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    allowed = _pair_allowed(target, case)
     rows = _out_rows(case, ~_dead(case).any(axis=1))
     return max(ratio, compare_values("output with float 0/-inf masks vs bool masks", by_float.output,
                                      by_bool.output, allowed, where=rows).ratio)

@@ -13,7 +13,7 @@ from conformance.calls import (
     fold_causal,
     oracle,
     run_sdpa,
-    valid_rows,
+    uses_causal_flag,
 )
 from conformance.compare import compare_values, fail
 from conformance.helpers import case_rng, cases_for, expect_raise, require, round_to
@@ -68,8 +68,7 @@ def check_gradients(target: Target, case, *, rows_only_valid: bool = True) -> fl
     rng = case_rng(case, "grad")
     grad_out = round_to(rng.standard_normal((case.B, case.N, case.L, case.Ev)), case.dtype)
     with_mask_grad = case.additive_mask is not None and target.caps.mask_grad
-    call_case = fold_causal(case) if (case.causal is not None and
-                                      (case.causal != target.caps.causal or case.mask_kind != "none")) else case
+    call_case = fold_causal(case) if (case.causal is not None and not uses_causal_flag(target, case)) else case
     tensors = sdpa_inputs(call_case, requires_grad=True)
     mask_t = tensors["attn_mask"]
     if mask_t is not None and mask_t.requires_grad and not (with_mask_grad and call_case is case):

@@ -9,7 +9,7 @@ import spec
 from conformance.calls import check_against_oracle, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
-from conformance.helpers import allowed_for, case_rng, cases_for, require, round_to
+from conformance.helpers import allowed_for, cases_for, require, round_to
 from conformance.runner import Target, conformance_property
 
 

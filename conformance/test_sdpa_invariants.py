@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.calls import check_against_oracle, run_sdpa, valid_rows
+from conformance.calls import run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
 from conformance.helpers import (
@@ -24,8 +24,6 @@ from conformance.helpers import (
     round_to,
 )
 from conformance.runner import Target, conformance_property
-from conformance import tolerance
-from conformance.tensors import dtype_of
 
 
 def _probe_ok(t: Target) -> str | None:
