@@ -15,6 +15,18 @@ Public API::
     emulate_sdpa(query, key, value, *, dtype, attend_mask, additive_mask, causal, scale, fully_masked)
     MHAParams, mha_forward(params, query, key, value, *, key_padding_mask, attn_mask, ...)
     masks (module), SpecError
+
+FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
+
+    flash_attention(q, k, v, *, causal, window, softcap, alibi_slopes, scale, return_lse,
+                    fully_masked, alignment) -> output | FlashResult(output, lse)
+    flash_attention_vjp(q, k, v, grad_output, *, causal, window, softcap, alibi_slopes,
+                        scale, alignment) -> FlashGrads(dquery, dkey, dvalue)
+    window_mask(L, S, window, *, causal, alignment), alibi_bias(L, S, slopes, *, alignment)
+    merge_partials(out1, lse1, out2, lse2) -> FlashResult
+    varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options), document_mask(...)
+    kvcache_attention(q, k_cache, v_cache, *, cache_seqlens, k, v, block_table, **options)
+        -> KVCacheResult(output, lse, k_cache, v_cache); gather_pages(cache, block_table)
 """
 
 from __future__ import annotations
@@ -23,7 +35,11 @@ from . import masks
 from ._sdpa import SDPAGrads, SDPAResult, sdpa, sdpa_vjp
 from .emulate import emulate_sdpa
 from .errors import SpecError
+from .flash import (FlashGrads, FlashResult, alibi_bias, flash_attention, flash_attention_vjp,
+                    merge_partials, window_mask)
+from .kvcache import KVCacheResult, gather_pages, kvcache_attention
 from .mha import MHAParams, mha_forward
+from .varlen import document_mask, varlen_attention
 
 __all__ = [
     "SpecError",
@@ -35,4 +51,16 @@ __all__ = [
     "MHAParams",
     "mha_forward",
     "masks",
+    "flash_attention",
+    "FlashResult",
+    "flash_attention_vjp",
+    "FlashGrads",
+    "window_mask",
+    "alibi_bias",
+    "merge_partials",
+    "varlen_attention",
+    "document_mask",
+    "kvcache_attention",
+    "KVCacheResult",
+    "gather_pages",
 ]

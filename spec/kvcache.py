@@ -1,0 +1,184 @@
+"""KV-cache decoding (FlashAttention's ``flash_attn_with_kvcache``), contiguous or paged.
+
+Sequence b's cache holds ``cache_seqlens[b]`` valid keys. The new keys k (B, S_new, K, E)
+and values v (B, S_new, K, Ev), when given, are written at positions
+``cache_seqlens[b] ... cache_seqlens[b] + S_new - 1``; the query (B, L, N, E) then attends
+the first ``S_b = cache_seqlens[b] + S_new`` keys. Keys past S_b are **absent** (not
+masked: they do not count for ``fully_masked="uniform"`` either). Positions align to the
+valid length: ``p_i = i + S_b - L`` (bottom-right), for causal, window and ALiBi alike.
+
+Cache layouts:
+
+* contiguous: k_cache (B, S_cache, K, E), v_cache (B, S_cache, K, Ev); capacity S_cache;
+* paged: k_cache (num_pages, page_size, K, E), v_cache (num_pages, page_size, K, Ev) and
+  ``block_table`` int (B, max_pages): logical key t of sequence b lives in page
+  ``block_table[b, t // page_size]``, slot ``t % page_size``; capacity max_pages·page_size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _checks
+from . import _flash_checks as checks
+from .errors import fail
+from .flash import flash_attention
+
+__all__ = ["KVCacheResult", "gather_pages", "kvcache_attention"]
+
+CACHE_FIX = "pass k_cache (B, S_cache, K, E), or pages (num_pages, page_size, K, E) with block_table"
+
+
+class KVCacheResult(NamedTuple):
+    """``output`` (B, L, N, Ev), ``lse`` (B, N, L), and the updated ``k_cache``/``v_cache``.
+
+    The caches are float64 copies in the input's layout with the new keys and values
+    written in (FlashAttention updates its caches in place; the spec never mutates input).
+    """
+
+    output: np.ndarray
+    lse: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+
+def _block_table(block_table: Any, num_pages: int) -> np.ndarray:
+    table = np.asarray(block_table)
+    if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
+        fail("block_table", table, "must be a 2-D int array (B, max_pages)",
+             "pass one row of page indices per sequence")
+    if table.size and (table.min() < 0 or table.max() >= num_pages):
+        fail("block_table", table, f"every entry must name a page in [0, num_pages={num_pages})",
+             "pad unused entries with any valid page index (e.g. 0), not -1")
+    return table.astype(np.int64)
+
+
+def gather_pages(cache: Any, block_table: Any) -> np.ndarray:
+    """Paged cache (num_pages, page_size, K, X) -> contiguous (B, max_pages·page_size, K, X).
+
+    Row t of sequence b is ``cache[block_table[b, t // page_size], t % page_size]``; the
+    dtype is kept (pure re-indexing).
+    """
+    cache = np.asarray(cache)
+    if cache.ndim != 4:
+        fail("cache", cache, "must have rank 4: (num_pages, page_size, K, X)", CACHE_FIX)
+    table = _block_table(block_table, cache.shape[0])
+    B, max_pages = table.shape
+    pages = cache[table]                                                 # (B, max_pages, page_size, K, X)
+    return pages.reshape(B, max_pages * cache.shape[1], *cache.shape[2:])  # (B, max_pages·page_size, K, X)
+
+
+def _seqlens(cache_seqlens: Any, batch: int, capacity: int, new: int) -> np.ndarray:
+    if cache_seqlens is None:
+        if new:
+            fail("cache_seqlens", None, "must be given with new keys k/v (where would they go?)",
+                 "pass cache_seqlens=int or one int per sequence")
+        return np.full(batch, capacity)
+    if checks.is_int(cache_seqlens):
+        cache_seqlens = np.full(batch, int(cache_seqlens))
+    lengths = checks.int_vector("cache_seqlens", cache_seqlens)
+    if lengths.shape != (batch,):
+        fail("cache_seqlens", lengths, f"must have one length per sequence, shape ({batch},)",
+             "pass an int or a (B,) int array")
+    if (lengths < 0).any() or (lengths + new > capacity).any():
+        fail("cache_seqlens", lengths.tolist(), f"each length plus S_new={new} must lie in "
+             f"[0, capacity={capacity}]", "allocate a larger cache (or more pages per sequence)")
+    return lengths
+
+
+def _check_new(k: Any, v: Any, batch: int, heads: int, dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    if (k is None) != (v is None):
+        fail("k" if k is None else "v", None, "k and v must be given together",
+             "pass both new keys and new values, or neither")
+    if k is None:
+        return np.zeros((batch, 0, heads, dims[0])), np.zeros((batch, 0, heads, dims[1]))
+    k, v = _checks.as_float64("k", k), _checks.as_float64("v", v)
+    if k.ndim != 4 or v.ndim != 4 or k.shape[:2] != v.shape[:2] or k.shape[0] != batch \
+            or (k.shape[2], k.shape[3], v.shape[2], v.shape[3]) != (heads, dims[0], heads, dims[1]):
+        fail("k", k, f"k and v must be (B, S_new, K, E) = ({batch}, S_new, {heads}, {dims[0]}) and "
+             f"(B, S_new, K, Ev) = ({batch}, S_new, {heads}, {dims[1]}), got v {v.shape}",
+             "give the new keys and values the cache's kv heads and head dims")
+    return k, v
+
+
+def _check_pages_disjoint(table: np.ndarray, page_size: int, lengths: np.ndarray, new: int) -> None:
+    """No slot is written by two sequences, nor written by one while another reads it."""
+    writer: dict[tuple[int, int], int] = {}
+    for b in range(table.shape[0]):
+        for t in range(lengths[b], lengths[b] + new):
+            slot = (int(table[b, t // page_size]), t % page_size)
+            if writer.setdefault(slot, b) != b:
+                fail("block_table", table, f"sequences {writer[slot]} and {b} both write page "
+                     f"{slot[0]} slot {slot[1]}", "give every sequence its own pages for new keys")
+    for b in range(table.shape[0]):
+        for t in range(lengths[b] + new):
+            owner = writer.get((int(table[b, t // page_size]), t % page_size), b)
+            if owner != b:
+                fail("block_table", table, f"sequence {b} reads page {table[b, t // page_size]} "
+                     f"slot {t % page_size} that sequence {owner} writes", "share only read-only pages")
+
+
+def kvcache_attention(query: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
+                      k: Any = None, v: Any = None, block_table: Any = None,
+                      causal: bool = False, window: tuple[int, int] = (-1, -1),
+                      softcap: float = 0.0, alibi_slopes: Any = None, scale: float | None = None,
+                      fully_masked: str = "zero", alignment: str = "lower_right") -> KVCacheResult:
+    """Decoding attention against a KV cache: per sequence, :func:`spec.flash_attention` on its valid keys.
+
+    ``cache_seqlens``: int or (B,) ints, the valid keys before the append; None = the
+    whole cache (only without k/v). ``k``/``v``: new keys/values appended first (both or
+    neither). ``block_table``: paged layout (see the module docstring); every entry must
+    name a page. The options are :func:`spec.flash_attention`'s. Returns
+    :class:`KVCacheResult` ``(output (B, L, N, Ev), lse (B, N, L), k_cache, v_cache)``.
+    """
+    _checks.check_policy(fully_masked)
+    q = _checks.as_float64("query", query)
+    k_cache, v_cache = _checks.as_float64("k_cache", k_cache), _checks.as_float64("v_cache", v_cache)
+    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
+        fail("k_cache" if q.ndim == 4 else "query", k_cache if q.ndim == 4 else q,
+             "query, k_cache and v_cache must have rank 4", CACHE_FIX + ", and query (B, L, N, E)")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        fail("v_cache", v_cache, f"must share k_cache's first three dims {k_cache.shape[:3]}", CACHE_FIX)
+    B = q.shape[0]
+    if block_table is None:
+        keys, values = k_cache, v_cache                                  # (B, S_cache, K, E|Ev)
+    else:
+        keys, values = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+    if keys.shape[0] != B:
+        fail("block_table" if block_table is not None else "k_cache", keys,
+             f"must hold B={B} sequences like query", "pass one cache row (or block-table row) per query sequence")
+    checks.head_layout(q, keys, values, 2, ("(B, L, N, E)", "(B, S_cache, K, E)", "(B, S_cache, K, Ev)"))
+    K, E, Ev = keys.shape[2], keys.shape[3], values.shape[3]
+    k, v = _check_new(k, v, B, K, (E, Ev))
+    new = k.shape[1]
+    lengths = _seqlens(cache_seqlens, B, keys.shape[1], new)
+    slopes = checks.slopes_array(alibi_slopes, B, q.shape[2])            # (1 or B, N)
+    if block_table is not None:
+        _check_pages_disjoint(_block_table(block_table, k_cache.shape[0]), k_cache.shape[1], lengths, new)
+    # 1. append the new keys and values at each sequence's length
+    keys, values = keys.copy(), values.copy()
+    for b in range(B):
+        keys[b, lengths[b]:lengths[b] + new] = k[b]                      # (S_new, K, E)
+        values[b, lengths[b]:lengths[b] + new] = v[b]                    # (S_new, K, Ev)
+    # 2. each sequence attends its first S_b = cache_seqlens[b] + S_new keys
+    output, lse = np.zeros((*q.shape[:3], Ev)), np.zeros((B, q.shape[2], q.shape[1]))
+    for b in range(B):
+        valid = slice(0, lengths[b] + new)
+        result = flash_attention(
+            q[b:b + 1], keys[b:b + 1, valid], values[b:b + 1, valid],   # (1, L, N, E), (1, S_b, K, E|Ev)
+            causal=causal, window=window, softcap=softcap,
+            alibi_slopes=None if slopes is None else slopes[b % slopes.shape[0]],
+            scale=scale, return_lse=True, fully_masked=fully_masked, alignment=alignment)
+        output[b], lse[b] = result.output[0], result.lse[0]
+    # 3. the updated caches in the input's layout
+    if block_table is None:
+        return KVCacheResult(output, lse, keys, values)
+    table, page_size = _block_table(block_table, k_cache.shape[0]), k_cache.shape[1]
+    k_pages, v_pages = k_cache.copy(), v_cache.copy()
+    for b in range(B):
+        for t in range(lengths[b], lengths[b] + new):
+            page, slot = table[b, t // page_size], t % page_size
+            k_pages[page, slot], v_pages[page, slot] = keys[b, t], values[b, t]
+    return KVCacheResult(output, lse, k_pages, v_pages)
