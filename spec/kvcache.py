@@ -136,9 +136,9 @@ def kvcache_attention(query: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: 
     _checks.check_policy(fully_masked)
     q = _checks.as_float64("query", query)
     k_cache, v_cache = _checks.as_float64("k_cache", k_cache), _checks.as_float64("v_cache", v_cache)
-    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
-        fail("k_cache" if q.ndim == 4 else "query", k_cache if q.ndim == 4 else q,
-             "query, k_cache and v_cache must have rank 4", CACHE_FIX + ", and query (B, L, N, E)")
+    for name, array in (("query", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if array.ndim != 4:
+            fail(name, array, f"must have rank 4, got rank {array.ndim}", CACHE_FIX + ", and query (B, L, N, E)")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         fail("v_cache", v_cache, f"must share k_cache's first three dims {k_cache.shape[:3]}", CACHE_FIX)
     B = q.shape[0]

@@ -73,6 +73,7 @@ def varlen_attention(query: Any, key: Any, value: Any, cu_seqlens_q: Any, cu_seq
     (T, N, E), Ev = q.shape, v.shape[-1]
     sequences = _sequences(cu_seqlens_q, cu_seqlens_k, T, k.shape[0])
     slopes = checks.slopes_array(alibi_slopes, len(sequences), N)        # (1 or B, N)
+    scale = _checks.resolve_scale(scale, E)                              # one scale for every sequence
     output = np.zeros((T, N, Ev))
     lse = np.zeros((N, T))
     for b, (rows, keys) in enumerate(sequences):
@@ -80,7 +81,7 @@ def varlen_attention(query: Any, key: Any, value: Any, cu_seqlens_q: Any, cu_seq
             q[None, rows], k[None, keys], v[None, keys],                 # (1, L_b, N, E), (1, S_b, K, E|Ev)
             causal=causal, window=window, softcap=softcap,
             alibi_slopes=None if slopes is None else slopes[b % slopes.shape[0]],
-            scale=_checks.resolve_scale(scale, E), return_lse=True,
+            scale=scale, return_lse=True,
             fully_masked=fully_masked, alignment=alignment)
         output[rows] = result.output[0]                                  # (L_b, N, Ev)
         lse[:, rows] = result.lse[0]                                     # (N, L_b)
