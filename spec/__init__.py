@@ -15,15 +15,17 @@ Public API::
     emulate_sdpa(query, key, value, *, dtype, attend_mask, additive_mask, causal, scale, fully_masked)
     MHAParams, mha_forward(params, query, key, value, *, key_padding_mask, attn_mask, ...)
     masks (module), SpecError
+    variants (module): wrong conventions as data, VARIANTS, rank(observed, problem, ...)
 """
 
 from __future__ import annotations
 
-from . import masks
+from . import masks, variants
 from ._sdpa import SDPAGrads, SDPAResult, sdpa, sdpa_vjp
 from .emulate import emulate_sdpa
 from .errors import SpecError
 from .mha import MHAParams, mha_forward
+from .variants import VARIANTS
 
 __all__ = [
     "SpecError",
@@ -35,4 +37,6 @@ __all__ = [
     "MHAParams",
     "mha_forward",
     "masks",
+    "variants",
+    "VARIANTS",
 ]
