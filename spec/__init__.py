@@ -27,11 +27,12 @@ FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options), document_mask(...)
     kvcache_attention(q, k_cache, v_cache, *, cache_seqlens, k, v, block_table, **options)
         -> KVCacheResult(output, lse, k_cache, v_cache); gather_pages(cache, block_table)
+    variants (module): wrong conventions as data, VARIANTS, rank(observed, problem, ...)
 """
 
 from __future__ import annotations
 
-from . import masks
+from . import masks, variants
 from ._sdpa import SDPAGrads, SDPAResult, sdpa, sdpa_vjp
 from .emulate import emulate_sdpa
 from .errors import SpecError
@@ -40,6 +41,7 @@ from .flash import (FlashGrads, FlashResult, alibi_bias, flash_attention, flash_
 from .kvcache import KVCacheResult, gather_pages, kvcache_attention
 from .mha import MHAParams, mha_forward
 from .varlen import document_mask, varlen_attention
+from .variants import VARIANTS
 
 __all__ = [
     "SpecError",
@@ -63,4 +65,6 @@ __all__ = [
     "kvcache_attention",
     "KVCacheResult",
     "gather_pages",
+    "variants",
+    "VARIANTS",
 ]

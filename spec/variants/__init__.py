@@ -1,0 +1,59 @@
+"""Wrong conventions of attention, as data: the oracle run the ways real code gets it wrong.
+
+On a failing case, the question after "wrong" is "wrong how?". Each :class:`Variant` is
+one known wrong convention (causal alignment, GQA head map, scale, mask polarity,
+fully-masked rows, softmax precision, head split/merge, ...) computed in float64 on the
+same inputs; :func:`rank` says which of them the observed output matches.
+
+Public API::
+
+    SDPAProblem(query, key, value, *, attend_mask, additive_mask, causal, scale, dtype,
+                dropout_p, fully_masked)                    # SDPAProblem.from_case(case, **changes)
+    MHAProblem(params, query, key, value, *, key_padding_mask, attn_mask, is_causal,
+               need_weights, average_attn_weights, batch_first, dtype, dropout, training,
+               fully_masked)                                # MHAProblem.from_case(case, **changes)
+    Variant(id, level, summary, models, applies, compute, detect)
+        variant.applies(problem) -> bool
+        variant.compute(problem) -> VariantResult(output, weights, slack)   # None: not deterministic
+    VARIANTS: dict[str, Variant]    ALIASES: dict[str, str]    lookup(name) -> Variant
+    reference(problem) -> VariantResult                    # the correct convention
+    rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
+    fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
+
+Conventions are the spec's: SDPA bool masks True = may attend, MHA bool masks True =
+blocked, float masks added. A problem's ``fully_masked`` is the policy the implementation
+declares ("zero", "nan", "uniform" or "unspecified"). docs/DIAGNOSIS.md lists every
+variant with the real bug it stands for.
+"""
+
+from __future__ import annotations
+
+from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
+from ._rank import DEFAULT_ULPS, Allowed, Match, Observed, default_allowed, fit, rank, reference
+from .mha import MHA_VARIANTS
+from .registry import ALIASES, VARIANTS, lookup
+from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
+
+__all__ = [
+    "SDPAProblem",
+    "MHAProblem",
+    "Problem",
+    "Variant",
+    "VariantResult",
+    "VARIANTS",
+    "SDPA_VARIANTS",
+    "MHA_VARIANTS",
+    "ALIASES",
+    "lookup",
+    "reference",
+    "rank",
+    "Match",
+    "fit",
+    "default_allowed",
+    "Allowed",
+    "Observed",
+    "DEFAULT_ULPS",
+    "KERNEL_BLOCK",
+    "LEVELS",
+    "POLICIES",
+]
