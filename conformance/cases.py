@@ -16,13 +16,29 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SDPACase", "MHACase", "LAYOUTS"]
+__all__ = [
+    "SDPACase",
+    "MHACase",
+    "LAYOUTS",
+    "NOTE_MASK_EXPANDED",
+    "NOTE_STRIDE0_BATCH",
+    "NOTE_STRIDE0_HEADS",
+]
 
 #: Memory layouts a case's tensors may be handed over in:
 #: contiguous; transposed (stored (B, L, N, E) and viewed as (B, N, L, E));
 #: stride0 (K/V heads or batch expanded from size 1 with stride 0, where shapes allow);
 #: poisoned (a slice of a larger buffer whose outside is filled with NaN).
 LAYOUTS = ("contiguous", "transposed", "stride0", "poisoned")
+
+# Layout instructions a case may carry in ``notes``, written by
+# ``conformance.strategies`` and read by ``conformance.tensors``.
+#: Hand the mask over expanded to (B, N, L, S) with stride 0 along its broadcast dims.
+NOTE_MASK_EXPANDED = "mask:expanded"
+#: Layout "stride0": key/value expanded with stride 0 along the batch dim.
+NOTE_STRIDE0_BATCH = "stride0:batch"
+#: Layout "stride0": key/value expanded with stride 0 along the kv-head dim.
+NOTE_STRIDE0_HEADS = "stride0:heads"
 
 
 def _scale_sign(scale: float | None) -> str:
@@ -62,7 +78,8 @@ class SDPACase:
     device: str = "cpu"
     layout: str = "contiguous"
     regime: str = "normal"
-    #: Free-form labels (e.g. "mask=padding", "fully-masked by construction").
+    #: Descriptive labels (e.g. "mask_pattern=padding") and the layout
+    #: instructions NOTE_MASK_EXPANDED, NOTE_STRIDE0_BATCH, NOTE_STRIDE0_HEADS.
     notes: tuple[str, ...] = ()
 
     # -- sizes -------------------------------------------------------------

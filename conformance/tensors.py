@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from conformance.cases import MHACase, SDPACase
+from conformance.cases import (
+    NOTE_MASK_EXPANDED,
+    NOTE_STRIDE0_BATCH,
+    NOTE_STRIDE0_HEADS,
+    MHACase,
+    SDPACase,
+)
 
 __all__ = ["dtype_of", "to_numpy", "sdpa_inputs", "mha_inputs", "POISON_PAD"]
 
@@ -37,10 +43,6 @@ _TORCH_DTYPES = {
 }
 #: Elements of padding after each innermost row (and before the first) of a poisoned tensor.
 POISON_PAD = 3
-
-_NOTE_MASK_EXPANDED = "mask:expanded"
-_NOTE_STRIDE0_BATCH = "stride0:batch"
-_NOTE_STRIDE0_HEADS = "stride0:heads"
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -124,7 +126,7 @@ def _sdpa_mask(case: SDPACase, dtype: torch.dtype, requires_grad: bool) -> torch
     else:
         return None
     full = (case.B, case.N, case.L, case.S)
-    if _NOTE_MASK_EXPANDED in case.notes:
+    if NOTE_MASK_EXPANDED in case.notes:
         small = array.reshape((1,) * (4 - array.ndim) + array.shape)
         tensor = _leaf(_tensor(small, mask_dtype, case.device), grad)
         expanded = tensor.expand(*full)
@@ -139,7 +141,7 @@ def _stride0_axes(case: SDPACase) -> tuple[int, ...]:
     """The dims key/value are expanded along: from the case's notes, or (a case
     built by hand or replayed without notes) every batch/kv-head dim of size > 1
     along which key and value are constant."""
-    noted = tuple(axis for note, axis in ((_NOTE_STRIDE0_BATCH, 0), (_NOTE_STRIDE0_HEADS, 1))
+    noted = tuple(axis for note, axis in ((NOTE_STRIDE0_BATCH, 0), (NOTE_STRIDE0_HEADS, 1))
                   if note in case.notes)
     if noted:
         return noted

@@ -13,6 +13,7 @@ from hypothesis.errors import InvalidArgument
 from conformance import strategies as cs
 from conformance.cases import LAYOUTS, MHACase, SDPACase
 from implementations.base import Capabilities, Implementation
+from spec.emulate import round_to
 
 FAST = settings(max_examples=25, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -39,7 +40,7 @@ def _impl(caps: Capabilities) -> Implementation:
 
 
 def assert_exact(name: str, array: np.ndarray, dtype: str) -> None:
-    rounded = cs.round_to_dtype(array, dtype)
+    rounded = round_to(array, dtype)
     same = (rounded == array) | (np.isnan(rounded) & np.isnan(array))
     assert same.all(), f"{name} has values not exact in {dtype}: {array[~same][:5]}"
 
@@ -166,10 +167,10 @@ SDPA_FORCING = [
     (dict(layouts=("stride0",)), lambda c: c.layout == "stride0" and c.B >= 2
      and np.array_equal(c.key, np.broadcast_to(c.key[:1], c.key.shape))),
     (dict(layouts=("poisoned",)), lambda c: c.layout == "poisoned"),
-    (dict(scales=("negative",)), lambda c: c.scale is not None and c.scale < 0),
-    (dict(scales=("zero",)), lambda c: c.scale == 0.0),
-    (dict(scales=("tiny",)), lambda c: abs(c.scale - 1e-6) < 1e-12),
-    (dict(scales=False), lambda c: c.scale is None),
+    (dict(scale_kinds=("negative",)), lambda c: c.scale is not None and c.scale < 0),
+    (dict(scale_kinds=("zero",)), lambda c: c.scale == 0.0),
+    (dict(scale_kinds=("tiny",)), lambda c: abs(c.scale - 1e-6) < 1e-12),
+    (dict(scale_kinds=False), lambda c: c.scale is None),
     (dict(min_L=5, max_L=7, min_S=30, max_S=33), lambda c: 5 <= c.L <= 7 and 30 <= c.S <= 33),
     (dict(min_batch=2, max_batch=2, min_heads=3, max_heads=3),
      lambda c: c.B == 2 and c.N == 3),
@@ -189,7 +190,7 @@ def test_sdpa_forcing_arguments_force(kwargs: dict, check, data: st.DataObject) 
 
 
 @FAST
-@given(cs.sdpa_cases(dtype="float32", regimes=("large_logits",), scales=False))
+@given(cs.sdpa_cases(dtype="float32", regimes=("large_logits",), scale_kinds=False))
 def test_large_logits_are_large(case: SDPACase) -> None:
     logits = np.einsum("bnle,bnse->bnls", case.query,
                        np.repeat(case.key, case.N // case.K, axis=1)) / np.sqrt(case.E)
@@ -304,7 +305,7 @@ def test_masks_reach_every_pattern_shape_and_expansion() -> None:
     seen_patterns, seen_shapes, expanded = set(), set(), []
 
     @settings(max_examples=250, deadline=None, database=None)
-    @given(cs.masks(B=2, N=2, L=3, S=4, kinds=("bool", "additive")))
+    @given(cs.masks(B=2, N=2, L=3, S=4, mask_kinds=("bool", "additive")))
     def collect(drawn: cs.MaskDraw) -> None:
         for note in drawn.notes:
             if note.startswith("mask_pattern="):
@@ -334,6 +335,29 @@ def test_simple_strategies_respect_caps() -> None:
     assert find(cs.layouts(), lambda x: x != "contiguous") == "transposed"
 
 
+
+def test_strategy_reprs_read_as_calls() -> None:
+    assert repr(cs.sdpa_cases(dtype="float16")) == "sdpa_cases(dtype='float16')"
+    assert repr(cs.mha_cases(dtype="float32", need_weights=True)) == \
+        "mha_cases(dtype='float32', need_weights=True)"
+    assert repr(cs.masks(B=1, N=2, L=3, S=4, mask_kinds=("bool",))) == \
+        "masks(B=1, N=2, L=3, S=4, mask_kinds=('bool',))"
+    assert repr(cs.scales(scale_kinds=False)) == "scales(scale_kinds=False)"
+    assert repr(cs.layouts()) == "layouts()"
+    assert repr(cs.head_configs(gqa=True)) == "head_configs(gqa=True)"
+    assert repr(cs.sdpa_shapes(max_L=4)) == "sdpa_shapes(max_L=4)"
+    assert repr(cs.dtypes()) == "dtypes()" and repr(cs.value_regimes()) == "value_regimes()"
+
+
+def test_mask_pattern_table_is_the_one_source() -> None:
+    assert cs.MASK_PATTERNS == tuple(p.name for p in cs.MASK_PATTERN_TABLE)
+    rng = np.random.default_rng(0)
+    for pattern in cs.MASK_PATTERN_TABLE:
+        shape = tuple(size if need else 1 for size, need in zip((2, 3, 4, 5), pattern.needs, strict=True))
+        attend = pattern.build(rng, shape, 4, 5)
+        assert attend.dtype == np.bool_ and attend.shape == shape, pattern.name
+        assert pattern.weight > 0 and pattern.description
+
 # -- invalid arguments raise at once ---------------------------------------------
 
 INVALID = [
@@ -349,8 +373,8 @@ INVALID = [
     (lambda: cs.sdpa_cases(dtype="float32", mask_kinds=("boolean",)), "mask_kinds=('boolean',)"),
     (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], layouts=("stride0",)),
      "layouts=('stride0',)"),
-    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], scales=("negative",)),
-     "scales=('negative',)"),
+    (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], scale_kinds=("negative",)),
+     "scale_kinds=('negative',)"),
     (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], min_L=17), "min_L=17"),
     (lambda: cs.sdpa_cases(dtype="float32", caps=CAPS["narrow"], max_head_dim=2), "max_head_dim=2"),
     (lambda: cs.mha_cases(dtype="float32", features="need_weights"), "features='need_weights'"),
@@ -371,8 +395,9 @@ INVALID = [
     (lambda: cs.head_configs(min_heads=3, max_heads=2), "max_heads=2"),
     (lambda: cs.masks(B=1, N=1, L=3, S=2, causal="lower_right", fully_masked=False),
      "fully_masked=False"),
-    (lambda: cs.masks(B=1, N=1, L=3, S=2, kinds=("none",), fully_masked=True), "kinds=('none',)"),
-    (lambda: cs.layouts(allowed=("diagonal",)), "layouts=('diagonal',)"),
+    (lambda: cs.masks(B=1, N=1, L=3, S=2, mask_kinds=("none",), fully_masked=True),
+     "mask_kinds=('none',)"),
+    (lambda: cs.layouts(layouts=("diagonal",)), "layouts=('diagonal',)"),
     (lambda: cs.mha_cases(dtype="float32", caps=CAPS["narrow"], need_weights=None,
                           average_attn_weights=False), "average_attn_weights=False"),
     (lambda: cs.mha_cases(dtype="float32", caps=CAPS["narrow"], is_causal=True), "is_causal=True"),
