@@ -35,6 +35,7 @@ __all__ = [
     "ALL_MHA_FEATURES",
     "CAUSAL_ALIGNMENTS",
     "FULLY_MASKED_POLICIES",
+    "MATCH_COMPARISONS",
     "Capabilities",
     "ExpectedFailure",
     "Implementation",
@@ -86,8 +87,6 @@ class Capabilities:
     causal: str | None = "upper_left"
     #: Output for query rows where every key is blocked: zero / nan / uniform / unspecified.
     fully_masked: str = "zero"
-    #: Level-specific: MHA modules may return weights; SDPA weights are probed with V = I.
-    returns_weights: bool = False
     different_v_dim: bool = True     # Ev != E
     gqa: bool = True                 # K < N with enable_gqa=True
     dropout: bool = False            # dropout_p > 0 honoured
@@ -161,7 +160,8 @@ class ExpectedFailure:
         return all(_matches(case_attrs.get(key), wanted) for key, wanted in self.match.items())
 
 
-_COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
+#: The comparisons a table value of ``ExpectedFailure.match`` may use.
+MATCH_COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
     "lt": lambda got, bound: got < bound,
     "le": lambda got, bound: got <= bound,
     "gt": lambda got, bound: got > bound,
@@ -176,7 +176,7 @@ def _matches(got: Any, wanted: Any) -> bool:
         if got is None:
             return False
         try:
-            return all(_COMPARISONS[op](got, bound) for op, bound in wanted.items())
+            return all(MATCH_COMPARISONS[op](got, bound) for op, bound in wanted.items())
         except (TypeError, KeyError):
             return False
     if isinstance(wanted, (list, tuple, set, frozenset)):
@@ -213,6 +213,8 @@ class Implementation:
     mha_capabilities: Capabilities | None = None  # defaults to ``capabilities``
     version: str = "0"
     description: str = ""
+    #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
+    #: which the registry attaches when it builds the built-in.
     expected_failures: tuple[ExpectedFailure, ...] = ()
     #: Set when the implementation cannot run here (missing optional dependency...).
     unavailable_reason: str | None = None
@@ -298,9 +300,3 @@ class Implementation:
         if level == "mha" and missing:
             reasons.append(f"MHA features not supported: {sorted(missing)}")
         return reasons
-
-    def expected_failure(self, property_id: str, case: Mapping[str, Any]) -> ExpectedFailure | None:
-        for entry in self.expected_failures:
-            if entry.applies(property_id, case):
-                return entry
-        return None

@@ -1,8 +1,12 @@
 """The built-in implementations, built lazily by ``implementations.registry``.
 
 ``BUILTINS`` maps each registered name to ``"module:function"``; the function is
-called with the name as keyword ``name`` only when that implementation is resolved,
-so listing the registry imports nothing heavy.
+called (with the name as keyword ``name`` when it has that parameter) only when that
+implementation is resolved, so listing the registry imports nothing heavy.
+
+A built-in's expected failures are the entries of ``implementations/xfail/<name>.toml``
+(``<name>`` its registered name); the registry attaches them when it builds the
+built-in, so a built-in never loads them itself and never imports the registry.
 """
 
 from __future__ import annotations
@@ -20,5 +24,5 @@ BUILTINS: dict[str, str] = {
     "sdpa-cudnn": "implementations.builtins.torch_sdpa:make_backend",
     "torch-mha": "implementations.builtins.torch_mha:make_implementation",
     "flex": "implementations.builtins.flex:make_implementation",
-    "triton": "implementations.triton_attention:make_implementation",
+    "triton": "implementations.builtins.triton_attention:make_implementation",
 }

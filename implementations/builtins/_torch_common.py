@@ -1,4 +1,5 @@
-"""Helpers shared by the torch-based built-ins: dtype names, weight loading, batching."""
+"""Helpers shared by the torch-based built-ins (and the bug zoo): dtype names, weight
+loading, strides, batching."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from implementations.base import ImplementationError
 
-__all__ = ["DTYPES", "dtype_name", "load_mha_weights", "torch_version"]
+__all__ = ["DTYPES", "contiguous_strides", "dtype_name", "flatten_batch", "load_mha_weights", "torch_version"]
 
 DTYPES = {
     "float64": torch.float64,
@@ -25,6 +26,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def torch_version() -> str:
     return f"torch {torch.__version__}"
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides (in elements) a contiguous tensor of ``shape`` would have."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _module_param(module: Any, name: str) -> torch.Tensor | None:
@@ -56,7 +66,7 @@ def load_mha_weights(module: Any, params: Any) -> None:
             raise ImplementationError("params have neither in_proj_weight nor q/k/v_proj_weight")
         values["in_proj_weight"] = np.concatenate(parts, axis=0)
     if values["in_proj_weight"] is not None and not has_packed:
-        for x, part in zip("qkv", np.split(values["in_proj_weight"], 3, axis=0)):
+        for x, part in zip("qkv", np.split(values["in_proj_weight"], 3, axis=0), strict=True):
             values[f"{x}_proj_weight"] = part
         values["in_proj_weight"] = None
     with torch.no_grad():

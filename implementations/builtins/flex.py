@@ -10,7 +10,6 @@ support backward on CPU") and no dropout. Masks become a ``score_mod``: a bool m
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 
@@ -48,7 +47,7 @@ def _flex_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         return flex_attention(query, key, value, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa)
 
 
-def make_implementation(**_: Any) -> Implementation:
+def make_implementation() -> Implementation:
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
     except ImportError as exc:  # older torch

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from implementations.base import ALL_MHA_FEATURES, Capabilities, Implementation
@@ -13,7 +11,7 @@ from implementations.builtins.handwritten import MultiheadAttention, scaled_dot_
 __all__ = ["make_implementation"]
 
 
-def make_implementation(**_: Any) -> Implementation:
+def make_implementation() -> Implementation:
     devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
     caps = Capabilities(
         devices=devices,
@@ -25,7 +23,7 @@ def make_implementation(**_: Any) -> Implementation:
     return Implementation(
         name="handwritten",
         capabilities=caps,
-        mha_capabilities=caps.replace(returns_weights=True, mha_features=ALL_MHA_FEATURES),
+        mha_capabilities=caps.replace(mha_features=ALL_MHA_FEATURES),
         sdpa=scaled_dot_product_attention,
         mha=MultiheadAttention,
         load_weights=load_mha_weights,

@@ -133,7 +133,7 @@ def _load_spec_weights(module: SpecMultiheadAttention, params: Any) -> None:
     load_mha_weights(module.inner, params)
 
 
-def make_implementation(**_: Any) -> Implementation:
+def make_implementation() -> Implementation:
     try:
         import spec  # noqa: F401
     except ImportError as exc:
@@ -143,7 +143,7 @@ def make_implementation(**_: Any) -> Implementation:
         name="spec",
         capabilities=Capabilities(devices=("cpu",), dtypes=_ALL, dropout=False, non_contiguous=True),
         mha_capabilities=Capabilities(
-            devices=("cpu",), dtypes=_ALL, returns_weights=True, dropout=False, autograd=False,
+            devices=("cpu",), dtypes=_ALL, dropout=False, autograd=False,
             mask_grad=False, mha_features=mha_features,
         ),
         sdpa=spec_sdpa,

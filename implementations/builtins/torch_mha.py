@@ -8,8 +8,6 @@ weights in by parameter name. Its known deviations on torch 2.13 CPU are listed 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -19,16 +17,13 @@ from implementations.builtins._torch_common import load_mha_weights, torch_versi
 __all__ = ["make_implementation"]
 
 
-def make_implementation(**_: Any) -> Implementation:
-    from implementations.registry import load_expected_failures
-
+def make_implementation() -> Implementation:
     devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
     caps = Capabilities(
         devices=devices,
         dtypes=("float64", "float32", "float16", "bfloat16"),
         causal="upper_left",
         fully_masked="zero",
-        returns_weights=True,
         dropout=True,
         mha_features=ALL_MHA_FEATURES,
     )
@@ -40,5 +35,4 @@ def make_implementation(**_: Any) -> Implementation:
         version=torch_version(),
         description="torch.nn.MultiheadAttention (slow path, and its fast path in eval "
         "with grad disabled), weights copied in by parameter name",
-        expected_failures=load_expected_failures("torch-mha"),
     )

@@ -17,15 +17,12 @@ declared conservatively from PyTorch's documented constraints (sdp_utils) and sa
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from implementations.base import Capabilities, Implementation
 from implementations.builtins._torch_common import flatten_batch, torch_version
-from implementations.registry import load_expected_failures
 
 __all__ = ["make_default", "make_backend"]
 
@@ -48,7 +45,7 @@ def _with_backend(backend: SDPBackend):
     return sdpa
 
 
-def make_default(**_: Any) -> Implementation:
+def make_default() -> Implementation:
     """``F.scaled_dot_product_attention`` with PyTorch's own backend choice."""
     return Implementation(
         name="sdpa",
@@ -56,7 +53,6 @@ def make_default(**_: Any) -> Implementation:
         sdpa=F.scaled_dot_product_attention,
         version=torch_version(),
         description="torch.nn.functional.scaled_dot_product_attention, default dispatch",
-        expected_failures=load_expected_failures("sdpa"),
     )
 
 
@@ -109,7 +105,8 @@ _BACKENDS: dict[str, tuple[str, Capabilities, str]] = {
 }
 
 
-def make_backend(name: str, **_: Any) -> Implementation:
+def make_backend(name: str) -> Implementation:
+    """SDPA forced to the backend registered as ``name`` (see ``_BACKENDS``)."""
     backend_name, caps, description = _BACKENDS[name]
     backend = getattr(SDPBackend, backend_name)
     sdpa = _with_backend(backend)
@@ -125,5 +122,4 @@ def make_backend(name: str, **_: Any) -> Implementation:
         version=torch_version(),
         description=description,
         unavailable_reason=reason,
-        expected_failures=load_expected_failures(name),
     )

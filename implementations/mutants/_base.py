@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from implementations.base import ALL_DTYPES, Capabilities, Implementation, ImplementationError
+from implementations.base import ALL_DTYPES, Capabilities, Implementation
+from implementations.builtins._torch_common import contiguous_strides, load_mha_weights
 
 __all__ = [
     "BLOCK",
@@ -58,7 +59,6 @@ SDPA_CAPABILITIES = Capabilities(
     dtypes=ALL_DTYPES,
     causal="upper_left",
     fully_masked="zero",
-    returns_weights=False,
     dropout=True,
 )
 #: HandwrittenMHA computes in its parameters' dtype; 16-bit MHA is not claimed.
@@ -67,7 +67,6 @@ MHA_CAPABILITIES = Capabilities(
     dtypes=("float64", "float32"),
     causal="upper_left",
     fully_masked="zero",
-    returns_weights=True,
     dropout=True,
     gqa=False,
     different_v_dim=False,
@@ -76,15 +75,6 @@ MHA_CAPABILITIES = Capabilities(
 
 class AttentionInputError(ValueError, RuntimeError):
     """Invalid attention inputs (a ValueError, and a RuntimeError like torch's own)."""
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides a contiguous tensor of ``shape`` would have."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def read_as_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -415,6 +405,10 @@ class HandwrittenMHA(nn.Module):
     (bool **True = blocked**, float added); ``is_causal`` is a hint as in torch
     (an ``attn_mask`` is required, and applied). Fully-masked query rows give a zero
     attention output (so ``out_proj.bias`` after the projection) and zero weights.
+
+    Deliberately independent of the built-in
+    :class:`implementations.builtins.handwritten.MultiheadAttention` (written apart, no
+    shared code), so that a bug in one cannot hide in the other: keep them separate.
     """
 
     def __init__(
@@ -630,35 +624,6 @@ class HandwrittenMHA(nn.Module):
 
 def _pad_last(mask):
     return None if mask is None else F.pad(mask, (0, 1))
-
-
-_WEIGHT_NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                 "in_proj_bias", "bias_k", "bias_v")
-
-
-def load_mha_weights(module: nn.Module, params: Any) -> None:
-    """Copy an MHAParams-like object (NumPy float64 arrays named like
-    nn.MultiheadAttention's parameters) into ``module``, casting to its dtype."""
-    targets = {name: getattr(module, name, None) for name in _WEIGHT_NAMES}
-    targets["out_proj_weight"] = module.out_proj.weight
-    targets["out_proj_bias"] = module.out_proj.bias
-    with torch.no_grad():
-        for name, target in targets.items():
-            source = getattr(params, name, None)
-            if source is None and target is None:
-                continue
-            if source is None or target is None:
-                raise ImplementationError(
-                    f"{name}: params has {'no' if source is None else 'a'} value but the module "
-                    f"has {'no' if target is None else 'a'} parameter; build the module with "
-                    "matching bias/add_bias_kv/kdim/vdim options"
-                )
-            source = torch.as_tensor(source)
-            if tuple(source.shape) != tuple(target.shape):
-                raise ImplementationError(
-                    f"{name}: params shape {tuple(source.shape)} != module shape {tuple(target.shape)}"
-                )
-            target.copy_(source.to(dtype=target.dtype, device=target.device))
 
 
 def mha_implementation(name: str, module_class: type, capabilities: Capabilities, description: str) -> Implementation:

@@ -2,7 +2,7 @@
 
 The tiled mutants in :mod:`.tiled_mutants` show the classic kernel bugs in pure
 PyTorch; these plant three of them in the real Triton kernel
-(``implementations/triton_attention.py``, ``planted_bug=``) so the suite is shown
+(``implementations/builtins/triton_attention.py``, ``planted_bug=``) so the suite is shown
 to catch them where a kernel author would make them. They need triton installed
 (on the CPU the kernel runs under ``TRITON_INTERPRET=1``).
 """
@@ -19,7 +19,7 @@ __all__ = ["TRITON_MUTANTS"]
 
 def _builder(bug: str, name: str):
     def build() -> Implementation:
-        from implementations.triton_attention import make_implementation
+        from implementations.builtins.triton_attention import make_implementation
 
         impl = make_implementation(planted_bug=bug)
         return dataclasses.replace(impl, name=f"mutant:{name}", listed=False)

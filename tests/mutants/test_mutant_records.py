@@ -57,7 +57,7 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2
 DROPOUT_DRAWS = 4000
 
 def _triton_reason() -> str | None:
-    from implementations.triton_attention import make_implementation
+    from implementations.builtins.triton_attention import make_implementation
 
     return make_implementation().unavailable_reason
 
@@ -249,7 +249,7 @@ def test_capabilities_are_the_bases(name):
     caps = mutant.build().capabilities
     base = SDPA_CAPABILITIES if mutant.level == "sdpa" else MHA_CAPABILITIES
     if name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
-        from implementations.triton_attention import make_implementation
+        from implementations.builtins.triton_attention import make_implementation
 
         base = make_implementation().capabilities
     elif mutant.level == "sdpa" and not caps.dropout:

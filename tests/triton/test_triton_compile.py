@@ -16,7 +16,7 @@ divisibility attrs, as ``JITFunction.run`` would on a device. Then
 
 The builds run in one subprocess per target (this file run as a script) with
 ``TRITON_INTERPRET=0``: a process where the interpreter is on (as it is for the CPU
-forward tests, see implementations/triton_attention.py) cannot compile for a GPU,
+forward tests, see docs/TRITON.md) cannot compile for a GPU,
 because triton.language's helpers were decorated as interpreted functions.
 
 Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 58 variants, 170 builds per
@@ -48,7 +48,7 @@ if importlib.util.find_spec("triton") is None:
 
 import torch  # noqa: E402
 
-import implementations.triton_attention as ta  # noqa: E402
+import implementations.builtins.triton_attention as ta  # noqa: E402
 
 #: target name -> (GPUTarget, max dynamic shared memory per block in bytes)
 TARGETS = {

@@ -20,7 +20,7 @@ if importlib.util.find_spec("triton") is None:
 
 # Imported before anything imports triton: on a machine without CUDA the module must
 # set TRITON_INTERPRET=1 before triton's first import (see its docstring).
-import implementations.triton_attention as ta  # noqa: E402
+import implementations.builtins.triton_attention as ta  # noqa: E402
 import torch  # noqa: E402
 
 IMPL = ta.make_implementation()

@@ -1,108 +1,19 @@
-"""Triton fused attention (flash-attention style): forward and backward kernels.
+"""Triton fused attention (flash-attention style), forward and backward, registered as ``triton``.
+
+``make_implementation()`` returns an SDPA-level
+:class:`~implementations.base.Implementation` with torch SDPA's calling convention.
+It supports bool and additive masks (any broadcastable rank), the causal flag in
+either alignment, GQA, Ev != E, any strides, head dims up to 256, float64 / float32
+(never TF32) / float16 / bfloat16, and gradients w.r.t. q, k, v; not dropout, nor a
+gradient w.r.t. the mask. Fully-masked rows give 0. Without a GPU it runs under the
+Triton interpreter, which this module switches on *before* importing triton: import
+it before triton.
+
+Details (the kernels, the interpreter and how the kernel avoids its traps, timings,
+the planted bugs of the bug zoo) are in ``docs/TRITON.md``.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim.
-
-``make_implementation()`` returns an :class:`~implementations.base.Implementation`
-named ``"triton"`` whose ``sdpa`` has torch SDPA's calling convention. The kernel
-(``_attn_fwd_kernel``) computes one tile of BLOCK_M queries of one (batch, head)
-per program, streams over key blocks of BLOCK_N keys with an online softmax and
-accumulates in float32 (float64 for float64 inputs):
-
-* every input is read through its own strides (q, k, v, mask); stride-0
-  (expanded) dims are read in place. No hidden ``.contiguous()`` copy, with one
-  declared exception: more than one leading batch dim whose strides cannot be
-  merged into one (``Tensor.view`` refuses) is reshaped, i.e. copied.
-* E != Ev, L != S, GQA (query head h reads kv head h // (N // K), as
-  ``repeat_interleave``); N % K != 0 raises ValueError.
-* ``is_causal`` means the alignment given to ``make_implementation``
-  (``"upper_left"``: key j visible to query i iff j <= i, PyTorch; ``"lower_right"``:
-  iff j <= i + S - L, FlashAttention). An explicit mask may be combined with it.
-* masks broadcastable to (B, N, L, S): bool (True = may attend, read as uint8
-  through a no-copy ``view``) or floating (added to the scaled scores, any float
-  dtype, upcast in the kernel).
-* query rows where every key is blocked give output 0 (policy ``zero``).
-* float16 / bfloat16: q·kᵀ and p·v accumulate in float32; the output is stored as
-  float32 and cast on the host (see the interpreter notes). float32: ``tl.dot``
-  with ``input_precision="ieee"`` (never TF32). float64: computed in float64.
-* backward (``torch.autograd.Function``): two Triton kernels recompute the
-  probabilities from the forward's saved row log-sum-exp (FlashAttention-2): one
-  program per key block gives dK and dV (summed over the key's GQA group of query
-  heads), one per query block gives dQ; delta = rowsum(dO * O) is one torch
-  reduction on the host. Same masks, causal, strides, dtypes as the forward. No
-  gradient w.r.t. an additive mask (an ``attn_mask`` that requires grad raises;
-  ``mask_grad=False``).
-* no dropout (``dropout_p > 0`` raises), head dims up to 256. Batch/head base
-  offsets are 64-bit; offsets inside one (batch, head) slice are 32-bit (a slice
-  must span < 2**31 elements).
-
-CPU: the Triton interpreter
----------------------------
-``@triton.jit`` decides at decoration time whether a kernel is compiled or
-interpreted (``triton.knobs.runtime.interpret``, i.e. ``TRITON_INTERPRET``), and
-so do triton.language's own helpers (``tl.max``, ``tl.sum``, ``tl.zeros``), which
-are decorated when triton is *first imported*. When torch sees no CUDA device this
-module therefore sets ``TRITON_INTERPRET=1`` with ``os.environ.setdefault``
-*before* importing triton, so the kernel runs on CPU tensors under the
-interpreter. Consequences, all deliberate:
-
-* the variable is process-wide: Triton kernels decorated later in the same
-  process are interpreted too (harmless without a GPU, where they could not run);
-* if triton was already imported in compiled mode before this module (and there
-  is no GPU), the interpreter cannot work in this process: ``make_implementation``
-  returns an unavailable Implementation saying so, never a wrong answer;
-* an explicit ``TRITON_INTERPRET=0`` is respected (the kernel then needs a GPU);
-* in an interpreting process nothing can be compiled for a GPU target, so the
-  compile test compiles in a subprocess with ``TRITON_INTERPRET=0``, where
-  ``plan_launch`` / ``plan_backward`` and the kernels are compiled JITFunctions.
-
-The interpreter differs from the GPU compiler; the kernel avoids each trap so
-that what passes here also holds on a GPU:
-
-* bf16 ``tl.dot`` is silently wrong under the interpreter: when interpreting,
-  16-bit operands are upcast to float32 before every dot (``NATIVE_DOT=False``).
-  Exact: a product of two fp16/bf16 numbers is exact in float32, so this equals a
-  16-bit dot with float32 accumulation up to summation order. On a GPU the dots
-  run natively on 16-bit operands (``NATIVE_DOT=True``: p is rounded to the
-  value dtype before p·v, as in FlashAttention-2).
-* fp32 -> bf16 stores truncate under the interpreter: the kernel stores float32
-  and the host casts (round to nearest even) — on both devices.
-* ``tl.arange`` needs powers of 2: head dims are padded to BLOCK_E =
-  max(16, next_pow2(E)) and masked.
-* the GPU compiler rejects dots with a dim < 16 for 16-bit inputs: every dot dim
-  (BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV) is >= 16.
-* ``input_precision`` is ignored by the interpreter, but on a GPU a float32
-  ``tl.dot`` is TF32 unless told otherwise: float32 uses ``"ieee"`` (so
-  ``tf32=False`` is declared).
-
-Per-call cost under the interpreter is dominated by Python-level execution of
-every op of every program instance (~0.1-0.2 ms per op, whatever the tile size),
-so CPU tiles are BLOCK_M = 64 queries by BLOCK_N = 16 keys: 2-3x faster than
-16 x 16 on tiny cases, while ragged key blocks and the multi-block online softmax
-are still exercised at S <= 70. Measured on a shared, busy 2-core CPU (median,
-forward / forward + backward): B=N=L=S=E=1 10-14 / 45 ms; (1, 1, 70, 70, E=40)
-50-70 / 220 ms; (2, 3, L=33, S=49, E=20) 130-300 / 600 ms; (2, 4, 70, 70, E=40)
-~600 / 1160 ms. torch's own CPU SDPA takes 0.01-36 ms on the same cases.
-
-The interpreter reads a kernel's source file lazily, at the kernel's first call:
-editing this file while a process that imported it is still running can make
-that first call fail (``KeyError`` in the interpreter's rewriter).
-
-Planted bugs (``planted_bug=``), each one forward kernel/launcher defect for the
-bug zoo (the backward kernels stay clean, but use the mutant forward's outputs):
-
-* ``"drop_ragged_block"``: the key loop stops at the last full BLOCK_N block, so
-  the trailing partial key block is never read (S % BLOCK_N != 0 gives a wrong
-  answer; S < BLOCK_N gives all zeros).
-* ``"no_rescale"``: the output accumulator is not multiplied by
-  exp(m_old - m_new) when the running row max grows (the normaliser still is),
-  so any row whose max grows after its first key block is wrong (S > BLOCK_N).
-* ``"ignore_strides"``: the launcher passes the contiguous strides of q, k and v's
-  logical shapes instead of their real strides, i.e. reads storage as if
-  contiguous (transposed / sliced inputs give wrong answers). To keep the bug zoo
-  from reading past an allocation (a crash, not a wrong answer), a tensor whose
-  storage is smaller than its contiguous extent (e.g. a stride-0 expansion) keeps
-  its real strides.
 """
 
 from __future__ import annotations
@@ -116,6 +27,7 @@ from typing import Any
 import torch
 
 from implementations.base import ALL_MASK_KINDS, CAUSAL_ALIGNMENTS, Capabilities, Implementation
+from implementations.builtins._torch_common import contiguous_strides
 
 __all__ = ["PLANTED_BUGS", "Launch", "LaunchPlan", "make_implementation", "plan_backward", "plan_launch"]
 
@@ -128,7 +40,7 @@ MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
 _TRITON_IMPORTED_EARLIER = "triton" in sys.modules
 if not torch.cuda.is_available():
-    # Must happen before triton is first imported (see module doc).
+    # Must happen before triton is first imported (docs/TRITON.md, the interpreter).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
@@ -160,7 +72,7 @@ def _interpreter_mismatch() -> str | None:
     if not isinstance(tl.zeros, InterpretedFunction):
         return ("triton was imported before TRITON_INTERPRET=1 was set, so its language "
                 "helpers cannot run under the interpreter; import "
-                "implementations.triton_attention before triton, or export TRITON_INTERPRET=1")
+                "implementations.builtins.triton_attention before triton, or export TRITON_INTERPRET=1")
     return None
 
 
@@ -560,21 +472,13 @@ def _as_4d(t: torch.Tensor, what: str) -> torch.Tensor:
         return t.reshape(-1, *t.shape[-3:])
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _strides(t: torch.Tensor, ignore_strides: bool) -> tuple[int, ...]:
     if not ignore_strides:
         return tuple(t.stride())
     available = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
     if available < t.numel() * t.element_size():
-        return tuple(t.stride())  # see module doc: the mutant must not read past memory
-    return _contiguous_strides(tuple(t.shape))
+        return tuple(t.stride())  # the mutant must not read past memory (docs/TRITON.md)
+    return contiguous_strides(tuple(t.shape))
 
 
 def _validate(query, key, value, attn_mask, dropout_p, enable_gqa) -> None:
@@ -827,7 +731,7 @@ def make_implementation(*, causal_alignment: str = "upper_left",
 
     ``causal_alignment``: what ``is_causal=True`` means ("upper_left" = PyTorch,
     "lower_right" = FlashAttention). ``planted_bug``: None or one of
-    ``PLANTED_BUGS`` (see the module docstring), for the bug zoo.
+    ``PLANTED_BUGS`` (each described in docs/TRITON.md), for the bug zoo.
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment={causal_alignment!r}; use one of {CAUSAL_ALIGNMENTS}")
@@ -850,7 +754,6 @@ def make_implementation(*, causal_alignment: str = "upper_left",
         mask_kinds=ALL_MASK_KINDS,
         causal=causal_alignment,
         fully_masked="zero",
-        returns_weights=False,
         different_v_dim=True,
         gqa=True,
         dropout=False,

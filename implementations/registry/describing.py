@@ -1,0 +1,92 @@
+"""What an implementation claims, in words: ``describe(impl)`` and the ``--impl=list`` table."""
+
+from __future__ import annotations
+
+from implementations.base import ALL_MHA_FEATURES, Capabilities, Implementation
+from implementations.registry.resolution import registered
+
+__all__ = ["describe", "listing"]
+
+_SHORT_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_LISTING_HEADER = ("name", "available", "levels", "devices", "dtypes", "masks", "causal",
+                   "fully-masked", "gqa", "Ev!=E", "dropout", "grad", "xfails")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _caps_line(c: Capabilities, level: str) -> str:
+    parts = [
+        f"devices={','.join(c.devices)}",
+        f"dtypes={','.join(c.dtypes)}",
+        f"masks={','.join(sorted(c.mask_kinds))}",
+        f"causal={c.causal or 'no'}",
+        f"fully_masked={c.fully_masked}",
+    ]
+    if level == "sdpa":
+        parts += [f"Ev!=E={_yes(c.different_v_dim)}", f"gqa={_yes(c.gqa)}"]
+    else:
+        parts += [f"weights={_yes('need_weights' in c.mha_features)}"]
+    parts += [
+        f"dropout={_yes(c.dropout)}", f"scale={_yes(c.custom_scale)}",
+        f"autograd={_yes(c.autograd)}", f"mask_grad={_yes(c.mask_grad)}",
+        f"non_contiguous={_yes(c.non_contiguous)}",
+    ]
+    for bound in ("min_head_dim", "max_head_dim", "max_seq_len"):
+        if getattr(c, bound) is not None:
+            parts.append(f"{bound}={getattr(c, bound)}")
+    if level == "mha":
+        missing = sorted(ALL_MHA_FEATURES - set(c.mha_features))
+        parts.append(f"mha_features=all but {missing}" if missing else "mha_features=all")
+    return " ".join(parts)
+
+
+def describe(impl: Implementation) -> str:
+    """Several lines: name, version, availability, description, capabilities per level,
+    expected failures."""
+    status = "available" if impl.available else f"UNAVAILABLE: {impl.unavailable_reason}"
+    lines = [f"{impl.name} ({impl.version}) - {status}"]
+    if impl.description:
+        lines.append(f"  {impl.description}")
+    if impl.sdpa is not None:
+        lines.append(f"  SDPA level: {_caps_line(impl.caps('sdpa'), 'sdpa')}")
+    if impl.mha is not None:
+        lines.append(f"  MHA level: {_caps_line(impl.caps('mha'), 'mha')}")
+    for entry in impl.expected_failures:
+        match = f" {dict(entry.match)}" if entry.match else ""
+        ref = f" [{entry.reference}]" if entry.reference else ""
+        lines.append(f"  expected failure: {entry.property}{match}: {entry.reason}{ref}")
+    return "\n".join(lines)
+
+
+def _listing_row(name: str, impl: Implementation) -> tuple[str, ...]:
+    levels = "+".join(lvl for lvl, fn in (("sdpa", impl.sdpa), ("mha", impl.mha)) if fn is not None)
+    c = impl.caps("sdpa" if impl.sdpa is not None else "mha")
+    return (
+        name, _yes(impl.available), levels or "-", ",".join(c.devices),
+        ",".join(_SHORT_DTYPES[d] for d in c.dtypes), ",".join(sorted(c.mask_kinds - {"none"})) or "-",
+        c.causal or "-", c.fully_masked,
+        _yes(c.gqa) if impl.sdpa is not None else "-",
+        _yes(c.different_v_dim) if impl.sdpa is not None else "-",
+        _yes(c.dropout), _yes(c.autograd), str(len(impl.expected_failures)),
+    )
+
+
+def listing() -> str:
+    """A table of every listed built-in (for ``--impl=list``), unavailable ones with why."""
+    rows, notes = [], []
+    for name, build in registered().items():
+        impl = build()
+        if not impl.listed:
+            continue
+        rows.append(_listing_row(name, impl))
+        if not impl.available:
+            notes.append(f"  {name}: {impl.unavailable_reason}")
+        elif impl.description:
+            notes.append(f"  {name}: {impl.description}")
+    widths = [max(len(str(r[i])) for r in [_LISTING_HEADER, *rows]) for i in range(len(_LISTING_HEADER))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*_LISTING_HEADER), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in rows]
+    return "\n".join(lines + ["", "notes:", *notes])

@@ -1,0 +1,221 @@
+"""Recognition: turn what ``--impl`` found into an Implementation, with no adapter code.
+
+Accepted, in this order:
+
+* an :class:`~implementations.base.Implementation`, or a zero-argument callable
+  returning one;
+* a function with the signature of ``torch.nn.functional.scaled_dot_product_attention``
+  (``query, key, value`` first; ``attn_mask, dropout_p, is_causal, scale, enable_gqa``
+  optional, a missing one meaning that feature is unsupported);
+* a class that is a drop-in for ``torch.nn.MultiheadAttention`` (constructor
+  ``embed_dim, num_heads, ...`` and ``forward(query, key, value, key_padding_mask,
+  need_weights, attn_mask, average_attn_weights, is_causal)``; weights are loaded by
+  nn.MultiheadAttention's parameter names).
+
+For the last two the capabilities are probed (:mod:`.probing`); the adapters here
+(:class:`_SDPAAdapter`, :class:`_MHAFactory`) fill in a missing optional parameter
+while it keeps its default and refuse it otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Callable
+
+from implementations.base import Implementation, ImplementationError
+from implementations.registry._errors import summarise
+from implementations.registry.probing import probe_mha, probe_sdpa
+
+__all__ = [
+    "ACCEPTED_OBJECTS",
+    "MHA_FORWARD_PARAMETERS",
+    "MHA_INIT_PARAMETERS",
+    "SDPA_PARAMETERS",
+    "recognise",
+]
+
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+MHA_INIT_PARAMETERS = (
+    "embed_dim", "num_heads", "dropout", "bias", "add_bias_kv", "add_zero_attn",
+    "kdim", "vdim", "batch_first", "device", "dtype",
+)
+MHA_FORWARD_PARAMETERS = (
+    "query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+    "average_attn_weights", "is_causal",
+)
+#: What an object found by ``--impl`` may be, for error messages.
+ACCEPTED_OBJECTS = (
+    "an Implementation (or a zero-argument callable returning one), a function "
+    "with torch.nn.functional.scaled_dot_product_attention's signature, or a drop-in class for "
+    "torch.nn.MultiheadAttention"
+)
+
+
+def recognise(obj: Any, *, name: str, origin: str = "") -> Implementation:
+    """An :class:`Implementation` for ``obj`` (see the module docstring for what is accepted)."""
+    origin = origin or name
+    if isinstance(obj, Implementation):
+        return obj
+    if inspect.isclass(obj):
+        return _recognise_class(obj, name=name, origin=origin)
+    if not callable(obj):
+        raise ImplementationError(
+            f"{origin} is a {type(obj).__name__}, not callable; expected {ACCEPTED_OBJECTS}"
+        )
+    parameters = _parameters(obj, origin)
+    names = [p.name for p in parameters]
+    if names[:3] == ["query", "key", "value"]:
+        return _recognise_sdpa(obj, parameters, name=name, origin=origin)
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not required:
+        return _call_builder(obj, origin)
+    raise ImplementationError(
+        f"{origin} has the signature {getattr(obj, '__name__', 'f')}({', '.join(names)}), which "
+        "is not torch.nn.functional.scaled_dot_product_attention's "
+        f"({', '.join(SDPA_PARAMETERS)}): the first three parameters must be named query, key, "
+        "value; or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
+    )
+
+
+def _call_builder(builder: Callable[[], Any], origin: str) -> Implementation:
+    """The Implementation a zero-argument callable returns."""
+    try:
+        made = builder()
+    except Exception as exc:
+        raise ImplementationError(
+            f"{origin} takes no arguments, so it was called to build an Implementation, "
+            f"but the call raised {summarise(exc)}"
+        ) from exc
+    if isinstance(made, Implementation):
+        return made
+    raise ImplementationError(
+        f"{origin} takes no arguments, so it was called expecting an Implementation, but "
+        f"it returned {type(made).__name__}; return implementations.Implementation(...)"
+    )
+
+
+def _parameters(obj: Any, origin: str) -> list[inspect.Parameter]:
+    try:
+        import torch.nn.functional as F
+
+        if obj is F.scaled_dot_product_attention:  # a builtin without a Python signature
+            return [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None if i > 2 else inspect.Parameter.empty)
+                    for i, n in enumerate(SDPA_PARAMETERS)]
+    except ImportError:
+        pass
+    try:
+        return list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ImplementationError(
+            f"{origin} is callable but its signature cannot be read ({exc}); wrap it in a Python "
+            "function with scaled_dot_product_attention's signature"
+        ) from exc
+
+
+def _version_of(obj: Any) -> str:
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    return str(getattr(module, "__version__", "0"))
+
+
+# --------------------------------------------------------------------------- SDPA
+
+
+def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str, origin: str) -> Implementation:
+    names = {p.name for p in parameters}
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    unknown = [p.name for p in parameters[3:] if p.name not in SDPA_PARAMETERS
+               and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unknown:
+        raise ImplementationError(
+            f"{origin} looks like an SDPA function (query, key, value) but also requires "
+            f"{unknown}, which scaled_dot_product_attention does not have; give them defaults. "
+            f"Expected parameters: {', '.join(SDPA_PARAMETERS)}"
+        )
+    accepted = set(SDPA_PARAMETERS) if has_var_kw else names & set(SDPA_PARAMETERS)
+    sdpa = _SDPAAdapter(fn, accepted) if accepted != set(SDPA_PARAMETERS) else fn
+    return Implementation(
+        name=name,
+        capabilities=probe_sdpa(sdpa, origin=origin),
+        sdpa=sdpa,
+        version=_version_of(fn),
+        description=f"SDPA-signature function {origin}; capabilities probed",
+    )
+
+
+class _SDPAAdapter:
+    """Calls a function that lacks some of SDPA's optional parameters: a missing one
+    is dropped while it has its default value and refused otherwise."""
+
+    _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+    def __init__(self, fn: Callable[..., Any], accepted: set[str]) -> None:
+        self.fn, self.accepted = fn, accepted
+        self.__name__ = getattr(fn, "__name__", "sdpa")
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        given = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+        kwargs = {}
+        for key_name, value_given in given.items():
+            if key_name in self.accepted:
+                kwargs[key_name] = value_given
+            elif value_given is not self._DEFAULTS[key_name] and value_given != self._DEFAULTS[key_name]:
+                raise NotImplementedError(f"{self.__name__} has no {key_name} parameter")
+        return self.fn(query, key, value, **kwargs)
+
+
+# --------------------------------------------------------------------------- MHA
+
+
+def _recognise_class(cls: type, *, name: str, origin: str) -> Implementation:
+    init_parameters = _parameters(cls.__init__, origin)[1:]
+    init = [p.name for p in init_parameters]
+    forward_fn = getattr(cls, "forward", None)
+    forward = [p.name for p in _parameters(forward_fn, origin)][1:] if forward_fn else []
+    missing_init = [n for n in ("embed_dim", "num_heads") if n not in init]
+    missing_forward = [n for n in MHA_FORWARD_PARAMETERS if n not in forward]
+    if missing_init or missing_forward:
+        raise ImplementationError(
+            f"{origin} is the class {cls.__name__}({', '.join(init)}) with forward"
+            f"({', '.join(forward) or 'missing'}), which is not a drop-in for "
+            f"torch.nn.MultiheadAttention: missing constructor parameters {missing_init} and "
+            f"forward parameters {missing_forward}. Expected __init__({', '.join(MHA_INIT_PARAMETERS)}) "
+            f"and forward({', '.join(MHA_FORWARD_PARAMETERS)}), or an Implementation"
+        )
+    from implementations.builtins._torch_common import load_mha_weights
+
+    accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in init_parameters)
+    factory = _MHAFactory(cls, set(MHA_INIT_PARAMETERS) if accepts_kwargs else set(init))
+    return Implementation(
+        name=name,
+        capabilities=probe_mha(factory, origin=origin),
+        mha=factory,
+        load_weights=load_mha_weights,
+        version=_version_of(cls),
+        description=f"nn.MultiheadAttention drop-in {origin}; capabilities probed",
+    )
+
+
+class _MHAFactory:
+    """Builds ``cls`` with the constructor options it accepts; an option it lacks is
+    dropped while it has nn.MultiheadAttention's default and refused otherwise."""
+
+    _DEFAULTS = {"dropout": 0.0, "bias": True, "add_bias_kv": False, "add_zero_attn": False,
+                 "kdim": None, "vdim": None, "batch_first": False, "device": None, "dtype": None}
+
+    def __init__(self, cls: type, accepted: set[str]) -> None:
+        self.cls, self.accepted = cls, accepted
+        self.__name__ = cls.__name__
+
+    def __call__(self, embed_dim: int, num_heads: int, **options: Any) -> Any:
+        kwargs = {}
+        for key_name, value in options.items():
+            if key_name in self.accepted:
+                kwargs[key_name] = value
+            elif value != self._DEFAULTS.get(key_name, object()):
+                raise NotImplementedError(f"{self.cls.__name__} has no constructor option {key_name}")
+        module = self.cls(embed_dim, num_heads, **kwargs)
+        device, dtype = options.get("device"), options.get("dtype")
+        if ("device" not in self.accepted and device is not None) or ("dtype" not in self.accepted and dtype is not None):
+            module = module.to(device=device, dtype=dtype)
+        return module

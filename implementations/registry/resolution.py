@@ -1,0 +1,218 @@
+"""Resolution: find the implementation that ``--impl`` names.
+
+``resolve(spec)`` tries, in this order:
+
+1. a registered built-in name (``handwritten``, ``torch-mha``, ``sdpa``, ``spec`` ...,
+   see :func:`registered`);
+2. an installed entry point in the group ``attention_conformance.implementations``;
+3. ``mutant:NAME``, a deliberately broken implementation from the bug zoo
+   (``implementations.mutants.MUTANTS``);
+4. ``package.module:attr``;
+5. ``path/to/file.py:attr``.
+
+What an entry point or ``attr`` is turned into is :mod:`.recognition`'s job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from implementations.base import Implementation, ImplementationError
+from implementations.registry._errors import summarise
+from implementations.registry.expected_failures import load_expected_failures
+from implementations.registry.options import apply_options
+from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
+
+__all__ = ["ACCEPTED", "ENTRY_POINT_GROUP", "registered", "resolve"]
+
+ENTRY_POINT_GROUP = "attention_conformance.implementations"
+#: Every form ``--impl`` may take, for error messages.
+ACCEPTED = (
+    "a registered name, an entry point of group "
+    f"{ENTRY_POINT_GROUP!r}, 'mutant:NAME', 'package.module:attr' or 'path/to/file.py:attr' "
+    f"where attr is {ACCEPTED_OBJECTS}"
+)
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+@functools.cache
+def _build_builtin(name: str) -> Implementation:
+    """Built-in ``name``, with the entries of ``implementations/xfail/<name>.toml`` attached."""
+    from implementations.builtins import BUILTINS
+
+    target = BUILTINS[name]
+    module_name, _, attr = target.partition(":")
+    try:
+        maker = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        impl = Implementation(
+            name=name, unavailable_reason=f"{target} cannot be loaded: {type(exc).__name__}: {exc}"
+        )
+    else:
+        impl = maker(name=name) if "name" in inspect.signature(maker).parameters else maker()
+    entries = load_expected_failures(name)
+    if not entries:
+        return impl
+    return dataclasses.replace(impl, expected_failures=impl.expected_failures + entries)
+
+
+def registered() -> dict[str, Callable[[], Implementation]]:
+    """Listed built-ins, name -> zero-argument builder (each built once, on first call)."""
+    from implementations.builtins import BUILTINS
+
+    return {name: functools.partial(_build_builtin, name) for name in BUILTINS}
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def resolve(spec: str, options: Mapping[str, str] | None = None) -> Implementation:
+    """The implementation ``spec`` names (see the module docstring), with ``options``
+    overriding its capabilities."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
+    spec = spec.strip()
+    impl = _resolve(spec)
+    return apply_options(impl, options) if options else impl
+
+
+def _resolve(spec: str) -> Implementation:
+    builtins = registered()
+    if spec in builtins:
+        return builtins[spec]()
+    entry_point = _find_entry_point(spec)
+    if entry_point is not None:
+        return _resolve_entry_point(spec, entry_point)
+    if spec.startswith("mutant:"):
+        return _resolve_mutant(spec.removeprefix("mutant:"))
+    if ":" in spec:
+        return _resolve_location(spec)
+    raise ImplementationError(
+        f"--impl={spec!r} is not a registered implementation (registered: "
+        f"{', '.join(sorted(builtins))}), not an installed entry point of group "
+        f"{ENTRY_POINT_GROUP!r} (installed: {', '.join(_entry_point_names()) or 'none'}), "
+        f"and has no ':' for module:attr or file.py:attr; give {ACCEPTED}"
+    )
+
+
+def _find_entry_point(name: str) -> importlib.metadata.EntryPoint | None:
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name == name:
+            return entry_point
+    return None
+
+
+def _entry_point_names() -> list[str]:
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def _resolve_entry_point(spec: str, entry_point: importlib.metadata.EntryPoint) -> Implementation:
+    try:
+        obj = entry_point.load()
+    except Exception as exc:  # the user's package raised while importing
+        raise ImplementationError(
+            f"--impl={spec!r} is the entry point {entry_point.value!r} (group "
+            f"{ENTRY_POINT_GROUP!r}) but loading it raised {summarise(exc)}; fix that "
+            "package or reinstall it"
+        ) from exc
+    return recognise(obj, name=spec, origin=f"entry point {entry_point.value!r}")
+
+
+def _resolve_mutant(name: str) -> Implementation:
+    try:
+        from implementations.mutants import MUTANTS
+    except ImportError as exc:
+        raise ImplementationError(
+            f"--impl='mutant:{name}' needs the bug zoo implementations.mutants (a MUTANTS dict), "
+            f"which does not import here: {summarise(exc)}"
+        ) from exc
+    if name not in MUTANTS:
+        raise ImplementationError(
+            f"--impl='mutant:{name}': no mutant named {name!r}; the bug zoo has "
+            f"{', '.join(sorted(MUTANTS)) or 'none'}"
+        )
+    impl = MUTANTS[name].build()
+    if not isinstance(impl, Implementation):
+        raise ImplementationError(
+            f"mutant {name!r}'s build() returned {type(impl).__name__}, expected an Implementation"
+        )
+    return impl
+
+
+# --------------------------------------------------------------------------- module:attr, file.py:attr
+
+
+def _resolve_location(spec: str) -> Implementation:
+    """``package.module:attr`` or ``path/to/file.py:attr``."""
+    location, _, attr = spec.rpartition(":")
+    if location.endswith(".py") or "/" in location or "\\" in location:
+        module = _import_file(spec, location)
+    else:
+        module = _import_module(spec, location)
+    if not attr.isidentifier():
+        raise ImplementationError(
+            f"--impl={spec!r}: {attr!r} after the colon is not an attribute name; "
+            f"write {location}:NAME where NAME is defined in it"
+        )
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))[:20]
+        raise ImplementationError(
+            f"--impl={spec!r}: {location} has no attribute {attr!r}; it defines {public}. "
+            f"Expected {attr!r} to be {ACCEPTED_OBJECTS}"
+        )
+    return recognise(getattr(module, attr), name=spec, origin=spec)
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise ImplementationError(
+                f"--impl={spec!r}: no module named {module_name!r} is importable from "
+                f"sys.path (looked for {exc.name!r}); install it, run from its directory, or "
+                "give a file path as path/to/file.py:attr"
+            ) from exc
+        raise ImplementationError(
+            f"--impl={spec!r}: importing module {module_name!r} raised {summarise(exc)}; "
+            "the module itself imports something that is missing"
+        ) from exc
+    except Exception as exc:
+        raise ImplementationError(
+            f"--impl={spec!r}: importing module {module_name!r} raised {summarise(exc)}; "
+            "fix the error in that module"
+        ) from exc
+
+
+def _import_file(spec: str, location: str) -> Any:
+    path = Path(location).expanduser()
+    if not path.is_file():
+        raise ImplementationError(
+            f"--impl={spec!r}: no file {location!r} (looked for {path.resolve()}); "
+            "give an existing path/to/file.py:attr"
+        )
+    module_name = f"_attention_conformance_user_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImplementationError(f"--impl={spec!r}: {location!r} is not a loadable Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ImplementationError(
+            f"--impl={spec!r}: running {location!r} raised {summarise(exc)}; fix the error in "
+            "that file"
+        ) from exc
+    return module
