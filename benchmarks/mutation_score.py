@@ -150,7 +150,7 @@ def print_table(scores: list[Score]) -> None:
         ))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for s in scores:
         if s.note:
             print(f"note {s.name}: {s.note}")

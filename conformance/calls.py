@@ -1,8 +1,10 @@
-"""Calling an implementation on a case, and what the oracle says of that case.
+"""Calling an SDPA implementation on a case, and what the oracle says of that case.
 
 Everything that crosses into the implementation goes through
 ``runner.call_guarded`` so that its exceptions and hangs become property
-failures, never a crashed run.
+failures, never a crashed run. This module computes the inputs of the error
+bounds (magnitudes, naive errors, logit ranges); the bounds themselves are in
+``conformance.tolerance``. Its MHA twin is ``conformance.mha_calls``.
 """
 
 from __future__ import annotations
@@ -16,18 +18,28 @@ import spec
 from conformance import tolerance
 from conformance.cases import SDPACase
 from conformance.compare import Comparison, assert_contract, compare_values, fail
+from conformance.helpers import case_rng
 from conformance.runner import Target, call_guarded
 from conformance.tensors import dtype_of, sdpa_inputs, to_numpy
+from spec.emulate import round_to
 
 __all__ = [
     "SDPACall",
     "fold_causal",
     "oracle",
-    "run_sdpa",
-    "magnitude",
-    "naive_error",
-    "check_against_oracle",
     "valid_rows",
+    "magnitude",
+    "logit_scale",
+    "naive_error",
+    "uses_causal_flag",
+    "allowed_error",
+    "allowed_for",
+    "run_sdpa",
+    "check_against_oracle",
+    "assert_output_contract",
+    "grad_magnitudes",
+    "grad_logit_range",
+    "check_gradients",
 ]
 
 
@@ -112,27 +124,33 @@ def allowed_error(target: Target, case: SDPACase, ref: spec.SDPAResult) -> np.nd
     )
 
 
+def allowed_for(target: Target, case: SDPACase) -> tuple[np.ndarray, spec.SDPAResult]:
+    """Elementwise allowed error of ``case``'s output, and the oracle's result."""
+    ref = oracle(case)
+    return allowed_error(target, case, ref), ref
+
+
 @dataclass
 class SDPACall:
     output: np.ndarray  # float64 copy of the implementation's output
     tensor: Any  # the output tensor itself
-    inputs: dict[str, Any]  # the tensors handed over
 
 
 def run_sdpa(
     target: Target,
     case: SDPACase,
     *,
-    requires_grad: bool = False,
     dropout_p: float = 0.0,
-    use_causal_flag: bool = True,
     inputs: dict[str, Any] | None = None,
 ) -> SDPACall:
     """Call ``target.impl.sdpa`` on ``case`` (causal folded into the mask unless
-    the implementation's flag means the case's alignment and no mask is given)."""
-    flag = use_causal_flag and uses_causal_flag(target, case)
+    the implementation's flag means the case's alignment and no mask is given).
+
+    ``inputs``: the tensors to hand over (``sdpa_inputs`` of the case as called),
+    when the caller keeps them to inspect afterwards."""
+    flag = uses_causal_flag(target, case)
     call_case = case if (flag or case.causal is None) else fold_causal(case)
-    tensors = inputs if inputs is not None else sdpa_inputs(call_case, requires_grad=requires_grad)
+    tensors = inputs if inputs is not None else sdpa_inputs(call_case)
     out = call_guarded(
         target,
         target.impl.sdpa,
@@ -152,26 +170,99 @@ def run_sdpa(
     expected_shape = (case.B, case.N, case.L, case.Ev)
     if tuple(out.shape) != expected_shape:
         fail(f"output shape={tuple(out.shape)}, but should be {expected_shape} (B, N, L, Ev)")
-    return SDPACall(to_numpy(out), out, tensors)
+    return SDPACall(to_numpy(out), out)
 
 
-def check_against_oracle(
-    target: Target,
-    case: SDPACase,
-    actual: np.ndarray,
-    *,
-    what: str = "output",
-    reference: spec.SDPAResult | None = None,
-    rows: np.ndarray | None = None,
-    extra_allowed: float | np.ndarray = 0.0,
-) -> Comparison:
-    """Compare an SDPA output with the oracle under the tolerance rule."""
-    ref = reference if reference is not None else oracle(case)
-    rows = valid_rows(case) if rows is None else rows
-    allowed = allowed_error(target, case, ref) + extra_allowed
-    return compare_values(what, actual, ref.output, allowed, where=rows)
+def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,
+                         what: str = "output") -> Comparison:
+    """Compare an SDPA output with the oracle under the tolerance rule (rows with
+    every key blocked excluded)."""
+    ref = oracle(case)
+    allowed = allowed_error(target, case, ref)
+    return compare_values(what, actual, ref.output, allowed, where=valid_rows(case))
 
 
 def assert_output_contract(target: Target, case: SDPACase, call: SDPACall) -> None:
     shape = (case.B, case.N, case.L, case.Ev)
     assert_contract("output", call.tensor, shape=shape, dtype=dtype_of(case.dtype), device=target.device)
+
+
+def grad_magnitudes(case: SDPACase, ref: spec.SDPAResult, grad_out: np.ndarray) -> dict[str, np.ndarray]:
+    """Absolute-value bounds on each gradient: the VJP run on |q|, |k|, |v| and
+    |grad_out|, spread over each head (``tolerance.spread_over_head``)."""
+    group = case.N // case.K
+    w = ref.weights  # (B, N, L, S)
+    v = np.repeat(np.abs(case.value), group, axis=1)  # (B, N, S, Ev)
+    k = np.repeat(np.abs(case.key), group, axis=1)  # (B, N, S, E)
+    g = np.abs(grad_out)
+    dp = g @ np.swapaxes(v, -1, -2)  # (B, N, L, S)
+    ds = w * (dp + (w * dp).sum(-1, keepdims=True))
+    scale = abs(case.scale if case.scale is not None else 1 / np.sqrt(case.E))
+
+    def fold(x: np.ndarray) -> np.ndarray:  # (B, N, S, .) -> (B, K, S, .)
+        return x.reshape(case.B, case.K, group, *x.shape[2:]).sum(2)
+
+    spread = tolerance.spread_over_head
+    return {
+        "dquery": spread(scale * ds @ k),
+        "dkey": spread(fold(scale * np.swapaxes(ds, -1, -2) @ np.abs(case.query))),
+        "dvalue": spread(fold(np.swapaxes(w, -1, -2) @ g)),
+        "dmask": spread(ds),
+    }
+
+
+def grad_logit_range(case: SDPACase, ref: spec.SDPAResult) -> float:
+    """The largest |scaled logit| plus the largest finite |additive mask| entry."""
+    finite_logits = ref.logits[np.isfinite(ref.logits)]
+    logit_range = float(np.abs(finite_logits).max()) if finite_logits.size else 0.0
+    if case.additive_mask is not None:
+        add = case.additive_mask[np.isfinite(case.additive_mask)]
+        logit_range += float(np.abs(add).max()) if add.size else 0.0
+    return logit_range
+
+
+def check_gradients(target: Target, case: SDPACase) -> float:
+    """dq, dk, dv (and d-additive-mask where declared) of a random upstream
+    gradient against ``spec.sdpa_vjp``; returns the worst error/allowed ratio."""
+    import torch
+
+    rng = case_rng(case, "grad")
+    grad_out = round_to(rng.standard_normal((case.B, case.N, case.L, case.Ev)), case.dtype)
+    with_mask_grad = case.additive_mask is not None and target.caps.mask_grad
+    call_case = fold_causal(case) if (case.causal is not None and not uses_causal_flag(target, case)) else case
+    tensors = sdpa_inputs(call_case, requires_grad=True)
+    mask_t = tensors["attn_mask"]
+    if mask_t is not None and mask_t.requires_grad and not (with_mask_grad and call_case is case):
+        mask_t = mask_t.detach()
+        tensors = dict(tensors, attn_mask=mask_t)
+    call = run_sdpa(target, case, inputs=tensors)
+    g = torch.from_numpy(grad_out).to(dtype_of(case.dtype)).to(call.tensor.device)
+
+    def backward() -> None:
+        call.tensor.backward(g)
+
+    call_guarded(target, backward)
+    ref = oracle(case)
+    grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out,
+                          attend_mask=case.attend_mask, additive_mask=case.additive_mask,
+                          causal=case.causal, scale=case.scale)
+    bounds = grad_magnitudes(case, ref, grad_out)
+    logit_range = grad_logit_range(case, ref)
+    worst = 0.0
+    pairs = [("dquery", "query", grads.dquery), ("dkey", "key", grads.dkey), ("dvalue", "value", grads.dvalue)]
+    for what, name, expected in pairs:
+        grad = tensors[name].grad
+        if grad is None:
+            fail(f"{what} is None, but should be a gradient (autograd is declared)")
+        allowed = tolerance.grad_allowed(case.dtype, bounds[what], logit_range, tf32=target.tf32)
+        worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
+    if with_mask_grad and mask_t is not None and mask_t.requires_grad:
+        if mask_t.grad is None:
+            fail("dadditive_mask is None, but should be a gradient (mask_grad is declared)")
+        bound = spec._sdpa._reduce_to_shape(bounds["dmask"], case.additive_mask.shape)
+        allowed = tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
+        expected = np.where(np.isfinite(case.additive_mask), grads.dadditive_mask, 0.0)
+        reduced = spec._sdpa._reduce_to_shape(to_numpy(mask_t.grad), case.additive_mask.shape)
+        actual = np.where(np.isfinite(case.additive_mask), reduced, 0.0)
+        worst = max(worst, compare_values("dadditive_mask", actual, expected, allowed).ratio)
+    return worst

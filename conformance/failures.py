@@ -21,7 +21,7 @@ import numpy as np
 
 from conformance.cases import MHACase, SDPACase
 
-__all__ = ["save_case", "load_case", "Replay", "active_replay", "set_replay", "annotate", "reproducer"]
+__all__ = ["save_case", "load_case", "Replay", "annotate", "reproducer"]
 
 FAILURE_DIR = Path(os.environ.get("ATTENTION_CONFORMANCE_FAILURES", ".conformance/failures"))
 
@@ -31,28 +31,12 @@ _MHA_ARRAYS = ("query", "key", "value", "key_padding_mask", "attn_mask")
 
 @dataclass(frozen=True)
 class Replay:
+    """``--replay``: the saved case and the one property test (id and target id)
+    that re-runs it; every other test skips."""
+
     property: str
     target_id: str
-    impl: str
     case: Any
-
-
-_REPLAY: Replay | None = None
-_IMPL_SPEC: dict[str, Any] = {"impl": "", "options": {}}
-
-
-def set_replay(replay: Replay | None) -> None:
-    global _REPLAY
-    _REPLAY = replay
-
-
-def active_replay() -> Replay | None:
-    return _REPLAY
-
-
-def set_impl_spec(impl: str, options: dict[str, str]) -> None:
-    _IMPL_SPEC["impl"] = impl
-    _IMPL_SPEC["options"] = dict(options)
 
 
 def _meta_of(case: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -149,9 +133,9 @@ def _literal(a: np.ndarray, dtype: str) -> str:
     return f"torch.tensor({body}, dtype=torch.float64).to(torch.{dtype})"
 
 
-def reproducer(case: Any, property_id: str, impl: str, path: Path | None) -> str:
-    """A Python snippet that runs in a fresh interpreter and shows the mismatch."""
-    options = _IMPL_SPEC["options"]
+def reproducer(case: Any, impl: str, path: Path | None, options: dict[str, str]) -> str:
+    """A Python snippet that runs in a fresh interpreter and shows the mismatch
+    (``impl`` and ``options``: the ``--impl`` and ``--impl-option`` values)."""
     resolve = f"resolve({impl!r}" + (f", {options!r})" if options else ")")
     if not isinstance(case, SDPACase):
         return (
@@ -212,10 +196,12 @@ def _counterexample(case: Any) -> dict[str, Any]:
     return {k: v for k, v in attrs.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def annotate(exc: BaseException, property_id: str, target: Any, record: Any) -> None:
-    """Save the shrunk failing case and attach the case, reproducer and replay line."""
+def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
+             impl_spec: str, options: dict[str, str]) -> None:
+    """Save the shrunk failing case and attach the case, reproducer and replay line
+    (``impl_spec``, ``options``: the session's ``--impl`` and ``--impl-option``)."""
     case = record.failing_case
-    impl = _IMPL_SPEC["impl"] or target.impl.name
+    impl = impl_spec or target.impl.name
     record.message = str(exc).strip()[:4000]
     if case is None:
         return
@@ -227,19 +213,19 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any) -> 
     path = FAILURE_DIR / f"{safe_impl}-{property_id}-{target.id}-{digest}.npz"
     try:
         save_case(case, path, property=property_id, impl=impl, target=target.id,
-                  options=_IMPL_SPEC["options"])
+                  options=options)
         record.failure_file = str(path)
     except OSError as err:  # a read-only checkout must not hide the failure itself
         path = None
         record.failure_file = f"(not saved: {err})"
-    options = " ".join(f"--impl-option {k}={v}" for k, v in _IMPL_SPEC["options"].items())
-    record.reproducer = reproducer(case, property_id, impl, path)
+    option_args = " ".join(f"--impl-option {k}={v}" for k, v in options.items())
+    record.reproducer = reproducer(case, impl, path, options)
     note = (
         f"\nproperty {property_id} failed for implementation {impl} on "
         f"{target.level}/{target.dtype}/{target.device}\n"
         f"shrunk case: {case.describe()}\n"
         f"saved: {record.failure_file}\n"
-        f"replay: pytest conformance --impl={impl} {options} --replay {path}\n"
+        f"replay: pytest conformance --impl={impl} {option_args} --replay {path}\n"
         f"reproducer (paste into python):\n{record.reproducer}"
     )
     if hasattr(exc, "add_note"):

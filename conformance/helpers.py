@@ -1,4 +1,5 @@
-"""Small pieces the property tests share (drawing, rounding, probes, bounds)."""
+"""Small pieces the property tests share: drawing within a target's claims,
+probes, skip reasons, expected errors."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ import numpy as np
 import spec
 from conformance.cases import SDPACase
 from conformance.compare import fail
-from conformance.runner import ImplementationRaised, Target
-from conformance.strategies import sdpa_cases
+from conformance.runner import ImplementationRaised, Target, call_guarded
+from conformance.strategies import mha_cases, sdpa_cases
 
 __all__ = [
     "cases_for",
+    "mha_cases_for",
     "case_rng",
-    "round_to",
     "identity_probe",
     "attend_matrix",
-    "allowed_for",
-    "require",
+    "skip_unless",
     "expect_raise",
 ]
 
@@ -30,17 +30,22 @@ def cases_for(target: Target, **kwargs: Any) -> Any:
     return sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 
+def mha_cases_for(target: Target, **kwargs: Any) -> Any:
+    """``mha_cases`` restricted to what ``target`` declares (self-attention only
+    without the ``cross_attention`` feature)."""
+    if "cross_attention" not in target.caps.mha_features:
+        kwargs["self_attention"] = True
+        features = set(kwargs.get("features", target.caps.mha_features))
+        kwargs["features"] = features - {"kdim_vdim"}
+    return mha_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+
+
 def case_rng(case: SDPACase, salt: str = "") -> np.random.Generator:
     """A generator seeded by the case's contents: replaying a case replays its draws."""
     h = hashlib.blake2b(salt.encode(), digest_size=8)
     for a in (case.query, case.key, case.value):
         h.update(np.ascontiguousarray(a).tobytes())
     return np.random.default_rng(int.from_bytes(h.digest(), "little"))
-
-
-def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Round float64 values through ``dtype`` (what storing them there keeps)."""
-    return spec.emulate.round_to(values, dtype)
 
 
 def identity_probe(case: SDPACase) -> SDPACase:
@@ -56,22 +61,14 @@ def attend_matrix(case: SDPACase) -> np.ndarray:
     )
 
 
-def allowed_for(target: Target, case: SDPACase) -> tuple[np.ndarray, spec.SDPAResult]:
-    """Elementwise allowed error of ``case``'s output, and the oracle's result."""
-    from conformance.calls import allowed_error, oracle
-
-    ref = oracle(case)
-    return allowed_error(target, case, ref), ref
-
-
-def require(condition: bool, reason: str) -> str | None:
+def skip_unless(condition: bool, reason: str) -> str | None:
+    """For ``conformance_property(requires=...)``: None (run) when ``condition``
+    holds, else ``reason`` (the skip reason)."""
     return None if condition else reason
 
 
 def expect_raise(target: Target, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
     """The call must raise (invalid input per the spec), not return a result."""
-    from conformance.runner import call_guarded
-
     try:
         out = call_guarded(target, fn, *args, **kwargs)
     except ImplementationRaised:

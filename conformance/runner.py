@@ -6,17 +6,22 @@ test parametrized over targets (level × dtype × device), which draws cases wit
 Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
 known deviations (expected-failures files) as such without stopping the search
 for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
-and records everything for the certificate.
+and records everything for the certificate on the session
+(``conformance.session``: on ``config.stash``, reached through the
+``conformance_session`` fixture).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,17 +29,18 @@ from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, FlakyReplay
 
 from conformance.compare import PropertyFailure
+from conformance.session import Session
 from implementations.base import Capabilities, Implementation
 
 __all__ = [
-    "PROPERTIES",
     "PropertyInfo",
+    "Record",
     "Target",
     "ImplementationRaised",
     "ImplementationHung",
     "conformance_property",
+    "registered_properties",
     "call_guarded",
-    "RECORDS",
 ]
 
 
@@ -71,6 +77,10 @@ class Target:
 
 @dataclass(frozen=True)
 class PropertyInfo:
+    """A registered property: its id, level ("sdpa" or "mha"), the spec section
+    it checks (``spec.<name> (...)``), its docstring and its share of the
+    profile's examples."""
+
     id: str
     level: str
     section: str
@@ -78,7 +88,24 @@ class PropertyInfo:
     examples_factor: float
 
 
-PROPERTIES: dict[str, PropertyInfo] = {}
+#: Every property, filled by :func:`conformance_property` as the
+#: ``conformance/test_*.py`` modules are imported; read it through
+#: :func:`registered_properties`. Definitions only: the same in every session.
+_PROPERTIES: dict[str, PropertyInfo] = {}
+
+
+def registered_properties() -> Mapping[str, PropertyInfo]:
+    """Every property of the suite by id (imports each ``conformance/test_*.py``).
+
+    The one list of properties: the README's table, docs/CONTRACTS.md and the
+    bug zoo's records are tested against it.
+    """
+    import conformance
+
+    for module in pkgutil.iter_modules(conformance.__path__):
+        if module.name.startswith("test_"):
+            importlib.import_module(f"conformance.{module.name}")
+    return MappingProxyType(_PROPERTIES)
 
 
 @dataclass
@@ -107,14 +134,6 @@ class Record:
         d = dataclasses.asdict(self)
         d.pop("failing_case")
         return d
-
-
-class _Records:
-    def __init__(self) -> None:
-        self.current: Record | None = None
-
-
-RECORDS = _Records()
 
 
 def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -173,23 +192,25 @@ def conformance_property(
 ) -> Callable[[Callable[[Target, Any], float | None]], Callable[..., None]]:
     """Register ``check`` as property ``property_id`` and return its pytest test.
 
+    ``section`` names what the property checks as ``spec.<name> (detail)``;
     ``requires(target)`` returns a skip reason when the target cannot have the
-    property checked (e.g. no autograd declared); ``cases(target)`` returns the
+    property checked (e.g. no autograd declared, see ``helpers.skip_unless``);
+    ``examples_factor`` scales the profile's ``max_examples``; ``cases(target)`` returns the
     Hypothesis strategy of cases; ``check(target, case)`` raises
     :class:`PropertyFailure` or returns the worst error ratio (None if the
     property is exact or not ratio-based).
     """
 
     def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
-        PROPERTIES[property_id] = PropertyInfo(
+        _PROPERTIES[property_id] = PropertyInfo(
             property_id, level, section, (check.__doc__ or "").strip(), examples_factor
         )
 
-        def test(target: Target) -> None:
+        def test(target: Target, conformance_session: Session) -> None:
             from conformance import failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
-            RECORDS.current = record
+            conformance_session.current = record
             if target.level != level:
                 record.outcome = "skipped"
                 pytest.skip(f"{property_id} is an {level}-level property")
@@ -235,7 +256,7 @@ def conformance_property(
                 if ratio is not None and (record.worst_ratio is None or ratio > record.worst_ratio):
                     record.worst_ratio = float(ratio)
 
-            replay = failures.active_replay()
+            replay = conformance_session.replay
             try:
                 if replay is not None:
                     if replay.property != property_id or replay.target_id != target.id:
@@ -254,14 +275,16 @@ def conformance_property(
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
-                failures.annotate(exc, property_id, target, record)
+                failures.annotate(exc, property_id, target, record,
+                                  impl_spec=conformance_session.impl_spec,
+                                  options=conformance_session.options)
                 raise
             record.seconds = time.perf_counter() - start
             # An entry is stale when cases it covers were drawn and all passed;
             # one whose cases were never drawn is only "not exercised".
             # A wildcard entry ("*") is never judged stale by one property: many
             # properties cannot see its deviation at all (output_contract, say).
-            stale = [e for e, n_pass, n_hit in zip(entries, covered_passes, hits)
+            stale = [e for e, n_pass, n_hit in zip(entries, covered_passes, hits, strict=True)
                      if n_pass and not n_hit and e.property != "*"]
             if record.xfail_hits:
                 record.outcome = "xfailed"
@@ -270,7 +293,7 @@ def conformance_property(
             if stale:
                 record.reason = "expected failure no longer fails on the cases it covers: " + "; ".join(
                     f"{e.reason} ({n} covered case(s) passed)"
-                    for e, n in zip(entries, covered_passes) if e in stale
+                    for e, n in zip(entries, covered_passes, strict=True) if e in stale
                 )
 
         test.__name__ = f"test_{property_id}"

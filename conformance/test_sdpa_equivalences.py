@@ -6,18 +6,26 @@ from __future__ import annotations
 import numpy as np
 
 import spec
-from conformance.calls import check_against_oracle, run_sdpa, valid_rows
+from conformance import tolerance
+from conformance.calls import (
+    allowed_for,
+    check_against_oracle,
+    magnitude,
+    run_sdpa,
+    valid_rows,
+)
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
-from conformance.helpers import allowed_for, cases_for, require, round_to
+from conformance.helpers import cases_for, skip_unless
 from conformance.runner import Target, conformance_property
+from spec.emulate import round_to
 
 
 @conformance_property(
     "bool_additive_equivalence", level="sdpa", section="spec.masks (to_additive)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
-    requires=lambda t: require({"bool", "additive"} <= set(t.caps.mask_kinds),
-                               "needs both bool and additive masks"),
+    requires=lambda t: skip_unless({"bool", "additive"} <= set(t.caps.mask_kinds),
+                                   "needs both bool and additive masks"),
 )
 def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     """A bool mask (True = may attend) and the additive mask 0 / -inf made from
@@ -35,7 +43,7 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     "causal_flag_equivalence", level="sdpa", section="spec.masks (causal_mask)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",),
                               causal=(t.caps.causal,)),
-    requires=lambda t: require(t.caps.causal is not None, "no causal flag declared"),
+    requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared"),
 )
 def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     """is_causal=True equals the explicit causal mask of the declared alignment
@@ -60,7 +68,7 @@ def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "gqa_equivalence", level="sdpa", section="spec.sdpa (GQA, repeat_interleave)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), gqa=True),
-    requires=lambda t: require(t.caps.gqa, "GQA not declared"),
+    requires=lambda t: skip_unless(t.caps.gqa, "GQA not declared"),
 )
 def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     """K < N kv heads with enable_gqa equals repeating each kv head N/K times in
@@ -76,9 +84,9 @@ def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
 
 
 @conformance_property(
-    "layout_independence", level="sdpa", section="DESIGN.md (memory layout)",
+    "layout_independence", level="sdpa", section="spec.sdpa (values, not memory layout)",
     cases=lambda t: cases_for(t, layouts=("transposed", "stride0", "poisoned")),
-    requires=lambda t: require(t.caps.non_contiguous, "only contiguous inputs declared"),
+    requires=lambda t: skip_unless(t.caps.non_contiguous, "only contiguous inputs declared"),
 )
 def test_layout_independence(target: Target, case: SDPACase) -> float:
     """Non-contiguous, stride-0 and transposed inputs, and slices of buffers
@@ -96,10 +104,10 @@ DROPOUT_SAMPLES = 1024
 
 
 @conformance_property(
-    "dropout_expectation", level="sdpa", section="DESIGN.md (dropout keeps the expectation)",
+    "dropout_expectation", level="sdpa", section="spec.sdpa (dropout keeps the expectation)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
-    requires=lambda t: require(t.caps.dropout, "dropout not declared")
-    or require(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
+    requires=lambda t: skip_unless(t.caps.dropout, "dropout not declared")
+    or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,
 )
 def test_dropout_expectation(target: Target, case: SDPACase) -> float:
@@ -109,7 +117,7 @@ def test_dropout_expectation(target: Target, case: SDPACase) -> float:
     V is made positive, so each sample of an output element lies in [0, c] with
     c = Σ w|v| / (1 - p); Hoeffding's inequality bounds the mean of M samples
     within t = c·sqrt(ln(2/δ) / 2M) with probability 1 - δ, δ = 1e-7 / (#elements):
-    a false-alarm rate below 1e-7 per example. Forgetting the 1/(1 - p) rescale
+    a false-alarm rate below 1e-7 per example (``tolerance.sdpa_dropout_allowed``). Forgetting the 1/(1 - p) rescale
     moves the mean by p·mean, beyond t for p = 0.5 and M = 1024.
     """
     p = 0.5
@@ -128,11 +136,8 @@ def test_dropout_expectation(target: Target, case: SDPACase) -> float:
         fail(f"dropout output has NaN with dropout_p={p} (e.g. -inf mask entries times a dropout mask)")
     _, ref = allowed_for(target, positive)
     mean = out.mean(axis=0)
-    from conformance.calls import magnitude
-
     c = magnitude(positive, ref.weights) / (1 - p)
-    delta = 1e-7 / max(1, mean.size)
-    bound = c * np.sqrt(np.log(2 / delta) / (2 * M)) + 1e-6 * c
+    bound = tolerance.sdpa_dropout_allowed(c, M, mean.size)
     return compare_values(f"mean of {M} dropout outputs (dropout_p={p})", mean, ref.output, bound,
                           where=rows).ratio
 

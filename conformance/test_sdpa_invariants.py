@@ -1,8 +1,8 @@
-"""Oracle-free invariants of scaled-dot-product attention (DESIGN.md, Invariants).
+"""Oracle-free invariants of scaled-dot-product attention.
 
 Each property compares the implementation with itself under a transformation
 whose effect the math fixes. The allowed error is the tolerance rule's bound of
-each call (``helpers.allowed_for``) summed, plus a bound on any rounding the
+each call (``calls.allowed_for``) summed, plus a bound on any rounding the
 transformation itself introduces in low precision.
 """
 
@@ -11,24 +11,24 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.calls import run_sdpa, valid_rows
+from conformance import tolerance
+from conformance.calls import allowed_for, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
 from conformance.helpers import (
-    allowed_for,
     attend_matrix,
     case_rng,
     cases_for,
     identity_probe,
-    require,
-    round_to,
+    skip_unless,
 )
 from conformance.runner import Target, conformance_property
+from spec.emulate import round_to
 
 
 def _probe_ok(t: Target) -> str | None:
     """The V = identity probe needs Ev = S != E."""
-    return require(t.caps.different_v_dim, "the V = identity weights probe needs Ev != E")
+    return skip_unless(t.caps.different_v_dim, "the V = identity weights probe needs Ev != E")
 
 
 def _probe_cases(t: Target, **kw):
@@ -69,7 +69,7 @@ def _padded(case: SDPACase, rng: np.random.Generator, target: Target) -> SDPACas
     "masked_keys_ignored", level="sdpa", section="spec.masks (padding)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                               min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
-    requires=lambda t: require(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared"),
+    requires=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared"),
 )
 def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     """Blocked keys get weight exactly 0, and giving them any other finite key
@@ -140,13 +140,6 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
                           where=valid_rows(case)).ratio
 
 
-def _shift_bound(case: SDPACase, delta_logit: np.ndarray) -> np.ndarray:
-    """Output change bound for logits moved by at most |delta| per row:
-    softmax moves weights by at most 2·max|delta| in L1, times max |V|."""
-    worst = np.where(np.isfinite(delta_logit), np.abs(delta_logit), 0.0).max(-1, keepdims=True)
-    return 2 * worst * np.abs(case.value).max()
-
-
 @conformance_property(
     "shift_invariance", level="sdpa", section="spec.sdpa (softmax shift)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
@@ -162,13 +155,15 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
     residual = np.repeat(key2 - case.key - shift, case.N // case.K, axis=1)
     delta = scale * (case.query @ np.swapaxes(residual, -1, -2))
     shifted = case.replace(key=key2)
-    extra = _shift_bound(case, delta)
+    value_max = np.abs(case.value).max()
+    extra = tolerance.logit_shift_allowed(delta, value_max)
     if case.additive_mask is not None:
         row_shift = rng.standard_normal(case.additive_mask.shape[:-1] + (1,)) * 4
         mask2 = round_to(case.additive_mask + row_shift, case.dtype)
         with np.errstate(invalid="ignore"):  # -inf - -inf: blocked stays blocked
             moved = mask2 - case.additive_mask - row_shift
-        extra = extra + _shift_bound(case, np.broadcast_to(moved, (case.B, case.N, case.L, case.S)))
+        moved = np.broadcast_to(moved, (case.B, case.N, case.L, case.S))
+        extra = extra + tolerance.logit_shift_allowed(moved, value_max)
         shifted = shifted.replace(additive_mask=mask2)
     first = run_sdpa(target, case).output
     second = run_sdpa(target, shifted).output
@@ -181,7 +176,7 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "temperature", level="sdpa", section="spec.sdpa (scale)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range")),
-    requires=lambda t: require(t.caps.custom_scale, "custom scale not declared"),
+    requires=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
 )
 def test_temperature(target: Target, case: SDPACase) -> float:
     """c·q with scale s gives the same output as q with scale c·s (c a power of
@@ -334,8 +329,8 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
 @conformance_property(
     "scaling_variance", level="sdpa", section="spec.sdpa (default scale 1/sqrt(E))",
     cases=lambda t: st.integers(0, 2**32 - 1).map(lambda seed: _variance_case(t, seed)),
-    requires=lambda t: require((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
-                               "needs E or Ev = 64 and S = 64"),
+    requires=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
+                                   "needs E or Ev = 64 and S = 64"),
     examples_factor=0.25,
 )
 def test_scaling_variance(target: Target, case: SDPACase) -> float:
@@ -355,7 +350,7 @@ def test_scaling_variance(target: Target, case: SDPACase) -> float:
              "scale, but all should be positive (logits of variance ~1 cannot underflow)")
     logw = np.log(weights)
     stat = float(logw.var(axis=-1, ddof=1).mean())
-    if not 0.5 <= stat <= 2.0:
+    if not tolerance.scaling_variance_accepted(stat):
         fail(f"variance of the scaled logits={stat:.3g}, but should be ≈ 1 (accepted [0.5, 2]) "
              f"for E={case.E}: the default scale must be 1/sqrt(E)")
-    return abs(np.log(stat)) / np.log(2.0)
+    return tolerance.scaling_variance_ratio(stat)

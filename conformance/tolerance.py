@@ -1,7 +1,7 @@
-"""The tolerance rule, in one table.
+"""The tolerance rule, in one table, and every other error bound of the suite.
 
-Per example, not per suite (DESIGN.md, Tolerance): an implementation's error
-against the float64 oracle may be at most
+Per example, not per suite: an implementation's error against the float64
+oracle may be at most
 
     allowed = k × (error of a naive same-precision computation of this case)
               + floor × eps(dtype) × magnitude
@@ -19,6 +19,15 @@ headroom shown on the certificate: 0.1 means ten times inside the bound.
 Gradients have no emulation in ``spec``: their bound is the rounding floor at the
 gradient's magnitude (computed by running the VJP on absolute values), times
 ``1 + max|scaled logit|`` because a logit error of δ moves the weights by δ.
+MHA modules have no emulation either: their bound is the rounding floor at the
+module output's magnitude, likewise times ``1 + max|scaled logit|``.
+
+The statistical properties' bounds live here too: Hoeffding's inequality for
+the dropout means, and the accepted range of the ``scaling_variance`` statistic.
+
+The call modules (``conformance.calls``, ``conformance.mha_calls``) compute the
+inputs (magnitudes, naive errors, logit ranges) and call these functions; the
+properties add the bounds of the calls they compare.
 """
 
 from __future__ import annotations
@@ -27,7 +36,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TOLERANCES", "Tolerance", "EPS", "tolerance_for"]
+__all__ = [
+    "TOLERANCES",
+    "Tolerance",
+    "EPS",
+    "SUBNORMAL",
+    "tolerance_for",
+    "sdpa_allowed",
+    "grad_allowed",
+    "spread_over_head",
+    "mha_allowed",
+    "mha_pair_allowed",
+    "mha_derivative_allowed",
+    "logit_shift_allowed",
+    "DROPOUT_FALSE_ALARM",
+    "hoeffding_halfwidth",
+    "sdpa_dropout_allowed",
+    "mha_dropout_allowed",
+    "SCALING_VARIANCE_FACTOR",
+    "scaling_variance_accepted",
+    "scaling_variance_ratio",
+]
 
 #: Unit roundoff (half the machine epsilon) of each dtype, and of TF32.
 EPS = {
@@ -97,10 +126,101 @@ SUBNORMAL = {"float64": 5e-324, "float32": 1.4e-45, "float16": 6.0e-8, "bfloat16
 
 
 def grad_allowed(dtype: str, magnitude: np.ndarray, logit_range: float, *, tf32: bool = False) -> np.ndarray:
+    """Elementwise allowed error of an SDPA gradient of ``magnitude`` (the VJP run
+    on absolute values, spread with :func:`spread_over_head`); ``logit_range``:
+    the largest |scaled logit| (+ |additive mask|) of the case."""
     tol, eps = tolerance_for(dtype, tf32=tf32)
     return tol.grad_floor * eps * (1.0 + logit_range) * magnitude + 16 * SUBNORMAL[dtype]
 
 
+#: A logit's rounding error moves weight between keys, so every entry of a
+#: head's gradient can be off by this share of that head's largest entry.
+GRAD_HEAD_SHARE = 2.0**-10
+
+
+def spread_over_head(magnitude: np.ndarray) -> np.ndarray:
+    """``magnitude`` (..., H, X, Y) raised to at least GRAD_HEAD_SHARE of its head's maximum."""
+    return np.maximum(magnitude, magnitude.max(axis=(-2, -1), keepdims=True) * GRAD_HEAD_SHARE)
+
+
 def mha_allowed(dtype: str, magnitude: np.ndarray, logit_range: float, *, tf32: bool = False) -> np.ndarray:
+    """Allowed error of a module output (or, with ``magnitude`` 1, of its weights):
+    ``magnitude`` per feature and ``logit_range`` from ``mha_calls.output_bounds``."""
     tol, eps = tolerance_for(dtype, tf32=tf32)
     return tol.mha_floor * eps * (1.0 + logit_range) * magnitude
+
+
+def mha_pair_allowed(dtype: str, magnitude: np.ndarray, logit_range: float, *, tf32: bool = False) -> np.ndarray:
+    """Allowed difference between two module results, each within :func:`mha_allowed`."""
+    return 2 * mha_allowed(dtype, magnitude, logit_range, tf32=tf32)
+
+
+def mha_derivative_allowed(dtype: str, *, analytic_size: float, numeric: float, logit_range: float,
+                           cancellation: float, step: float, tf32: bool = False) -> float:
+    """Allowed |analytic - numeric| of a directional derivative of Σ g·output
+    (``mha_gradients``): the implementation's rounding at the derivative's size
+    plus the noise of float64 central differences with step ``step``.
+
+    ``analytic_size``: Σ|grad|·|direction| of the implementation's gradients;
+    ``numeric``: the central difference; ``cancellation``: Σ|g·f(x + step·d)|,
+    what the difference of two oracle outputs cancels.
+
+    Central differences: truncation O(step²) plus float64 cancellation
+    ~ eps·Σ|g·f| / step. The rounding term takes ``mha_floor`` from the row of
+    ``dtype`` itself, never from the "tf32" row, while eps is TF32's when the
+    target declares TF32: an oddity of the measured bound, kept as it is.
+    """
+    fd_noise = 64 * 2.0**-52 * cancellation / step + 1e-6 * analytic_size
+    _, eps = tolerance_for(dtype, tf32=tf32)
+    return TOLERANCES[dtype].mha_floor * eps * (1 + logit_range) * (analytic_size + abs(numeric)) + fd_noise
+
+
+def logit_shift_allowed(delta_logit: np.ndarray, value_max: float) -> np.ndarray:
+    """Output change (B, N, L, 1) when the logits of a row move by ``delta_logit``
+    (B, N, L, S): softmax moves the weights by at most 2·max|delta| in L1, times
+    ``value_max`` = max |V|. Non-finite deltas (blocked keys) do not count."""
+    worst = np.where(np.isfinite(delta_logit), np.abs(delta_logit), 0.0).max(-1, keepdims=True)
+    return 2 * worst * value_max
+
+
+# -- statistical bounds ---------------------------------------------------------
+
+#: False-alarm probability per example of the dropout properties, shared
+#: among the elements compared (a union bound).
+DROPOUT_FALSE_ALARM = 1e-7
+#: Relative slack on a mean of dropout samples (the rounding of the mean itself).
+DROPOUT_SLACK = 1e-6
+
+
+def hoeffding_halfwidth(width: np.ndarray, samples: int, elements: int) -> np.ndarray:
+    """Hoeffding: the mean of ``samples`` independent draws from an interval of
+    ``width`` lies within width·sqrt(ln(2/δ) / 2M) of the expectation with
+    probability 1 - δ, δ = DROPOUT_FALSE_ALARM / ``elements``."""
+    delta = DROPOUT_FALSE_ALARM / max(1, elements)
+    return width * np.sqrt(np.log(2 / delta) / (2 * samples))
+
+
+def sdpa_dropout_allowed(c: np.ndarray, samples: int, elements: int) -> np.ndarray:
+    """``dropout_expectation``: each sample of an output element lies in [0, c]
+    (V positive, c = Σ w|v| / (1 - p))."""
+    return hoeffding_halfwidth(c, samples, elements) + DROPOUT_SLACK * c
+
+
+def mha_dropout_allowed(c: np.ndarray, samples: int, elements: int, rounding: np.ndarray) -> np.ndarray:
+    """``mha_dropout_expectation``: each sample lies in an interval of width 2c
+    around the output bias; ``rounding`` is the module's own :func:`mha_allowed`."""
+    return hoeffding_halfwidth(2 * c, samples, elements) + DROPOUT_SLACK * c + rounding
+
+
+#: ``scaling_variance`` accepts its statistic (≈ 1 under the default scale)
+#: within a factor of this of 1.
+SCALING_VARIANCE_FACTOR = 2.0
+
+
+def scaling_variance_accepted(statistic: float) -> bool:
+    return 1 / SCALING_VARIANCE_FACTOR <= statistic <= SCALING_VARIANCE_FACTOR
+
+
+def scaling_variance_ratio(statistic: float) -> float:
+    """Headroom of the statistic: |log statistic| / log FACTOR (1 at the edge)."""
+    return abs(np.log(statistic)) / np.log(SCALING_VARIANCE_FACTOR)

@@ -39,7 +39,7 @@ def assert_round_trip(case: SDPACase, inputs: dict) -> None:
 
 def assert_strides(tensor: torch.Tensor, expected: tuple) -> None:
     """Strides of the dims longer than 1 (a size-1 dim's stride means nothing)."""
-    for dim, (size, stride, want) in enumerate(zip(tensor.shape, tensor.stride(), expected)):
+    for dim, (size, stride, want) in enumerate(zip(tensor.shape, tensor.stride(), expected, strict=True)):
         if size > 1 and want is not None:
             assert stride == want, f"stride({dim})={stride}, but should be {want} {tensor.stride()}"
 

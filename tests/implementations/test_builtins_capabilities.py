@@ -70,7 +70,7 @@ def test_sdpa_claims_are_true_and_refusals_raise(name, feature):
         out = call(impl)
         assert out is None or torch.isfinite(out).all()
     else:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - an undeclared feature may fail in any way
             call(impl)
 
 
@@ -125,7 +125,7 @@ def test_mha_claimed_features_run(name, feature):
         return module(query, key, value, **forward)
 
     if feature not in caps.mha_features:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - an undeclared feature may fail in any way
             run()
         return
     output, weights = run()
@@ -151,5 +151,5 @@ def test_mha_dtypes_and_autograd(name):
         module(x, x, x)[0].sum().backward()
         assert x.grad is not None
     else:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - an undeclared feature may fail in any way
             module(x, x, x)[0].sum().backward()

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conformance.runner import registered_properties
 from implementations.base import Implementation
 from implementations.mutants import MUTANTS, Mutant
 from implementations.mutants._base import (
@@ -29,21 +30,8 @@ from implementations.mutants._base import (
 )
 from implementations.mutants.cases import case_attrs, mha_call, sdpa_call
 
-PROPERTY_IDS = {
-    # SDPA level (docs/CONTRACTS.md)
-    "forward_agreement", "gradient_agreement", "fully_masked_rows",
-    "weights_are_distributions", "masked_keys_ignored", "query_permutation",
-    "key_permutation", "shift_invariance", "temperature", "value_linearity", "convex_hull",
-    "batch_independence", "head_independence", "bool_additive_equivalence",
-    "causal_flag_equivalence", "gqa_equivalence", "scaling_variance",
-    "layout_independence", "output_contract", "invalid_inputs_raise", "large_logits",
-    "dropout_expectation",
-    # MHA level
-    "mha_agreement", "mha_gradients", "mha_fully_masked_rows",
-    "mha_need_weights_equivalence", "mha_averaged_weights", "mha_eval_determinism",
-    "mha_dropout_expectation", "mha_causal_flag_equivalence", "mha_mask_conventions",
-    "mha_output_contract",
-}
+#: The suite's property ids, from the registry (every conformance/test_*.py imported).
+PROPERTY_IDS = frozenset(registered_properties())
 SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
 #: The hand-written pitfalls at the end of KNOWN_BUGS.md and the kernel bugs of the issue.
 REQUIRED = {
@@ -144,7 +132,7 @@ def _sdpa_agrees(sdpa, case: dict) -> bool:
     if not _close(got, want, dtype):
         return False
     if got_grads is not None:
-        return all(_close(a, b, dtype) for a, b in zip(got_grads, want_grads))
+        return all(_close(a, b, dtype) for a, b in zip(got_grads, want_grads, strict=True))
     return True
 
 

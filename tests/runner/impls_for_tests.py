@@ -2,7 +2,6 @@
 
 import time
 
-import torch
 import torch.nn.functional as F
 
 from implementations.base import Capabilities, ExpectedFailure, Implementation

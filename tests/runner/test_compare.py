@@ -59,3 +59,21 @@ def test_tolerance_table_is_complete_and_scales_with_naive_error():
     large = tolerance.sdpa_allowed("float16", 1e-2, np.array([1.0]))
     assert large[0] == pytest.approx(small[0] + 8 * 1e-2)
     assert tolerance.sdpa_allowed("float64", 0.0, np.array([1.0]))[0] < 1e-12
+
+
+def test_mha_bounds_pair_and_derivative():
+    one = np.array([1.0])
+    assert tolerance.mha_pair_allowed("float32", one, 0.5)[0] == 2 * tolerance.mha_allowed("float32", one, 0.5)[0]
+    # The derivative bound pairs float32's mha_floor (256) with TF32's eps when TF32 is declared.
+    tf32 = tolerance.mha_derivative_allowed("float32", analytic_size=1.0, numeric=0.0, logit_range=0.0,
+                                            cancellation=0.0, step=1e-5, tf32=True)
+    assert tf32 == pytest.approx(256 * 2.0**-11 + 1e-6)
+
+
+def test_statistical_bounds():
+    # Hoeffding: width·sqrt(ln(2/δ) / 2M), δ = 1e-7 / elements.
+    half = tolerance.hoeffding_halfwidth(1.0, samples=1024, elements=10)
+    assert half == pytest.approx(np.sqrt(np.log(2 / 1e-8) / 2048))
+    assert tolerance.mha_dropout_allowed(1.0, 1024, 10, 0.0) == pytest.approx(2 * half + 1e-6)
+    assert tolerance.scaling_variance_accepted(1.9) and not tolerance.scaling_variance_accepted(0.49)
+    assert tolerance.scaling_variance_ratio(2.0) == pytest.approx(1.0)

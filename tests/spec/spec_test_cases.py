@@ -17,7 +17,7 @@ POLICIES = ("zero", "nan", "uniform")
 def _broadcast_shape(draw, rng, target: tuple[int, ...]) -> tuple[int, ...]:
     """A shape that broadcasts to ``target``: some dims kept, some 1, maybe fewer leading dims."""
     keep = [draw(st.booleans()) for _ in target]
-    shape = tuple(size if k else 1 for size, k in zip(target, keep))
+    shape = tuple(size if k else 1 for size, k in zip(target, keep, strict=True))
     drop = draw(st.integers(0, len(target) - 2))       # keep (L, S) at least
     return shape[drop:]
 

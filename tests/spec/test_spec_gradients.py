@@ -41,7 +41,7 @@ def test_vjp_matches_central_finite_differences(case):
     upstream = np.random.default_rng(0).normal(size=spec.sdpa(**case).output.shape)
     grads = spec.sdpa_vjp(grad_output=upstream, **_vjp_case(case))
     call = describe_case(case)
-    for name, grad in zip(INPUTS, grads):
+    for name, grad in zip(INPUTS, grads, strict=True):
         if case[name] is None:
             assert grad is None, call
             continue
@@ -59,7 +59,7 @@ def test_vjp_matches_torch_autograd(case):
     output.backward(torch.from_numpy(upstream))
     grads = spec.sdpa_vjp(grad_output=upstream, **_vjp_case(case))
     call = describe_case(case)
-    for name, grad in zip(INPUTS, grads):
+    for name, grad in zip(INPUTS, grads, strict=True):
         if case[name] is None:
             continue
         expected = leaves[name].grad
@@ -80,7 +80,7 @@ def test_fully_masked_rows_get_zero_gradient_and_leave_others_alone():
     changed = upstream.copy()
     changed[1, 2] = 1e6
     other = spec.sdpa_vjp(q, k, v, changed, attend_mask=attend)
-    for a, b in zip(grads[:3], other[:3]):
+    for a, b in zip(grads[:3], other[:3], strict=True):
         np.testing.assert_array_equal(a, b)
 
 

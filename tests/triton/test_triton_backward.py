@@ -90,7 +90,7 @@ def _check(case, impl=IMPL, what=""):
     ref_out = reference(*ref_leaves, case["mask"], case["causal"], case["scale"])
     ref_grads = torch.autograd.grad(ref_out, ref_leaves, case["grad_out"].double())
     dtype = case["q"].dtype
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert got.shape == want.shape and got.dtype == dtype, f"{name}: {got.shape} {got.dtype} [{what}]"
         assert torch.isfinite(got).all(), f"{name} has NaN/inf [{what}]"
         err = (got.double().cpu() - want).abs().max().item()
@@ -141,7 +141,7 @@ def test_gradients_through_stride0_expanded_kv():
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k0, v0)]
     ref = reference(leaves[0], leaves[1].expand(2, 4, 33, 8), leaves[2].expand(2, 4, 33, 8))
     ref_grads = torch.autograd.grad(ref, leaves, g.double())
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert (got.double() - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
@@ -152,5 +152,5 @@ def test_gradients_3d_inputs():
     out.sum().backward()
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     reference(*leaves, causal=UL).sum().backward()
-    for got, want in zip((q, k, v), leaves):
+    for got, want in zip((q, k, v), leaves, strict=True):
         assert (got.grad.double() - want.grad).abs().max().item() <= 1e-4 * max(1.0, want.grad.abs().max().item())

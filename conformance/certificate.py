@@ -1,0 +1,176 @@
+"""The certificate: which properties hold for one implementation, as data and as text.
+
+Everything here works on plain data: a certificate is the dict written to
+``PATH.json`` (layout in docs/CONTRACTS.md), and its ``results`` are the dicts
+the property tests attach to their reports (``runner.Record.as_dict()``). The
+plugin gathers them, from every xdist worker, and calls :func:`certificate`;
+:func:`terminal_lines`, :func:`markdown` and :func:`write` render it.
+
+A table cell reads ``outcome worst-ratio (examples)``: ``PASS 0.02 (20)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from implementations.base import ALL_DTYPES, Implementation
+
+__all__ = [
+    "OUTCOME_SYMBOLS",
+    "implementation_entry",
+    "certificate",
+    "cell",
+    "render_table",
+    "details",
+    "summary",
+    "title",
+    "terminal_lines",
+    "markdown",
+    "write",
+]
+
+#: How each outcome of a result is shown in a cell.
+OUTCOME_SYMBOLS = {"passed": "PASS", "failed": "FAIL", "skipped": "skip", "xfailed": "xfail",
+                   "stale-xfail": "STALE", "error": "ERROR"}
+
+
+def _capabilities(caps: Any) -> dict[str, Any]:
+    d = asdict(caps)
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in d.items()}
+
+
+def implementation_entry(impl: Implementation, spec: str, options: dict[str, str]) -> dict[str, Any]:
+    """The certificate's ``implementation`` entry: names, declared capabilities at
+    both levels and the expected failures (``spec``, ``options``: ``--impl`` and
+    ``--impl-option`` as given)."""
+    return {
+        "name": impl.name,
+        "spec": spec,
+        "version": impl.version,
+        "options": options,
+        "capabilities": _capabilities(impl.capabilities),
+        "mha_capabilities": _capabilities(impl.caps("mha")),
+        "expected_failures": [
+            {"property": e.property, "match": dict(e.match), "reason": e.reason, "reference": e.reference}
+            for e in impl.expected_failures
+        ],
+    }
+
+
+def certificate(*, implementation: dict[str, Any], environment: dict[str, Any], profile: str,
+                seconds: float, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The certificate dict, results sorted by (level, property, device, dtype)."""
+    return {
+        "implementation": implementation,
+        "environment": environment,
+        "profile": profile,
+        "seconds": round(seconds, 2),
+        "results": sorted(results, key=lambda r: (r["level"], r["property"], r["device"], r["dtype"])),
+    }
+
+
+def cell(result: dict[str, Any]) -> str:
+    """``outcome ratio (examples)``; ratio ``-`` when the property has none."""
+    text = OUTCOME_SYMBOLS.get(result["outcome"], result["outcome"])
+    if result["outcome"] in ("passed", "xfailed", "stale-xfail", "failed") and result["examples"]:
+        ratio = "-" if result["worst_ratio"] is None else f"{result['worst_ratio']:.2g}"
+        text += f" {ratio} ({result['examples']})"
+    return text
+
+
+def render_table(cert: dict[str, Any], markdown: bool = False) -> str:
+    """One row per (level, property), one column per (device, dtype)."""
+    results = cert["results"]
+    columns = sorted({(r["device"], r["dtype"]) for r in results},
+                     key=lambda c: (c[0], ALL_DTYPES.index(c[1]) if c[1] in ALL_DTYPES else 9))
+    rows: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
+    for r in results:
+        rows.setdefault((r["level"], r["property"]), {})[(r["device"], r["dtype"])] = cell(r)
+    header = ["property", "level"] + [f"{dt}/{dev}" for dev, dt in columns]
+    body = [[p, lvl] + [cells.get(c, "") for c in columns] for (lvl, p), cells in sorted(rows.items())]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*row) for row in body])
+
+
+def details(cert: dict[str, Any]) -> list[str]:
+    """The lines under the table: declared policies, then each failure, expected
+    failure, stale entry and (once per reason) skip."""
+    lines = []
+    caps = cert["implementation"]["capabilities"]
+    lines.append(
+        f"declared policies: fully-masked rows={caps['fully_masked']}, causal flag={caps['causal']}, "
+        f"tf32={caps['tf32']}"
+    )
+    seen: set[str] = set()
+    for r in cert["results"]:
+        tag = f"{r['property']}[{r['level']}-{r['dtype']}-{r['device']}]"
+        if r["outcome"] in ("failed", "error"):
+            ce = r.get("counterexample") or {}
+            lines.append(f"FAIL {tag}: after {r['examples']} examples; shrunk case {ce}; saved {r['failure_file']}")
+            first = (r.get("message") or "").splitlines()[:3]
+            lines += ["    " + x for x in first]
+        elif r["outcome"] == "xfailed":
+            lines.append(f"expected failure {tag}: {r['xfail_reason']} ({r['xfail_hits']} of {r['examples']} examples)")
+            if r["reason"]:
+                lines.append(f"STALE expected failure {tag}: {r['reason']}")
+        elif r["outcome"] == "stale-xfail":
+            lines.append(f"STALE expected failure {tag}: {r['reason']}")
+        elif r["outcome"] == "skipped" and r["reason"] and r["reason"] not in seen:
+            seen.add(r["reason"])
+            lines.append(f"skipped ({r['reason']}) e.g. {tag}")
+    return lines
+
+
+def summary(cert: dict[str, Any]) -> str:
+    """``summary: 75 passed, 45 skipped, 8 xfailed`` (outcomes in alphabetical order)."""
+    counts: dict[str, int] = {}
+    for r in cert["results"]:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    return "summary: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+
+def title(cert: dict[str, Any]) -> str:
+    impl = cert["implementation"]
+    return f"attention-conformance certificate: {impl['spec']} ({impl['name']} {impl['version']})"
+
+
+def terminal_lines(cert: dict[str, Any]) -> list[str]:
+    """What the terminal shows under the title (the table is one multi-line entry)."""
+    return [
+        f"profile={cert['profile']} torch={cert['environment']['torch']} "
+        f"cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run",
+        render_table(cert),
+        *details(cert),
+        summary(cert),
+    ]
+
+
+def markdown(cert: dict[str, Any]) -> str:
+    """The certificate as a Markdown page (``PATH.md``)."""
+    impl = cert["implementation"]
+    md = [f"# attention-conformance certificate: `{impl['spec']}`", "",
+          f"- implementation: {impl['name']} {impl['version']}",
+          f"- profile: {cert['profile']}; torch {cert['environment']['torch']}; "
+          f"devices {cert['environment']['devices']}",
+          "- cell: outcome, worst error/allowed ratio, examples", "",
+          render_table(cert, markdown=True), ""]
+    md += [f"- {line}" for line in details(cert)]
+    return "\n".join(md) + "\n"
+
+
+def write(cert: dict[str, Any], base: str | Path) -> tuple[Path, Path]:
+    """Write ``base.json`` and ``base.md`` (folders created); returns both paths."""
+    base = Path(base)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = Path(str(base) + ".json"), Path(str(base) + ".md")
+    json_path.write_text(json.dumps(cert, indent=2, default=str))
+    md_path.write_text(markdown(cert))
+    return json_path, md_path

@@ -1,0 +1,45 @@
+"""What one pytest session of the conformance runner holds.
+
+One :class:`Session` per ``pytest.Config``, stored in ``config.stash`` under
+:data:`SESSION_KEY` and never in a module global, so that two sessions in one
+process (``pytester``, an IDE running tests twice) share nothing. Hooks reach it
+with :func:`session_of`; the property tests through the session-scoped
+``conformance_session`` fixture of ``conformance.plugin``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from conformance.failures import Replay
+    from conformance.runner import Record
+    from implementations.base import Implementation
+
+__all__ = ["Session", "SESSION_KEY", "session_of"]
+
+
+@dataclass(eq=False)
+class Session:
+    """The options of one run and what its property tests have recorded so far."""
+
+    profile: str  # Hypothesis profile name (--hypothesis-profile, default "dev")
+    started: float  # time.time() when the session was configured
+    impl: Implementation | None = None  # None when no --impl was given
+    impl_spec: str = ""  # --impl exactly as given
+    options: dict[str, str] = field(default_factory=dict)  # --impl-option pairs
+    dtypes: list[str] | None = None  # --dtype, None: what the implementation declares
+    replay: Replay | None = None  # --replay: the one saved case to re-run
+    current: Record | None = None  # record of the property test running now
+    results: list[dict[str, Any]] = field(default_factory=list)  # finished records, every worker's
+
+
+SESSION_KEY = pytest.StashKey[Session]()
+
+
+def session_of(config: pytest.Config) -> Session | None:
+    """The session configured on ``config`` (None before ``pytest_configure``)."""
+    return config.stash.get(SESSION_KEY, None)
