@@ -911,7 +911,7 @@ def sdpa_cases(
                 relation = "L<=S"
             elif fully_masked and kinds == ["none"]:
                 relation = "L>S"
-        # Kernel bugs live at block boundaries (KNOWN_BUGS #9): every case sees
+        # Kernel bugs live at block boundaries (docs/KNOWN_BUGS.md #9): every case sees
         # block-size neighbours (15..17, 31..33, 63..65) about one time in seven,
         # non-contiguous and "ascending" cases about a quarter of the time.
         boundary_heavy = layout != "contiguous" or regime == "ascending"

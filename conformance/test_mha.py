@@ -351,7 +351,7 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
 
 
 @conformance_property(
-    "mha_dropout_expectation", level="mha", section="DESIGN.md (dropout keeps the expectation)",
+    "mha_dropout_expectation", level="mha", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: _cases(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                            features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     requires=lambda t: require(_has(t, "dropout"), "dropout not declared")
@@ -453,7 +453,7 @@ def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
 
 
 @conformance_property(
-    "mha_output_contract", level="mha", section="DESIGN.md (dtype, shapes)",
+    "mha_output_contract", level="mha", section="docs/DESIGN.md#output-contract (dtype, shapes)",
     cases=lambda t: _cases(t),
 )
 def test_mha_output_contract(target: Target, case: MHACase) -> None:

@@ -159,7 +159,7 @@ def test_fully_masked_rows(target: Target, case) -> float:
 
 
 @conformance_property(
-    "output_contract", level="sdpa", section="DESIGN.md (dtype)",
+    "output_contract", level="sdpa", section="docs/DESIGN.md#output-contract (dtype, device, shape)",
     cases=lambda t: cases_for(t),
 )
 def test_output_contract(target: Target, case) -> None:
@@ -208,7 +208,7 @@ def test_invalid_inputs_raise(target: Target, case) -> None:
 
 
 @conformance_property(
-    "large_logits", level="sdpa", section="KNOWN_BUGS.md #8 (fp16 overflow)",
+    "large_logits", level="sdpa", section="docs/KNOWN_BUGS.md#8-fp16-overflow",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                               regimes=("normal",), fully_masked=False),
     requires=lambda t: require(t.dtype == "float16", "only float16 has a range that q·kᵀ can "

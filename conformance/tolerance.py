@@ -1,6 +1,6 @@
 """The tolerance rule, in one table.
 
-Per example, not per suite (DESIGN.md, Tolerance): an implementation's error
+Per example, not per suite (docs/DESIGN.md#tolerance): an implementation's error
 against the float64 oracle may be at most
 
     allowed = k × (error of a naive same-precision computation of this case)
