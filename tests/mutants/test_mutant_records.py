@@ -69,7 +69,7 @@ ALL = [
     if name.startswith("triton_") else name
     for name in sorted(MUTANTS)
 ]
-WITH_SAFE = sorted(name for name, m in MUTANTS.items() if m.safe_case is not None)
+WITH_SAFE = [param for param, name in zip(ALL, sorted(MUTANTS)) if MUTANTS[name].safe_case is not None]
 
 
 # --------------------------------------------------------------------------- helpers

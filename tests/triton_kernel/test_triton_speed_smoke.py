@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+import implementations.triton_attention as ta  # (before triton: see its docstring)
 
-import implementations.triton_attention as ta  # noqa: E402  (before triton: see its docstring)
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_speed.py"
 
