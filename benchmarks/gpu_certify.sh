@@ -68,7 +68,7 @@ done
 
 step "triton_speed" "$SPEED_TIMEOUT" python benchmarks/triton_speed.py --out "$OUT/triton_speed.md"
 step "triton_unit_tests" "$UNIT_TIMEOUT" \
-    python -m pytest tests/triton/test_triton_forward.py tests/triton/test_triton_backward.py \
+    python -m pytest tests/triton_kernel/test_triton_forward.py tests/triton_kernel/test_triton_backward.py \
         -q -x -p no:cacheprovider
 
 echo "results in $OUT (summary: $SUMMARY)"

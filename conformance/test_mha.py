@@ -190,7 +190,7 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
 
 
 @conformance_property(
-    "mha_dropout_expectation", level="mha", section="spec.mha_forward (dropout keeps the expectation)",
+    "mha_dropout_expectation", level="mha", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: mha_cases_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                                   features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     requires=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
@@ -283,7 +283,7 @@ def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
 
 
 @conformance_property(
-    "mha_output_contract", level="mha", section="spec.mha_forward (output shapes, input dtype)",
+    "mha_output_contract", level="mha", section="docs/DESIGN.md#output-contract (dtype, shapes)",
     cases=lambda t: mha_cases_for(t),
 )
 def test_mha_output_contract(target: Target, case: MHACase) -> None:

@@ -1,4 +1,4 @@
-"""Oracle-free invariants of scaled-dot-product attention.
+"""Oracle-free invariants of scaled-dot-product attention (docs/DESIGN.md#properties).
 
 Each property compares the implementation with itself under a transformation
 whose effect the math fixes. The allowed error is the tolerance rule's bound of

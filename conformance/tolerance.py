@@ -1,7 +1,7 @@
 """The tolerance rule, in one table, and every other error bound of the suite.
 
-Per example, not per suite: an implementation's error against the float64
-oracle may be at most
+Per example, not per suite (docs/DESIGN.md#tolerance): an implementation's error
+against the float64 oracle may be at most
 
     allowed = k × (error of a naive same-precision computation of this case)
               + floor × eps(dtype) × magnitude

@@ -148,7 +148,7 @@ MHA_MUTANTS = [
         "mha_float_mask_as_bool", FloatMaskAsBool,
         bug="a float attn_mask is turned into a bool one, so any nonzero bias blocks its key "
             "(a randn bias masks everything)",
-        origin="KNOWN_BUGS #2 (float mask treated as bool, pytorch#107084)",
+        origin="docs/KNOWN_BUGS.md #2 (float mask treated as bool, pytorch#107084)",
         smallest_case=_case(attn_mask="float"),
         expected_property="mha_agreement",
         safe_case=_case(S=2, attn_mask="bool_block_last"),
@@ -156,7 +156,7 @@ MHA_MUTANTS = [
     _mutant(
         "mha_float_padding_ignored", FloatPaddingIgnored,
         bug="a float key_padding_mask (0 / -inf) is silently ignored",
-        origin="KNOWN_BUGS #3 (float key_padding_mask ignored, pytorch#92554)",
+        origin="docs/KNOWN_BUGS.md #3 (float key_padding_mask ignored, pytorch#92554)",
         smallest_case=_case(S=2, key_padding_mask="float_block_last"),
         expected_property="mha_mask_conventions",
         safe_case=_case(S=2, key_padding_mask="bool_block_last"),
@@ -165,7 +165,7 @@ MHA_MUTANTS = [
         "mha_causal_hint_dropped", CausalHintDropped,
         bug="is_causal=True drops the attn_mask in favour of the flag, but the need_weights=True "
             "path never applies the flag, so queries see future keys",
-        origin="KNOWN_BUGS #4 (is_causal dropped with need_weights=True, pytorch#99282)",
+        origin="docs/KNOWN_BUGS.md #4 (is_causal dropped with need_weights=True, pytorch#99282)",
         smallest_case=_case(L=2, S=2, attn_mask="causal_bool", is_causal=True, need_weights=True),
         expected_property="mha_causal_flag_equivalence",
         safe_case=_case(L=2, S=2, attn_mask="causal_bool", is_causal=True, need_weights=False),
@@ -173,7 +173,7 @@ MHA_MUTANTS = [
     _mutant(
         "mha_dropout_in_eval", DropoutInEval,
         bug="the module passes its dropout p to attention in eval mode too",
-        origin="KNOWN_BUGS #7 (modules passed dropout_p in eval, pytorch#124464)",
+        origin="docs/KNOWN_BUGS.md #7 (modules passed dropout_p in eval, pytorch#124464)",
         smallest_case=_case(dropout=0.5, training=False),
         expected_property="mha_eval_determinism",
         safe_case=_case(S=2, dropout=0.0),
@@ -181,7 +181,7 @@ MHA_MUTANTS = [
     _mutant(
         "mha_weights_summed", WeightsSummed,
         bug="average_attn_weights=True sums the weights over heads instead of averaging them",
-        origin="KNOWN_BUGS #13 (per-head vs averaged weights confused, pytorch#70055)",
+        origin="docs/KNOWN_BUGS.md #13 (per-head vs averaged weights confused, pytorch#70055)",
         smallest_case=_case(N=2, need_weights=True, average_attn_weights=True),
         expected_property="mha_averaged_weights",
         safe_case=_case(N=1, S=2, need_weights=True, average_attn_weights=True),
@@ -189,7 +189,7 @@ MHA_MUTANTS = [
     _mutant(
         "mha_fully_masked_nan", MHAFullyMaskedNaN,
         bug="a query row with every key padded comes out NaN though fully_masked='zero' is declared",
-        origin="KNOWN_BUGS #1 (torch MHA NaN rows, pytorch#41508)",
+        origin="docs/KNOWN_BUGS.md #1 (torch MHA NaN rows, pytorch#41508)",
         smallest_case=_case(key_padding_mask="bool_all"),
         expected_property="mha_fully_masked_rows",
         safe_case=_case(S=2, key_padding_mask="bool_block_last"),
@@ -197,7 +197,7 @@ MHA_MUTANTS = [
     _mutant(
         "mha_scale_sqrt_embed_dim", ScaleSqrtEmbedDim,
         bug="scores are scaled by 1/sqrt(D) (embed dim) instead of 1/sqrt(E) (head dim)",
-        origin="hand-written pitfall (sqrt(D) instead of sqrt(E)); KNOWN_BUGS #12",
+        origin="hand-written pitfall (sqrt(D) instead of sqrt(E)); docs/KNOWN_BUGS.md #12",
         smallest_case=_case(N=2, S=2),
         expected_property="mha_agreement",
         safe_case=_case(N=1, E=2, S=2),

@@ -36,7 +36,7 @@ __all__ = ["Mutant"]
 class Mutant:
     """One implementation with exactly one documented bug.
 
-    ``bug``: the bug in one sentence. ``origin``: ``"KNOWN_BUGS #n"``, ``"hand-written
+    ``bug``: the bug in one sentence. ``origin``: ``"docs/KNOWN_BUGS.md #n"``, ``"hand-written
     pitfall"`` or ``"kernel bug"`` plus the story. ``smallest_case``: sizes and
     attributes of the smallest exposing case. ``expected_property``: the property id
     (docs/CONTRACTS.md) expected to catch it. ``build()`` returns the

@@ -190,7 +190,7 @@ SDPA_MUTANTS = [
     _mutant(
         "fully_masked_nan", FullyMaskedNaN,
         bug="a query row whose keys are all blocked comes out NaN, though fully_masked='zero' is declared",
-        origin="KNOWN_BUGS #1 (softmax of all -inf, pytorch#41508)",
+        origin="docs/KNOWN_BUGS.md #1 (softmax of all -inf, pytorch#41508)",
         smallest_case=_case(mask="all_blocked"),
         expected_property="fully_masked_rows",
         safe_case=_case(S=2, mask="block_last"),
@@ -199,7 +199,7 @@ SDPA_MUTANTS = [
         "fully_masked_nan_grad", FullyMaskedNaNGrad,
         bug="fully-masked rows are zeroed with torch.where after softmax: the forward is 0 but "
             "the gradients of q, k, v are NaN",
-        origin="KNOWN_BUGS #1 (NaN gradients poisoning shared weights, pytorch#41508)",
+        origin="docs/KNOWN_BUGS.md #1 (NaN gradients poisoning shared weights, pytorch#41508)",
         smallest_case=_case(mask="additive_all_blocked", grad=True),
         expected_property="fully_masked_rows",
         safe_case=_case(mask="additive_all_blocked"),
@@ -207,7 +207,7 @@ SDPA_MUTANTS = [
     _mutant(
         "bool_mask_inverted", BoolMaskInverted,
         bug="the bool attn_mask is read as True = blocked (MHA's polarity) instead of True = may attend",
-        origin="KNOWN_BUGS #5 (bool mask polarity, pytorch#170400)",
+        origin="docs/KNOWN_BUGS.md #5 (bool mask polarity, pytorch#170400)",
         smallest_case=_case(S=2, mask="block_last"),
         expected_property="bool_additive_equivalence",
         safe_case=_case(S=2, mask="additive"),
@@ -216,7 +216,7 @@ SDPA_MUTANTS = [
         "causal_lower_right", CausalLowerRight,
         bug="is_causal applies the lower-right (FlashAttention) triangle while the implementation "
             "declares upper-left",
-        origin="KNOWN_BUGS #6 (causal alignment for L != S, pytorch#108108)",
+        origin="docs/KNOWN_BUGS.md #6 (causal alignment for L != S, pytorch#108108)",
         smallest_case=_case(L=1, S=2, causal=True),
         expected_property="causal_flag_equivalence",
         safe_case=_case(L=2, S=2, causal=True),
@@ -225,7 +225,7 @@ SDPA_MUTANTS = [
         "logits_in_input_dtype", LogitsInInputDtype,
         bug="q·kᵀ is computed in the input dtype, so float16 logits beyond 65504 become inf and the "
             "row NaN",
-        origin="KNOWN_BUGS #8 (fp16 overflow in the math path, pytorch#119131)",
+        origin="docs/KNOWN_BUGS.md #8 (fp16 overflow in the math path, pytorch#119131)",
         smallest_case=_case(dtype="float16", values="huge"),
         expected_property="large_logits",
         safe_case=_case(S=2, dtype="float16"),
@@ -234,7 +234,7 @@ SDPA_MUTANTS = [
         "grad_assumes_output_strides", GradAssumesOutputStrides,
         bug="the backward reinterprets the upstream gradient with the output's (B, L, N, Ev) strides, "
             "so a contiguous upstream gradient is read transposed",
-        origin="KNOWN_BUGS #10 (empty_like(out) gradient strides, pytorch#133671)",
+        origin="docs/KNOWN_BUGS.md #10 (empty_like(out) gradient strides, pytorch#133671)",
         smallest_case=_case(N=2, K=2, L=2, grad=True),
         expected_property="gradient_agreement",
         safe_case=_case(N=1, L=2, S=2, grad=True),
@@ -244,7 +244,7 @@ SDPA_MUTANTS = [
         "gqa_tile", GQATile,
         bug="GQA repeats the kv heads with tile (head h uses kv head h % K) instead of "
             "repeat_interleave (h // (N/K))",
-        origin="KNOWN_BUGS #11 (GQA grouping)",
+        origin="docs/KNOWN_BUGS.md #11 (GQA grouping)",
         smallest_case=_case(N=4, K=2),
         expected_property="gqa_equivalence",
         safe_case=_case(N=2, K=1, S=2),
@@ -252,7 +252,7 @@ SDPA_MUTANTS = [
     _mutant(
         "gqa_indivisible_accepted", GQAIndivisibleAccepted,
         bug="N % K != 0 is accepted silently (query head h uses kv head h*K//N) instead of raising",
-        origin="KNOWN_BUGS #11 (heads that don't divide accepted silently)",
+        origin="docs/KNOWN_BUGS.md #11 (heads that don't divide accepted silently)",
         smallest_case=_case(N=3, K=2, expect="raise"),
         expected_property="invalid_inputs_raise",
         safe_case=_case(N=4, K=2, S=2),
@@ -260,7 +260,7 @@ SDPA_MUTANTS = [
     _mutant(
         "mask_shape_sliced", MaskShapeSliced,
         bug="an attn_mask larger than (L, S) is silently sliced to fit instead of raising",
-        origin="KNOWN_BUGS #14 (mask built for S=20 used with shorter K/V, xformers#1122)",
+        origin="docs/KNOWN_BUGS.md #14 (mask built for S=20 used with shorter K/V, xformers#1122)",
         smallest_case=_case(mask="oversized", expect="raise"),
         expected_property="invalid_inputs_raise",
         safe_case=_case(S=2, mask="block_last"),
@@ -268,7 +268,7 @@ SDPA_MUTANTS = [
     _mutant(
         "scale_ignored", ScaleIgnored,
         bug="an explicit scale= is ignored and 1/sqrt(E) used",
-        origin="KNOWN_BUGS #12 (custom scale ignored)",
+        origin="docs/KNOWN_BUGS.md #12 (custom scale ignored)",
         smallest_case=_case(S=2, scale=0.5),
         expected_property="temperature",
         safe_case=_case(S=2),
@@ -276,7 +276,7 @@ SDPA_MUTANTS = [
     _mutant(
         "scale_sqrt_ev", ScaleSqrtEv,
         bug="the default scale is 1/sqrt(Ev) (value head dim) instead of 1/sqrt(E)",
-        origin="KNOWN_BUGS #12 (default 1/sqrt(Ev))",
+        origin="docs/KNOWN_BUGS.md #12 (default 1/sqrt(Ev))",
         smallest_case=_case(S=2, Ev=2),
         expected_property="forward_agreement",
         safe_case=_case(S=2, E=2, Ev=2),
@@ -284,7 +284,7 @@ SDPA_MUTANTS = [
     _mutant(
         "scale_zero_falsy", ScaleZeroFalsy,
         bug="`scale or 1/sqrt(E)` replaces an explicit scale=0.0 by the default",
-        origin="KNOWN_BUGS #12 (explicit tiny scales) / classic hand-written mistake (falsy 0.0)",
+        origin="docs/KNOWN_BUGS.md #12 (explicit tiny scales) / classic hand-written mistake (falsy 0.0)",
         smallest_case=_case(S=2, scale=0.0),
         expected_property="temperature",
         safe_case=_case(S=2, scale=0.5),
@@ -293,7 +293,7 @@ SDPA_MUTANTS = [
         "no_max_subtraction", NoMaxSubtraction,
         bug="softmax without subtracting the row max: exp overflows for logits above ~88 in "
             "float32 and the row is NaN",
-        origin="KNOWN_BUGS #15 (numerical range) / classic hand-written mistake",
+        origin="docs/KNOWN_BUGS.md #15 (numerical range) / classic hand-written mistake",
         smallest_case=_case(dtype="float32", values="large"),
         expected_property="large_logits",
         safe_case=_case(S=2, dtype="float32"),

@@ -154,7 +154,7 @@ TILED_MUTANTS = [
         "tiled_tail_assumes_contiguous", TailLoadAssumesContiguous,
         bug="only the one-key ragged tail (S ≡ 1 mod 16: S = 1, 17, 33, ...) is loaded with "
             "dense-layout addressing, so stride-0 or transposed K/V give wrong answers there",
-        origin="KNOWN_BUGS #9 (stride-0 K/V with kv_len ≡ 1 mod 32 wrong, pytorch#191937)",
+        origin="docs/KNOWN_BUGS.md #9 (stride-0 K/V with kv_len ≡ 1 mod 32 wrong, pytorch#191937)",
         smallest_case=_case(B=2, layout="stride0"),
         expected_property="layout_independence",
         safe_case=_case(N=2, K=2, S=16, layout="transposed"),

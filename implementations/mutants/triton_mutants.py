@@ -31,7 +31,7 @@ TRITON_MUTANTS = (
     Mutant(
         name="triton_drop_ragged_block",
         bug="the Triton kernel's key loop stops at S // BLOCK_N, skipping the last, partial key block",
-        origin="kernel bug (KNOWN_BUGS #9: lengths around block sizes), planted in the Triton kernel",
+        origin="kernel bug (docs/KNOWN_BUGS.md #9: lengths around block sizes), planted in the Triton kernel",
         smallest_case={"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1},
         expected_property="forward_agreement",
         build=_builder("drop_ragged_block", "triton_drop_ragged_block"),
@@ -49,7 +49,7 @@ TRITON_MUTANTS = (
     Mutant(
         name="triton_ignore_strides",
         bug="the Triton launcher passes contiguous strides, so a transposed view is read as if contiguous",
-        origin="kernel bug (KNOWN_BUGS #9: layout-dependent answers), planted in the Triton kernel",
+        origin="kernel bug (docs/KNOWN_BUGS.md #9: layout-dependent answers), planted in the Triton kernel",
         smallest_case={"B": 1, "N": 2, "K": 2, "L": 1, "S": 2, "E": 1, "Ev": 1, "layout": "transposed"},
         expected_property="layout_independence",
         build=_builder("ignore_strides", "triton_ignore_strides"),

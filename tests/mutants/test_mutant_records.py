@@ -33,7 +33,7 @@ from implementations.mutants.cases import case_attrs, mha_call, sdpa_call
 #: The suite's property ids, from the registry (every conformance/test_*.py imported).
 PROPERTY_IDS = frozenset(registered_properties())
 SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
-#: The hand-written pitfalls at the end of KNOWN_BUGS.md and the kernel bugs of the issue.
+#: The hand-written pitfalls and kernel bugs at the end of docs/KNOWN_BUGS.md.
 REQUIRED = {
     "mha_scale_sqrt_embed_dim", "mha_split_heads_view", "mha_merge_without_transpose",
     "mha_missing_contiguous", "mha_no_out_proj", "mask_after_softmax", "mha_mask_eq_zero",
@@ -57,7 +57,7 @@ ALL = [
     if name.startswith("triton_") else name
     for name in sorted(MUTANTS)
 ]
-WITH_SAFE = sorted(name for name, m in MUTANTS.items() if m.safe_case is not None)
+WITH_SAFE = [param for param, name in zip(ALL, sorted(MUTANTS), strict=True) if MUTANTS[name].safe_case is not None]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -189,9 +189,9 @@ def _agrees(mutant: Mutant, case: dict) -> bool:
 
 def test_zoo_size_and_coverage():
     assert len(MUTANTS) >= 32, f"len(MUTANTS)={len(MUTANTS)}, but should be >= 32"
-    rows = {int(n) for m in MUTANTS.values() for n in re.findall(r"KNOWN_BUGS #(\d+)", m.origin)}
+    rows = {int(n) for m in MUTANTS.values() for n in re.findall(r"docs/KNOWN_BUGS\.md #(\d+)", m.origin)}
     missing = set(range(1, 16)) - rows
-    assert not missing, f"KNOWN_BUGS rows without a mutant: {sorted(missing)}"
+    assert not missing, f"docs/KNOWN_BUGS.md rows without a mutant: {sorted(missing)}"
     assert REQUIRED <= set(MUTANTS), f"missing mutants: {sorted(REQUIRED - set(MUTANTS))}"
     assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha"}
 
@@ -201,8 +201,8 @@ def test_record_is_complete(name):
     mutant = MUTANTS[name]
     assert mutant.name == name
     assert mutant.bug and "\n" not in mutant.bug and len(mutant.bug) < 240, f"bug={mutant.bug!r}"
-    assert re.search(r"KNOWN_BUGS #\d+|hand-written|kernel bug|classic", mutant.origin), (
-        f"origin={mutant.origin!r}, but should name a KNOWN_BUGS row, a hand-written "
+    assert re.search(r"docs/KNOWN_BUGS\.md #\d+|hand-written|kernel bug|classic", mutant.origin), (
+        f"origin={mutant.origin!r}, but should name a docs/KNOWN_BUGS.md row, a hand-written "
         "pitfall/classic mistake, or a kernel bug"
     )
     assert mutant.expected_property in PROPERTY_IDS, f"expected_property={mutant.expected_property!r}"
@@ -428,7 +428,7 @@ def test_mha_base_gradients_match_torch():
 
 @pytest.mark.parametrize("S, exposed", [(1, True), (16, False), (17, True), (32, False), (33, True)])
 def test_tail_mutant_shows_exactly_at_lengths_one_mod_16(S, exposed):
-    """KNOWN_BUGS #9's shape: wrong only for non-contiguous K/V with S ≡ 1 (mod 16)."""
+    """docs/KNOWN_BUGS.md #9's shape: wrong only for non-contiguous K/V with S ≡ 1 (mod 16)."""
     mutant = MUTANTS["tiled_tail_assumes_contiguous"]
     case = dict(ONE, N=2, K=2, S=S, layout="transposed")
     if S == 1:

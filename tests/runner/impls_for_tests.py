@@ -14,7 +14,7 @@ def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 def ignores_scale(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
-    """Bug: the explicit scale is dropped (KNOWN_BUGS #12)."""
+    """Bug: the explicit scale is dropped (docs/KNOWN_BUGS.md #12)."""
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, enable_gqa=enable_gqa)
 

@@ -1,4 +1,4 @@
-"""spec/ never imports torch, not even indirectly (DESIGN: spec is pure NumPy)."""
+"""spec/ never imports torch, not even indirectly (docs/DESIGN.md#layout-and-dependency-rules)."""
 
 from __future__ import annotations
 

@@ -8,15 +8,14 @@ dtype are drawn in float64 and rounded once; the reference sees the stored value
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
 
-import implementations.builtins.triton_attention as ta  # noqa: E402  (before triton: see its docstring)
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
+
 import torch  # noqa: E402
 
 IMPL = ta.make_implementation()

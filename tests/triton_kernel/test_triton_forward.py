@@ -10,17 +10,16 @@ sees exactly the stored values. Lengths ≡ 1 mod 16 leave a ragged 1-key/1-quer
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-
 # Imported before anything imports triton: on a machine without CUDA the module must
 # set TRITON_INTERPRET=1 before triton's first import (see its docstring).
-import implementations.builtins.triton_attention as ta  # noqa: E402
+import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
+
 import torch  # noqa: E402
 
 IMPL = ta.make_implementation()

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
 
-import implementations.builtins.triton_attention as ta  # noqa: E402  (before triton: see its docstring)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_speed.py"
 

@@ -34,7 +34,6 @@ mma, and the scale must arrive as f64 (float64 keeps a float64 scale).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -42,13 +41,11 @@ import sys
 import time
 
 import pytest
-
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-
 import torch  # noqa: E402
 
 import implementations.builtins.triton_attention as ta  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
 #: target name -> (GPUTarget, max dynamic shared memory per block in bytes)
 TARGETS = {
