@@ -14,6 +14,8 @@ Public API::
     sdpa_vjp(query, key, value, grad_output, *, attend_mask, additive_mask, causal, scale) -> SDPAGrads
     emulate_sdpa(query, key, value, *, dtype, attend_mask, additive_mask, causal, scale, fully_masked)
     MHAParams, mha_forward(params, query, key, value, *, key_padding_mask, attn_mask, ...)
+    emulate_mha(params, query, key, value, *, dtype, <mha_forward's options>) -> (output, weights)
+    emulate_mha_steps(...) -> MHASteps (projections, weights, attended, output)
     masks (module), SpecError
 
 FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
@@ -35,6 +37,7 @@ from __future__ import annotations
 from . import masks, variants
 from ._sdpa import SDPAGrads, SDPAResult, sdpa, sdpa_vjp
 from .emulate import emulate_sdpa
+from .emulate_mha import MHASteps, emulate_mha, emulate_mha_steps
 from .errors import SpecError
 from .flash import (FlashGrads, FlashResult, alibi_bias, flash_attention, flash_attention_vjp,
                     merge_partials, window_mask)
@@ -50,6 +53,9 @@ __all__ = [
     "sdpa_vjp",
     "SDPAGrads",
     "emulate_sdpa",
+    "emulate_mha",
+    "emulate_mha_steps",
+    "MHASteps",
     "MHAParams",
     "mha_forward",
     "masks",

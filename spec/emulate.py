@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _checks
-from ._sdpa import prepare
+from ._sdpa import Problem, prepare
 
 __all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_to"]
 
@@ -69,6 +69,13 @@ def emulate_sdpa(query: Any, key: Any, value: Any, *, dtype: str, attend_mask: A
     _checks.check_policy(fully_masked)
     p = prepare(query, key, value, attend_mask=attend_mask, additive_mask=additive_mask,
                 causal=causal, scale=scale)
+    output, _ = attend(p, dtype, fully_masked)
+    return output.astype(np.float64)
+
+
+def attend(p: Problem, dtype: str, fully_masked: str) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-5 of the naive computation on a prepared problem: ``(output, weights)``,
+    (..., N, L, Ev) and (..., N, L, S), values of ``dtype`` held in its accumulation dtype."""
     store, accumulate = _rounder(dtype)
     q, k, v = store(p.query), store(p.key), store(p.value)        # rounded to dtype
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -89,4 +96,4 @@ def emulate_sdpa(query: Any, key: Any, value: Any, *, dtype: str, attend_mask: A
             weights = np.where(empty_row, store(accumulate(1.0 / weights.shape[-1])), weights)
         # 5. output = weights · v, rounded to dtype                          (..., N, L, Ev)
         output = store(weights @ v)
-    return output.astype(np.float64)
+    return output, weights
