@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance import tolerance
+from conformance import mha_bounds
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
 from conformance.runner import Target, call_guarded
@@ -28,7 +28,6 @@ __all__ = [
     "build",
     "run_mha",
     "oracle",
-    "output_bounds",
     "pair_allowed",
     "output_rows",
     "weight_rows",
@@ -96,47 +95,9 @@ def oracle(case: MHACase, fully_masked: str = "zero", **overrides: Any) -> tuple
     return spec.mha_forward(case.params, case.query, case.key, case.value, **args)
 
 
-def _to_batch_first(x: np.ndarray, case: MHACase) -> np.ndarray:
-    if case.unbatched:
-        return x[None]
-    return x if case.batch_first else np.swapaxes(x, 0, 1)
-
-
-def output_bounds(case: MHACase) -> tuple[np.ndarray, float]:
-    """(output magnitude per feature (D,), largest |scaled logit| + |float mask|):
-    what the module output's rounding error scales with."""
-    p = case.params
-    wq, wk, wv = (np.abs(w) for w in p.projection_weights())
-    bq, bk, bv = (np.abs(b) for b in p.projection_biases())
-    xq = np.abs(_to_batch_first(case.query, case))  # (B, L, D)
-    xk = np.abs(_to_batch_first(case.key, case))  # (B, S, kdim)
-    xv = np.abs(_to_batch_first(case.value, case))  # (B, S, vdim)
-    q = xq @ wq.T + bq  # (B, L, D)
-    k = xk @ wk.T + bk
-    v = xv @ wv.T + bv
-    E = p.head_dim
-    if p.bias_k is not None:
-        k = np.concatenate([k, np.abs(p.bias_k).reshape(1, 1, -1).repeat(k.shape[0], 0)], axis=1)
-        v = np.concatenate([v, np.abs(p.bias_v).reshape(1, 1, -1).repeat(v.shape[0], 0)], axis=1)
-    logit = 0.0
-    for h in range(p.num_heads):
-        sl = slice(h * E, (h + 1) * E)
-        logit = max(logit, float((q[..., sl] @ np.swapaxes(k[..., sl], -1, -2)).max()) / np.sqrt(E))
-    vmax = v.max(axis=(0, 1))  # (D,)
-    out_bias = np.abs(p.out_proj_bias) if p.out_proj_bias is not None else 0.0
-    magnitude = np.abs(p.out_proj_weight) @ vmax + out_bias  # (D,)
-    mask_range = 0.0
-    for m in (case.attn_mask, case.key_padding_mask):
-        if m is not None and m.dtype != np.bool_:
-            finite = np.abs(m[np.isfinite(m)])
-            mask_range += float(finite.max()) if finite.size else 0.0
-    return magnitude, logit + mask_range
-
-
 def pair_allowed(target: Target, case: MHACase) -> np.ndarray:
     """Allowed difference between two outputs of the module, each within the bound."""
-    magnitude, logit_range = output_bounds(case)
-    return tolerance.mha_pair_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    return mha_bounds.pair_allowed(case, tf32=target.tf32).output
 
 
 def output_rows(case: MHACase, rows_bl: np.ndarray) -> np.ndarray:
@@ -159,15 +120,13 @@ def check_mha(target: Target, case: MHACase, call: MHACall, *, fully_masked: str
     """Compare the call's output (and weights, when asked for and declared) with
     the oracle; fully-masked rows only with ``include_dead``, under ``fully_masked``."""
     expected_out, expected_w = oracle(case, fully_masked=fully_masked)
-    magnitude, logit_range = output_bounds(case)
-    allowed = tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)
+    allowed, w_allowed = mha_bounds.allowed_error(case, tf32=target.tf32, fully_masked=fully_masked)
     dead = case.blocked_rows()
     rows = None if include_dead else output_rows(case, ~dead.any(axis=1))
     ratio = compare_values(what, call.output, expected_out, allowed, where=rows).ratio
     if case.need_weights and has_feature(target, "need_weights"):
         if call.weights is None:
             fail("weights=None with need_weights=True, but should be the attention weights")
-        w_allowed = tolerance.mha_allowed(case.dtype, np.ones(1), logit_range, tf32=target.tf32)
         w_rows = None if include_dead else weight_rows(case, dead, case.average_attn_weights)
         ratio = max(ratio, compare_values("attention weights", call.weights, expected_w, w_allowed,
                                           where=w_rows).ratio)

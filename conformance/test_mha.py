@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance import tolerance
+from conformance import mha_bounds, tolerance
 from conformance.cases import MHACase
 from conformance.compare import assert_contract, compare_values, fail
 from conformance.helpers import mha_cases_for, skip_unless
@@ -21,7 +21,6 @@ from conformance.mha_calls import (
     check_parameter_grads,
     has_feature,
     oracle,
-    output_bounds,
     output_rows,
     pair_allowed,
     random_backward,
@@ -110,9 +109,9 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
     plus = oracle(_perturbed(case, direction, h), need_weights=False)[0]
     minus = oracle(_perturbed(case, direction, -h), need_weights=False)[0]
     numeric = float((g * (plus - minus)).sum() / (2 * h))
-    _, logit_range = output_bounds(case)
     allowed = tolerance.mha_derivative_allowed(
-        case.dtype, analytic_size=scale, numeric=numeric, logit_range=logit_range,
+        case.dtype, analytic_size=scale, numeric=numeric,
+        logit_range=mha_bounds.logit_range(case, tf32=target.tf32),
         cancellation=float(np.abs(g * plus).sum()), step=h, tf32=target.tf32)
     err = abs(analytic - numeric)
     if not np.isfinite(analytic) or err > allowed:
@@ -159,8 +158,7 @@ def test_mha_averaged_weights(target: Target, case: MHACase) -> float:
         fail(f"per-head weights shape={per_head.weights.shape}, but should be {expected.shape}")
     head_axis = 0 if case.unbatched else 1
     mean = per_head.weights.mean(axis=head_axis)
-    _, logit_range = output_bounds(case)
-    allowed = tolerance.mha_pair_allowed(case.dtype, np.ones(1), logit_range, tf32=target.tf32)
+    allowed = mha_bounds.pair_allowed(case.replace(average_attn_weights=True), tf32=target.tf32).weights
     finite = np.isfinite(mean)
     return compare_values("averaged weights vs the mean of per-head weights", avg.weights, mean,
                           allowed, where=finite).ratio
@@ -230,8 +228,7 @@ def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
     expected, weights = oracle(case, need_weights=True, average_attn_weights=False)
     mean = out.mean(axis=1, keepdims=True)  # (L, 1, D)
     c = attended_magnitude(case, weights) / (1 - p)  # (L, D)
-    magnitude, logit_range = output_bounds(case)
-    rounding = tolerance.mha_allowed(case.dtype, magnitude, logit_range, tf32=target.tf32)  # (D,)
+    rounding = mha_bounds.allowed_error(case, tf32=target.tf32).output[:, 0]  # (L, D)
     bound = tolerance.mha_dropout_allowed(c, M, mean.size, rounding)
     return compare_values(f"mean of {M} train-mode outputs (dropout={p})", mean[:, 0], expected[:, 0],
                           bound, where=~dead[:, None]).ratio

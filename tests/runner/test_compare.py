@@ -61,13 +61,16 @@ def test_tolerance_table_is_complete_and_scales_with_naive_error():
     assert tolerance.sdpa_allowed("float64", 0.0, np.array([1.0]))[0] < 1e-12
 
 
-def test_mha_bounds_pair_and_derivative():
+def test_mha_bound_and_derivative():
     one = np.array([1.0])
-    assert tolerance.mha_pair_allowed("float32", one, 0.5)[0] == 2 * tolerance.mha_allowed("float32", one, 0.5)[0]
-    # The derivative bound pairs float32's mha_floor (256) with TF32's eps when TF32 is declared.
+    # k × naive + eps × (floor × magnitude + value_floor × |expected|), per the module table.
+    tol, eps = tolerance.mha_tolerance_for("float16")
+    got = tolerance.mha_bound("float16", 1e-3, one, 2 * one)[0]
+    assert got == pytest.approx(tol.k * 1e-3 + eps * (tol.floor + 2 * tol.value_floor))
+    # TF32 declared: the TF32 row and eps, for the bound and the derivative alike.
     tf32 = tolerance.mha_derivative_allowed("float32", analytic_size=1.0, numeric=0.0, logit_range=0.0,
                                             cancellation=0.0, step=1e-5, tf32=True)
-    assert tf32 == pytest.approx(256 * 2.0**-11 + 1e-6)
+    assert tf32 == pytest.approx(tolerance.MHA_TOLERANCES["tf32"].grad_floor * 2.0**-11 + 1e-6)
 
 
 def test_statistical_bounds():

@@ -1,7 +1,9 @@
-"""The tolerance rule for a whole ``nn.MultiheadAttention`` call.
+"""What the module-level tolerance rule is applied to: sizes and naive errors of one call.
 
-SDPA's rule (``conformance.tolerance``) at module level: the error of a module's output
-against ``spec.mha_forward`` may be at most
+``conformance.tolerance`` holds the rule and its table (``MHA_TOLERANCES``,
+``mha_bound``); this module computes its inputs for an ``nn.MultiheadAttention`` call,
+as ``conformance.calls`` does for SDPA. The error of a module's output against
+``spec.mha_forward`` may be at most
 
     allowed = k × (error of a naive same-precision module call)
               + eps(dtype) × (floor × magnitude + value_floor × |expected|)
@@ -36,62 +38,16 @@ float32's and the floor is TF32's, at TF32's unit roundoff.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 import spec
 from conformance.cases import MHACase
-from conformance.tolerance import EPS, SUBNORMAL
+from conformance import tolerance
+from conformance.tolerance import EPS
 
-__all__ = [
-    "MHA_TOLERANCES",
-    "MHATolerance",
-    "WEIGHTS_FACTOR",
-    "MHAAllowed",
-    "mha_allowed",
-    "mha_pair_allowed",
-    "mha_logit_range",
-    "mha_grad_allowed",
-]
-
-
-@dataclass(frozen=True)
-class MHATolerance:
-    """k: multiple of the naive module call's error; floor: ulps at the per-element
-    magnitude; logit_growth: whether that magnitude carries the factor 1 + logit scale;
-    value_floor: ulps at the expected value itself (the one rounding of the result no
-    implementation avoids); grad_floor: ulps of a directional derivative's size (times
-    1 + the case's largest logit scale; no emulation of the backward pass)."""
-
-    k: float
-    floor: float
-    logit_growth: bool
-    value_floor: float
-    grad_floor: float
-
-
-#: Chosen from ``benchmarks/mha_tolerance.py`` (results in
-#: benchmarks/results/mha-tolerance-*.txt): the correct built-ins stay at or below about
-#: 0.25 of the bound while a module 5 % off fails in every dtype. bfloat16's floor has no
-#: logit growth: every bfloat16 logit is rounded, so the naive error already measures
-#: what the logits cost, and 2^-8 × (1 + logit scale) alone would come near 5 %.
-MHA_TOLERANCES: dict[str, MHATolerance] = {
-    "float64": MHATolerance(k=2.0, floor=8.0, logit_growth=True, value_floor=8.0, grad_floor=256.0),
-    "float32": MHATolerance(k=2.0, floor=2.0, logit_growth=True, value_floor=4.0, grad_floor=256.0),
-    "tf32": MHATolerance(k=2.0, floor=4.0, logit_growth=True, value_floor=4.0, grad_floor=64.0),
-    "float16": MHATolerance(k=2.0, floor=3.0, logit_growth=True, value_floor=4.0, grad_floor=256.0),
-    "bfloat16": MHATolerance(k=2.0, floor=2.5, logit_growth=False, value_floor=2.0, grad_floor=256.0),
-}
-
-#: The attention weights are allowed this many times the rule at their own magnitude:
-#: implementations round a 16-bit softmax in different orders, and a wrong weight is
-#: wrong by far more (a sum instead of a mean, a missed mask).
-WEIGHTS_FACTOR = 4.0
-
-#: Smallest positive normal of each dtype: subnormal results need no more exactness.
-_TINY = {"float64": 2.2e-308, "float32": 1.2e-38, "float16": 6.1e-5, "bfloat16": 1.2e-38}
+__all__ = ["MHAAllowed", "allowed_error", "pair_allowed", "logit_range"]
 
 
 class MHAAllowed(NamedTuple):
@@ -100,11 +56,6 @@ class MHAAllowed(NamedTuple):
 
     output: np.ndarray
     weights: np.ndarray
-
-
-def _tolerance(dtype: str, tf32: bool) -> tuple[MHATolerance, float]:
-    key = "tf32" if (tf32 and dtype == "float32") else dtype
-    return MHA_TOLERANCES[key], EPS[key]
 
 
 def _steps(case: MHACase, dtype: str, fully_masked: str = "zero") -> spec.MHASteps:
@@ -126,7 +77,7 @@ def _sizes(case: MHACase, exact: spec.MHASteps, tf32: bool) -> tuple[np.ndarray,
         if isinstance(getattr(p, f.name), np.ndarray)})
     sums = spec.emulate_mha_steps(absolute, np.abs(case.query), np.abs(case.key),
                                   np.abs(case.value), dtype="float64", batch_first=case.batch_first)
-    _, eps = _tolerance(case.dtype, tf32)
+    _, eps = tolerance.mha_tolerance_for(case.dtype, tf32=tf32)
     weight = EPS["float32"] / eps if case.dtype in ("float16", "bfloat16") else 1.0
     return tuple(np.abs(x) + weight * s for x, s in ((exact.query, sums.query), (exact.key, sums.key),
                                                       (exact.value, sums.value)))
@@ -172,16 +123,10 @@ def _naive_errors(case: MHACase, exact: spec.MHASteps) -> tuple[float, float]:
     return out_error, weight_error
 
 
-def _bound(tol: MHATolerance, eps: float, naive: float, magnitude: np.ndarray,
-           value: np.ndarray, tiny: float) -> np.ndarray:
-    return tol.k * naive + eps * (tol.floor * np.maximum(magnitude, tiny)
-                                  + tol.value_floor * np.nan_to_num(np.abs(value)))
-
-
-def mha_allowed(case: MHACase, *, tf32: bool = False, fully_masked: str = "zero") -> MHAAllowed:
+def allowed_error(case: MHACase, *, tf32: bool = False, fully_masked: str = "zero") -> MHAAllowed:
     """Elementwise allowed error of ``case``'s module output and attention weights against
     ``spec.mha_forward(..., fully_masked=fully_masked)`` (see the module docstring)."""
-    tol, eps = _tolerance(case.dtype, tf32)
+    tol, _ = tolerance.mha_tolerance_for(case.dtype, tf32=tf32)
     exact = _steps(case, "float64", fully_masked)
     query, key, value = _sizes(case, exact, tf32)
     growth = np.ones(1)
@@ -196,33 +141,26 @@ def mha_allowed(case: MHACase, *, tf32: bool = False, fully_masked: str = "zero"
     magnitude = merged @ np.abs(p.out_proj_weight).T + out_bias      # (B, L, D)
     average = case.average_attn_weights
     naive_output, naive_weights = _naive_errors(case, exact)
-    tiny = _TINY[case.dtype]
-    output = _bound(tol, eps, naive_output, exact.layout(magnitude), exact.layout(exact.output), tiny)
-    weights_allowed = WEIGHTS_FACTOR * _bound(
-        tol, eps, naive_weights, exact.weights_layout(weights * growth, average=average),
-        exact.weights_layout(weights, average=average), tiny)
+    output = tolerance.mha_bound(case.dtype, naive_output, exact.layout(magnitude),
+                                 exact.layout(exact.output), tf32=tf32)
+    weights_allowed = tolerance.WEIGHTS_FACTOR * tolerance.mha_bound(
+        case.dtype, naive_weights, exact.weights_layout(weights * growth, average=average),
+        exact.weights_layout(weights, average=average), tf32=tf32)
     return MHAAllowed(output, weights_allowed)
 
 
-def mha_pair_allowed(case: MHACase, *, tf32: bool = False, fully_masked: str = "zero") -> MHAAllowed:
+def pair_allowed(case: MHACase, *, tf32: bool = False, fully_masked: str = "zero") -> MHAAllowed:
     """Allowed difference between two outputs (and weights) of the same module call by
     different paths (need_weights True/False, bool/float masks...): each is within
-    :func:`mha_allowed`, so twice it."""
-    output, weights = mha_allowed(case, tf32=tf32, fully_masked=fully_masked)
+    :func:`allowed_error`, so twice it."""
+    output, weights = allowed_error(case, tf32=tf32, fully_masked=fully_masked)
     return MHAAllowed(2 * output, 2 * weights)
 
 
-def mha_logit_range(case: MHACase, *, tf32: bool = False) -> float:
+def logit_range(case: MHACase, *, tf32: bool = False) -> float:
     """The case's largest per-row logit scale (``scale·Σ|q_i||k_i| + |mask|`` over
     attended keys, every head and row)."""
     exact = _steps(case, "float64")
     query, key, _ = _sizes(case, exact, tf32)
     scale = _logit_scale(exact, query, key)
     return float(scale.max()) if scale.size else 0.0
-
-
-def mha_grad_allowed(case: MHACase, size: float, *, tf32: bool = False) -> float:
-    """Allowed error of a directional derivative Σ g·(∂output/∂inputs)·direction whose
-    terms sum to ``size`` in absolute value (no emulation of the backward pass)."""
-    tol, eps = _tolerance(case.dtype, tf32)
-    return tol.grad_floor * eps * (1.0 + mha_logit_range(case, tf32=tf32)) * size + 16 * SUBNORMAL[case.dtype]
