@@ -147,7 +147,7 @@ class _JaxAttention(torch.autograd.Function):
     """JAX's forward, and ``jax.vjp`` as the backward (q, k, v, additive mask)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, mask, scale, is_causal):  # noqa: D102
+    def forward(ctx, query, key, value, bias, mask, scale, is_causal):
         arrays = [None if t is None else _to_numpy(t) for t in (query, key, value, bias, mask)]
         forward, _ = _functions_for(query.dtype)
         ctx.arrays, ctx.scale, ctx.is_causal = arrays, scale, is_causal
@@ -155,7 +155,7 @@ class _JaxAttention(torch.autograd.Function):
         return _to_torch(forward(*arrays, scale, is_causal=is_causal), query)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102
+    def backward(ctx, grad_output):
         _, vjp = _functions_for(ctx.like[0].dtype)
         q, k, v, b, m = ctx.arrays
         grad = _to_numpy(grad_output.to(ctx.like[0].dtype))

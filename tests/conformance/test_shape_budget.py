@@ -37,8 +37,9 @@ def _shapes_drawn(strategy) -> set[tuple[int, ...]]:
 
 
 def _bounds(**kw):
-    args = dict(min_batch=1, max_batch=3, min_heads=1, max_heads=8, gqa=None, min_L=1, max_L=None,
-                min_S=1, max_S=None, min_head_dim=None, max_head_dim=None, different_v_dim=None)
+    args = {"min_batch": 1, "max_batch": 3, "min_heads": 1, "max_heads": 8, "gqa": None,
+            "min_L": 1, "max_L": None, "min_S": 1, "max_S": None, "min_head_dim": None,
+            "max_head_dim": None, "different_v_dim": None}
     args.update(kw)
     return size_bounds(None, **args)
 
