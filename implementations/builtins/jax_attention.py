@@ -2,8 +2,8 @@
 
 A NumPy bridge gives it torch SDPA's calling convention: torch tensors go to NumPy
 (bfloat16 through ``ml_dtypes``), then to JAX; the output comes back the same way,
-with the query's dtype and device. The layout is JAX's (B, L, N, E) inside one
-jitted function, so the bridge copies nothing but the arrays themselves.
+with the query's dtype and device. The transposes to JAX's layout (B, L, N, E) happen
+inside the JAX function, so the bridge copies nothing but the arrays themselves.
 
 How SDPA's arguments map (read from ``jax/_src/nn/functions.py``, jax 0.10):
 
@@ -27,9 +27,11 @@ uniform), and a row whose additive mask is -inf everywhere comes out NaN.
 Enabling float64 needs ``jax_enable_x64``, a process-wide JAX setting: building this
 implementation switches it on (before JAX's first use in a certification run).
 
-Every new (shape, dtype, mask kind, causal) combination costs one XLA compilation
-(0.1-0.5 s on a CPU); ``capabilities.jit`` says so, and a shape budget in the
-strategies keeps the count of distinct shapes small.
+float32 and float64 run as one jitted function: every new (shape, dtype, mask kind,
+causal) combination costs one XLA compilation (0.1-0.5 s on a CPU). float16 and
+bfloat16 run op by op, because ``jax.jit`` of this function fails on the CPU for them
+(see ``_functions_for``), which costs more per new shape. ``capabilities.jit`` says
+so, and a shape budget in the strategies keeps the count of distinct shapes small.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E head dim.
@@ -81,7 +83,7 @@ def make_implementation() -> Implementation:
         sdpa=flatten_batch(jax_sdpa),
         version=f"jax {jax.__version__}",
         description="jax.nn.dot_product_attention (XLA, CPU) through a NumPy bridge; "
-        "jitted, one compilation per new shape",
+        "jitted for float32/float64 (one compilation per new shape), op by op for float16/bfloat16",
     )
 
 
@@ -137,10 +139,13 @@ def _functions(jitted: bool) -> tuple[Any, Any]:
 
 
 def _functions_for(dtype: torch.dtype) -> tuple[Any, Any]:
-    """float16 runs op by op: under ``jax.jit`` on the CPU, dot_product_attention's
-    float16 matmul (precision F16_F16_F32) raises "not supported by dot_general on
-    CPU"; called eagerly, JAX catches that and falls back to the default precision."""
-    return _functions(jitted=dtype != torch.float16)
+    """float16 and bfloat16 run op by op (measured on jax 0.10.2, CPU): under
+    ``jax.jit``, dot_product_attention's 16-bit matmuls (precision F16_F16_F32 /
+    BF16_BF16_F32) raise "not supported by dot_general on CPU" for every float16
+    shape and "Algorithm not supported by the ElementalIrEmitter" for some bfloat16
+    shapes with B = N = 1 (L = S = 1; L or S = 1 with E = 1). Called eagerly, JAX
+    catches the error and retries at the default precision."""
+    return _functions(jitted=dtype not in (torch.float16, torch.bfloat16))
 
 
 class _JaxAttention(torch.autograd.Function):

@@ -8,7 +8,14 @@ import json
 
 import pytest
 
-from conformance.merge import CertificateError, load_certificate, main, merge, render_markdown, to_json
+from conformance.merge import (
+    CertificateError,
+    load_certificate,
+    main,
+    merge,
+    render_markdown,
+    to_json,
+)
 
 
 def result(prop, dtype, outcome="passed", *, device="cpu", level="sdpa", examples=20, ratio=0.1):
