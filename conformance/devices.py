@@ -6,14 +6,16 @@ worker ``gwK`` the GPU ``K mod n_gpus``: four workers on four GPUs get one each,
 eight workers on four GPUs share them two by two. It is a pure function (tested on
 machines without a GPU); the plugin calls it with the worker id pytest-xdist sets
 (``config.workerinput["workerid"]``, absent without xdist) and
-``torch.cuda.device_count()``.
+``torch.cuda.device_count()``, through :func:`pin_cuda_device`, which makes that GPU
+the worker's current CUDA device: targets, test ids and certificates keep saying
+``cuda``, and every ``device="cuda"`` tensor lands on the worker's GPU.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["device_for_worker"]
+__all__ = ["device_for_worker", "pin_cuda_device"]
 
 _WORKER_ID = re.compile(r"gw(\d+)")
 
@@ -44,3 +46,15 @@ def device_for_worker(worker_id: str | None, device: str, n_gpus: int) -> str:
             "(config.workerinput['workerid']) or None without xdist"
         )
     return f"cuda:{int(match.group(1)) % n_gpus}"
+
+
+def pin_cuda_device(worker_id: str | None) -> str:
+    """Make ``worker_id``'s GPU the current CUDA device (``torch.cuda.set_device``) and
+    return it; ``"cuda"`` (nothing changed) without xdist or without CUDA."""
+    import torch
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = device_for_worker(worker_id, "cuda", n_gpus)
+    if device != "cuda":
+        torch.cuda.set_device(device)
+    return device

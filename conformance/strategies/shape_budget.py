@@ -40,12 +40,16 @@ from hypothesis import strategies as st
 
 from conformance.strategies._validation import fail
 from conformance.strategies.sizes import SeededDraw, SizeBounds, draw_sizes
+from implementations.base import Capabilities
 
-__all__ = ["SHAPE_BUDGET_VARIABLE", "ShapePool", "budget_from_environment", "check_shape_budget",
-           "shape_pool"]
+__all__ = ["JIT_SHAPE_BUDGET", "SHAPE_BUDGET_VARIABLE", "ShapePool", "budget_from_environment",
+           "check_shape_budget", "shape_budget_for", "shape_pool"]
 
 #: Temporary: the budget of strategies called without ``shape_budget``.
 SHAPE_BUDGET_VARIABLE = "ATTENTION_CONFORMANCE_SHAPE_BUDGET"
+#: The budget an implementation declaring ``Capabilities.jit`` gets by default (with it,
+#: ``--impl=jax --hypothesis-profile=ci`` measured 2.9 CPU-minutes).
+JIT_SHAPE_BUDGET = 8
 
 #: Kind of case: (length relation "L>S" / "L<=S" / None, batch minimum or None).
 CaseKind = tuple[str | None, int | None]
@@ -75,6 +79,14 @@ def check_shape_budget(budget: object, *, name: str = "shape_budget") -> int | N
         raise fail(name, budget, "must be None (no budget) or an int >= 1",
                    f"pass e.g. {name}=8")
     return budget
+
+
+def shape_budget_for(caps: Capabilities, requested: int | None = None) -> int | None:
+    """The budget a run gives a target: ``requested`` (a ``--shape-budget`` option; 0 means
+    none) when given, else :data:`JIT_SHAPE_BUDGET` when ``caps.jit``, else none."""
+    if requested is not None:
+        return check_shape_budget(requested, name="--shape-budget") if requested else None
+    return JIT_SHAPE_BUDGET if caps.jit else None
 
 
 def _fits(sizes: dict[str, int], kind: CaseKind) -> bool:

@@ -119,3 +119,14 @@ def test_budget_too_small_for_the_kinds_of_case_raises():
 
 def test_repr_names_the_budget():
     assert repr(sdpa_cases(dtype="float32", shape_budget=3)) == "sdpa_cases(dtype='float32', shape_budget=3)"
+
+
+def test_jit_implementations_get_a_budget_by_default():
+    from conformance.strategies.shape_budget import JIT_SHAPE_BUDGET, shape_budget_for
+
+    assert shape_budget_for(JAX_LIKE) == JIT_SHAPE_BUDGET
+    assert shape_budget_for(Capabilities()) is None
+    assert shape_budget_for(JAX_LIKE, 3) == 3
+    assert shape_budget_for(JAX_LIKE, 0) is None  # --shape-budget 0: none
+    with pytest.raises(InvalidArgument, match="--shape-budget=-2"):
+        shape_budget_for(Capabilities(), -2)

@@ -40,3 +40,26 @@ def test_unknown_worker_ids_raise(worker):
 def test_gpu_count_must_be_a_count(n_gpus):
     with pytest.raises(ValueError, match="n_gpus="):
         device_for_worker("gw0", "cuda", n_gpus)
+
+
+def test_pin_sets_the_workers_gpu_as_current(monkeypatch):
+    import torch
+
+    from conformance.devices import pin_cuda_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert pin_cuda_device("gw6") == "cuda:2" and chosen == ["cuda:2"]
+    assert pin_cuda_device(None) == "cuda" and chosen == ["cuda:2"]  # no xdist: untouched
+
+
+def test_pin_without_cuda_changes_nothing(monkeypatch):
+    import torch
+
+    from conformance.devices import pin_cuda_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device called"))
+    assert pin_cuda_device("gw1") == "cuda"
