@@ -98,6 +98,9 @@ class Capabilities:
     max_seq_len: int | None = None   # L and S at most this
     min_head_dim: int | None = None  # E and Ev at least this (e.g. tensor-core tiles)
     tf32: bool = False               # float32 matmuls may run as TF32 on CUDA
+    #: Each new input shape costs a compilation (JAX, torch.compile): the runner then
+    #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
+    jit: bool = False
     mha_features: frozenset[str] = ALL_MHA_FEATURES
 
     def __post_init__(self) -> None:

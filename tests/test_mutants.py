@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.strategies.shape_budget import SHAPE_BUDGET_VARIABLE
 from implementations.mutants import MUTANTS
 from implementations.mutants.controls import CONTROLS
 
@@ -28,9 +29,12 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Correct built-ins (registry names) and the zoo's own correct bases (module:attr).
-CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton"] + [
+CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton", "jax"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ]
+#: Shape budgets of JIT-compiled built-ins, passed through the strategies' temporary
+#: environment variable until the plugin turns ``Capabilities.jit`` into a default budget.
+SHAPE_BUDGETS = {"jax": 8}
 TIMEOUT_S = 1800
 
 
@@ -45,7 +49,10 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
     if stop_at_first_failure:
         cmd.append("-x")
     # The outer pytest (maybe an xdist worker) must not leak its settings into the run.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "HYPOTHESIS_")) and k != SHAPE_BUDGET_VARIABLE}
+    if impl in SHAPE_BUDGETS:
+        env[SHAPE_BUDGET_VARIABLE] = str(SHAPE_BUDGETS[impl])
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (proc.stdout + proc.stderr)[-4000:]
     json_path = report.with_suffix(".json")
@@ -58,7 +65,7 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
 def test_mutant_is_killed(name, tmp_path):
     mutant = MUTANTS[name]
     if name.startswith("triton_"):
-        _require_triton()
+        _require_builtin("triton")
     code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True)
     failed = [r for r in report["results"] if r["outcome"] == "failed"]
     assert code != 0 and failed, (
@@ -67,22 +74,23 @@ def test_mutant_is_killed(name, tmp_path):
     )
 
 
-def _require_triton() -> None:
-    """Skip, with the reason, where the Triton kernel cannot run (the runner would skip it)."""
-    found = importlib.util.find_spec("triton")
-    if found is None or found.origin is None:  # no origin: a folder named triton, not the package
-        pytest.skip("triton is not installed (pip install -e '.[triton]')")
+def _require_builtin(name: str) -> None:
+    """Skip, with the reason, where the built-in cannot run (the runner would skip it)."""
+    if name == "triton":
+        found = importlib.util.find_spec("triton")
+        if found is None or found.origin is None:  # no origin: a folder named triton, not the package
+            pytest.skip("triton is not installed (pip install -e '.[triton]')")
     from implementations.registry import resolve
 
-    impl = resolve("triton")
+    impl = resolve(name)
     if not impl.available:
-        pytest.skip(f"triton unavailable: {impl.unavailable_reason}")
+        pytest.skip(f"{name} unavailable: {impl.unavailable_reason}")
 
 
 @pytest.mark.parametrize("impl", CORRECT)
 def test_correct_implementation_passes(impl, tmp_path):
-    if impl == "triton":
-        _require_triton()
+    if impl in ("triton", "jax"):
+        _require_builtin(impl)
     code, report, output = run_conformance(impl, tmp_path, stop_at_first_failure=False)
     bad = [
         f"{r['property']}[{r['level']}-{r['dtype']}]: {r['outcome']} {r.get('message', '')[:300]}"

@@ -7,6 +7,7 @@ seed, the mask, the stride-0 dims, and the q/k/v values from the seed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,12 @@ from conformance.strategies.sdpa_masks import (
     MASK_PATTERNS,
     draw_mask,
     mask_kind_choices,
+)
+from conformance.strategies.shape_budget import (
+    ShapePool,
+    budget_from_environment,
+    check_shape_budget,
+    shape_pool,
 )
 from conformance.strategies.sizes import SizeBounds, draw_sizes, size_bounds
 from conformance.strategies.values import layout_choices, sdpa_values, value_regimes
@@ -50,6 +57,8 @@ class _SDPAPlan:
     scales: st.SearchStrategy[float | None]
     bounds: SizeBounds
     fully_masked: bool | None
+    #: With a shape budget, the shapes every example's sizes come from.
+    pool: ShapePool | None = None
 
 
 def _causal_choices(causal: Any, caps: Capabilities | None) -> list[str | None]:
@@ -109,6 +118,14 @@ def _length_relation(plan: _SDPAPlan, causal: str | None) -> str | None:
     return None
 
 
+def _budget_pool(plan: _SDPAPlan, budget: int, stride0: bool) -> ShapePool:
+    """The plan's shapes under a budget: one for each length relation and batch minimum
+    its examples can ask for."""
+    relations = {_length_relation(plan, causal) for causal in plan.causal}
+    batch_minima = [None, 2] if stride0 else [None]
+    return shape_pool(plan.bounds, budget, [(r, b) for r in relations for b in batch_minima])
+
+
 def _draw_stride0_axes(draw: st.DrawFn, layout: str, sizes: dict[str, int]) -> tuple[list[int], list[str]]:
     """Dims key/value are expanded along (batch always, kv heads sometimes), and their notes."""
     if layout != "stride0":
@@ -129,9 +146,13 @@ def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
     # (15..17, 31..33, 63..65) about one time in seven, non-contiguous and
     # "ascending" cases about a quarter of the time.
     boundary_heavy = layout != "contiguous" or regime == "ascending"
-    sizes = draw_sizes(draw, plan.bounds, relation=_length_relation(plan, causal),
-                       min_batch=2 if layout == "stride0" else None,
-                       block_weight=8 if boundary_heavy else 4)
+    relation = _length_relation(plan, causal)
+    min_batch = 2 if layout == "stride0" else None
+    if plan.pool is not None:
+        sizes = plan.pool.draw(draw, (relation, min_batch))
+    else:
+        sizes = draw_sizes(draw, plan.bounds, relation=relation, min_batch=min_batch,
+                           block_weight=8 if boundary_heavy else 4)
     rng = draw_seed(draw)
     mask = draw_mask(draw, rng, sizes, mask_kinds=plan.mask_kinds,
                      mask_patterns=plan.mask_patterns,
@@ -168,6 +189,7 @@ def sdpa_cases(
     max_S: int | None = None,
     min_head_dim: int | None = None,
     max_head_dim: int | None = None,
+    shape_budget: int | None = None,
 ) -> st.SearchStrategy[SDPACase]:
     """:class:`~conformance.cases.SDPACase` problems inside ``caps``.
 
@@ -191,17 +213,24 @@ def sdpa_cases(
       L <= S), None allows them (and sometimes builds one);
     * size bounds ``min_/max_batch``, ``min_/max_heads``, ``min_/max_L``,
       ``min_/max_S``, ``min_/max_head_dim`` (defaults from ``caps``; tiny typical
-      sizes, see :func:`sdpa_shapes`).
+      sizes, see :func:`sdpa_shapes`);
+    * ``shape_budget``: at most this many distinct (B, N, K, L, S, E, Ev) shapes,
+      fixed once per strategy (for JIT-compiled implementations, which compile once
+      per shape; see :mod:`conformance.strategies.shape_budget`). None: no budget,
+      unless the temporary variable ``ATTENTION_CONFORMANCE_SHAPE_BUDGET`` sets one.
 
     Values: a drawn seed feeds a NumPy Generator; arrays are drawn in float64 and
     rounded through ``dtype``. Shrinks toward B = N = K = L = S = 1, small E = Ev,
     no mask, no causal flag, regime "normal", layout "contiguous", default scale,
-    seed 0.
+    seed 0; with a shape budget, toward the simplest of its shapes that fits.
     """
     arguments = dict(locals())
     check_dtype(dtype, caps)
     check_device(device, caps)
     check_bool_or_none("fully_masked", fully_masked)
+    budget = check_shape_budget(shape_budget)
+    if budget is None:
+        budget = budget_from_environment()
     kinds = mask_kind_choices(mask_kinds, caps)
     patterns = choices("mask_patterns", mask_patterns, MASK_PATTERNS, MASK_PATTERNS)
     causal_options = _causal_choices(causal, caps)
@@ -220,4 +249,6 @@ def sdpa_cases(
                      causal=causal_options, regimes=regime_strategy,
                      layouts=layout_strategies(layouts=layout_options, caps=caps),
                      scales=scale_strategy, bounds=bounds, fully_masked=fully_masked)
+    if budget is not None:
+        plan = dataclasses.replace(plan, pool=_budget_pool(plan, budget, "stride0" in layout_options))
     return named_strategy(sdpa_cases, arguments, lambda draw: _draw_sdpa_case(draw, plan))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 from hypothesis import strategies as st
 
 from conformance.strategies._drawing import named_strategy
@@ -22,7 +24,7 @@ from conformance.strategies._validation import (
 )
 from implementations.base import ALL_DTYPES, Capabilities
 
-__all__ = ["BLOCK_LENGTHS", "dtypes", "head_configs", "sdpa_shapes"]
+__all__ = ["BLOCK_LENGTHS", "SeededDraw", "dtypes", "head_configs", "sdpa_shapes"]
 
 #: Lengths around kernel block sizes: ≡ -1, 0, 1 mod 16, 32 and 64.
 BLOCK_LENGTHS = (15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65)
@@ -34,6 +36,8 @@ _DEFAULT_MAX_LENGTH = 65
 _DEFAULT_MAX_HEAD_DIM = 64
 _SMALL_HEADS = 4
 _LARGE_HEADS = (6, 8)
+
+T = TypeVar("T")
 
 
 def dtypes(*, caps: Capabilities | None = None) -> st.SearchStrategy[str]:
@@ -50,6 +54,44 @@ def dtypes(*, caps: Capabilities | None = None) -> st.SearchStrategy[str]:
 
 
 # ---------------------------------------------------------------------------
+# the three kinds of choice, from Hypothesis or from a seed
+# ---------------------------------------------------------------------------
+
+class SeededDraw:
+    """Stands in for Hypothesis's ``draw`` in the size helpers below when sizes are
+    drawn outside a test (a shape budget's shapes, drawn once per strategy): each
+    choice comes from ``rng``, or is the one Hypothesis shrinks to (the lower bound,
+    the first option, False) when ``rng`` is None."""
+
+    def __init__(self, rng: np.random.Generator | None) -> None:
+        self.rng = rng
+
+    def integer(self, lo: int, hi: int) -> int:
+        return lo if self.rng is None else int(self.rng.integers(lo, hi + 1))
+
+    def element(self, options: list[T]) -> T:
+        return options[0] if self.rng is None else options[int(self.rng.integers(len(options)))]
+
+    def boolean(self) -> bool:
+        return False if self.rng is None else bool(self.rng.integers(2))
+
+
+Draw = st.DrawFn | SeededDraw
+
+
+def _integer(draw: Draw, lo: int, hi: int) -> int:
+    return draw.integer(lo, hi) if isinstance(draw, SeededDraw) else draw(st.integers(lo, hi))
+
+
+def _element(draw: Draw, options: list[T]) -> T:
+    return draw.element(options) if isinstance(draw, SeededDraw) else draw(st.sampled_from(options))
+
+
+def _boolean(draw: Draw) -> bool:
+    return draw.boolean() if isinstance(draw, SeededDraw) else draw(st.booleans())
+
+
+# ---------------------------------------------------------------------------
 # head counts
 # ---------------------------------------------------------------------------
 
@@ -63,7 +105,7 @@ def head_bounds(min_heads: int, max_heads: int, gqa: bool | None) -> tuple[int, 
     return (max(min_heads, 2) if gqa else min_heads), max_heads
 
 
-def draw_heads(draw: st.DrawFn, lo: int, hi: int, gqa: bool | None) -> tuple[int, int]:
+def draw_heads(draw: Draw, lo: int, hi: int, gqa: bool | None) -> tuple[int, int]:
     """(N, K): N in [lo, hi], K a divisor of N as ``gqa`` asks."""
     # Mostly 1..4; sometimes 5..8 (6 and 8 a little more often).
     n = draw_size(draw, lo, hi, _SMALL_HEADS, _LARGE_HEADS, small_weight=8, special_weight=2)
@@ -71,8 +113,8 @@ def draw_heads(draw: st.DrawFn, lo: int, hi: int, gqa: bool | None) -> tuple[int
     if gqa is False:
         return n, n
     if gqa:
-        return n, draw(st.sampled_from(proper))
-    return n, draw(st.sampled_from([n, *proper]))
+        return n, _element(draw, proper)
+    return n, _element(draw, [n, *proper])
 
 
 def head_configs(*, min_heads: int = 1, max_heads: int = 8,
@@ -112,18 +154,18 @@ def _size_table(lo: int, hi: int, small: int, specials: tuple[int, ...], small_w
     return tuple(table) or tuple(range(lo, hi + 1))
 
 
-def draw_size(draw: st.DrawFn, lo: int, hi: int, small: int, specials: tuple[int, ...], *,
+def draw_size(draw: Draw, lo: int, hi: int, small: int, specials: tuple[int, ...], *,
               small_weight: int = 20, special_weight: int = 2, others: bool = True) -> int:
     table = _size_table(lo, hi, small, specials, small_weight, special_weight, others)
-    return table[draw(st.integers(0, len(table) - 1))]
+    return table[_integer(draw, 0, len(table) - 1)]
 
 
-def _draw_length(draw: st.DrawFn, lo: int, hi: int, block_weight: int = 2) -> int:
+def _draw_length(draw: Draw, lo: int, hi: int, block_weight: int = 2) -> int:
     """Mostly 1..12; sometimes a block-size neighbour (15, 16, 17, ..., 65) or a prime above 12."""
     return draw_size(draw, lo, hi, _SMALL_LENGTH, BLOCK_LENGTHS, special_weight=block_weight)
 
 
-def _draw_head_dim(draw: st.DrawFn, lo: int, hi: int) -> int:
+def _draw_head_dim(draw: Draw, lo: int, hi: int) -> int:
     """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 or a prime above 16."""
     return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, _BLOCK_HEAD_DIMS)
 
@@ -213,12 +255,12 @@ def size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
                       min_S, max_S, lo_dim, hi_dim, different_v_dim)
 
 
-def draw_sizes(draw: st.DrawFn, b: SizeBounds, *, relation: str | None = None,
+def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
                min_batch: int | None = None, block_weight: int = 2) -> dict[str, int]:
     """Sizes B, N, K, L, S, E, Ev; ``relation`` "L>S" or "L<=S" constrains the lengths;
     ``block_weight`` is how often each block-size neighbour comes vs 20 for each small length."""
     length = functools.partial(_draw_length, block_weight=block_weight)
-    B = draw(st.integers(max(b.min_batch, min_batch or 1), b.max_batch))
+    B = _integer(draw, max(b.min_batch, min_batch or 1), b.max_batch)
     N, K = draw_heads(draw, b.min_heads, b.max_heads, b.gqa)
     if relation == "L>S":
         L = length(draw, max(b.min_L, b.min_S + 1), b.max_L)
@@ -232,7 +274,7 @@ def draw_sizes(draw: st.DrawFn, b: SizeBounds, *, relation: str | None = None,
     E = _draw_head_dim(draw, b.min_head_dim, b.max_head_dim)
     differ = b.different_v_dim
     if differ is None:
-        differ = draw(st.booleans())
+        differ = _boolean(draw)
     Ev = E
     if differ:
         Ev = _draw_head_dim(draw, b.min_head_dim, b.max_head_dim)

@@ -25,4 +25,5 @@ BUILTINS: dict[str, str] = {
     "torch-mha": "implementations.builtins.torch_mha:make_implementation",
     "flex": "implementations.builtins.flex:make_implementation",
     "triton": "implementations.builtins.triton_attention:make_implementation",
+    "jax": "implementations.builtins.jax_attention:make_implementation",
 }

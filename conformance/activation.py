@@ -1,0 +1,65 @@
+"""The installed pytest plugin's entry point: loads ``conformance.plugin`` only when
+the command line asks for the conformance suite.
+
+Installed, this package is a plugin of every pytest run in the environment
+(``[project.entry-points.pytest11]`` in pyproject.toml names this module). The
+conformance plugin adds options with common names (``--device``, ``--dtype``,
+``--replay``), loads a Hypothesis profile and parametrizes tests that take a
+``target`` argument; loaded everywhere, it would change other projects' runs or
+clash with their own ``--device``. So this module does nothing unless the run asks
+for the suite (:func:`suite_requested`): ``--impl`` or ``--impl-option`` on the
+command line (or in ``addopts``), or a test path inside the installed
+``conformance`` package, or ``--pyargs conformance[.module]``. Then it registers
+``conformance.plugin`` under that module name, before any conftest.py is read, so
+a checkout's root ``conftest.py`` naming the same plugin in ``pytest_plugins``
+finds it registered and does not load it twice.
+
+``pytest -p no:attention_conformance`` switches this module off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+__all__ = ["PLUGIN", "suite_requested"]
+
+#: The module registered when the suite is asked for (and its plugin name).
+PLUGIN = "conformance.plugin"
+_PACKAGE = "conformance"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_IMPL_OPTIONS = ("--impl", "--impl-option")
+
+
+def suite_requested(args: Sequence[str], invocation_dir: Path | str = ".") -> bool:
+    """Whether pytest's command line ``args`` ask for the conformance suite.
+
+    True for ``--impl[=...]`` / ``--impl-option[=...]``, a path argument (relative to
+    ``invocation_dir``) inside this package's directory, or, with ``--pyargs``, a
+    module argument ``conformance`` or ``conformance.<module>``.
+    """
+    args = [str(a) for a in args]
+    if any(a.split("=", 1)[0] in _IMPL_OPTIONS for a in args):
+        return True
+    pyargs = "--pyargs" in args
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        target = arg.split("::", 1)[0]
+        if pyargs and (target == _PACKAGE or target.startswith(_PACKAGE + ".")):
+            return True
+        path = (Path(invocation_dir) / target).resolve()
+        if path == _PACKAGE_DIR or _PACKAGE_DIR in path.parents:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
+                                  args: list[str]) -> None:
+    if not suite_requested(args, early_config.invocation_params.dir):
+        return
+    # import_plugin registers the module under its name and skips one already registered.
+    early_config.pluginmanager.import_plugin(PLUGIN)

@@ -1,0 +1,132 @@
+"""Tests of the shape budget (conformance.strategies.shape_budget): a budgeted
+strategy draws at most ``shape_budget`` distinct shapes, always the same ones for
+the same bounds, keeps one for each kind of case it draws, still shrinks, and the
+temporary environment variable sets a default budget."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis.errors import InvalidArgument
+
+from conformance.strategies import sdpa_cases
+from conformance.strategies.shape_budget import SHAPE_BUDGET_VARIABLE, shape_pool
+from conformance.strategies.sizes import size_bounds
+from implementations.base import Capabilities
+
+MANY = settings(max_examples=150, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much])
+JAX_LIKE = Capabilities(dtypes=("float32",), different_v_dim=False, jit=True)
+
+
+def _shape(case) -> tuple[int, ...]:
+    return (case.B, case.N, case.K, case.L, case.S, case.E, case.Ev)
+
+
+def _shapes_drawn(strategy) -> set[tuple[int, ...]]:
+    seen: set[tuple[int, ...]] = set()
+
+    @MANY
+    @given(strategy)
+    def collect(case) -> None:
+        seen.add(_shape(case))
+
+    collect()
+    return seen
+
+
+def _bounds(**kw):
+    args = {"min_batch": 1, "max_batch": 3, "min_heads": 1, "max_heads": 8, "gqa": None,
+            "min_L": 1, "max_L": None, "min_S": 1, "max_S": None, "min_head_dim": None,
+            "max_head_dim": None, "different_v_dim": None}
+    args.update(kw)
+    return size_bounds(None, **args)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_at_most_budget_shapes(budget):
+    seen = _shapes_drawn(sdpa_cases(dtype="float32", caps=JAX_LIKE, shape_budget=budget))
+    assert 1 <= len(seen) <= budget
+    assert all(shape[5] == shape[6] for shape in seen)  # caps: Ev == E
+
+
+def test_every_kind_of_case_gets_its_shapes():
+    """stride0 needs B >= 2, a forced lower-right fully-masked row needs L > S."""
+    strategy = sdpa_cases(dtype="float32", layouts=("contiguous", "stride0"), causal=("lower_right",),
+                          mask_kinds=("none",), fully_masked=True, shape_budget=4)
+    cases = []
+
+    @MANY
+    @given(strategy)
+    def collect(case) -> None:
+        cases.append(case)
+
+    collect()
+    assert len({_shape(c) for c in cases}) <= 4
+    assert all(c.L > c.S for c in cases)
+    assert all(c.B >= 2 for c in cases if c.layout == "stride0")
+    assert {c.layout for c in cases} == {"contiguous", "stride0"}
+
+
+def test_same_bounds_same_shapes_in_every_strategy():
+    first = _shapes_drawn(sdpa_cases(dtype="float32", shape_budget=5))
+    second = _shapes_drawn(sdpa_cases(dtype="float16", shape_budget=5))
+    assert first == second
+    pool = shape_pool(_bounds(), 5, [(None, None)])
+    assert pool == shape_pool(_bounds(), 5, [(None, None)])
+    assert pool != shape_pool(_bounds(max_batch=2), 5, [(None, None)])
+
+
+def test_pool_starts_with_the_smallest_shape_and_is_ordered():
+    pool = shape_pool(_bounds(), 6, [(None, None), ("L>S", 2)])
+    assert pool.shapes[0] == {"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1}
+    assert {"B": 2, "N": 1, "K": 1, "L": 2, "S": 1, "E": 1, "Ev": 1} in pool.shapes
+    work = [s["B"] * (s["N"] * s["L"] * s["E"] + s["K"] * s["S"] * (s["E"] + s["Ev"])
+                      + s["N"] * s["L"] * s["S"]) for s in pool.shapes]
+    assert work == sorted(work)
+
+
+def test_shrinks_to_the_simplest_fitting_shape():
+    pool = shape_pool(_bounds(), 8, [(None, None)])
+    wanted = next(s for s in pool.shapes if s["L"] > 3)  # the simplest with L > 3
+    found = find(sdpa_cases(dtype="float64", shape_budget=8), lambda c: c.L > 3,
+                 settings=settings(database=None, max_examples=500))
+    assert {k: found.sizes()[k] for k in wanted} == wanted
+    assert found.mask_kind == "none" and found.causal is None
+
+
+def test_environment_variable_sets_the_default(monkeypatch):
+    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "2")
+    assert len(_shapes_drawn(sdpa_cases(dtype="float32"))) <= 2
+    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "0")  # off
+    assert len(_shapes_drawn(sdpa_cases(dtype="float32"))) > 2
+    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "many")
+    with pytest.raises(InvalidArgument, match=SHAPE_BUDGET_VARIABLE):
+        sdpa_cases(dtype="float32")
+
+
+@pytest.mark.parametrize("budget", [0, -1, 2.5, True])
+def test_invalid_budget_raises(budget):
+    with pytest.raises(InvalidArgument, match="shape_budget="):
+        sdpa_cases(dtype="float32", shape_budget=budget)
+
+
+def test_budget_too_small_for_the_kinds_of_case_raises():
+    with pytest.raises(InvalidArgument, match="shape_budget>=2"):
+        sdpa_cases(dtype="float32", layouts=("contiguous", "stride0"), shape_budget=1)
+
+
+def test_repr_names_the_budget():
+    assert repr(sdpa_cases(dtype="float32", shape_budget=3)) == "sdpa_cases(dtype='float32', shape_budget=3)"
+
+
+def test_jit_implementations_get_a_budget_by_default():
+    from conformance.strategies.shape_budget import JIT_SHAPE_BUDGET, shape_budget_for
+
+    assert shape_budget_for(JAX_LIKE) == JIT_SHAPE_BUDGET
+    assert shape_budget_for(Capabilities()) is None
+    assert shape_budget_for(JAX_LIKE, 3) == 3
+    assert shape_budget_for(JAX_LIKE, 0) is None  # --shape-budget 0: none
+    with pytest.raises(InvalidArgument, match="--shape-budget=-2"):
+        shape_budget_for(Capabilities(), -2)

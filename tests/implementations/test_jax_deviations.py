@@ -1,0 +1,120 @@
+"""The ``jax`` built-in: every entry of implementations/xfail/jax.toml is still a real
+deviation of the installed jax, the argument mapping it relies on still holds (causal
+alignment, mask polarity, GQA), the jit failure that makes 16-bit dtypes run eagerly is
+still there, and without jax the built-in is unavailable with a reason, never an
+import error. Tests needing jax skip without it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+from implementations import registry
+from implementations.builtins import jax_attention
+
+
+@pytest.fixture(scope="module")
+def impl():
+    pytest.importorskip("jax")
+    built = registry.resolve("jax")
+    assert built.available, built.unavailable_reason
+    return built
+
+
+def entry_for(impl, property_id, **attrs):
+    return next((e for e in impl.expected_failures if e.applies(property_id, attrs)), None)
+
+
+def tensors(*shapes, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def oracle(q, k, v, **kw):
+    return spec.sdpa(q.double().numpy(), k.double().numpy(), v.double().numpy(), **kw).output
+
+
+def test_float64_carries_float32_softmax_rounding(impl):
+    assert entry_for(impl, "forward_agreement", dtype="float64") is not None
+    assert entry_for(impl, "forward_agreement", dtype="float32") is None
+    q, k, v = tensors((1, 1, 4, 8), (1, 1, 16, 8), (1, 1, 16, 8))
+    out = impl.sdpa(q, k, v)
+    assert out.dtype == torch.float64
+    rel = np.abs(out.numpy() - oracle(q, k, v)).max() / np.abs(oracle(q, k, v)).max()
+    assert 1e-12 < rel < 1e-5, rel  # float32's rounding, far above float64's
+
+
+def test_additive_minus_inf_row_is_nan_while_bool_blocked_row_is_uniform(impl):
+    assert entry_for(impl, "fully_masked_rows", mask_kind="additive") is not None
+    assert entry_for(impl, "fully_masked_rows", mask_kind="bool") is None
+    assert impl.capabilities.fully_masked == "uniform"
+    q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=torch.float32)
+    attend = torch.ones(3, 5, dtype=torch.bool)
+    attend[1] = False
+    by_bool = impl.sdpa(q, k, v, attn_mask=attend)
+    uniform = oracle(q, k, v, attend_mask=attend.numpy(), fully_masked="uniform")
+    np.testing.assert_allclose(by_bool.double().numpy(), uniform, atol=1e-6)
+    by_additive = impl.sdpa(q, k, v, attn_mask=torch.where(attend, 0.0, float("-inf")))
+    assert torch.isnan(by_additive[:, :, 1]).all()
+    assert torch.isfinite(by_additive[:, :, [0, 2]]).all()
+
+
+def test_jit_fails_for_16_bit_dtypes_on_cpu_but_eager_calls_work(impl):
+    """Why the adapter runs float16 and bfloat16 op by op (see jax_attention._functions_for)."""
+    import jax
+    import ml_dtypes
+
+    jitted = jax.jit(jax.nn.dot_product_attention)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        q = np.ones((1, 1, 1, 4), dtype)  # (B, L, N, E): B = N = L = S = 1
+        with pytest.raises(Exception, match="not supported"):
+            np.asarray(jitted(q, q, q))
+        np.testing.assert_allclose(np.asarray(jax.nn.dot_product_attention(q, q, q), np.float64), 1.0)
+
+
+def test_is_causal_is_upper_left(impl):
+    assert impl.capabilities.causal == "upper_left"
+    q, k, v = tensors((1, 1, 2, 4), (1, 1, 3, 4), (1, 1, 3, 4), dtype=torch.float32)  # L < S
+    got = impl.sdpa(q, k, v, is_causal=True).double().numpy()
+    np.testing.assert_allclose(got, oracle(q, k, v, causal="upper_left"), atol=1e-6)
+    assert not np.allclose(got, oracle(q, k, v, causal="lower_right"), atol=1e-3)
+
+
+def test_masks_keep_their_polarity_and_gqa_groups_heads(impl):
+    q, k, v = tensors((2, 4, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4), dtype=torch.float32)
+    attend = torch.rand(3, 5, generator=torch.Generator().manual_seed(1)) < 0.6
+    attend[:, 0] = True
+    got = impl.sdpa(q, k, v, attn_mask=attend, enable_gqa=True, scale=-0.7)
+    expected = oracle(q, k, v, attend_mask=attend.numpy(), scale=-0.7)
+    np.testing.assert_allclose(got.double().numpy(), expected, atol=1e-6)
+    bias = torch.randn(2, 1, 3, 5, generator=torch.Generator().manual_seed(2))
+    got = impl.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    np.testing.assert_allclose(got.double().numpy(), oracle(q, k, v, additive_mask=bias.double().numpy()),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_dtype_device_and_gradients_come_back(impl, dtype):
+    q, k, v = tensors((1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 4), dtype=dtype)
+    bias = torch.zeros(3, 5, dtype=dtype, requires_grad=True)
+    q.requires_grad_(True)
+    out = impl.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert out.dtype == dtype and out.device == q.device and out.shape == (1, 2, 3, 4)
+    out.float().sum().backward()
+    assert q.grad.dtype == dtype and q.grad.shape == q.shape
+    assert bias.grad.shape == bias.shape and torch.isfinite(bias.grad.float()).all()
+
+
+def test_unavailable_without_jax_with_a_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)  # "import jax" raises ImportError
+    module = importlib.reload(jax_attention)  # importing the module needs no jax
+    built = module.make_implementation()
+    assert not built.available and "jax is not importable" in built.unavailable_reason
+    assert built.not_supported_reasons({"level": "sdpa"}) == [
+        f"jax is unavailable: {built.unavailable_reason}"]
+    assert "[jax]" in built.unavailable_reason  # says how to install it
