@@ -174,7 +174,7 @@ def merge(certificates: Sequence[Mapping[str, Any]], names: Sequence[str] | None
             _add(cells, key, index, result)
     columns = sorted({col for _, col in cells}, key=_column_order)
     rows = sorted({row for row, _ in cells})
-    summaries = [_summary(cert, name) for cert, name in zip(certificates, names)]
+    summaries = [_summary(cert, name) for cert, name in zip(certificates, names, strict=True)]
     return Merged(summaries, columns, rows, cells)
 
 

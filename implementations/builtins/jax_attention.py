@@ -166,7 +166,7 @@ class _JaxAttention(torch.autograd.Function):
         grad = _to_numpy(grad_output.to(ctx.like[0].dtype))
         grads = vjp(q, k, v, b, m, ctx.scale, ctx.is_causal, grad)
         out = [None if g is None or like is None else _to_torch(g, like)
-               for g, like in zip(grads, ctx.like)]
+               for g, like in zip(grads, ctx.like, strict=False)]
         return (*out, None, None, None)
 
 
