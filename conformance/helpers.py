@@ -27,6 +27,7 @@ __all__ = [
 
 def cases_for(target: Target, **kwargs: Any) -> Any:
     """``sdpa_cases`` restricted to what ``target`` declares."""
+    kwargs.setdefault("shape_budget", target.shape_budget)
     return sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 

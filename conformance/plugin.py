@@ -62,6 +62,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="re-run the one failing case saved in FILE (.npz)")
     group.addoption("--example-timeout", default=60.0, type=float, metavar="SECONDS",
                     help="fail a property when one call takes longer than this (0: no limit)")
+    group.addoption("--shape-budget", default=None, type=int, metavar="N",
+                    help="at most N distinct shapes per property (JIT implementations compile once "
+                         "per shape); default 8 when the implementation declares jit; 0: no budget")
 
 
 def _parse_options(raw: list[str]) -> dict[str, str]:
@@ -115,6 +118,16 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(err)) from None
     session.impl, session.impl_spec, session.options = impl, impl_spec, options
     session.dtypes = _dtypes(config)
+    from conformance.strategies.shape_budget import shape_budget_for
+
+    try:
+        session.shape_budget = shape_budget_for(impl.capabilities, config.getoption("shape_budget"))
+    except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
+        raise pytest.UsageError(str(err)) from None
+    if config.getoption("device") in ("cuda", "all"):
+        from conformance.devices import pin_cuda_device
+
+        pin_cuda_device(getattr(config, "workerinput", {}).get("workerid"))
     replay_path = config.getoption("replay")
     if replay_path:
         from conformance import failures
@@ -155,7 +168,7 @@ def _targets(config: pytest.Config, level: str) -> list[Any]:
     caps = session.impl.caps(level)
     dtypes = session.dtypes or list(caps.dtypes) or ["float32"]
     timeout = config.getoption("example_timeout")
-    return [Target(session.impl, level, dtype, device, timeout)
+    return [Target(session.impl, level, dtype, device, timeout, session.shape_budget)
             for device in _devices(config) for dtype in dtypes]
 
 
@@ -251,6 +264,7 @@ def _environment(config: pytest.Config) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
+        "cuda_device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "triton": _triton_version(),
         "python": platform.python_version(),
         "platform": platform.platform(),

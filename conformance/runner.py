@@ -61,6 +61,8 @@ class Target:
     dtype: str
     device: str
     timeout: float = 60.0
+    #: At most this many distinct shapes per property (``--shape-budget``); None: no budget.
+    shape_budget: int | None = None
 
     @property
     def caps(self) -> Capabilities:

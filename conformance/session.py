@@ -32,6 +32,7 @@ class Session:
     impl_spec: str = ""  # --impl exactly as given
     options: dict[str, str] = field(default_factory=dict)  # --impl-option pairs
     dtypes: list[str] | None = None  # --dtype, None: what the implementation declares
+    shape_budget: int | None = None  # --shape-budget (or the jit default), None: no budget
     replay: Replay | None = None  # --replay: the one saved case to re-run
     current: Record | None = None  # record of the property test running now
     results: list[dict[str, Any]] = field(default_factory=list)  # finished records, every worker's

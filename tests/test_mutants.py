@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from conformance.strategies.shape_budget import SHAPE_BUDGET_VARIABLE
 from implementations.mutants import MUTANTS
 from implementations.mutants.controls import CONTROLS
 
@@ -34,7 +33,6 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton", "j
 ]
 #: Shape budgets of JIT-compiled built-ins, passed through the strategies' temporary
 #: environment variable until the plugin turns ``Capabilities.jit`` into a default budget.
-SHAPE_BUDGETS = {"jax": 8}
 TIMEOUT_S = 1800
 
 
@@ -50,9 +48,7 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
         cmd.append("-x")
     # The outer pytest (maybe an xdist worker) must not leak its settings into the run.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "HYPOTHESIS_")) and k != SHAPE_BUDGET_VARIABLE}
-    if impl in SHAPE_BUDGETS:
-        env[SHAPE_BUDGET_VARIABLE] = str(SHAPE_BUDGETS[impl])
+           if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (proc.stdout + proc.stderr)[-4000:]
     json_path = report.with_suffix(".json")

@@ -30,7 +30,6 @@ from conformance.strategies.sdpa_masks import (
 )
 from conformance.strategies.shape_budget import (
     ShapePool,
-    budget_from_environment,
     check_shape_budget,
     shape_pool,
 )
@@ -216,8 +215,7 @@ def sdpa_cases(
       sizes, see :func:`sdpa_shapes`);
     * ``shape_budget``: at most this many distinct (B, N, K, L, S, E, Ev) shapes,
       fixed once per strategy (for JIT-compiled implementations, which compile once
-      per shape; see :mod:`conformance.strategies.shape_budget`). None: no budget,
-      unless the temporary variable ``ATTENTION_CONFORMANCE_SHAPE_BUDGET`` sets one.
+      per shape; see :mod:`conformance.strategies.shape_budget`). None: no budget.
 
     Values: a drawn seed feeds a NumPy Generator; arrays are drawn in float64 and
     rounded through ``dtype``. Shrinks toward B = N = K = L = S = 1, small E = Ev,
@@ -229,8 +227,6 @@ def sdpa_cases(
     check_device(device, caps)
     check_bool_or_none("fully_masked", fully_masked)
     budget = check_shape_budget(shape_budget)
-    if budget is None:
-        budget = budget_from_environment()
     kinds = mask_kind_choices(mask_kinds, caps)
     patterns = choices("mask_patterns", mask_patterns, MASK_PATTERNS, MASK_PATTERNS)
     causal_options = _causal_choices(causal, caps)

@@ -23,14 +23,12 @@ Kinds of case: a lower-right causal case may need L > S (to force fully-masked
 rows) or L <= S (to forbid them), and a ``stride0`` layout needs B >= 2; the pool
 keeps at least one shape for each kind the strategy can draw.
 
-``ATTENTION_CONFORMANCE_SHAPE_BUDGET`` (temporary, until the pytest plugin passes
-a budget): when set to a positive integer, it is the budget of every strategy
-called without ``shape_budget``; unset, empty or 0 means no budget.
+The runner passes ``--shape-budget`` (default :data:`JIT_SHAPE_BUDGET` for an
+implementation declaring ``Capabilities.jit``) through ``Target.shape_budget``.
 """
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,11 +40,8 @@ from conformance.strategies._validation import fail
 from conformance.strategies.sizes import SeededDraw, SizeBounds, draw_sizes
 from implementations.base import Capabilities
 
-__all__ = ["JIT_SHAPE_BUDGET", "SHAPE_BUDGET_VARIABLE", "ShapePool", "budget_from_environment",
-           "check_shape_budget", "shape_budget_for", "shape_pool"]
+__all__ = ["JIT_SHAPE_BUDGET", "ShapePool", "check_shape_budget", "shape_budget_for", "shape_pool"]
 
-#: Temporary: the budget of strategies called without ``shape_budget``.
-SHAPE_BUDGET_VARIABLE = "ATTENTION_CONFORMANCE_SHAPE_BUDGET"
 #: The budget an implementation declaring ``Capabilities.jit`` gets by default (with it,
 #: ``--impl=jax --hypothesis-profile=ci`` measured 2.9 CPU-minutes).
 JIT_SHAPE_BUDGET = 8
@@ -56,19 +51,6 @@ CaseKind = tuple[str | None, int | None]
 
 _SIZE_KEYS = ("B", "N", "K", "L", "S", "E", "Ev")
 _ATTEMPTS_PER_SHAPE = 50
-
-
-def budget_from_environment() -> int | None:
-    """The budget ``ATTENTION_CONFORMANCE_SHAPE_BUDGET`` sets (None: unset, empty or 0)."""
-    raw = os.environ.get(SHAPE_BUDGET_VARIABLE, "").strip()
-    if not raw:
-        return None
-    try:
-        budget = int(raw)
-    except ValueError:
-        raise fail(SHAPE_BUDGET_VARIABLE, raw, "is not an integer",
-                   "set it to a positive integer, or unset it for no budget") from None
-    return check_shape_budget(budget, name=SHAPE_BUDGET_VARIABLE) if budget else None
 
 
 def check_shape_budget(budget: object, *, name: str = "shape_budget") -> int | None:

@@ -1,7 +1,7 @@
 """Tests of the shape budget (conformance.strategies.shape_budget): a budgeted
 strategy draws at most ``shape_budget`` distinct shapes, always the same ones for
 the same bounds, keeps one for each kind of case it draws, still shrinks, and the
-temporary environment variable sets a default budget."""
+runner gives a budget to JIT implementations (``--shape-budget``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis.errors import InvalidArgument
 
 from conformance.strategies import sdpa_cases
-from conformance.strategies.shape_budget import SHAPE_BUDGET_VARIABLE, shape_pool
+from conformance.strategies.shape_budget import shape_pool
 from conformance.strategies.sizes import size_bounds
 from implementations.base import Capabilities
 
@@ -94,16 +94,6 @@ def test_shrinks_to_the_simplest_fitting_shape():
                  settings=settings(database=None, max_examples=500))
     assert {k: found.sizes()[k] for k in wanted} == wanted
     assert found.mask_kind == "none" and found.causal is None
-
-
-def test_environment_variable_sets_the_default(monkeypatch):
-    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "2")
-    assert len(_shapes_drawn(sdpa_cases(dtype="float32"))) <= 2
-    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "0")  # off
-    assert len(_shapes_drawn(sdpa_cases(dtype="float32"))) > 2
-    monkeypatch.setenv(SHAPE_BUDGET_VARIABLE, "many")
-    with pytest.raises(InvalidArgument, match=SHAPE_BUDGET_VARIABLE):
-        sdpa_cases(dtype="float32")
 
 
 @pytest.mark.parametrize("budget", [0, -1, 2.5, True])
