@@ -40,6 +40,8 @@ from implementations.mutants import MUTANTS, Mutant  # noqa: E402
 __all__ = ["Score", "score_mutant", "main"]
 
 SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
+#: pytest's exit status when nothing was selected.
+NO_TESTS_COLLECTED = 5
 
 
 @dataclass
@@ -101,6 +103,9 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_onl
         score.wall_seconds = time.perf_counter() - start
         json_path = report.with_suffix(".json")
         if not json_path.exists():
+            if expected_only and score.exit_code == NO_TESTS_COLLECTED:
+                score.note = (f"expected property {mutant.expected_property} is not in the suite "
+                              "(-k selected no test)")
             score.note = score.note or f"no report (exit code {score.exit_code})"
             return score
         data = json.loads(json_path.read_text())

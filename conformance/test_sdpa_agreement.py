@@ -49,7 +49,7 @@ def test_gradient_agreement(target: Target, case: SDPACase) -> float:
 
 @conformance_property(
     "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
-    cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True),
+    cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
 )
 def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     """Rows whose keys are all blocked follow the declared policy (zero: output 0;

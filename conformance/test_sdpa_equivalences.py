@@ -42,7 +42,8 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "causal_flag_equivalence", level="sdpa", section="spec.masks (causal_mask)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",),
-                              causal=(t.caps.causal,)),
+                              causal=(t.caps.causal,),
+                              length_relations=("L=S", "L=1<S", "1<L<S", "L>S")),
     requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared"),
 )
 def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:

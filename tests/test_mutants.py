@@ -3,8 +3,13 @@
 Each test runs the runner as a subprocess under the ``ci`` profile,
 ``pytest conformance --impl=X --hypothesis-profile=ci -x --conformance-report PATH``,
 and reads ``PATH.json`` (docs/CONTRACTS.md). Slow: one subprocess per implementation;
-parallelise with ``pytest tests/test_mutants.py -n 2`` (about 13 minutes on two
-shared cores: ~30 s per mutant, up to 5 minutes for a correct implementation).
+parallelise with ``pytest tests/test_mutants.py -n 2`` (about 25 minutes on two
+shared cores: ~15 s per mutant and run, up to 5 minutes for a correct implementation).
+
+Every mutant is run twice: with the whole suite (some property must kill it) and
+with its record's ``expected_property`` alone (``-k test_<property>``: that property
+must kill it on its own, so no property is only ever a back-up for another). A
+mutant whose expected property is not in the suite yet is skipped, naming it.
 
 A mutant that survives is a missing strategy or property in the suite, not a reason
 to weaken the mutant: the failure message names the property expected to catch it.
@@ -12,6 +17,7 @@ to weaken the mutant: the failure message names the property expected to catch i
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -36,8 +42,25 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton", "j
 TIMEOUT_S = 1800
 
 
-def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) -> tuple[int, dict, str]:
-    """Run the suite on ``impl`` in ``workdir``; (exit code, JSON report, output tail)."""
+def registered_properties() -> set[str]:
+    """Property ids the suite defines (importing every ``conformance/test_*.py``)."""
+    from conformance.runner import PROPERTIES
+
+    for path in sorted((ROOT / "conformance").glob("test_*.py")):
+        importlib.import_module(f"conformance.{path.stem}")
+    return set(PROPERTIES)
+
+
+def _require_expected_property(name: str) -> None:
+    expected = MUTANTS[name].expected_property
+    if expected not in registered_properties():
+        pytest.skip(f"{name}'s expected property {expected!r} is not in the suite yet")
+
+
+def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool,
+                    only_property: str | None = None) -> tuple[int, dict, str]:
+    """Run the suite on ``impl`` in ``workdir`` (only one property's test with
+    ``only_property``); (exit code, JSON report, output tail)."""
     report = workdir / "report"
     cmd = [
         sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={impl}",
@@ -46,6 +69,8 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
     ]
     if stop_at_first_failure:
         cmd.append("-x")
+    if only_property is not None:
+        cmd += ["-k", f"test_{only_property}"]
     # The outer pytest (maybe an xdist worker) must not leak its settings into the run.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
@@ -60,6 +85,7 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool) ->
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_killed(name, tmp_path):
     mutant = MUTANTS[name]
+    _require_expected_property(name)
     if name.startswith("triton_"):
         _require_builtin("triton")
     code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True)
@@ -67,6 +93,23 @@ def test_mutant_is_killed(name, tmp_path):
     assert code != 0 and failed, (
         f"mutant {name} survived the ci profile (exit code {code}): {mutant.bug}. "
         f"Expected {mutant.expected_property} to catch it on {mutant.smallest_case}.\n{output}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_expected_property_alone_kills_mutant(name, tmp_path):
+    mutant = MUTANTS[name]
+    _require_expected_property(name)
+    if name.startswith("triton_"):
+        _require_builtin("triton")
+    code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True,
+                                           only_property=mutant.expected_property)
+    ran = {r["property"] for r in report["results"]}
+    assert ran == {mutant.expected_property}, f"-k selected {sorted(ran)}"
+    failed = [r for r in report["results"] if r["outcome"] == "failed"]
+    assert code != 0 and failed, (
+        f"{mutant.expected_property} alone does not kill mutant {name} under ci (exit code "
+        f"{code}): {mutant.bug}. Its smallest case is {mutant.smallest_case}.\n{output}"
     )
 
 

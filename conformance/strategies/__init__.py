@@ -64,6 +64,7 @@ from conformance.strategies.sdpa_masks import (
 )
 from conformance.strategies.sizes import (
     BLOCK_LENGTHS,
+    LENGTH_RELATIONS,
     dtypes,
     head_configs,
     sdpa_shapes,
@@ -78,6 +79,7 @@ from conformance.strategies.values import (
 
 __all__ = [
     "BLOCK_LENGTHS",
+    "LENGTH_RELATIONS",
     "MASK_KINDS",
     "MASK_PATTERNS",
     "MASK_PATTERN_TABLE",

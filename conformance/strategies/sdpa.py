@@ -1,8 +1,10 @@
 """SDPA cases: one scaled-dot-product-attention call inside an implementation's claims.
 
 ``sdpa_cases`` checks its arguments into a :class:`_SDPAPlan` once; each example
-then draws, in this order: layout, regime, scale, causal alignment, sizes, the
-seed, the mask, the stride-0 dims, and the q/k/v values from the seed.
+then draws, in this order: layout, regime, scale, causal alignment, (only when
+``causal_dead_rows`` or ``length_relations`` ask for it) where dead rows come from
+or how L relates to S, sizes, the seed, the mask, the stride-0 dims, and the q/k/v
+values from the seed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ from conformance.strategies.shape_budget import (
     check_shape_budget,
     shape_pool,
 )
-from conformance.strategies.sizes import SizeBounds, draw_sizes, size_bounds
+from conformance.strategies.sizes import (
+    LENGTH_RELATIONS,
+    SizeBounds,
+    draw_sizes,
+    relation_possible,
+    size_bounds,
+)
 from conformance.strategies.values import layout_choices, sdpa_values, value_regimes
 from conformance.strategies.values import layouts as layout_strategies
 from conformance.strategies.values import scales as scale_strategies
@@ -56,6 +64,10 @@ class _SDPAPlan:
     scales: st.SearchStrategy[float | None]
     bounds: SizeBounds
     fully_masked: bool | None
+    #: Relations of L to S drawn per example (None: L and S drawn independently).
+    length_relations: list[str] | None = None
+    #: Whether half the lower-right causal cases get their dead rows from the flag alone.
+    causal_dead_rows: bool = False
     #: With a shape budget, the shapes every example's sizes come from.
     pool: ShapePool | None = None
 
@@ -121,8 +133,43 @@ def _budget_pool(plan: _SDPAPlan, budget: int, stride0: bool) -> ShapePool:
     """The plan's shapes under a budget: one for each length relation and batch minimum
     its examples can ask for."""
     relations = {_length_relation(plan, causal) for causal in plan.causal}
+    relations.update(plan.length_relations or ())
+    if plan.causal_dead_rows:
+        relations.add("L>S")
     batch_minima = [None, 2] if stride0 else [None]
-    return shape_pool(plan.bounds, budget, [(r, b) for r in relations for b in batch_minima])
+    return shape_pool(plan.bounds, budget, [(r, b) for r in sorted(relations, key=str) for b in batch_minima])
+
+
+def _length_relation_choices(length_relations: Any, fully_masked: bool | None,
+                             bounds: SizeBounds) -> list[str] | None:
+    """The checked ``length_relations`` argument, narrowed to what the size bounds allow."""
+    if length_relations is None:
+        return None
+    chosen = choices("length_relations", length_relations, LENGTH_RELATIONS, LENGTH_RELATIONS)
+    if fully_masked is not None:
+        raise fail("length_relations", length_relations, f"cannot be combined with "
+                   f"fully_masked={fully_masked} (which fixes L against S for lower-right "
+                   "cases)", "pass fully_masked=None")
+    possible = [r for r in chosen if relation_possible(r, bounds)]
+    if not possible:
+        raise fail("length_relations", length_relations, f"leaves no (L, S): L in "
+                   f"[{bounds.min_L}, {bounds.max_L}], S in [{bounds.min_S}, {bounds.max_S}]",
+                   "widen the length bounds or allow another relation")
+    return possible
+
+
+def _causal_dead_rows_possible(causal_dead_rows: Any, fully_masked: bool | None,
+                               kinds: list[str], causal: list[str | None],
+                               bounds: SizeBounds) -> bool:
+    """The checked ``causal_dead_rows`` argument: can a flag alone empty rows here?"""
+    check_bool_or_none("causal_dead_rows", causal_dead_rows)
+    if not causal_dead_rows:
+        return False
+    if fully_masked is not True:
+        raise fail("causal_dead_rows", causal_dead_rows, f"only means something with "
+                   f"fully_masked=True (got fully_masked={fully_masked})",
+                   "pass fully_masked=True or drop causal_dead_rows")
+    return "none" in kinds and "lower_right" in causal and bounds.max_L > bounds.min_S
 
 
 def _draw_stride0_axes(draw: st.DrawFn, layout: str, sizes: dict[str, int]) -> tuple[list[int], list[str]]:
@@ -141,11 +188,16 @@ def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
     regime = draw(plan.regimes)
     scale = draw(plan.scales)
     causal = draw(st.sampled_from(plan.causal))
+    mask_kinds, relation = plan.mask_kinds, _length_relation(plan, causal)
+    if plan.causal_dead_rows and causal == "lower_right" and draw(st.booleans()):
+        # Rows emptied by the flag alone: no mask to fold it into, L > S.
+        mask_kinds, relation = ["none"], "L>S"
+    elif plan.length_relations is not None:
+        relation = draw(st.sampled_from(plan.length_relations))
     # Kernel bugs live at block boundaries: every case sees block-size neighbours
     # (15..17, 31..33, 63..65) about one time in seven, non-contiguous and
     # "ascending" cases about a quarter of the time.
     boundary_heavy = layout != "contiguous" or regime == "ascending"
-    relation = _length_relation(plan, causal)
     min_batch = 2 if layout == "stride0" else None
     if plan.pool is not None:
         sizes = plan.pool.draw(draw, (relation, min_batch))
@@ -153,7 +205,7 @@ def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
         sizes = draw_sizes(draw, plan.bounds, relation=relation, min_batch=min_batch,
                            block_weight=8 if boundary_heavy else 4)
     rng = draw_seed(draw)
-    mask = draw_mask(draw, rng, sizes, mask_kinds=plan.mask_kinds,
+    mask = draw_mask(draw, rng, sizes, mask_kinds=mask_kinds,
                      mask_patterns=plan.mask_patterns,
                      dtype=plan.dtype, causal=causal, fully_masked=plan.fully_masked)
     stride0_axes, stride0_notes = _draw_stride0_axes(draw, layout, sizes)
@@ -178,6 +230,8 @@ def sdpa_cases(
     layouts: Sequence[str] | None = ("contiguous",),
     scale_kinds: Sequence[str] | bool = True,
     fully_masked: bool | None = None,
+    causal_dead_rows: bool = False,
+    length_relations: Sequence[str] | None = None,
     min_batch: int = 1,
     max_batch: int = 3,
     min_heads: int = 1,
@@ -210,6 +264,18 @@ def sdpa_cases(
       (by the mask, or by a lower-right causal flag with L > S when no mask is
       allowed), False forbids such rows (a lower-right causal case then has
       L <= S), None allows them (and sometimes builds one);
+    * ``causal_dead_rows`` (with ``fully_masked=True``): half the lower-right causal
+      cases get their blocked rows from the flag alone (no mask, L > S, so the first
+      L - S rows see no key) even when masks are allowed; without it the runner
+      folds causality into the forced mask and such rows never reach ``is_causal``.
+      Ignored where ``causal`` holds no ``"lower_right"``, no mask is not allowed,
+      or L > S is impossible;
+    * ``length_relations`` ⊆ :data:`LENGTH_RELATIONS` (``"L=S"``, ``"L=1<S"``,
+      ``"1<L<S"``, ``"L>S"``): each example first draws one relation, uniformly
+      (shrinking toward the first), then L and S inside it, so a single query
+      against several keys and more queries than keys each come a quarter of the
+      time; relations the size bounds rule out are dropped. None (default): L and S
+      are drawn independently. Needs ``fully_masked=None``;
     * size bounds ``min_/max_batch``, ``min_/max_heads``, ``min_/max_L``,
       ``min_/max_S``, ``min_/max_head_dim`` (defaults from ``caps``; tiny typical
       sizes, see :func:`sdpa_shapes`);
@@ -240,11 +306,15 @@ def sdpa_cases(
     if "stride0" in layout_options and bounds.max_batch < 2:
         raise fail("max_batch", max_batch, "leaves no batch dim to expand for layout 'stride0'",
                    "pass max_batch>=2 or drop 'stride0' from layouts")
+    relations = _length_relation_choices(length_relations, fully_masked, bounds)
+    flag_dead_rows = _causal_dead_rows_possible(causal_dead_rows, fully_masked, kinds,
+                                                causal_options, bounds)
     kinds, causal_options = _meet_fully_masked(fully_masked, kinds, causal_options, bounds)
     plan = _SDPAPlan(dtype=dtype, device=device, mask_kinds=kinds, mask_patterns=patterns,
                      causal=causal_options, regimes=regime_strategy,
                      layouts=layout_strategies(layouts=layout_options, caps=caps),
-                     scales=scale_strategy, bounds=bounds, fully_masked=fully_masked)
+                     scales=scale_strategy, bounds=bounds, fully_masked=fully_masked,
+                     length_relations=relations, causal_dead_rows=flag_dead_rows)
     if budget is not None:
         plan = dataclasses.replace(plan, pool=_budget_pool(plan, budget, "stride0" in layout_options))
     return named_strategy(sdpa_cases, arguments, lambda draw: _draw_sdpa_case(draw, plan))

@@ -24,7 +24,7 @@ from conformance.strategies._validation import (
 )
 from implementations.base import ALL_DTYPES, Capabilities
 
-__all__ = ["BLOCK_LENGTHS", "SeededDraw", "dtypes", "head_configs", "sdpa_shapes"]
+__all__ = ["BLOCK_LENGTHS", "LENGTH_RELATIONS", "SeededDraw", "dtypes", "head_configs", "sdpa_shapes"]
 
 #: Lengths around kernel block sizes: ≡ -1, 0, 1 mod 16, 32 and 64.
 BLOCK_LENGTHS = (15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65)
@@ -255,10 +255,31 @@ def size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
                       min_S, max_S, lo_dim, hi_dim, different_v_dim)
 
 
+#: How the query length L may relate to the key length S, simplest first
+#: (``sdpa_cases(length_relations=...)``).
+LENGTH_RELATIONS = ("L=S", "L=1<S", "1<L<S", "L>S")
+
+
+def relation_possible(relation: str, b: SizeBounds) -> bool:
+    """Whether the length bounds leave an (L, S) pair in ``relation``."""
+    if relation == "L=S":
+        return max(b.min_L, b.min_S) <= min(b.max_L, b.max_S)
+    if relation == "L=1<S":
+        return b.min_L == 1 and b.max_S >= 2
+    if relation == "1<L<S":
+        return max(b.min_L, 2) <= min(b.max_L, b.max_S - 1)
+    if relation == "L>S":
+        return b.max_L > b.min_S
+    if relation == "L<=S":
+        return b.min_L <= b.max_S
+    raise ValueError(f"relation={relation!r}")
+
+
 def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
                min_batch: int | None = None, block_weight: int = 2) -> dict[str, int]:
-    """Sizes B, N, K, L, S, E, Ev; ``relation`` "L>S" or "L<=S" constrains the lengths;
-    ``block_weight`` is how often each block-size neighbour comes vs 20 for each small length."""
+    """Sizes B, N, K, L, S, E, Ev; ``relation`` (one of :data:`LENGTH_RELATIONS`, or
+    "L<=S") constrains the lengths; ``block_weight`` is how often each block-size
+    neighbour comes vs 20 for each small length."""
     length = functools.partial(_draw_length, block_weight=block_weight)
     B = _integer(draw, max(b.min_batch, min_batch or 1), b.max_batch)
     N, K = draw_heads(draw, b.min_heads, b.max_heads, b.gqa)
@@ -268,6 +289,14 @@ def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
     elif relation == "L<=S":
         L = length(draw, b.min_L, min(b.max_L, b.max_S))
         S = length(draw, max(b.min_S, L), b.max_S)
+    elif relation == "L=S":
+        L = S = length(draw, max(b.min_L, b.min_S), min(b.max_L, b.max_S))
+    elif relation == "L=1<S":
+        L = 1
+        S = length(draw, max(b.min_S, 2), b.max_S)
+    elif relation == "1<L<S":
+        L = length(draw, max(b.min_L, 2), min(b.max_L, b.max_S - 1))
+        S = length(draw, max(b.min_S, L + 1), b.max_S)
     else:
         L = length(draw, b.min_L, b.max_L)
         S = length(draw, b.min_S, b.max_S)

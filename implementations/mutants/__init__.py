@@ -11,18 +11,30 @@ manual-backward SDPA, tiled online-softmax SDPA, hand-written MHA), each overrid
 one step; their capabilities are honest about everything except their bug. The bases
 themselves are importable as implementations from :mod:`.controls` and must pass the
 suite; :mod:`.cases` turns a record's ``smallest_case`` into a concrete call.
+
+Modules: :mod:`.sdpa_mutants`, :mod:`.tiled_mutants`, :mod:`.mha_mutants`,
+:mod:`.triton_mutants` (the known-bug classes and classic mistakes);
+:mod:`.property_mutants` (one mutant for each property no other mutant names, so
+every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
+modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
+(bugs that live at one (L, S) size).
 """
 
 from __future__ import annotations
 
 from implementations.mutants.mha_mutants import MHA_MUTANTS
+from implementations.mutants.property_mutants import PROPERTY_MUTANTS
+from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
 from implementations.mutants.record import Mutant
 from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
+from implementations.mutants.size_mutants import SIZE_MUTANTS
 from implementations.mutants.tiled_mutants import TILED_MUTANTS
 from implementations.mutants.triton_mutants import TRITON_MUTANTS
 
 __all__ = ["MUTANTS", "Mutant"]
 
 MUTANTS: dict[str, Mutant] = {
-    m.name: m for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS)
+    m.name: m
+    for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS)
 }

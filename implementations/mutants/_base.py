@@ -9,6 +9,8 @@ enable_gqa=False)`` (bool mask **True = may attend**, float mask **added**):
   hand-written backward, output stored in FlashAttention's (B, L, N, Ev) layout.
 * :class:`TiledSDPA` — a pure-torch FlashAttention-style kernel: online softmax over
   key blocks of :data:`BLOCK` keys, running max, rescaled accumulator.
+* :class:`LowerRightSDPA` — :class:`NaiveSDPA` whose ``is_causal`` means
+  FlashAttention's lower-right triangle (declared in :data:`LOWER_RIGHT_CAPABILITIES`).
 
 One MHA-level base, :class:`HandwrittenMHA`, a drop-in for ``nn.MultiheadAttention``
 (same constructor, parameter names and forward; its bool masks are **True = blocked**),
@@ -37,6 +39,7 @@ __all__ = [
     "BLOCK",
     "AttentionInputError",
     "HandwrittenMHA",
+    "LowerRightSDPA",
     "ManualBackwardSDPA",
     "NaiveSDPA",
     "TiledSDPA",
@@ -46,6 +49,7 @@ __all__ = [
     "read_as_contiguous",
     "safe_softmax",
     "sdpa_implementation",
+    "LOWER_RIGHT_CAPABILITIES",
     "MHA_CAPABILITIES",
     "SDPA_CAPABILITIES",
 ]
@@ -61,6 +65,8 @@ SDPA_CAPABILITIES = Capabilities(
     fully_masked="zero",
     dropout=True,
 )
+#: LowerRightSDPA: the same claims, with is_causal meaning the lower-right triangle.
+LOWER_RIGHT_CAPABILITIES = SDPA_CAPABILITIES.replace(causal="lower_right")
 #: HandwrittenMHA computes in its parameters' dtype; 16-bit MHA is not claimed.
 MHA_CAPABILITIES = Capabilities(
     devices=("cpu",),
@@ -250,6 +256,15 @@ class NaiveSDPA:
         if dropout_p == 0.0:
             return weights
         return F.dropout(weights, p=dropout_p, training=True)
+
+
+class LowerRightSDPA(NaiveSDPA):
+    """Correct SDPA whose ``is_causal`` is FlashAttention's lower-right triangle:
+    query i sees keys j <= i + S - L, so for L > S the first L - S rows see no key
+    (output 0, the declared fully-masked policy)."""
+
+    def causal_attend(self, L: int, S: int, device):
+        return torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
 
 
 class _ManualAttention(torch.autograd.Function):

@@ -28,11 +28,18 @@ class SDPACall:
     key: torch.Tensor
     value: torch.Tensor
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Call twice on the same tensors and return the second result.
+    repeat: bool = False
+    #: The alignment ``is_causal=True`` stands for ("upper_left" / "lower_right"), or None.
+    causal: str | None = None
 
     def run(self, sdpa, *, requires_grad: bool = False):
         q, k, v = self.query, self.key, self.value
         if requires_grad:
             q, k, v = (_leaf_like(t) for t in (q, k, v))
+        elif self.repeat:
+            q, k, v = (t.clone(memory_format=torch.preserve_format) for t in (q, k, v))
+            sdpa(q, k, v, **self.kwargs)
         return sdpa(q, k, v, **self.kwargs), (q, k, v)
 
 
@@ -81,12 +88,14 @@ def _sdpa_mask(case: dict, g: torch.Generator, dtype: torch.dtype):
         return torch.full((L, S), float("-inf"), dtype=dtype)
     if kind == "oversized":
         return torch.ones(L, S + 1, dtype=torch.bool)
+    if kind == "causal":
+        return torch.ones(L, S, dtype=torch.bool).tril()
     if kind == "additive":
         bias = torch.randn(L, S, generator=g, dtype=torch.float64)
         bias = bias + 0.25 * torch.sign(bias)  # no exact zeros: a bool reading shows
         return bias.to(dtype)
     raise ValueError(f"mask={kind!r}: use block_last, all_blocked, "
-                     "additive_all_blocked, oversized or additive")
+                     "additive_all_blocked, oversized, causal or additive")
 
 
 def _layout(t: torch.Tensor, layout: str | None) -> torch.Tensor:
@@ -110,7 +119,8 @@ def sdpa_call(case: dict, seed: int = 0) -> SDPACall:
     else:
         q, k, v = (_layout(t.to(dtype), case.get("layout")) for t in (q, k, v))
     kwargs: dict[str, Any] = {"attn_mask": mask}
-    if case.get("causal"):
+    causal = _causal_alignment(case)
+    if causal:
         kwargs["is_causal"] = True
     if case.get("scale") is not None:
         kwargs["scale"] = case["scale"]
@@ -118,7 +128,19 @@ def sdpa_call(case: dict, seed: int = 0) -> SDPACall:
         kwargs["dropout_p"] = case["dropout_p"]
     if case["N"] != case["K"]:
         kwargs["enable_gqa"] = True
-    return SDPACall(q, k, v, kwargs)
+    return SDPACall(q, k, v, kwargs, repeat=bool(case.get("repeat")), causal=causal)
+
+
+def _causal_alignment(case: dict) -> str | None:
+    """``causal``: True (upper-left, PyTorch's is_causal) or an alignment name."""
+    causal = case.get("causal")
+    if causal is True:
+        return "upper_left"
+    if causal in (None, False):
+        return None
+    if causal not in ("upper_left", "lower_right"):
+        raise ValueError(f"causal={causal!r}: use True, 'upper_left' or 'lower_right'")
+    return causal
 
 
 @dataclass
@@ -133,12 +155,14 @@ class MHACall:
     kwargs: dict[str, Any]
     training: bool = False
 
-    def run(self, factory, load_weights):
+    def run(self, factory, load_weights, *, inputs: tuple | None = None):
+        """The module's (output, weights); ``inputs`` replaces (query, key, value)."""
         D, N = self.params.embed_dim, self.params.num_heads
         module = factory(D, N, dtype=torch.float64, **self.options)
         load_weights(module, self.params)
         module.train(self.training)
-        return module(self.query, self.key, self.value, **self.kwargs)
+        query, key, value = inputs if inputs is not None else (self.query, self.key, self.value)
+        return module(query, key, value, **self.kwargs)
 
 
 def _mha_mask(kind: str | None, shape: tuple[int, int], g: torch.Generator):
@@ -166,7 +190,8 @@ def _mha_mask(kind: str | None, shape: tuple[int, int], g: torch.Generator):
 
 
 def mha_call(case: dict, seed: int = 0) -> MHACall:
-    """The MHA call a record's case describes (float64, sequence-first inputs)."""
+    """The MHA call a record's case describes (float64, sequence-first inputs, or
+    (L, D) with ``unbatched``)."""
     g = torch.Generator().manual_seed(seed)
     B, N, L, S, E = (case[d] for d in ("B", "N", "L", "S", "E"))
     D = N * E
@@ -181,9 +206,18 @@ def mha_call(case: dict, seed: int = 0) -> MHACall:
         out_proj_weight=randn(D, D, scale=0.7).numpy(), out_proj_bias=randn(D).numpy(),
         bias_k=None, bias_v=None,
     )
-    query, key, value = randn(L, B, D), randn(S, B, D), randn(S, B, D)
+    unbatched = bool(case.get("unbatched"))
+    if unbatched and B != 1:
+        raise ValueError(f"unbatched=True needs B=1, got B={B}")
+    if unbatched:
+        query, key, value = randn(L, D), randn(S, D), randn(S, D)
+    else:
+        query, key, value = randn(L, B, D), randn(S, B, D), randn(S, B, D)
+    padding = _mha_mask(case.get("key_padding_mask"), (B, S), g)
+    if unbatched and padding is not None:
+        padding = padding[0]                                                    # (S,)
     kwargs: dict[str, Any] = {
-        "key_padding_mask": _mha_mask(case.get("key_padding_mask"), (B, S), g),
+        "key_padding_mask": padding,
         "attn_mask": _mha_mask(case.get("attn_mask"), (L, S), g),
         "need_weights": case.get("need_weights", True),
         "average_attn_weights": case.get("average_attn_weights", True),
@@ -202,7 +236,7 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
         mask = case.get("mask")
         attrs["mask_kind"] = "additive" if mask and mask.startswith("additive") else (
             "bool" if mask else "none")
-        attrs["causal"] = "upper_left" if case.get("causal") else None
+        attrs["causal"] = _causal_alignment(case)
         attrs["scale"] = case.get("scale")
         attrs["dropout_p"] = case.get("dropout_p", 0.0)
         attrs["grad"] = bool(case.get("grad"))
@@ -218,5 +252,7 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
             features.add("average_weights")
         if case.get("dropout"):
             features.add("dropout")
+        if case.get("unbatched"):
+            features.add("unbatched")
         attrs["mha_features"] = features
     return attrs

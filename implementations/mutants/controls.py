@@ -9,7 +9,9 @@ from __future__ import annotations
 from implementations.mutants._base import (
     MHA_CAPABILITIES,
     SDPA_CAPABILITIES,
+    LOWER_RIGHT_CAPABILITIES,
     HandwrittenMHA,
+    LowerRightSDPA,
     ManualBackwardSDPA,
     NaiveSDPA,
     TiledSDPA,
@@ -17,10 +19,13 @@ from implementations.mutants._base import (
     sdpa_implementation,
 )
 
-__all__ = ["CONTROLS", "naive", "manual_backward", "tiled", "mha"]
+__all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha"]
 
 naive = sdpa_implementation("control:naive", NaiveSDPA(), SDPA_CAPABILITIES,
                             "correct straight-line SDPA (base of the SDPA mutants)")
+lower_right = sdpa_implementation("control:lower_right", LowerRightSDPA(), LOWER_RIGHT_CAPABILITIES,
+                                  "correct SDPA with a lower-right causal flag (base of the "
+                                  "lower-right mutants)")
 manual_backward = sdpa_implementation("control:manual_backward", ManualBackwardSDPA(),
                                       SDPA_CAPABILITIES.replace(dropout=False),
                                       "correct SDPA with a hand-written backward")
@@ -29,4 +34,4 @@ tiled = sdpa_implementation("control:tiled", TiledSDPA(), SDPA_CAPABILITIES.repl
 mha = mha_implementation("control:mha", HandwrittenMHA, MHA_CAPABILITIES,
                          "correct hand-written nn.MultiheadAttention drop-in (base of the MHA mutants)")
 
-CONTROLS = {"naive": naive, "manual_backward": manual_backward, "tiled": tiled, "mha": mha}
+CONTROLS = {"naive": naive, "lower_right": lower_right, "manual_backward": manual_backward, "tiled": tiled, "mha": mha}

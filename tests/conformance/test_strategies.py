@@ -4,6 +4,8 @@ raise at once; examples shrink to tiny cases."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
@@ -162,6 +164,12 @@ SDPA_FORCING = [
      lambda c: c.L <= c.S and not c.fully_masked_rows().any()),
     (dict(fully_masked=True, causal=("upper_left",), mask_kinds=("additive",)),
      lambda c: c.fully_masked_rows().any() and np.isneginf(c.additive_mask).any()),
+    (dict(length_relations=("L=1<S",)), lambda c: c.L == 1 < c.S),
+    (dict(length_relations=("L>S",), causal=("upper_left",)), lambda c: c.L > c.S),
+    (dict(length_relations=("L=S",)), lambda c: c.L == c.S),
+    (dict(length_relations=("1<L<S",), max_S=3), lambda c: c.L == 2 and c.S == 3),
+    (dict(fully_masked=True, causal_dead_rows=True, causal=("lower_right",)),
+     lambda c: c.fully_masked_rows().any() and (c.mask_kind != "none" or c.L > c.S)),
     (dict(regimes=("large_logits",)), lambda c: c.regime == "large_logits"),
     (dict(regimes=("tiny",)), lambda c: np.abs(c.query).max() < 0.1),
     (dict(layouts=("stride0",)), lambda c: c.layout == "stride0" and c.B >= 2
@@ -389,6 +397,12 @@ INVALID = [
     (lambda: cs.sdpa_cases(dtype="float32", fully_masked=False, causal=("lower_right",),
                            min_L=5, max_S=4), "fully_masked=False"),
     (lambda: cs.sdpa_cases(dtype="float32", layouts=("stride0",), max_batch=1), "max_batch=1"),
+    (lambda: cs.sdpa_cases(dtype="float32", length_relations=("L>S",), max_L=1),
+     "length_relations=('L>S',)"),
+    (lambda: cs.sdpa_cases(dtype="float32", length_relations=("L=2S",)), "length_relations="),
+    (lambda: cs.sdpa_cases(dtype="float32", length_relations=("L=S",), fully_masked=True),
+     "length_relations="),
+    (lambda: cs.sdpa_cases(dtype="float32", causal_dead_rows=True), "causal_dead_rows=True"),
     (lambda: cs.sdpa_cases(dtype="float32", regimes=("huge",)), "regimes=('huge',)"),
     (lambda: cs.sdpa_cases(dtype="float32", regimes=()), "regimes=()"),
     (lambda: cs.sdpa_cases(dtype="float32", gqa=True, max_heads=1), "max_heads=1"),
@@ -444,6 +458,45 @@ def test_fully_masked_shrinks_to_a_tiny_case() -> None:
     assert (case.B, case.N, case.K, case.E, case.Ev) == (1, 1, 1, 1, 1)
     assert case.L + case.S <= 3
     assert case.regime == "normal" and case.layout == "contiguous" and case.scale is None
+
+
+def test_length_relations_reach_each_relation() -> None:
+    """Every relation, a single query against several keys included, is drawn
+    about a quarter of the time (what causal_flag_equivalence relies on)."""
+    seen = collections.Counter()
+
+    @settings(database=None, max_examples=200, derandomize=True)
+    @given(cs.sdpa_cases(dtype="float32", mask_kinds=("none",), causal=("upper_left",),
+                         length_relations=cs.LENGTH_RELATIONS))
+    def draw(case: SDPACase) -> None:
+        seen["L=1<S" if case.L == 1 < case.S else "L=S" if case.L == case.S
+             else "1<L<S" if case.L < case.S else "L>S"] += 1
+
+    draw()
+    assert all(seen[r] >= 20 for r in cs.LENGTH_RELATIONS), seen
+
+
+def _flag_only_dead_rows(causal_dead_rows: bool) -> int:
+    """How many of 100 forced fully-masked cases have no mask (the flag empties the rows)."""
+    drawn = []
+
+    @settings(database=None, max_examples=100, derandomize=True)
+    @given(cs.sdpa_cases(dtype="float32", fully_masked=True, causal_dead_rows=causal_dead_rows,
+                         causal=("lower_right",)))
+    def draw(case: SDPACase) -> None:
+        assert case.fully_masked_rows().any()
+        drawn.append(case.mask_kind == "none")
+
+    draw()
+    return sum(drawn)
+
+
+def test_causal_dead_rows_reach_the_flag() -> None:
+    """With masks allowed, fully_masked=True and causal_dead_rows=True still draw rows
+    that only the lower-right flag empties (no mask, L > S); without the option they
+    only come from masks."""
+    assert _flag_only_dead_rows(True) >= 20
+    assert _flag_only_dead_rows(False) == 0
 
 
 def test_mha_shrinks_to_a_tiny_case() -> None:
