@@ -13,7 +13,7 @@ import numpy as np
 from conformance import tolerance
 from conformance.cases import MHACase
 from conformance.compare import assert_contract, compare_values, fail
-from conformance.helpers import mha_cases_for, skip_unless
+from conformance.helpers import mha_cases_for, mha_directed_for, skip_unless
 from conformance.mha_calls import (
     attended_magnitude,
     build,
@@ -34,6 +34,7 @@ from conformance.tensors import dtype_of, mha_inputs, to_numpy
 @conformance_property(
     "mha_agreement", level="mha", section="spec.mha_forward",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_agreement(target: Target, case: MHACase) -> float:
     """The module's output (and weights, when asked for) equal spec.mha_forward
@@ -46,6 +47,7 @@ def test_mha_agreement(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_fully_masked_rows", level="mha", section="spec.mha_forward (fully_masked)",
     cases=lambda t: mha_cases_for(t, fully_masked=True),
+    directed=lambda t: mha_directed_for(t, fully_masked=True),
     requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
@@ -80,6 +82,7 @@ def _perturbed(case: MHACase, direction: dict[str, np.ndarray], h: float) -> MHA
 @conformance_property(
     "mha_gradients", level="mha", section="spec.mha_forward (derivative)",
     cases=lambda t: mha_cases_for(t, fully_masked=False),
+    directed=lambda t: mha_directed_for(t, fully_masked=False),
     requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (finite differences)"),
     examples_factor=0.5,
@@ -125,6 +128,7 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_need_weights_equivalence", level="mha", section="spec.mha_forward (need_weights)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
     requires=lambda t: skip_unless(has_feature(t, "need_weights"), "need_weights not declared"),
 )
 def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
@@ -143,6 +147,7 @@ def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_averaged_weights", level="mha", section="spec.mha_forward (average_attn_weights)",
     cases=lambda t: mha_cases_for(t, need_weights=True),
+    directed=lambda t: mha_directed_for(t, need_weights=True),
     requires=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "average_weights"),
                                    "per-head weights not declared"),
 )
@@ -169,6 +174,7 @@ def test_mha_averaged_weights(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_eval_determinism", level="mha", section="spec.mha_forward (eval: no dropout)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
     """In eval mode a module built with dropout=0.5 ignores dropout: two calls
@@ -193,6 +199,8 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
     "mha_dropout_expectation", level="mha", section="spec.mha_forward (dropout keeps the expectation)",
     cases=lambda t: mha_cases_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                                   features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
+    directed=lambda t: mha_directed_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
+                                     features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     requires=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,
@@ -240,6 +248,7 @@ def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_causal_flag_equivalence", level="mha", section="spec.mha_forward (is_causal)",
     cases=lambda t: mha_cases_for(t, is_causal=True),
+    directed=lambda t: mha_directed_for(t, is_causal=True),
     requires=lambda t: skip_unless(has_feature(t, "is_causal") and has_feature(t, "attn_mask"),
                                    "is_causal (a hint that needs the causal attn_mask) not declared"),
 )
@@ -265,6 +274,7 @@ def _as_float(mask: np.ndarray | None) -> np.ndarray | None:
 @conformance_property(
     "mha_mask_conventions", level="mha", section="spec.masks (MHA convention: True = blocked)",
     cases=lambda t: mha_cases_for(t, mask_kinds=("bool",)),
+    directed=lambda t: mha_directed_for(t, mask_kinds=("bool",)),
     requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
@@ -285,6 +295,7 @@ def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_output_contract", level="mha", section="spec.mha_forward (output shapes, input dtype)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_output_contract(target: Target, case: MHACase) -> None:
     """Output (L, B, D) / (B, L, D) / (L, D) in the input dtype and device;
