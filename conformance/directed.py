@@ -401,8 +401,10 @@ class MHAExample:
     """One ``nn.MultiheadAttention`` bug class and its smallest case.
 
     ``features``: module options the example needs (``Capabilities.mha_features``
-    names, e.g. "zero_attn", "kdim_vdim", "unbatched"); ``mask``: "padding" (the
-    key_padding_mask blocks every key of batch item 0: a fully-masked row),
+    names, e.g. "zero_attn", "kdim_vdim", "unbatched"); ``mask``: "head_row" (a
+    bool (B*N, L, S) attn_mask blocking every key of row 0 in head 0 only: a
+    fully-masked row whose NaN, if any, can leak through the output projection;
+    key padding of batch item 0 where attn_mask is taken by the causal mask),
     "per_head" (a float (B*N, L, S) attn_mask), or None; ``is_causal`` /
     ``need_weights`` / ``average_attn_weights``: required values, or None
     (incidental: what the property allows, simplest first). Cross-attention
@@ -427,8 +429,7 @@ class MHAExample:
 
 #: The MHA bug classes, smallest case each, most common first.
 MHA_EXAMPLES: tuple[MHAExample, ...] = (
-    MHAExample("a fully-masked row (key padding blocks every key of one item)", L=2, S=2, B=2,
-               features=frozenset({"key_padding_mask"}), mask="padding"),
+    MHAExample("a query row fully masked in one head only", L=2, S=2, B=2, mask="head_row"),
     MHAExample("is_causal with its causal mask, need_weights=False", L=3, S=3,
                features=frozenset({"attn_mask", "is_causal"}), is_causal=True, need_weights=False),
     MHAExample("is_causal with add_zero_attn, need_weights=False", L=3, S=3,
@@ -460,6 +461,7 @@ def _mha_options(target: Any, arguments: dict[str, Any]) -> dict[str, list[Any]]
 
     given = arguments.get("mask_kinds")
     return {
+        "features": sorted(features),
         "need_weights": flag("need_weights", "need_weights"),
         "average_attn_weights": flag("average_attn_weights", "average_weights", on_means_feature=False),
         "is_causal": flag("is_causal", "is_causal") if "attn_mask" in features else [False],
@@ -492,11 +494,14 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
         features |= {"attn_mask", "is_causal"}
     fully_masked = arguments.get("fully_masked")
     mask = example.mask
-    if fully_masked and mask != "padding":
-        mask = "padding"
-        features.add("key_padding_mask")
-    if mask == "padding" and fully_masked is False:
-        return None
+    if fully_masked and mask != "head_row":
+        mask = "head_row"
+    if mask == "head_row" and (flags["is_causal"] or "attn_mask" not in options["features"]):
+        mask = "padding"  # attn_mask is the causal mask (or absent): a dead row from key padding
+    if mask in ("head_row", "padding"):
+        if fully_masked is False:
+            return None
+        features.add("attn_mask" if mask == "head_row" else "key_padding_mask")
     kind = _pick(["bool", "float"], options["mask_kinds"])
     if kind is None or mask == "per_head" and "float" not in options["mask_kinds"]:
         return None
@@ -533,6 +538,13 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     if flags["is_causal"]:
         causal = np.triu(np.ones((L, S), dtype=bool), k=1)                  # upper-left, True = blocked
         attn_mask = causal if kind == "bool" else np.where(causal, -np.inf, 0.0)
+    elif mask == "head_row":
+        blocked = np.zeros((B * example.N, L, S), dtype=bool)
+        blocked[0, 0] = True                                                # item 0, head 0, row 0
+        attn_mask = blocked if kind == "bool" else np.where(blocked, -np.inf, 0.0)
+        notes.append("fully_masked:forced")
+        if unbatched:
+            attn_mask = attn_mask.reshape(example.N, L, S)
     elif mask == "per_head":
         bias = round_to(rng.standard_normal((B * example.N, L, S)), target.dtype)
         attn_mask = np.where(np.eye(L, S, dtype=bool)[None], bias, -np.inf)   # the diagonal attended
