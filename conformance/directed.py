@@ -112,7 +112,7 @@ SDPA_EXAMPLES: tuple[SDPAExample, ...] = (
     SDPAExample("a fully-masked query row", L=2, S=3, dead_row=True, regime="constant_rows"),
     SDPAExample("one key block + 1 (S=17)", L=2, S=17, regime="ascending"),
     SDPAExample("two key blocks + 1 (S=33), Ev != E", L=2, S=33, Ev=2, regime="large_logits"),
-    SDPAExample("scale = 0 (with the causal flag where allowed)", L=2, S=3, scale=0.0, causal=PREFERRED),
+    SDPAExample("scale = 0 (read as 'no scale given' by `scale or default`)", L=1, S=2, scale=0.0),
     SDPAExample("negative scale (with the causal flag where allowed)", L=2, S=3, scale=-0.5,
                 causal=PREFERRED),
     # Logits near 1e9 (the wide_range regime at its edge) with a scale that is not a

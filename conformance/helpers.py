@@ -30,8 +30,12 @@ __all__ = [
 
 
 def cases_for(target: Target, **kwargs: Any) -> Any:
-    """``sdpa_cases`` restricted to what ``target`` declares."""
-    return sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    """``sdpa_cases`` restricted to what ``target`` declares; the strategy keeps
+    ``kwargs`` as ``case_arguments`` (what it can produce is then known without
+    drawing: ``directed.producible_regimes``)."""
+    strategy = sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    strategy.case_arguments = dict(kwargs)
+    return strategy
 
 
 def directed_for(target: Target, **kwargs: Any) -> list[SDPACase]:
