@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 #: Most directed cases a property runs per target (regime and layout coverage first).
-MAX_DIRECTED = 10
+MAX_DIRECTED = 9
 
 #: A case attribute an example needs ("required"), would like ("preferred") or
 #: does without unless the property forces it ("incidental").
@@ -117,11 +117,9 @@ SDPA_EXAMPLES: tuple[SDPAExample, ...] = (
                 causal=PREFERRED),
     # Logits near 1e9 (the wide_range regime at its edge) with a scale that is not a
     # power of two: a backward that recomputes the softmax from a saved logsumexp is
-    # off by exp(rounding error of a logit). Several heads: several draws of values.
-    SDPAExample("logits near 1e9, one query and one key per head (L=S=1, E=2, 8 heads)",
-                L=1, S=1, E=2, N=8, K=8, regime="wide_range"),
-    SDPAExample("logits near 1e9, a few queries and keys (L=4, S=12, E=2, 4 heads)",
-                L=4, S=12, E=2, N=4, K=4, regime="wide_range"),
+    # off by exp(rounding error of a logit). Four heads: four draws of values.
+    SDPAExample("logits near 1e9 (L=4, S=12, E=2, 4 heads)", L=4, S=12, E=2, N=4, K=4,
+                regime="wide_range"),
     SDPAExample("stride-0 key/value (expanded along the batch)", L=2, S=3, B=2, layout="stride0"),
     SDPAExample("transposed q/k/v (non-contiguous heads)", L=3, S=3, N=2, K=2, layout="transposed"),
 )
