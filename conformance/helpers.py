@@ -1,5 +1,6 @@
-"""Small pieces the property tests share: drawing within a target's claims,
-probes, skip reasons, expected errors."""
+"""Small pieces the property tests share: drawing within a target's claims (and
+the directed examples that go with each strategy), probes, skip reasons,
+expected errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.cases import SDPACase
+from conformance import directed
+from conformance.cases import MHACase, SDPACase
 from conformance.compare import fail
 from conformance.runner import ImplementationRaised, Target, call_guarded
 from conformance.strategies import mha_cases, sdpa_cases
@@ -17,6 +19,8 @@ from conformance.strategies import mha_cases, sdpa_cases
 __all__ = [
     "cases_for",
     "mha_cases_for",
+    "directed_for",
+    "mha_directed_for",
     "case_rng",
     "identity_probe",
     "attend_matrix",
@@ -26,19 +30,42 @@ __all__ = [
 
 
 def cases_for(target: Target, **kwargs: Any) -> Any:
-    """``sdpa_cases`` restricted to what ``target`` declares."""
+    """``sdpa_cases`` restricted to what ``target`` declares; the strategy keeps
+    ``kwargs`` as ``case_arguments`` (what it can produce is then known without
+    drawing: ``directed.producible_regimes``)."""
     kwargs.setdefault("shape_budget", target.shape_budget)
-    return sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    strategy = sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    strategy.case_arguments = dict(kwargs)
+    return strategy
+
+
+def directed_for(target: Target, **kwargs: Any) -> list[SDPACase]:
+    """The directed SDPA examples of the property whose cases are
+    ``cases_for(target, **kwargs)`` (``conformance.directed``)."""
+    return directed.sdpa_directed(target, **kwargs)
+
+
+def _mha_arguments(target: Target, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``mha_cases`` within ``target``'s claims: self-attention only
+    without the ``cross_attention`` feature."""
+    if "cross_attention" not in target.caps.mha_features:
+        kwargs = dict(kwargs, self_attention=True)
+        features = set(kwargs.get("features", target.caps.mha_features))
+        kwargs["features"] = features - {"kdim_vdim"}
+    return kwargs
 
 
 def mha_cases_for(target: Target, **kwargs: Any) -> Any:
     """``mha_cases`` restricted to what ``target`` declares (self-attention only
     without the ``cross_attention`` feature)."""
-    if "cross_attention" not in target.caps.mha_features:
-        kwargs["self_attention"] = True
-        features = set(kwargs.get("features", target.caps.mha_features))
-        kwargs["features"] = features - {"kdim_vdim"}
-    return mha_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    return mha_cases(dtype=target.dtype, device=target.device, caps=target.caps,
+                     **_mha_arguments(target, kwargs))
+
+
+def mha_directed_for(target: Target, **kwargs: Any) -> list[MHACase]:
+    """The directed MHA examples of the property whose cases are
+    ``mha_cases_for(target, **kwargs)``."""
+    return directed.mha_directed(target, **_mha_arguments(target, kwargs))
 
 
 def case_rng(case: SDPACase, salt: str = "") -> np.random.Generator:

@@ -1,9 +1,10 @@
 """The harness every property runs in.
 
 A property is a function ``check(target, case) -> ratio | None`` plus a strategy
-factory ``cases(target)``. :func:`conformance_property` turns it into a pytest
-test parametrized over targets (level × dtype × device), which draws cases with
-Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
+factory ``cases(target)`` and, optionally, ``directed(target)``: a short list of
+explicit cases (``conformance.directed``) run first. :func:`conformance_property`
+turns it into a pytest test parametrized over targets (level × dtype × device),
+which runs the directed cases, then draws cases with Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
 known deviations (expected-failures files) as such without stopping the search
 for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
 and records everything for the certificate on the session
@@ -80,14 +81,17 @@ class Target:
 @dataclass(frozen=True)
 class PropertyInfo:
     """A registered property: its id, level ("sdpa" or "mha"), the spec section
-    it checks (``spec.<name> (...)``), its docstring and its share of the
-    profile's examples."""
+    it checks (``spec.<name> (...)``), its docstring, its share of the
+    profile's examples, and its case sources: ``cases(target)`` (the Hypothesis
+    strategy) and ``directed(target)`` (the explicit cases run first)."""
 
     id: str
     level: str
     section: str
     doc: str
     examples_factor: float
+    cases: Callable[[Target], Any] | None = field(default=None, compare=False, repr=False)
+    directed: Callable[[Target], list[Any]] | None = field(default=None, compare=False, repr=False)
 
 
 #: Every property, filled by :func:`conformance_property` as the
@@ -191,6 +195,7 @@ def conformance_property(
     cases: Callable[[Target], Any],
     requires: Callable[[Target], str | None] | None = None,
     examples_factor: float = 1.0,
+    directed: Callable[[Target], list[Any]] | None = None,
 ) -> Callable[[Callable[[Target, Any], float | None]], Callable[..., None]]:
     """Register ``check`` as property ``property_id`` and return its pytest test.
 
@@ -198,14 +203,17 @@ def conformance_property(
     ``requires(target)`` returns a skip reason when the target cannot have the
     property checked (e.g. no autograd declared, see ``helpers.skip_unless``);
     ``examples_factor`` scales the profile's ``max_examples``; ``cases(target)`` returns the
-    Hypothesis strategy of cases; ``check(target, case)`` raises
-    :class:`PropertyFailure` or returns the worst error ratio (None if the
-    property is exact or not ratio-based).
+    Hypothesis strategy of cases; ``directed(target)`` returns explicit cases
+    (already minimal) run in order before the search, through the same check,
+    expected failures and record (a failing one is reported as it is, unshrunk);
+    ``check(target, case)`` raises :class:`PropertyFailure` or returns the worst
+    error ratio (None if the property is exact or not ratio-based).
     """
 
     def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
         _PROPERTIES[property_id] = PropertyInfo(
-            property_id, level, section, (check.__doc__ or "").strip(), examples_factor
+            property_id, level, section, (check.__doc__ or "").strip(), examples_factor,
+            cases=cases, directed=directed,
         )
 
         def test(target: Target, conformance_session: Session) -> None:
@@ -266,6 +274,8 @@ def conformance_property(
                         pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
                     one_example(replay.case)
                 else:
+                    for case in directed(target) if directed is not None else ():
+                        one_example(case)
                     strategy = cases(target)
 
                     @_examples_setting(examples_factor)

@@ -13,7 +13,7 @@ import numpy as np
 from conformance import mha_bounds, tolerance
 from conformance.cases import MHACase
 from conformance.compare import assert_contract, compare_values, fail
-from conformance.helpers import mha_cases_for, skip_unless
+from conformance.helpers import mha_cases_for, mha_directed_for, skip_unless
 from conformance.mha_calls import (
     attended_magnitude,
     build,
@@ -33,6 +33,7 @@ from conformance.tensors import dtype_of, mha_inputs, to_numpy
 @conformance_property(
     "mha_agreement", level="mha", section="spec.mha_forward",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_agreement(target: Target, case: MHACase) -> float:
     """The module's output (and weights, when asked for) equal spec.mha_forward
@@ -45,6 +46,7 @@ def test_mha_agreement(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_fully_masked_rows", level="mha", section="spec.mha_forward (fully_masked)",
     cases=lambda t: mha_cases_for(t, fully_masked=True),
+    directed=lambda t: mha_directed_for(t, fully_masked=True),
     requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
@@ -79,6 +81,7 @@ def _perturbed(case: MHACase, direction: dict[str, np.ndarray], h: float) -> MHA
 @conformance_property(
     "mha_gradients", level="mha", section="spec.mha_forward (derivative)",
     cases=lambda t: mha_cases_for(t, fully_masked=False),
+    directed=lambda t: mha_directed_for(t, fully_masked=False),
     requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (finite differences)"),
     examples_factor=0.5,
@@ -124,6 +127,7 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_need_weights_equivalence", level="mha", section="spec.mha_forward (need_weights)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
     requires=lambda t: skip_unless(has_feature(t, "need_weights"), "need_weights not declared"),
 )
 def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
@@ -142,6 +146,7 @@ def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_averaged_weights", level="mha", section="spec.mha_forward (average_attn_weights)",
     cases=lambda t: mha_cases_for(t, need_weights=True),
+    directed=lambda t: mha_directed_for(t, need_weights=True),
     requires=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "average_weights"),
                                    "per-head weights not declared"),
 )
@@ -167,6 +172,7 @@ def test_mha_averaged_weights(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_eval_determinism", level="mha", section="spec.mha_forward (eval: no dropout)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
     """In eval mode a module built with dropout=0.5 ignores dropout: two calls
@@ -191,6 +197,8 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
     "mha_dropout_expectation", level="mha", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: mha_cases_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                                   features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
+    directed=lambda t: mha_directed_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
+                                     features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     requires=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,
@@ -237,6 +245,7 @@ def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_causal_flag_equivalence", level="mha", section="spec.mha_forward (is_causal)",
     cases=lambda t: mha_cases_for(t, is_causal=True),
+    directed=lambda t: mha_directed_for(t, is_causal=True),
     requires=lambda t: skip_unless(has_feature(t, "is_causal") and has_feature(t, "attn_mask"),
                                    "is_causal (a hint that needs the causal attn_mask) not declared"),
 )
@@ -262,6 +271,7 @@ def _as_float(mask: np.ndarray | None) -> np.ndarray | None:
 @conformance_property(
     "mha_mask_conventions", level="mha", section="spec.masks (MHA convention: True = blocked)",
     cases=lambda t: mha_cases_for(t, mask_kinds=("bool",)),
+    directed=lambda t: mha_directed_for(t, mask_kinds=("bool",)),
     requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
@@ -282,6 +292,7 @@ def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
 @conformance_property(
     "mha_output_contract", level="mha", section="docs/DESIGN.md#output-contract (dtype, shapes)",
     cases=lambda t: mha_cases_for(t),
+    directed=lambda t: mha_directed_for(t),
 )
 def test_mha_output_contract(target: Target, case: MHACase) -> None:
     """Output (L, B, D) / (B, L, D) / (L, D) in the input dtype and device;

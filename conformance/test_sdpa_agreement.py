@@ -15,7 +15,7 @@ from conformance.calls import (
 )
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
-from conformance.helpers import case_rng, cases_for, expect_raise, skip_unless
+from conformance.helpers import case_rng, cases_for, directed_for, expect_raise, skip_unless
 from conformance.runner import Target, conformance_property
 from conformance.tensors import sdpa_inputs
 from spec.emulate import round_to
@@ -24,6 +24,7 @@ from spec.emulate import round_to
 @conformance_property(
     "forward_agreement", level="sdpa", section="spec.sdpa",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",)),
     examples_factor=2.0,
 )
 def test_forward_agreement(target: Target, case: SDPACase) -> float:
@@ -38,6 +39,7 @@ def test_forward_agreement(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "gradient_agreement", level="sdpa", section="spec.sdpa_vjp",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=False),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=False),
     requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )
@@ -50,6 +52,7 @@ def test_gradient_agreement(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
 )
 def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     """Rows whose keys are all blocked follow the declared policy (zero: output 0;
@@ -84,6 +87,7 @@ def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "output_contract", level="sdpa", section="docs/DESIGN.md#output-contract (dtype, device, shape)",
     cases=lambda t: cases_for(t),
+    directed=lambda t: directed_for(t),
 )
 def test_output_contract(target: Target, case: SDPACase) -> None:
     """The output is a tensor of shape (B, N, L, Ev) with the input dtype and
@@ -111,6 +115,7 @@ def test_output_contract(target: Target, case: SDPACase) -> None:
 @conformance_property(
     "invalid_inputs_raise", level="sdpa", section="spec.sdpa (invalid input)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,)),
     examples_factor=0.25,
 )
 def test_invalid_inputs_raise(target: Target, case: SDPACase) -> None:
@@ -134,6 +139,8 @@ def test_invalid_inputs_raise(target: Target, case: SDPACase) -> None:
     "large_logits", level="sdpa", section="docs/KNOWN_BUGS.md#8-fp16-overflow",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                               regimes=("normal",), fully_masked=False),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
+                                 regimes=("normal",), fully_masked=False),
     requires=lambda t: skip_unless(t.dtype == "float16", "only float16 has a range that q·kᵀ can "
                                    "overflow while the scaled logits stay representable")
     or skip_unless(t.caps.custom_scale, "needs an explicit scale"),

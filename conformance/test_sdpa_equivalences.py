@@ -16,7 +16,7 @@ from conformance.calls import (
 )
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
-from conformance.helpers import cases_for, skip_unless
+from conformance.helpers import cases_for, directed_for, skip_unless
 from conformance.runner import Target, conformance_property
 from spec.emulate import round_to
 
@@ -24,6 +24,7 @@ from spec.emulate import round_to
 @conformance_property(
     "bool_additive_equivalence", level="sdpa", section="spec.masks (to_additive)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
     requires=lambda t: skip_unless({"bool", "additive"} <= set(t.caps.mask_kinds),
                                    "needs both bool and additive masks"),
 )
@@ -44,6 +45,9 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",),
                               causal=(t.caps.causal,),
                               length_relations=("L=S", "L=1<S", "1<L<S", "L>S")),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",),
+                                 causal=(t.caps.causal,),
+                                 length_relations=("L=S", "L=1<S", "1<L<S", "L>S")),
     requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared"),
 )
 def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
@@ -69,6 +73,7 @@ def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "gqa_equivalence", level="sdpa", section="spec.sdpa (GQA, repeat_interleave)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), gqa=True),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), gqa=True),
     requires=lambda t: skip_unless(t.caps.gqa, "GQA not declared"),
 )
 def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
@@ -87,6 +92,7 @@ def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "layout_independence", level="sdpa", section="docs/DESIGN.md#memory-layout",
     cases=lambda t: cases_for(t, layouts=("transposed", "stride0", "poisoned")),
+    directed=lambda t: directed_for(t, layouts=("transposed", "stride0", "poisoned")),
     requires=lambda t: skip_unless(t.caps.non_contiguous, "only contiguous inputs declared"),
 )
 def test_layout_independence(target: Target, case: SDPACase) -> float:
@@ -107,6 +113,7 @@ DROPOUT_SAMPLES = 1024
 @conformance_property(
     "dropout_expectation", level="sdpa", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
     requires=lambda t: skip_unless(t.caps.dropout, "dropout not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,

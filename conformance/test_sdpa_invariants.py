@@ -19,6 +19,7 @@ from conformance.helpers import (
     attend_matrix,
     case_rng,
     cases_for,
+    directed_for,
     identity_probe,
     skip_unless,
 )
@@ -36,9 +37,14 @@ def _probe_cases(t: Target, **kw):
     return cases_for(t, layouts=("contiguous",), max_S=min(max_s, 64), **kw)
 
 
+def _probe_directed(t: Target, **kw):
+    max_s = t.caps.max_head_dim or 64
+    return directed_for(t, layouts=("contiguous",), max_S=min(max_s, 64), **kw)
+
+
 @conformance_property(
     "weights_are_distributions", level="sdpa", section="spec.sdpa (weights)",
-    cases=lambda t: _probe_cases(t), requires=_probe_ok,
+    cases=lambda t: _probe_cases(t), directed=lambda t: _probe_directed(t), requires=_probe_ok,
 )
 def test_weights_are_distributions(target: Target, case: SDPACase) -> float:
     """Weights (observed with V = identity) are non-negative and each row sums to 1."""
@@ -69,6 +75,8 @@ def _padded(case: SDPACase, rng: np.random.Generator, target: Target) -> SDPACas
     "masked_keys_ignored", level="sdpa", section="spec.masks (padding)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                               min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
+                                 min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
     requires=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared"),
 )
 def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
@@ -104,6 +112,7 @@ def _permute(mask: np.ndarray | None, axis: int, perm: np.ndarray) -> np.ndarray
 @conformance_property(
     "query_permutation", level="sdpa", section="spec.sdpa (rows are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), causal=(None,)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), causal=(None,)),
 )
 def test_query_permutation(target: Target, case: SDPACase) -> float:
     """Permuting the queries (and the mask's rows) permutes the output rows."""
@@ -123,6 +132,7 @@ def test_query_permutation(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "key_permutation", level="sdpa", section="spec.sdpa (keys form a set)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), causal=(None,)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), causal=(None,)),
 )
 def test_key_permutation(target: Target, case: SDPACase) -> float:
     """Permuting keys, values and the mask's columns together changes nothing."""
@@ -143,6 +153,7 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "shift_invariance", level="sdpa", section="spec.sdpa (softmax shift)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
 )
 def test_shift_invariance(target: Target, case: SDPACase) -> float:
     """Adding a vector to every key, or a constant to a row of an additive mask,
@@ -176,6 +187,7 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "temperature", level="sdpa", section="spec.sdpa (scale)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range")),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range")),
     requires=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
 )
 def test_temperature(target: Target, case: SDPACase) -> float:
@@ -193,6 +205,7 @@ def test_temperature(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "value_linearity", level="sdpa", section="spec.sdpa (linear in V)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",)),
 )
 def test_value_linearity(target: Target, case: SDPACase) -> float:
     """The output is linear in V: out(2V) = 2·out(V) and out(V1 + V2) = out(V1) + out(V2)."""
@@ -216,6 +229,7 @@ def test_value_linearity(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "convex_hull", level="sdpa", section="spec.sdpa (convex combination)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",)),
 )
 def test_convex_hull(target: Target, case: SDPACase) -> float:
     """Each output element lies between the smallest and largest value of the
@@ -254,6 +268,7 @@ def _stack(a: np.ndarray | None, b: np.ndarray | None, axis: int, full_ndim: int
 @conformance_property(
     "batch_independence", level="sdpa", section="spec.sdpa (batch items are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",)),
 )
 def test_batch_independence(target: Target, case: SDPACase) -> float:
     """Each batch item's output is what that item alone gives (with a second,
@@ -286,6 +301,7 @@ def test_batch_independence(target: Target, case: SDPACase) -> float:
 @conformance_property(
     "head_independence", level="sdpa", section="spec.sdpa (heads are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
+    directed=lambda t: directed_for(t, layouts=("contiguous",)),
 )
 def test_head_independence(target: Target, case: SDPACase) -> float:
     """Each head's output is what that head alone gives (with a second group of

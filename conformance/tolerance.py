@@ -51,6 +51,7 @@ __all__ = [
     "mha_bound",
     "mha_derivative_allowed",
     "logit_shift_allowed",
+    "constant_column_allowed",
     "DROPOUT_FALSE_ALARM",
     "hoeffding_halfwidth",
     "sdpa_dropout_allowed",
@@ -223,6 +224,23 @@ def logit_shift_allowed(delta_logit: np.ndarray, value_max: float) -> np.ndarray
     ``value_max`` = max |V|. Non-finite deltas (blocked keys) do not count."""
     worst = np.where(np.isfinite(delta_logit), np.abs(delta_logit), 0.0).max(-1, keepdims=True)
     return 2 * worst * value_max
+
+
+def constant_column_allowed(dtype: str, value: float, keys: int, *, tf32: bool = False) -> float:
+    """Allowed error of an output element whose value column is ``value`` for each of
+    ``keys`` keys (``small_sizes_sweep``): the exact output is ``value`` (a convex
+    combination of copies of it). A same-precision computation rounds each weight
+    (relative error <= u), so the weights sum to 1 ± u, plus the accumulation's
+    error (keys + 4)·u_acc (u_acc: float32's, float64's for float64); before its
+    final rounding the output is within that of ``value``, which for ``value`` in the
+    middle of its binade (1.5, say) rounds to ``value`` or a neighbour. So: one ulp
+    of ``value`` plus the accumulation term. Tighter than :func:`sdpa_allowed`, whose
+    floor (16 ulps of the magnitude) lets a bfloat16 output be 6% off: an output
+    scaled by 1.01 is two bfloat16 ulps away at 1.5."""
+    _, eps = tolerance_for(dtype, tf32=tf32)
+    accumulation = EPS["float64"] if dtype == "float64" else EPS["float32"]
+    value = abs(value)
+    return float(2 * eps * 2.0 ** np.floor(np.log2(value)) + (keys + 4) * accumulation * value)
 
 
 # -- statistical bounds ---------------------------------------------------------

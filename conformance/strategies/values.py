@@ -157,7 +157,7 @@ def _constant_rows(rng: np.random.Generator, query: np.ndarray, key: np.ndarray,
 
 
 def _regime_values(rng: np.random.Generator, sizes: dict[str, int], regime: str,
-                   dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   dtype: str, extreme: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     B, N, K, L, S, E, Ev = (sizes[d] for d in ("B", "N", "K", "L", "S", "E", "Ev"))
     query = rng.standard_normal((B, N, L, E))
     key = rng.standard_normal((B, K, S, E))
@@ -176,10 +176,15 @@ def _regime_values(rng: np.random.Generator, sizes: dict[str, int], regime: str,
         key = steps * direction + 0.1 * key
     elif regime == "wide_range":
         r = _WIDE_EXPONENT[dtype]
-        batch = 2.0 ** rng.integers(-r, r + 1, size=(B, 1, 1, 1))
-        query = query * batch * 2.0 ** rng.integers(-r, r + 1, size=(B, N, L, 1))
-        key = key * batch * 2.0 ** rng.integers(-r, r + 1, size=(B, K, S, 1))
-        value = value * batch * 2.0 ** rng.integers(-r, r + 1, size=(B, K, S, 1))
+
+        def exponents(shape: tuple[int, ...]) -> np.ndarray:
+            # extreme: the top of the range for every row and batch item (largest logits)
+            return np.full(shape, r) if extreme else rng.integers(-r, r + 1, size=shape)
+
+        batch = 2.0 ** exponents((B, 1, 1, 1))
+        query = query * batch * 2.0 ** exponents((B, N, L, 1))
+        key = key * batch * 2.0 ** exponents((B, K, S, 1))
+        value = value * batch * 2.0 ** exponents((B, K, S, 1))
     return query, key, value
 
 
@@ -211,11 +216,13 @@ def _keep_float16_dots_finite(query: np.ndarray, key: np.ndarray,
 
 
 def sdpa_values(rng: np.random.Generator, sizes: dict[str, int], regime: str, dtype: str,
-                scale: float | None, stride0_axes: Sequence[int]
+                scale: float | None, stride0_axes: Sequence[int], *, extreme: bool = False
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """query, key, value of ``regime``, exact in ``dtype``; key and value equal
-    along each of ``stride0_axes`` (handed over expanded with stride 0)."""
-    query, key, value = _regime_values(rng, sizes, regime, dtype)
+    along each of ``stride0_axes`` (handed over expanded with stride 0).
+    ``extreme``: the regime at the edge of its range ("wide_range": every row and
+    batch item at the largest power of two; the other regimes have no edge)."""
+    query, key, value = _regime_values(rng, sizes, regime, dtype, extreme)
     for axis in stride0_axes:
         key = np.broadcast_to(key.take([0], axis=axis), key.shape).copy()
         value = np.broadcast_to(value.take([0], axis=axis), value.shape).copy()

@@ -59,3 +59,39 @@ stale_entry = Implementation(
 raises_impl = Implementation(name="raises", capabilities=_caps, sdpa=raises)
 wrong_shape_impl = Implementation(name="wrong-shape", capabilities=_caps, sdpa=wrong_shape)
 hangs_impl = Implementation(name="hangs", capabilities=_caps, sdpa=hangs)
+
+
+def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def nan_at_one_size(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """Bug: NaN output only when L = 3 and S = 4 (a size-specific kernel path)."""
+    out = _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if query.shape[-2] == 3 and key.shape[-2] == 4:
+        out = out * float("nan")
+    return out
+
+
+def scaled_at_one_size(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+    """Bug: the output is 1% too large only when L = 7 and S = 13."""
+    out = _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if query.shape[-2] == 7 and key.shape[-2] == 13:
+        out = out * 1.01
+    return out
+
+
+_all_dtypes = Capabilities(dtypes=("float64", "float32", "float16", "bfloat16"))
+#: Bugs that live at one size: small_sizes_sweep must find them in every dtype.
+nan_at_one_size_impl = Implementation(name="nan-at-3-4", capabilities=_all_dtypes, sdpa=nan_at_one_size)
+scaled_at_one_size_impl = Implementation(name="scaled-at-7-13", capabilities=_all_dtypes,
+                                         sdpa=scaled_at_one_size)
+#: The same computation without the bugs: small_sizes_sweep passes it.
+math_impl = Implementation(name="math", capabilities=_all_dtypes, sdpa=_sdpa_math)

@@ -1,0 +1,167 @@
+"""Sweeps: properties that visit a fixed list of cases in order, without Hypothesis.
+
+Some bugs live at one size (a kernel's ragged-block path, a tile-count formula):
+a random search meets them by luck, an exhaustive loop over small sizes always.
+:func:`sweep_property` registers such a loop as a property beside the
+``conformance_property`` ones: the same registry, :class:`~conformance.runner.Record`
+and certificate cell (examples = sizes visited), expected failures, saved
+failing case with its reproducer, and ``--replay`` of that case.
+
+A sweep is ``run(target, sweep)``: it calls the implementation through
+``runner.call_guarded``, reports each visited size with :meth:`Sweep.visited`, asks
+:meth:`Sweep.out_of_time` before each, and on a failure raises the
+:class:`~conformance.compare.PropertyFailure` of the smallest failing case after
+:meth:`Sweep.failing` (which saves that case; a case an expected failure covers is
+counted by :meth:`Sweep.expected` and the sweep goes on). ``check(target, case)``
+re-checks one saved case (``--replay``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+
+from conformance.compare import PropertyFailure
+from conformance.runner import (
+    _PROPERTIES,  # the one property registry (runner.registered_properties)
+    PropertyInfo,
+    Record,
+    Target,
+    _target_skip_reasons,
+)
+from conformance.session import Session
+
+__all__ = ["Sweep", "sweep_property"]
+
+
+class Sweep:
+    """What one sweep test reports into: sizes visited, headroom, expected failures,
+    the failing case, and its time budget (``budget_s`` seconds per target)."""
+
+    def __init__(self, property_id: str, target: Target, record: Record, budget_s: float) -> None:
+        self.property_id = property_id
+        self.target = target
+        self.record = record
+        self.budget_s = budget_s
+        self.started = time.perf_counter()
+        self.entries = [e for e in target.impl.expected_failures
+                        if e.property in ("*", property_id)]
+        self.covered_passes = [0] * len(self.entries)
+        self.hits = [0] * len(self.entries)
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.started > self.budget_s
+
+    def visited(self, ratio: float | None, cases: tuple[Any, ...] = ()) -> None:
+        """One size done and passed, with worst error/allowed ``ratio``; ``cases``:
+        the cases it called (only needed when expected failures could cover them)."""
+        self.record.examples += 1
+        if ratio is not None and (self.record.worst_ratio is None or ratio > self.record.worst_ratio):
+            self.record.worst_ratio = float(ratio)
+        for case in cases if self.entries else ():
+            attrs = case.attrs()
+            for i, entry in enumerate(self.entries):
+                if entry.applies(self.property_id, attrs):
+                    self.covered_passes[i] += 1
+
+    def expected(self, case: Any) -> bool:
+        """Whether an expected failure covers the failing ``case`` (counted as a hit)."""
+        attrs = case.attrs()
+        for i, entry in enumerate(self.entries):
+            if entry.applies(self.property_id, attrs):
+                self.hits[i] += 1
+                self.record.xfail_hits += 1
+                self.record.xfail_reason = entry.reason + (
+                    f" ({entry.reference})" if entry.reference else "")
+                return True
+        return False
+
+    def failing(self, case: Any) -> None:
+        """``case`` is the failing case to save and report (call before raising)."""
+        self.record.failing_case = case
+        if self.record.first_failure_seconds is None:
+            self.record.first_failure_seconds = time.perf_counter() - self.started
+
+    def stale_entries(self) -> list[str]:
+        """Reasons of property-specific entries whose covered cases all passed."""
+        return [f"{e.reason} ({n} covered case(s) passed)"
+                for e, n, hit in zip(self.entries, self.covered_passes, self.hits, strict=True)
+                if n and not hit and e.property != "*"]
+
+
+def sweep_property(
+    property_id: str,
+    *,
+    level: str,
+    section: str,
+    check: Callable[[Target, Any], float | None],
+    budget_s: float,
+    requires: Callable[[Target], str | None] | None = None,
+) -> Callable[[Callable[[Target, Sweep], None]], Callable[..., None]]:
+    """Register ``run(target, sweep)`` as property ``property_id`` and return its pytest test.
+
+    ``section``, ``requires``: as for ``conformance_property``; ``check(target, case)``
+    re-checks one case (``--replay``); ``budget_s``: the seconds a sweep may spend per
+    target before it stops (the certificate records how many sizes it visited).
+    """
+
+    def decorate(run: Callable[[Target, Sweep], None]) -> Callable[..., None]:
+        _PROPERTIES[property_id] = PropertyInfo(property_id, level, section,
+                                                (run.__doc__ or "").strip(), 1.0)
+
+        def test(target: Target, conformance_session: Session) -> None:
+            from conformance import failures
+
+            record = Record(property_id, target.level, target.dtype, target.device)
+            conformance_session.current = record
+            if target.level != level:
+                record.outcome = "skipped"
+                pytest.skip(f"{property_id} is an {level}-level property")
+            reasons = _target_skip_reasons(target, level)
+            if requires is not None and not reasons:
+                reason = requires(target)
+                reasons = [reason] if reason else []
+            if reasons:
+                record.outcome = "skipped"
+                record.reason = "; ".join(reasons)
+                pytest.skip(record.reason)
+            sweep = Sweep(property_id, target, record, budget_s)
+            replay = conformance_session.replay
+            try:
+                if replay is not None:
+                    if replay.property != property_id or replay.target_id != target.id:
+                        record.outcome = "skipped"
+                        pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
+                    sweep.failing(replay.case)
+                    record.examples += 1
+                    ratio = check(target, replay.case)
+                    record.worst_ratio = None if ratio is None else float(ratio)
+                    record.failing_case = None
+                else:
+                    run(target, sweep)
+            except PropertyFailure as exc:
+                record.seconds = time.perf_counter() - sweep.started
+                record.outcome = "failed"
+                failures.annotate(exc, property_id, target, record,
+                                  impl_spec=conformance_session.impl_spec,
+                                  options=conformance_session.options)
+                raise
+            record.seconds = time.perf_counter() - sweep.started
+            stale = sweep.stale_entries()
+            if record.xfail_hits:
+                record.outcome = "xfailed"
+            elif stale:
+                record.outcome = "stale-xfail"
+                record.reason = ("expected failure no longer fails on the cases it covers: "
+                                 + "; ".join(stale))
+
+        test.__name__ = f"test_{property_id}"
+        test.__qualname__ = test.__name__
+        test.__doc__ = run.__doc__
+        test.conformance_property = property_id  # type: ignore[attr-defined]
+        test.conformance_level = level  # type: ignore[attr-defined]
+        return test
+
+    return decorate

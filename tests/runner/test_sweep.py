@@ -1,0 +1,64 @@
+"""small_sizes_sweep: bugs that live at one size are found in every dtype, as the
+smallest failing (L, S), saved and replayable; a correct implementation passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.test_sdpa_sweep import EDGE_LENGTHS, length_order, size_order
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPLS = "tests/runner/impls_for_tests.py"
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def sweep(impl: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", f"--impl={IMPLS}:{impl}", "-k", "small_sizes_sweep",
+         f"--conformance-report={tmp_path}/cert", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )
+    results = json.loads((tmp_path / "cert.json").read_text())["results"]
+    return proc, {r["dtype"]: r for r in results if r["property"] == "small_sizes_sweep"}
+
+
+def test_sizes_come_block_edges_first_and_all_of_them():
+    order = size_order(33)
+    assert len(order) == len(set(order)) == 33 * 33
+    edges = len([n for n in EDGE_LENGTHS if n <= 33])
+    assert set(order[: edges**2]) == {(L, S) for L in EDGE_LENGTHS for S in EDGE_LENGTHS}
+    assert length_order(33)[:edges] == list(EDGE_LENGTHS)
+    assert order[0] == (1, 1)
+
+
+@pytest.mark.parametrize("impl, size", [("nan_at_one_size_impl", (3, 4)),
+                                        ("scaled_at_one_size_impl", (7, 13))])
+def test_a_bug_at_one_size_is_found_in_every_dtype(impl, size, tmp_path):
+    proc, results = sweep(impl, tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    for dtype in DTYPES:
+        r = results[dtype]
+        assert r["outcome"] == "failed", (dtype, r)
+        assert (r["counterexample"]["L"], r["counterexample"]["S"]) == size, (dtype, r["counterexample"])
+        assert Path(r["failure_file"]).exists()
+    assert f"smallest failing size of the sweep: L={size[0]}, S={size[1]}" in proc.stdout
+    # The saved case replays: failing for the buggy implementation.
+    again, _ = sweep(impl, tmp_path, f"--replay={results['bfloat16']['failure_file']}")
+    assert again.returncode == 1 and "1 failed" in again.stdout
+
+
+def test_the_correct_computation_passes_every_size(tmp_path):
+    proc, results = sweep("math_impl", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for dtype in DTYPES:
+        r = results[dtype]
+        assert r["outcome"] == "passed" and 0 <= r["worst_ratio"] < 1, (dtype, r)
+        assert r["examples"] > 0 and f"visited {r['examples']} of 1089 sizes" in r["reason"]
