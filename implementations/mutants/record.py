@@ -40,7 +40,11 @@ class Mutant:
     pitfall"`` or ``"kernel bug"`` plus the story. ``smallest_case``: sizes and
     attributes of the smallest exposing case. ``expected_property``: the property id
     (docs/CONTRACTS.md) expected to catch it. ``build()`` returns the
-    ``Implementation`` (name ``mutant:<name>``, ``listed=False``).
+    ``Implementation`` (name ``mutant:<name>``, ``listed=False``). ``expected_cause``:
+    the id of the ``spec.variants`` variant that models the bug (None when none does:
+    layout, gradient-only and should-raise bugs); the diagnosis of a failure is
+    expected to name it first (``tests/test_diagnosis.py``,
+    ``benchmarks/diagnosis_accuracy.py``).
     """
 
     name: str
@@ -52,3 +56,4 @@ class Mutant:
     level: str = "sdpa"
     #: A case where the bug does not show (None where no such case exists).
     safe_case: dict[str, Any] | None = field(default=None)
+    expected_cause: str | None = None
