@@ -167,8 +167,8 @@ def rank(observed: Observed, problem: Problem,
     own ``slack`` is added.
 
     A variant is tried when it is deterministic and ``applies(problem)``; it is
-    skipped when its result is within the allowed error of the correct one (it could
-    not explain a failure); it matches when ``observed`` is within the allowed error
+    skipped when its result and the correct one are each within the other's allowed
+    error (it could not explain a failure); it matches when ``observed`` is within the allowed error
     of its result, with ``fit`` the worst error/allowed ratio. Nothing matches an
     observation within the allowed error of the correct output (:func:`correct_fit`).
 
@@ -194,7 +194,9 @@ def rank(observed: Observed, problem: Problem,
             continue
         result = variant.compute(problem)
         parts = _parts(weights, result, correct)
-        distance = max(_part_fit(problem, part, getattr(correct, part), result, bound) for part in parts)
+        # each within the other's allowed error (the variant's own may be far wider)
+        distance = max(max(_part_fit(problem, part, getattr(correct, part), result, bound),
+                           _part_fit(problem, part, getattr(result, part), correct, bound)) for part in parts)
         if distance <= 1.0:
             continue                                                      # indistinguishable here
         factor = precision_factor(variant, problem)
