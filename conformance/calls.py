@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance import tolerance
+from conformance import diagnosis, tolerance
 from conformance.cases import SDPACase
 from conformance.compare import Comparison, assert_contract, compare_values, fail
 from conformance.helpers import case_rng
@@ -170,7 +170,9 @@ def run_sdpa(
     expected_shape = (case.B, case.N, case.L, case.Ev)
     if tuple(out.shape) != expected_shape:
         fail(f"output shape={tuple(out.shape)}, but should be {expected_shape} (B, N, L, Ev)")
-    return SDPACall(to_numpy(out), out)
+    output = to_numpy(out)
+    diagnosis.observe_sdpa(call_case, output, dropout_p=dropout_p)
+    return SDPACall(output, out)
 
 
 def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from conformance import diagnosis
 from implementations.base import ALL_DTYPES, Implementation
 
 __all__ = [
@@ -62,13 +63,15 @@ def implementation_entry(impl: Implementation, spec: str, options: dict[str, str
 
 def certificate(*, implementation: dict[str, Any], environment: dict[str, Any], profile: str,
                 seconds: float, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The certificate dict, results sorted by (level, property, device, dtype)."""
+    """The certificate dict, results sorted by (level, property, device, dtype), and
+    the failures grouped by probable cause (``diagnosis.cause_groups``)."""
     return {
         "implementation": implementation,
         "environment": environment,
         "profile": profile,
         "seconds": round(seconds, 2),
         "results": sorted(results, key=lambda r: (r["level"], r["property"], r["device"], r["dtype"])),
+        "causes": diagnosis.cause_groups(results),
     }
 
 
@@ -117,6 +120,8 @@ def details(cert: dict[str, Any]) -> list[str]:
             lines.append(f"FAIL {tag}: after {r['examples']} examples; shrunk case {ce}; saved {r['failure_file']}")
             first = (r.get("message") or "").splitlines()[:3]
             lines += ["    " + x for x in first]
+            cause = diagnosis.cause_line(r)
+            lines += ["    " + cause] if cause else []
         elif r["outcome"] == "xfailed":
             lines.append(f"expected failure {tag}: {r['xfail_reason']} ({r['xfail_hits']} of {r['examples']} examples)")
             if r["reason"]:
@@ -149,6 +154,7 @@ def terminal_lines(cert: dict[str, Any]) -> list[str]:
         f"cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run",
         render_table(cert),
         *details(cert),
+        *diagnosis.cause_lines(cert),
         summary(cert),
     ]
 
@@ -163,6 +169,7 @@ def markdown(cert: dict[str, Any]) -> str:
           "- cell: outcome, worst error/allowed ratio, examples", "",
           render_table(cert, markdown=True), ""]
     md += [f"- {line}" for line in details(cert)]
+    md += diagnosis.cause_markdown(cert)
     return "\n".join(md) + "\n"
 
 

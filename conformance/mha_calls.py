@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance import mha_bounds
+from conformance import diagnosis, mha_bounds
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
 from conformance.runner import Target, call_guarded
@@ -83,7 +83,9 @@ def run_mha(target: Target, case: MHACase, module: Any = None, *, requires_grad:
         fail(f"forward returned {type(result).__name__}, but should return (output, weights) "
              "as nn.MultiheadAttention does")
     out, weights = result
-    return MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights, kwargs, module)
+    call = MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights, kwargs, module)
+    diagnosis.observe_mha(case, call.output, call.weights, module=module, overrides=overrides)
+    return call
 
 
 def oracle(case: MHACase, fully_masked: str = "zero", **overrides: Any) -> tuple[np.ndarray, np.ndarray | None]:

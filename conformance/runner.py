@@ -135,6 +135,7 @@ class Record:
     xfail_reason: str = ""
     failing_case: Any = field(default=None, repr=False)
     first_failure_seconds: float | None = None
+    causes: list[dict[str, Any]] = field(default_factory=list)  # conformance.diagnosis, best first
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -217,7 +218,7 @@ def conformance_property(
         )
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import failures
+            from conformance import diagnosis, failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
@@ -242,6 +243,7 @@ def conformance_property(
 
             def one_example(case: Any) -> None:
                 record.examples += 1
+                diagnosis.start_example(case, record)
                 try:
                     ratio = check(target, case)
                 except PropertyFailure:
@@ -287,6 +289,7 @@ def conformance_property(
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
+                diagnosis.annotate(exc, target, record)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=conformance_session.impl_spec,
                                   options=conformance_session.options)

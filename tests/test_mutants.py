@@ -13,6 +13,8 @@ mutant whose expected property is not a property of the suite fails, naming it.
 
 A mutant that survives is a missing strategy or property in the suite, not a reason
 to weaken the mutant: the failure message names the property expected to catch it.
+A correct implementation's certificate also has no diagnosis (no ``causes``); that the
+diagnosis names each mutant's bug is tested in ``tests/diagnosis/``.
 """
 
 from __future__ import annotations
@@ -136,3 +138,5 @@ def test_correct_implementation_passes(impl, tmp_path):
         for r in report["results"] if r["outcome"] in ("failed", "error", "stale-xfail")
     ]
     assert code == 0 and not bad, f"{impl} should pass (exit code {code}):\n" + "\n".join(bad) + f"\n{output}"
+    diagnosed = [f"{r['property']}[{r['level']}-{r['dtype']}]: {r['causes']}" for r in report["results"] if r.get("causes")]
+    assert report["causes"] == [] and not diagnosed, f"{impl} was given a diagnosis:\n" + "\n".join(diagnosed)

@@ -127,7 +127,7 @@ class FunctionalDropoutDefault(HandwrittenMHA):
         return F.dropout(weights, p=self.dropout)
 
 
-def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case):
+def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case, expected_cause=None):
     def build():
         return mha_implementation(f"mutant:{name}", cls, MHA_CAPABILITIES, bug)
 
@@ -140,6 +140,7 @@ def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_ca
         build=build,
         level="mha",
         safe_case=safe_case,
+        expected_cause=expected_cause,
     )
 
 
@@ -151,6 +152,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #2 (float mask treated as bool, pytorch#107084)",
         smallest_case=_case(attn_mask="float"),
         expected_property="mha_agreement",
+        expected_cause="mha_float_mask_as_bool",
         safe_case=_case(S=2, attn_mask="bool_block_last"),
     ),
     _mutant(
@@ -159,6 +161,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #3 (float key_padding_mask ignored, pytorch#92554)",
         smallest_case=_case(S=2, key_padding_mask="float_block_last"),
         expected_property="mha_mask_conventions",
+        expected_cause="mha_float_padding_ignored",
         safe_case=_case(S=2, key_padding_mask="bool_block_last"),
     ),
     _mutant(
@@ -168,6 +171,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #4 (is_causal dropped with need_weights=True, pytorch#99282)",
         smallest_case=_case(L=2, S=2, attn_mask="causal_bool", is_causal=True, need_weights=True),
         expected_property="mha_causal_flag_equivalence",
+        expected_cause="mha_causal_hint_dropped",
         safe_case=_case(L=2, S=2, attn_mask="causal_bool", is_causal=True, need_weights=False),
     ),
     _mutant(
@@ -176,6 +180,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #7 (modules passed dropout_p in eval, pytorch#124464)",
         smallest_case=_case(dropout=0.5, training=False),
         expected_property="mha_eval_determinism",
+        expected_cause="mha_dropout_in_eval",
         safe_case=_case(S=2, dropout=0.0),
     ),
     _mutant(
@@ -184,6 +189,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #13 (per-head vs averaged weights confused, pytorch#70055)",
         smallest_case=_case(N=2, need_weights=True, average_attn_weights=True),
         expected_property="mha_averaged_weights",
+        expected_cause="mha_weights_summed_over_heads",
         safe_case=_case(N=1, S=2, need_weights=True, average_attn_weights=True),
     ),
     _mutant(
@@ -192,6 +198,7 @@ MHA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #1 (torch MHA NaN rows, pytorch#41508)",
         smallest_case=_case(key_padding_mask="bool_all"),
         expected_property="mha_fully_masked_rows",
+        expected_cause="mha_fully_masked_nan",
         safe_case=_case(S=2, key_padding_mask="bool_block_last"),
     ),
     _mutant(
@@ -200,6 +207,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (sqrt(D) instead of sqrt(E)); docs/KNOWN_BUGS.md #12",
         smallest_case=_case(N=2, S=2),
         expected_property="mha_agreement",
+        expected_cause="mha_scale_model_dim",
         safe_case=_case(N=1, E=2, S=2),
     ),
     _mutant(
@@ -209,6 +217,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (head split with the wrong view)",
         smallest_case=_case(N=2, S=2),
         expected_property="mha_agreement",
+        expected_cause="mha_heads_split_without_transpose",
         safe_case=_case(N=1, L=2, S=2),
     ),
     _mutant(
@@ -217,6 +226,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (merge without transpose)",
         smallest_case=_case(N=2, L=2),
         expected_property="mha_agreement",
+        expected_cause="mha_heads_merged_without_transpose",
         safe_case=_case(N=2, L=1, S=2),
     ),
     _mutant(
@@ -226,6 +236,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (forgetting contiguous())",
         smallest_case=_case(N=2, S=2),
         expected_property="mha_agreement",
+        expected_cause="mha_heads_split_without_transpose",
         safe_case=_case(N=1, L=2, S=2),
     ),
     _mutant(
@@ -234,6 +245,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (forgetting the output projection)",
         smallest_case=_case(),
         expected_property="mha_agreement",
+        expected_cause="mha_no_out_proj",
         safe_case=None,
     ),
     _mutant(
@@ -243,6 +255,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (`mask == 0` against a bool mask)",
         smallest_case=_case(S=2, attn_mask="bool_block_last"),
         expected_property="mha_mask_conventions",
+        expected_cause="mha_mask_inverted",
         safe_case=_case(S=2, attn_mask="float"),
     ),
     _mutant(
@@ -252,6 +265,7 @@ MHA_MUTANTS = [
         origin="hand-written pitfall (dropout left on in eval)",
         smallest_case=_case(dropout=0.5, training=False),
         expected_property="mha_eval_determinism",
+        expected_cause="mha_dropout_in_eval",
         safe_case=_case(S=2, dropout=0.0),
     ),
 ]

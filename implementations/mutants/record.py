@@ -51,7 +51,10 @@ class Mutant:
     exposing case. ``expected_property``: the property id (docs/CONTRACTS.md)
     expected to catch it on its own (``benchmarks/mutation_score.py
     --expected-only``). ``build()`` returns the ``Implementation`` (name
-    ``mutant:<name>``, ``listed=False``).
+    ``mutant:<name>``, ``listed=False``). ``expected_cause``:
+    the id of the ``spec.variants`` variant that models the bug (None when none does:
+    layout, gradient-only and should-raise bugs); the diagnosis of a failure is
+    expected to name it first (``tests/diagnosis/``, ``benchmarks/diagnosis_accuracy.py``).
     """
 
     name: str
@@ -63,3 +66,4 @@ class Mutant:
     level: str = "sdpa"
     #: A case where the bug does not show (None where no such case exists).
     safe_case: dict[str, Any] | None = field(default=None)
+    expected_cause: str | None = None

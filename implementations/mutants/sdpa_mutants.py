@@ -170,7 +170,7 @@ class DropoutNoRescale(NaiveSDPA):
         return weights * keep
 
 
-def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case, capabilities=SDPA_CAPABILITIES):
+def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case, expected_cause=None, capabilities=SDPA_CAPABILITIES):
     def build():
         return sdpa_implementation(f"mutant:{name}", cls(), capabilities, bug)
 
@@ -183,6 +183,7 @@ def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_ca
         build=build,
         level="sdpa",
         safe_case=safe_case,
+        expected_cause=expected_cause,
     )
 
 
@@ -193,6 +194,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #1 (softmax of all -inf, pytorch#41508)",
         smallest_case=_case(mask="all_blocked"),
         expected_property="fully_masked_rows",
+        expected_cause="fully_masked_nan",
         safe_case=_case(S=2, mask="block_last"),
     ),
     _mutant(
@@ -210,6 +212,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #5 (bool mask polarity, pytorch#170400)",
         smallest_case=_case(S=2, mask="block_last"),
         expected_property="bool_additive_equivalence",
+        expected_cause="mask_inverted",
         safe_case=_case(S=2, mask="additive"),
     ),
     _mutant(
@@ -219,6 +222,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #6 (causal alignment for L != S, pytorch#108108)",
         smallest_case=_case(L=1, S=2, causal=True),
         expected_property="causal_flag_equivalence",
+        expected_cause="causal_lower_right",
         safe_case=_case(L=2, S=2, causal=True),
     ),
     _mutant(
@@ -228,6 +232,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #8 (fp16 overflow in the math path, pytorch#119131)",
         smallest_case=_case(dtype="float16", values="huge"),
         expected_property="large_logits",
+        expected_cause="float16_overflow",
         safe_case=_case(S=2, dtype="float16"),
     ),
     _mutant(
@@ -247,6 +252,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #11 (GQA grouping)",
         smallest_case=_case(N=4, K=2),
         expected_property="gqa_equivalence",
+        expected_cause="gqa_tiled",
         safe_case=_case(N=2, K=1, S=2),
     ),
     _mutant(
@@ -271,6 +277,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #12 (custom scale ignored)",
         smallest_case=_case(S=2, scale=0.5),
         expected_property="temperature",
+        expected_cause="scale_arg_ignored",
         safe_case=_case(S=2),
     ),
     _mutant(
@@ -279,6 +286,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #12 (default 1/sqrt(Ev))",
         smallest_case=_case(S=2, Ev=2),
         expected_property="forward_agreement",
+        expected_cause="scale_value_dim",
         safe_case=_case(S=2, E=2, Ev=2),
     ),
     _mutant(
@@ -287,6 +295,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #12 (explicit tiny scales) / classic hand-written mistake (falsy 0.0)",
         smallest_case=_case(S=2, scale=0.0),
         expected_property="temperature",
+        expected_cause="scale_zero_falsy",
         safe_case=_case(S=2, scale=0.5),
     ),
     _mutant(
@@ -296,6 +305,7 @@ SDPA_MUTANTS = [
         origin="docs/KNOWN_BUGS.md #15 (numerical range) / classic hand-written mistake",
         smallest_case=_case(dtype="float32", values="large"),
         expected_property="large_logits",
+        expected_cause="no_max_subtraction",
         safe_case=_case(S=2, dtype="float32"),
     ),
     _mutant(
@@ -304,6 +314,7 @@ SDPA_MUTANTS = [
         origin="hand-written pitfall (masking after softmax)",
         smallest_case=_case(S=2, mask="block_last"),
         expected_property="weights_are_distributions",
+        expected_cause="mask_after_softmax",
         safe_case=_case(S=2, mask="additive"),
     ),
     _mutant(
@@ -322,6 +333,7 @@ SDPA_MUTANTS = [
         origin="classic hand-written mistake (inverted dropout without rescale)",
         smallest_case=_case(dropout_p=0.5),
         expected_property="dropout_expectation",
+        expected_cause="dropout_no_rescale",
         safe_case=_case(S=2),
     ),
 ]

@@ -80,7 +80,7 @@ class TailLoadAssumesContiguous(TiledSDPA):
         return super().load_block(x, start, stop)
 
 
-def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case):
+def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_case, expected_cause=None):
     def build():
         return sdpa_implementation(f"mutant:{name}", cls(), TILED_CAPABILITIES, bug)
 
@@ -93,6 +93,7 @@ def _mutant(name, cls, *, bug, origin, smallest_case, expected_property, safe_ca
         build=build,
         level="sdpa",
         safe_case=safe_case,
+        expected_cause=expected_cause,
     )
 
 
@@ -103,6 +104,7 @@ TILED_MUTANTS = [
         origin="kernel bug (grid of S // BLOCK_N instead of cdiv(S, BLOCK_N))",
         smallest_case=_case(S=1),
         expected_property="forward_agreement",
+        expected_cause="ragged_tail_dropped",
         safe_case=_case(S=16),
     ),
     _mutant(
@@ -112,6 +114,7 @@ TILED_MUTANTS = [
         origin="kernel bug (online softmax without the accumulator correction)",
         smallest_case=_case(S=17, values="ascending_keys"),
         expected_property="forward_agreement",
+        expected_cause="online_softmax_no_rescale",
         safe_case=_case(S=16, values="ascending_keys"),
     ),
     _mutant(
@@ -130,6 +133,7 @@ TILED_MUTANTS = [
         origin="kernel bug (low-precision accumulator)",
         smallest_case=_case(dtype="float32"),
         expected_property="forward_agreement",
+        expected_cause="bfloat16_accumulator",
         safe_case=_case(dtype="bfloat16"),
     ),
     _mutant(
@@ -139,6 +143,7 @@ TILED_MUTANTS = [
         origin="kernel bug (missing off_b * stride_kb; batch items mixed)",
         smallest_case=_case(B=2),
         expected_property="batch_independence",
+        expected_cause="kv_batch_offset",
         safe_case=_case(B=1, N=2, K=2, S=2),
     ),
     _mutant(
@@ -148,6 +153,7 @@ TILED_MUTANTS = [
         origin="kernel bug (global instead of per-row max)",
         smallest_case=_case(L=2, dtype="float32", values="wide_rows"),
         expected_property="large_logits",
+        expected_cause="global_max",
         safe_case=_case(L=2, S=2, dtype="float32"),
     ),
     _mutant(

@@ -12,12 +12,13 @@ Public API::
     MHAProblem(params, query, key, value, *, key_padding_mask, attn_mask, is_causal,
                need_weights, average_attn_weights, batch_first, dtype, dropout, training,
                fully_masked)                                # MHAProblem.from_case(case, **changes)
-    Variant(id, level, summary, models, applies, compute, detect)
+    Variant(id, level, summary, models, applies, compute, detect, precision)
         variant.applies(problem) -> bool
         variant.compute(problem) -> VariantResult(output, weights, slack)   # None: not deterministic
     VARIANTS: dict[str, Variant]    ALIASES: dict[str, str]    lookup(name) -> Variant
     reference(problem) -> VariantResult                    # the correct convention
     rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
+    correct_fit(observed, problem, allowed=None) -> float  # <= 1: the oracle explains it
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
 
 Conventions are the spec's: SDPA bool masks True = may attend, MHA bool masks True =
@@ -29,7 +30,8 @@ variant with the real bug it stands for.
 from __future__ import annotations
 
 from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
-from ._rank import DEFAULT_ULPS, Allowed, Match, Observed, default_allowed, fit, rank, reference
+from ._rank import (DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, precision_factor,
+                    rank, reference)
 from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
 from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
@@ -47,6 +49,8 @@ __all__ = [
     "lookup",
     "reference",
     "rank",
+    "correct_fit",
+    "precision_factor",
     "Match",
     "fit",
     "default_allowed",

@@ -180,6 +180,10 @@ class Variant:
     implementation outputs, in float64, defined on every problem of the level (the
     correct output, to rounding, where ``applies`` is False); None for a variant that
     is not a function of the inputs (random), whose ``detect`` says how to see it.
+    ``precision``: for a variant that computes in a lower precision than the problem's
+    dtype (a float32 softmax of float64 inputs), that precision; ``rank`` then matches
+    the observation against it with the allowed error scaled up to that precision
+    (a real implementation of the mistake rounds in its own order, not the model's).
     """
 
     id: str
@@ -189,9 +193,12 @@ class Variant:
     applies: Callable[[Any], bool] = field(repr=False)
     compute: Callable[[Any], VariantResult] | None = field(repr=False)
     detect: str = ""
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         _checks.check_choice("level", self.level, LEVELS)
+        if self.precision is not None:
+            _checks.check_choice("precision", self.precision, tuple(UNIT_ROUNDOFF))
         if self.compute is None and not self.detect:
             fail("detect", self.detect, "a variant without compute must say how it is detected",
                  "describe the observation that reveals it")

@@ -10,7 +10,8 @@ from . import _attention, mha
 from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, Variant, VariantResult
 from .registry import VARIANTS, lookup
 
-__all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "default_allowed", "fit", "rank", "reference"]
+__all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "default_allowed", "fit", "rank", "reference",
+           "correct_fit", "precision_factor"]
 
 #: An output, or an ``(output, weights)`` pair (weights None when there are none).
 Observed = Union[np.ndarray, tuple]
@@ -69,7 +70,7 @@ def fit(actual: Any, expected: Any, allowed: Any, where: Any = None) -> float:
     bound = np.broadcast_to(np.asarray(allowed, dtype=np.float64), actual.shape)[compared]
     if error.size == 0:
         return 0.0
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         ratios = np.where(error == 0, 0.0, error / bound)
     return float(np.nan_to_num(ratios, nan=np.inf).max())
 
@@ -101,12 +102,38 @@ def _split(observed: Observed) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def _part_fit(problem: Problem, part: str, actual: np.ndarray, result: VariantResult,
-              allowed: Callable[[str, VariantResult], Any]) -> float:
+              allowed: Callable[[str, VariantResult], Any], factor: float = 1.0) -> float:
     expected = result.output if part == "output" else result.weights
-    bound = np.asarray(allowed(part, result), dtype=np.float64)
+    bound = factor * np.asarray(allowed(part, result), dtype=np.float64)
     if part == "output":
         bound = bound + np.asarray(result.slack, dtype=np.float64)
     return fit(actual, expected, bound, _compared_rows(problem, part, np.shape(expected)))
+
+
+def precision_factor(variant: Variant, problem: Problem) -> float:
+    """How much coarser the variant's own precision is than the problem's dtype
+    (``UNIT_ROUNDOFF`` ratio; 1 for a variant without ``precision`` or not coarser)."""
+    if variant.precision is None:
+        return 1.0
+    return max(1.0, UNIT_ROUNDOFF[variant.precision] / UNIT_ROUNDOFF[problem.dtype])
+
+
+def _parts(observed_weights: Any, result: VariantResult, correct: VariantResult) -> list[str]:
+    """The parts compared: the output, and the weights where every side has them."""
+    if observed_weights is not None and result.weights is not None and correct.weights is not None:
+        return ["output", "weights"]
+    return ["output"]
+
+
+def correct_fit(observed: Observed, problem: Problem, allowed: Allowed | None = None) -> float:
+    """Worst error/allowed of ``observed`` against the correct convention (the oracle):
+    <= 1 means the observation is right on this problem, and no variant explains it.
+    Same staging, parts and rows as :func:`rank`."""
+    output, weights = _split(observed)
+    bound = _as_callable(allowed, problem)
+    correct = reference(problem)
+    return max(_part_fit(problem, part, {"output": output, "weights": weights}[part], correct, bound)
+               for part in _parts(weights, correct, correct))
 
 
 def _as_callable(allowed: Allowed | None, problem: Problem) -> Callable[[str, VariantResult], Any]:
@@ -140,28 +167,41 @@ def rank(observed: Observed, problem: Problem,
     own ``slack`` is added.
 
     A variant is tried when it is deterministic and ``applies(problem)``; it is
-    skipped when its result is within the allowed error of the correct one (it could
-    not explain a failure); it matches when ``observed`` is within the allowed error
-    of its result, with ``fit`` the worst error/allowed ratio. Returns the matches as
-    ``Match(variant_id, fit)``, sorted by fit; ties keep the table's order. Pure
-    NumPy on the problem's arrays: no implementation is called.
+    skipped when its result and the correct one are each within the other's allowed
+    error (it could not explain a failure); it matches when ``observed`` is within the allowed error
+    of its result, with ``fit`` the worst error/allowed ratio. Nothing matches an
+    observation within the allowed error of the correct output (:func:`correct_fit`).
+
+    A variant with a ``precision`` coarser than the problem's dtype is matched with the
+    allowed error scaled by :func:`precision_factor` (its slack is not needed then):
+    "differs from the oracle beyond the problem's precision, and agrees with the model
+    within the tolerance of the model's precision". Such a coarse match is weaker
+    evidence than a match at the problem's own precision, so it is listed after those.
+
+    Returns the matches as ``Match(variant_id, fit)``, sorted by (coarse, fit); ties
+    keep the table's order. Pure NumPy on the problem's arrays: no implementation is
+    called.
     """
     output, weights = _split(observed)
     bound = _as_callable(allowed, problem)
     correct = reference(problem)
+    observed_parts = {"output": output, "weights": weights}
+    if correct_fit(observed, problem, bound) <= 1.0:
+        return []                                                         # the correct convention explains it
     matches = []
     for variant in _selected(variants, problem.level):
         if not variant.applies(problem):
             continue
         result = variant.compute(problem)
-        parts = ["output"]
-        if weights is not None and result.weights is not None and correct.weights is not None:
-            parts.append("weights")
-        distance = max(_part_fit(problem, part, getattr(correct, part), result, bound) for part in parts)
+        parts = _parts(weights, result, correct)
+        # each within the other's allowed error (the variant's own may be far wider)
+        distance = max(max(_part_fit(problem, part, getattr(correct, part), result, bound),
+                           _part_fit(problem, part, getattr(result, part), correct, bound)) for part in parts)
         if distance <= 1.0:
             continue                                                      # indistinguishable here
-        observed_fit = max(_part_fit(problem, part, {"output": output, "weights": weights}[part], result, bound)
+        factor = precision_factor(variant, problem)
+        observed_fit = max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
                            for part in parts)
         if observed_fit <= 1.0:
-            matches.append(Match(variant.id, observed_fit))
-    return sorted(matches, key=lambda match: match.fit)
+            matches.append((factor > 1.0, Match(variant.id, observed_fit)))
+    return [match for _, match in sorted(matches, key=lambda item: (item[0], item[1].fit))]

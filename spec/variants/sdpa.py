@@ -251,7 +251,7 @@ def _table() -> list[Variant]:
              summary="float64 inputs go through a float32 softmax, so the output has float32 precision",
              models="transformers' eager attention (softmax(..., dtype=float32)) and JAX's default "
                     "float32, on float64 inputs",
-             applies=_softmax_float32_applies, compute=numerics.softmax_float32),
+             applies=_softmax_float32_applies, compute=numerics.softmax_float32, precision="float32"),
         dict(id="float16_overflow",
              summary="q·kᵀ is computed in float16 before scaling, so products beyond 65504 become inf "
                      "and their rows NaN",

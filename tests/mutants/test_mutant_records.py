@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conformance.runner import registered_properties
+from spec import variants as V
 from implementations.base import Implementation
 from implementations.mutants import MUTANTS, Mutant
 from implementations.mutants._base import (
@@ -244,6 +245,9 @@ def test_record_is_complete(name):
     assert mutant.expected_property in PROPERTY_IDS | PENDING_PROPERTY_IDS, (
         f"expected_property={mutant.expected_property!r}")
     assert mutant.expected_property.startswith("mha_") == (mutant.level == "mha")
+    if mutant.expected_cause is not None:                # a spec.variants variant of the mutant's level
+        assert mutant.expected_cause in V.VARIANTS, f"expected_cause={mutant.expected_cause!r}"
+        assert V.VARIANTS[mutant.expected_cause].level == mutant.level
     for dim in SIZES:
         value = mutant.smallest_case.get(dim)
         assert isinstance(value, int) and value >= 1, f"smallest_case[{dim!r}]={value!r}"
@@ -502,3 +506,13 @@ def test_torch_mha_causal_hint_blocks_appended_keys():
     base = HandwrittenMHA(2, 1, add_zero_attn=True, dtype=torch.float64).eval()
     load_mha_weights(base, _params_of(module))
     assert torch.allclose(base(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0], with_weights)
+
+
+def test_every_mutant_a_variant_names_expects_that_variant():
+    """Where a variant's ``models`` text names a mutant ("bug zoo: NAME"), the mutant's
+    ``expected_cause`` is that variant."""
+    named = {name: v.id for v in V.VARIANTS.values()
+             for name in re.findall(r"\b[a-z0-9_]+\b", v.models.split("bug zoo:", 1)[-1])
+             if "bug zoo:" in v.models and name in MUTANTS}
+    expected = {name: m.expected_cause for name, m in MUTANTS.items() if m.expected_cause}
+    assert named and named == {name: expected.get(name) for name in named}

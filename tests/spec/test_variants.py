@@ -508,6 +508,52 @@ def test_softmax_float32_has_float32_precision():
     assert 1e-12 < error < 1e-5
 
 
+def torch_float32_softmax(p: V.SDPAProblem) -> np.ndarray:
+    """A float64 attention whose softmax is torch's float32 one (not the model's rounding)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in (p.query, p.key, p.value))
+    scores = p.resolved_scale * (q @ k.transpose(-2, -1))
+    return (torch.softmax(scores.float(), dim=-1).double() @ v).numpy()
+
+
+def test_softmax_float32_is_matched_at_float32_precision_on_random_cases():
+    # the model rounds in its own order; torch's float32 softmax in another, so only an
+    # allowed error scaled to float32 recognises it (with float64's it matched 11 of 200)
+    rng = np.random.default_rng(11)
+    for seed in range(40):
+        sizes = {d: int(rng.integers(1, 4)) for d in ("B", "N", "L", "E", "Ev")}
+        p = sdpa_problem(seed, **sizes, K=sizes["N"], S=int(rng.integers(2, 6)),
+                         spread=float(rng.choice([0.1, 1.0, 4.0])))
+        observed = torch_float32_softmax(p)
+        assert V.correct_fit(observed, p) > 1                              # a float64 failure
+        matches = V.rank(observed, p)
+        assert matches and matches[0].variant_id == "softmax_float32", (seed, matches)
+    assert V.precision_factor(V.VARIANTS["softmax_float32"], p) == 2.0**29
+    assert V.precision_factor(V.VARIANTS["unscaled"], p) == 1.0
+
+
+def test_a_coarse_precision_match_comes_after_a_match_at_the_problems_precision():
+    p = sdpa_problem(8, E=4, scale=0.5 * (1 + 1e-9))
+    exact = V.VARIANTS["scale_arg_ignored"].compute(p).output
+    observed = exact + 4 * 2.0**-53 * np.abs(exact)                        # a few float64 roundings off
+    matches = V.rank(observed, p)
+    fits = {m.variant_id: m.fit for m in matches}
+    assert [m.variant_id for m in matches][:2] == ["scale_arg_ignored", "softmax_float32"], matches
+    assert fits["softmax_float32"] < fits["scale_arg_ignored"]            # better fit, weaker evidence
+
+
+def test_correct_fit_says_whether_the_oracle_explains_an_observation():
+    p = sdpa_problem(4, S=4, spread=4.0)
+    assert V.correct_fit(V.reference(p).output, p) == 0.0
+    assert V.correct_fit(V.VARIANTS["unscaled"].compute(p).output, p) > 1
+    assert V.rank(V.reference(p).output + 2.0**-53, p) == []               # within rounding: no variant
+
+
+def test_precision_must_be_a_known_dtype():
+    with pytest.raises(spec.SpecError, match="precision="):
+        V.Variant("x", "sdpa", "s", "m", applies=lambda p: True, compute=V.reference, precision="float8")
+
+
 def mha_views(p: V.MHAProblem, *, split: str = "transpose", merge: str = "transpose") -> np.ndarray:
     """MHA (no masks, packed, batch-second) with head split/merge done by index arithmetic."""
     params = p.params

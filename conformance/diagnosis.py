@@ -1,0 +1,495 @@
+"""Diagnosis: the probable cause of a failure, and the failures of a run grouped by cause.
+
+A failing property says *that* an implementation is wrong; ``spec.variants`` holds the
+known ways of being wrong (the other causal alignment, tiled GQA heads, a float32
+softmax, ...), each computed in float64 on the case's own inputs. On a failure the
+runner calls :func:`annotate`, which adds one line to the failure message::
+
+    probable cause: causal_lower_right — the causal flag applies the lower-right triangle ...
+    probable cause: unknown — no variant of spec.variants matches the output on the shrunk case
+
+and records the matches on the property's ``runner.Record`` (``causes``), from which the
+certificate groups the failures of a run by cause (:func:`cause_groups`).
+
+Where the output comes from, cheapest first:
+
+1. While a property runs, ``calls.run_sdpa`` and ``mha_calls.run_mha`` hand each
+   output to :func:`observe_sdpa` / :func:`observe_mha`, which keep it in the list of the
+   current example (the runner starts a fresh list per example, :func:`start_example`):
+   one list append per call, nothing else, so a passing run is not slowed.
+2. On a failure, the calls of the final (shrunk) example are read in order; for each
+   whose output disagrees with the oracle under the tolerance rule,
+   :func:`spec.variants.rank` lists the variants it matches, and the first such call
+   with a match gives the verdict. The implementation is not called again.
+3. Only when the property made no observable call (it compares gradients, or expects
+   an error) is the implementation called once more, on the shrunk case, through the
+   runner's guarded path.
+
+Everything runs inside a guard: a diagnosis error becomes the line
+``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
+The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
+each variant's own weights. docs/DIAGNOSIS.md says how to read the result.
+"""
+
+from __future__ import annotations
+
+import math
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from spec import variants as V
+
+__all__ = [
+    "UNKNOWN",
+    "Verdict",
+    "start_example",
+    "observe_sdpa",
+    "observe_mha",
+    "annotate",
+    "diagnose",
+    "cause_line",
+    "cause_groups",
+    "cause_lines",
+    "cause_markdown",
+]
+
+#: The group id of failures that no variant explains.
+UNKNOWN = "unknown"
+#: Matches named on one failure line (the rest are in the record).
+SHOWN = 3
+#: MHA forward arguments a call may override and a problem can describe.
+_MHA_OVERRIDES = frozenset({"need_weights", "average_attn_weights", "is_causal"})
+#: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
+_RANDOM_IN_EVAL = "mha_dropout_in_eval"
+#: Extra calls of an eval-mode module whose output is wrong and matches no variant,
+#: looking for that sign (only then; every other diagnosis calls at most once).
+RECALLS = 3
+
+
+# --------------------------------------------------------------------------- observing calls
+
+
+@dataclass
+class _Call:
+    """One call of the implementation: the case as it received it and what it returned."""
+
+    level: str
+    case: Any
+    output: np.ndarray
+    weights: np.ndarray | None = None
+    dropout_p: float = 0.0
+    overrides: dict[str, Any] = field(default_factory=dict)
+    module: Any = None
+
+
+@dataclass
+class _Example:
+    case: Any
+    record: Any = None
+    calls: list[_Call] = field(default_factory=list)
+
+
+#: The example the runner is checking now and the calls it made. Scratch space of one
+#: example (reset by the runner for every example), so a context variable rather than
+#: session state: it never outlives the next example.
+_EXAMPLE: ContextVar[_Example | None] = ContextVar("conformance_diagnosis_example", default=None)
+#: The first failing example of the property test running now (before Hypothesis shrank
+#: it): it breaks ties between variants that the shrunk case cannot tell apart.
+_FIRST_FAILURE: ContextVar[_Example | None] = ContextVar("conformance_diagnosis_first_failure", default=None)
+
+
+def start_example(case: Any, record: Any = None) -> None:
+    """The runner starts checking ``case`` for ``record``: forget the previous example's
+    calls, unless it was the record's first failing example (then keep that one).
+    Two attribute checks and one allocation: it runs on every example."""
+    previous = _EXAMPLE.get()
+    if record is not None and previous is not None and previous.record is record \
+            and previous.case is record.failing_case:
+        first = _FIRST_FAILURE.get()
+        if first is None or first.record is not record:
+            _FIRST_FAILURE.set(previous)
+    _EXAMPLE.set(_Example(case, record))
+
+
+def observe_sdpa(case: Any, output: np.ndarray, *, dropout_p: float = 0.0) -> None:
+    """``calls.run_sdpa`` called the implementation on ``case`` (as called: causal
+    folded into the mask unless the flag was used) and got ``output`` (float64)."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("sdpa", case, output, dropout_p=dropout_p))
+
+
+def observe_mha(case: Any, output: np.ndarray, weights: np.ndarray | None, *, module: Any,
+                overrides: dict[str, Any]) -> None:
+    """``mha_calls.run_mha`` called ``module`` on ``case`` with forward arguments
+    ``overrides`` replaced and got ``output`` and ``weights`` (float64, or None)."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("mha", case, output, weights, overrides=dict(overrides), module=module))
+
+
+# --------------------------------------------------------------------------- diagnosing a failure
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the diagnosis found: the matches (dicts as recorded) and the message line."""
+
+    causes: list[dict[str, Any]]
+    line: str
+
+
+def annotate(exc: BaseException, target: Any, record: Any) -> None:
+    """Diagnose the failure ``exc`` of ``record`` (its ``failing_case`` is the shrunk
+    case): set ``record.causes`` and add the ``probable cause:`` line to ``exc``.
+    Never raises."""
+    try:
+        verdict = diagnose(target, record, exc)
+    except Exception as err:  # noqa: BLE001 - a diagnosis must never mask the failure
+        verdict = Verdict([], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})")
+    try:
+        record.causes = verdict.causes
+        if hasattr(exc, "add_note"):
+            exc.add_note(verdict.line)
+    except Exception:  # noqa: BLE001 - same: the failure itself must come through
+        pass
+
+
+def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verdict:
+    """The probable cause of ``record``'s failure on its shrunk case (see the module doc).
+
+    Where several variants match the shrunk case, those that also match the property's
+    first failing example (the case before shrinking, usually larger) come first."""
+    case = record.failing_case
+    if case is None:
+        return _unknown("no shrunk case was kept")
+    example = _EXAMPLE.get()
+    calls = list(example.calls) if example is not None and example.case is case else []
+    if not calls:
+        if exc is not None and _implementation_broke(exc):
+            return _unknown("the implementation raised or hung, so there is no output to compare")
+        calls = [_call_once(target, case)]
+    verdict = _verdict(target, calls)
+    first = _FIRST_FAILURE.get()
+    if first is None or first.record is not record or first.case is case:
+        first = None
+    if len(verdict.causes) > 1 and first is not None:
+        verdict = _break_ties(verdict, _verdict(target, first.calls))
+    if not verdict.causes:
+        # A random output can look deterministic on one case: two equal samples.
+        random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls)
+        verdict = random or verdict
+    return verdict
+
+
+def _verdict(target: Any, calls: list[_Call]) -> Verdict:
+    random = _random_in_eval(calls)
+    if random is not None:
+        return random
+    wrong = False
+    for call in calls:
+        found = _diagnose_call(target, call)
+        if isinstance(found, Verdict):
+            return found
+        wrong = wrong or found
+    if wrong:
+        return _unknown("no variant of spec.variants matches the output on the shrunk case")
+    return _unknown("every output on the shrunk case agrees with the oracle; the property fails on "
+                    "something else (a relation between calls, gradients, an error)")
+
+
+def _break_ties(verdict: Verdict, unshrunk: Verdict) -> Verdict:
+    """``verdict``'s causes, those that also explain the unshrunk failing case first."""
+    also = {c["variant"] for c in unshrunk.causes}
+    if not also & {c["variant"] for c in verdict.causes}:
+        return verdict
+    causes = sorted(verdict.causes, key=lambda c: c["variant"] not in also)
+    causes = [dict(c, note="also fits the failing case before shrinking") if c["variant"] in also else c
+              for c in causes]
+    return Verdict(causes, _line(causes))
+
+
+def _implementation_broke(exc: BaseException) -> bool:
+    from conformance.runner import ImplementationHung, ImplementationRaised
+
+    if isinstance(exc, (ImplementationHung, ImplementationRaised)):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and any(_implementation_broke(e) for e in exc.exceptions)
+
+
+def _call_once(target: Any, case: Any) -> _Call:
+    """The implementation's plain output on ``case``: one guarded call (it is observed)."""
+    example = _EXAMPLE.get()
+    if example is None or example.case is not case:
+        start_example(case)
+    if target.level == "mha":
+        from conformance.mha_calls import run_mha
+
+        run_mha(target, case)
+    else:
+        from conformance.calls import run_sdpa
+
+        run_sdpa(target, case)
+    return _EXAMPLE.get().calls[-1]
+
+
+def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
+    """A verdict when the call's output disagrees with the oracle and matches variants;
+    else whether it disagrees (True: wrong, but no variant matches)."""
+    prepared = _sdpa_problem(target, call) if call.level == "sdpa" else _mha_problem(target, call)
+    if prepared is None:
+        return False
+    problem, observed, allowed = prepared
+    if V.correct_fit(observed, problem, allowed) <= 1.0:
+        return False
+    matches = V.rank(observed, problem, allowed=allowed)
+    if not matches:
+        return True
+    relative = _relative_error(observed, V.reference(problem))
+    causes = [_cause(m.variant_id, m.fit, relative) for m in matches]
+    return Verdict(causes, _line(causes))
+
+
+def _cause(variant_id: str, fit: float | None, relative: float | None, note: str = "") -> dict[str, Any]:
+    return {"variant": variant_id, "summary": V.VARIANTS[variant_id].summary,
+            "fit": None if fit is None else float(fit), "relative_error": relative, "note": note}
+
+
+def _line(causes: list[dict[str, Any]]) -> str:
+    named = [f"{c['variant']} — {c['summary']}" + (f" ({c['note']})" if c["note"] else "")
+             for c in causes[:SHOWN]]
+    more = f"; and {len(causes) - SHOWN} more" if len(causes) > SHOWN else ""
+    return "probable cause: " + "; or ".join(named) + more
+
+
+def _unknown(why: str) -> Verdict:
+    return Verdict([], f"probable cause: {UNKNOWN} — {why}")
+
+
+def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
+    """max |observed - oracle| / max |oracle| over the output elements finite in both;
+    None when NaN or inf appear where the oracle has none (or the shapes differ)."""
+    output = np.asarray(observed[0] if isinstance(observed, tuple) else observed, dtype=np.float64)
+    expected = np.asarray(correct.output, dtype=np.float64)
+    if output.shape != expected.shape:
+        return None
+    if (np.isfinite(output) != np.isfinite(expected)).any():
+        return None
+    finite = np.isfinite(expected)
+    if not finite.any():
+        return None
+    error = float(np.abs(output - expected)[finite].max())
+    size = float(np.abs(expected[finite]).max())
+    return error / size if size > 0 else error
+
+
+# --------------------------------------------------------------------------- problems and bounds
+
+
+def _sdpa_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    from conformance import calls as C
+    from conformance import tolerance
+
+    case, observed = call.case, call.output
+    policy = target.caps.fully_masked
+    if call.dropout_p > 0:
+        stacked = _unstacked(case, observed)
+        if stacked is None:
+            return None                                          # one random sample: nothing to compare
+        case, observed, samples = stacked
+    problem = V.SDPAProblem.from_case(case, fully_masked=policy, dropout_p=call.dropout_p)
+    ref = C.oracle(case)
+    naive = C.naive_error(case, ref.output, C.valid_rows(case))
+
+    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
+        weights = ref.weights if result.weights is None else result.weights
+        weights = np.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+        magnitude = C.magnitude(case, weights)
+        if call.dropout_p > 0:
+            c = magnitude / (1 - call.dropout_p)
+            return tolerance.sdpa_dropout_allowed(c, samples, observed.size)
+        return tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
+                                      logit_scale=C.logit_scale(case, SimpleNamespace(weights=weights)))
+
+    return problem, observed, allowed
+
+
+def _unstacked(case: Any, output: np.ndarray) -> tuple[Any, np.ndarray, int] | None:
+    """A dropout call on M stacked copies of one problem (along the batch): that problem,
+    the mean of the M outputs, and M; None for any other dropout call."""
+    example = _EXAMPLE.get()
+    B = getattr(example.case, "B", 0) if example is not None else 0   # the drawn case's batch
+    if not B or case.B <= B or case.B % B:
+        return None
+    M = case.B // B
+
+    def copies(x: np.ndarray | None) -> bool:
+        if x is None or x.ndim < 4 or x.shape[0] == 1:
+            return True
+        stacked = x.reshape(M, B, *x.shape[1:])
+        return bool((stacked == stacked[:1]).all())
+
+    if not all(copies(x) for x in (case.query, case.key, case.value, case.attend_mask, case.additive_mask)):
+        return None
+
+    def first(x: np.ndarray | None) -> np.ndarray | None:
+        return x if x is None or x.ndim < 4 or x.shape[0] == 1 else x[:B]
+
+    single = case.replace(query=case.query[:B], key=case.key[:B], value=case.value[:B],
+                          attend_mask=first(case.attend_mask), additive_mask=first(case.additive_mask))
+    mean = output.reshape(M, B, *output.shape[1:]).mean(axis=0)
+    return single, mean, M
+
+
+def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    from conformance import mha_bounds
+    from conformance import mha_calls as MC
+
+    if getattr(call.module, "training", False) or set(call.overrides) - _MHA_OVERRIDES:
+        return None                                              # random, or not a problem we can state
+    case = call.case.replace(**call.overrides) if call.overrides else call.case
+    problem = V.MHAProblem.from_case(case, fully_masked=target.caps.fully_masked)
+    weights = call.weights if MC.has_feature(target, "need_weights") else None
+    output_allowed, weights_allowed = mha_bounds.allowed_error(case, tf32=target.tf32)
+
+    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
+        return output_allowed if part == "output" else weights_allowed
+
+    return problem, (call.output, weights), allowed
+
+
+def _random_in_eval(calls: list[_Call]) -> Verdict | None:
+    """Two eval-mode calls of one module on the same inputs that differ: the output is
+    random, the sign of the one variant that has no ``compute``."""
+    seen: dict[tuple[int, tuple], np.ndarray] = {}
+    for call in calls:
+        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
+            continue
+        key = (id(call.module), tuple(sorted(call.overrides.items())), id(call.case))
+        if key in seen:
+            if not np.array_equal(np.nan_to_num(seen[key], nan=7.0), np.nan_to_num(call.output, nan=7.0)):
+                cause = _cause(_RANDOM_IN_EVAL, None, None, "two eval-mode calls on the same inputs differ")
+                return Verdict([cause], _line([cause]))
+        else:
+            seen[key] = call.output
+    return None
+
+
+def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
+    """Call the module of the first eval-mode MHA call whose output is wrong again on the
+    same inputs, up to RECALLS times (guarded calls); a different output is the sign of
+    the random variant. Two samples of a tiny case agree often (one key: half the time)."""
+    from conformance.mha_calls import run_mha
+
+    for call in calls:
+        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
+            continue
+        if _diagnose_call(target, call) is not True:
+            continue
+        for _ in range(RECALLS):
+            run_mha(target, call.case, call.module, **call.overrides)
+            random = _random_in_eval([call, _EXAMPLE.get().calls[-1]])
+            if random is not None:
+                return random
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- the certificate
+
+
+def cause_line(result: dict[str, Any]) -> str | None:
+    """The probable cause of one failed result, for the certificate's failure lines
+    (None for results without a diagnosis)."""
+    if result.get("outcome") != "failed" or "causes" not in result:
+        return None
+    causes = result["causes"] or []
+    if not causes:
+        return f"probable cause: {UNKNOWN}"
+    return "probable cause: " + ", ".join(c["variant"] for c in causes[:SHOWN])
+
+
+def cause_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The failed results grouped by their first-ranked cause (``unknown`` for none),
+    largest group first: variant id, summary, count, properties, dtypes, devices and
+    the range of relative errors (None where the output was not finite)."""
+    from implementations.base import ALL_DTYPES
+
+    groups: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if r.get("outcome") != "failed" or "causes" not in r:
+            continue
+        first = (r["causes"] or [None])[0]
+        variant = first["variant"] if first else UNKNOWN
+        group = groups.setdefault(variant, {
+            "variant": variant,
+            "summary": first["summary"] if first else "no variant of spec.variants explains the output",
+            "count": 0, "properties": set(), "dtypes": set(), "devices": set(), "errors": []})
+        group["count"] += 1
+        group["properties"].add(r["property"])
+        group["dtypes"].add(r["dtype"])
+        group["devices"].add(r["device"])
+        if first and first.get("relative_error") is not None:
+            group["errors"].append(first["relative_error"])
+    out = []
+    for g in groups.values():
+        errors = g.pop("errors")
+        g["properties"] = sorted(g["properties"])
+        g["dtypes"] = sorted(g["dtypes"], key=lambda d: ALL_DTYPES.index(d) if d in ALL_DTYPES else 9)
+        g["devices"] = sorted(g["devices"])
+        g["relative_error"] = [min(errors), max(errors)] if errors else None
+        out.append(g)
+    return sorted(out, key=lambda g: (g["variant"] == UNKNOWN, -g["count"], g["variant"]))
+
+
+def _order(x: float) -> str:
+    """``1e-7``: the power of ten nearest to ``x``."""
+    return "0" if x <= 0 else f"1e{round(math.log10(x))}"
+
+
+def _spread(group: dict[str, Any]) -> str:
+    dtypes = group["dtypes"]
+    parts = [f"{dtypes[0]} only" if len(dtypes) == 1 else ", ".join(dtypes)]
+    if len(group["devices"]) > 1:
+        parts.append("/".join(group["devices"]))
+    if group["relative_error"]:
+        low, high = (_order(x) for x in group["relative_error"])
+        parts.append(f"relative error ~{low}" if low == high else f"relative error {low} to {high}")
+    return "; ".join(parts)
+
+
+def cause_lines(cert: dict[str, Any]) -> list[str]:
+    """The certificate's cause table, one entry per group (empty when nothing failed)::
+
+        probable causes (spec.variants, docs/DIAGNOSIS.md):
+          softmax_float32: 11 failures (float64 only; relative error ~1e-7) — float64 inputs ...
+              forward_agreement, key_permutation, ...
+    """
+    groups = cert.get("causes") or []
+    if not groups:
+        return []
+    lines = ["probable causes (spec.variants, docs/DIAGNOSIS.md):"]
+    for g in groups:
+        n = g["count"]
+        lines.append(f"  {g['variant']}: {n} failure{'s' if n != 1 else ''} ({_spread(g)}) — {g['summary']}")
+        lines.append("      " + ", ".join(g["properties"]))
+    return lines
+
+
+def cause_markdown(cert: dict[str, Any]) -> list[str]:
+    """The cause table as Markdown lines (a heading and a table; empty when nothing failed)."""
+    groups = cert.get("causes") or []
+    if not groups:
+        return []
+    lines = ["", "## Probable causes", "",
+             "Failures grouped by the variant of `spec.variants` their output matches "
+             "(docs/DIAGNOSIS.md).", "",
+             "| cause | failures | spread | properties | what the implementation does |", "|---|---|---|---|---|"]
+    for g in groups:
+        lines.append(f"| `{g['variant']}` | {g['count']} | {_spread(g)} | {', '.join(g['properties'])} | "
+                     f"{g['summary']} |")
+    return lines
