@@ -1,5 +1,5 @@
 """Small pieces the property tests share: drawing within a target's claims,
-probes, skip reasons, expected errors."""
+probes, skip reasons. (An input that must raise: ``calls.expect_sdpa_raises``.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import numpy as np
 
 import spec
 from conformance.cases import SDPACase
-from conformance.compare import fail
-from conformance.runner import ImplementationRaised, Target, call_guarded
+from conformance.runner import Target
 from conformance.strategies import mha_cases, sdpa_cases
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "identity_probe",
     "attend_matrix",
     "skip_unless",
-    "expect_raise",
 ]
 
 
@@ -65,14 +63,3 @@ def skip_unless(condition: bool, reason: str) -> str | None:
     """For ``conformance_property(requires=...)``: None (run) when ``condition``
     holds, else ``reason`` (the skip reason)."""
     return None if condition else reason
-
-
-def expect_raise(target: Target, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-    """The call must raise (invalid input per the spec), not return a result."""
-    try:
-        out = call_guarded(target, fn, *args, **kwargs)
-    except ImplementationRaised:
-        return
-    shape = tuple(getattr(out, "shape", ()))
-    fail(f"{what}: returned a result of shape {shape}, but should raise an error "
-         "(the input is invalid per the spec)")
