@@ -4,9 +4,10 @@ A property is a function ``check(target, case) -> ratio | None`` plus a strategy
 factory ``cases(target)``. :func:`conformance_property` turns it into a pytest
 test parametrized over targets (level × dtype × device), which draws cases with
 Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
-known deviations (expected-failures files) as such without stopping the search
-for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
-and records everything for the certificate on the session
+known deviations (expected-failures files, matched against the calls each
+example made: ``Target.log``) as such without stopping the search for real
+failures, saves the shrunk failing case and its failing call as ``.npz`` with a
+reproducer, and records everything for the certificate on the session
 (``conformance.session``: on ``config.stash``, reached through the
 ``conformance_session`` fixture).
 """
@@ -285,9 +286,6 @@ def conformance_property(
                     def search(data: st.DataObject) -> None:
                         one_example(data.draw(strategy, label="case"))
 
-                    # Failures are remembered per property and target (the
-                    # database replays them first next run); the derandomized
-                    # (ci) seed still comes from the function digest, unchanged.
                     search._hypothesis_internal_database_key = _database_key(  # type: ignore[attr-defined]
                         conformance_session, property_id, target)
                     search()
@@ -332,7 +330,14 @@ def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:
 
 def _database_key(session: Session, property_id: str, target: Target) -> bytes:
     """The Hypothesis database key of one property × implementation × level ×
-    dtype × device: a stable digest, the same in every process."""
+    dtype × device: a stable digest, the same in every process.
+
+    Set as the search's ``_hypothesis_internal_database_key``, it files each
+    failure under its own key, so the next run retries it first (without it
+    every property shares the digest of the one ``search`` function). The
+    derandomized (ci) seed comes from that function digest, which the key
+    leaves alone: ci draws do not depend on it.
+    """
     impl = session.impl_spec or target.impl.name
     options = ",".join(f"{k}={v}" for k, v in sorted(session.options.items()))
     text = f"attention-conformance|{impl}|{options}|{property_id}|{target.id}"
