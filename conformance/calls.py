@@ -10,6 +10,7 @@ bounds (magnitudes, naive errors, logit ranges); the bounds themselves are in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,9 @@ from conformance import diagnosis, tolerance
 from conformance.cases import SDPACase
 from conformance.compare import Comparison, assert_contract, compare_values, fail
 from conformance.helpers import case_rng
-from conformance.runner import Target, call_guarded
-from conformance.tensors import dtype_of, sdpa_inputs, to_numpy
+from conformance.replay import SDPACallSpec, content_seed, fold_causal, run_sdpa_call
+from conformance.runner import ImplementationRaised, Target, call_guarded
+from conformance.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
 
 __all__ = [
@@ -35,26 +37,16 @@ __all__ = [
     "allowed_error",
     "allowed_for",
     "run_sdpa",
+    "expect_sdpa_raises",
     "check_against_oracle",
+    "check_fully_masked_policy",
+    "check_dropout_mean",
     "assert_output_contract",
     "grad_magnitudes",
     "grad_logit_range",
     "check_gradients",
+    "compare_gradients",
 ]
-
-
-def fold_causal(case: SDPACase) -> SDPACase:
-    """The same problem with the causal constraint written into an explicit mask."""
-    if case.causal is None:
-        return case
-    L, S = case.L, case.S
-    causal = spec.masks.causal_mask(L, S, case.causal)  # (L, S), True = may attend
-    if case.additive_mask is not None:
-        add = case.additive_mask + np.where(causal, 0.0, -np.inf)
-        return case.replace(additive_mask=add, causal=None)
-    if case.attend_mask is not None:
-        return case.replace(attend_mask=case.attend_mask & causal, causal=None)
-    return case.replace(attend_mask=causal, causal=None)
 
 
 def oracle(case: SDPACase, **overrides: Any) -> spec.SDPAResult:
@@ -134,6 +126,14 @@ def allowed_for(target: Target, case: SDPACase) -> tuple[np.ndarray, spec.SDPARe
 class SDPACall:
     output: np.ndarray  # float64 copy of the implementation's output
     tensor: Any  # the output tensor itself
+    inputs: dict[str, Any] | None = None  # the tensors handed over (.grad filled after backward)
+    spec: SDPACallSpec | None = None  # the call exactly as made (what a failure reproduces)
+
+
+def _record(target: Target, call: Any) -> None:
+    """Append ``call`` to the example's call log (the runner gives each example one)."""
+    if target.log is not None:
+        target.log.calls.append(call)
 
 
 def run_sdpa(
@@ -142,49 +142,102 @@ def run_sdpa(
     *,
     dropout_p: float = 0.0,
     inputs: dict[str, Any] | None = None,
+    samples: int = 1,
+    grad_output: np.ndarray | None = None,
+    mask_grad: bool = False,
 ) -> SDPACall:
     """Call ``target.impl.sdpa`` on ``case`` (causal folded into the mask unless
-    the implementation's flag means the case's alignment and no mask is given).
+    the implementation's flag means the case's alignment and no mask is given),
+    through ``replay.run_sdpa_call``, and log the call on the target.
 
     ``inputs``: the tensors to hand over (``sdpa_inputs`` of the case as called),
-    when the caller keeps them to inspect afterwards."""
-    flag = uses_causal_flag(target, case)
-    call_case = case if (flag or case.causal is None) else fold_causal(case)
-    tensors = inputs if inputs is not None else sdpa_inputs(call_case)
-    out = call_guarded(
-        target,
-        target.impl.sdpa,
-        tensors["query"],
-        tensors["key"],
-        tensors["value"],
-        attn_mask=tensors["attn_mask"],
-        dropout_p=dropout_p,
-        is_causal=bool(flag),
-        scale=case.scale,
-        enable_gqa=case.K != case.N,
-    )
-    import torch
+    when the caller keeps them to inspect afterwards. ``samples``: call on that
+    many copies of ``case`` along the batch. ``grad_output``: backpropagate it
+    after the call (``mask_grad``: through the additive mask too). Dropout is
+    seeded from the case's contents."""
+    __tracebackhide__ = True
+    seed = None
+    if dropout_p:
+        seed = content_seed("dropout", case.query, case.key, case.value, case.attend_mask, case.additive_mask,
+                            extra=f"{case.scale!r}|{case.causal}|{dropout_p!r}|{samples}")
+    call = SDPACallSpec(case, is_causal=uses_causal_flag(target, case), dropout_p=dropout_p,
+                        dropout_seed=seed, grad_output=grad_output, mask_grad=mask_grad, samples=samples)
+    _record(target, call)
+    outcome = run_sdpa_call(target.impl, call, invoke=partial(call_guarded, target), inputs=inputs)
+    output = to_numpy(outcome.tensor)
+    diagnosis.observe_sdpa(call.passed_case, output, dropout_p=dropout_p)
+    return SDPACall(output, outcome.tensor, outcome.inputs, call)
 
-    if not isinstance(out, torch.Tensor):
-        fail(f"output type={type(out).__name__}, but should be torch.Tensor (SDPA returns one tensor)")
-    expected_shape = (case.B, case.N, case.L, case.Ev)
-    if tuple(out.shape) != expected_shape:
-        fail(f"output shape={tuple(out.shape)}, but should be {expected_shape} (B, N, L, Ev)")
-    output = to_numpy(out)
-    diagnosis.observe_sdpa(call_case, output, dropout_p=dropout_p)
-    return SDPACall(output, out)
+
+def expect_sdpa_raises(target: Target, case: SDPACase, what: str) -> None:
+    """``case`` is invalid per the spec: the call must raise, not return a result."""
+    __tracebackhide__ = True
+    call = SDPACallSpec(case, is_causal=uses_causal_flag(target, case))
+    _record(target, call)
+    try:
+        outcome = run_sdpa_call(target.impl, call, invoke=partial(call_guarded, target), check_output=False)
+    except ImplementationRaised:
+        return
+    shape = tuple(getattr(outcome.tensor, "shape", ()))
+    fail(f"{what}: returned a result of shape {shape}, but should raise an error "
+         "(the input is invalid per the spec)")
 
 
 def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,
                          what: str = "output") -> Comparison:
     """Compare an SDPA output with the oracle under the tolerance rule (rows with
     every key blocked excluded)."""
+    __tracebackhide__ = True
     ref = oracle(case)
     allowed = allowed_error(target, case, ref)
     return compare_values(what, actual, ref.output, allowed, where=valid_rows(case))
 
 
+def check_fully_masked_policy(target: Target, case: SDPACase, output: np.ndarray) -> None:
+    """Rows with every key blocked follow the declared policy (zero: output 0;
+    nan: NaN; uniform: mean of V; unspecified: anything)."""
+    __tracebackhide__ = True
+    policy = target.caps.fully_masked
+    dead = case.fully_masked_rows()[..., None]  # (B, N, L, 1)
+    dead_full = np.broadcast_to(dead, output.shape)
+    if policy == "zero":
+        bad = dead_full & ~(output == 0)
+        if bad.any():
+            i = tuple(int(x) for x in np.argwhere(bad)[0])
+            fail(f"fully-masked row output at {i}={output[i]!r}, but should be 0 "
+                 f"(declared fully_masked='zero'); {int(bad.sum())} such elements")
+    elif policy == "nan":
+        bad = dead_full & ~np.isnan(output)
+        if bad.any():
+            i = tuple(int(x) for x in np.argwhere(bad)[0])
+            fail(f"fully-masked row output at {i}={output[i]!r}, but should be NaN "
+                 "(declared fully_masked='nan')")
+    elif policy == "uniform":
+        uniform = oracle(case, fully_masked="uniform").output
+        compare_values("fully-masked row output (uniform policy)", output, uniform,
+                       tolerance.sdpa_allowed(case.dtype, 0.0, np.abs(uniform) + 1e-300), where=dead)
+
+
+def check_dropout_mean(target: Target, case: SDPACase, output: np.ndarray, dropout_p: float,
+                       samples: int) -> float:
+    """``output`` (samples·B, N, L, Ev) of ``samples`` copies of ``case`` with
+    dropout: no NaN in rows that attend a key, and the mean is the dropout-free
+    oracle within Hoeffding's bound (``tolerance.sdpa_dropout_allowed``; needs V ≥ 0)."""
+    __tracebackhide__ = True
+    out = output.reshape(samples, *case.query.shape[:3], case.Ev)
+    rows = valid_rows(case)
+    if np.isnan(out[:, rows[..., 0]]).any():
+        fail(f"dropout output has NaN with dropout_p={dropout_p} (e.g. -inf mask entries times a dropout mask)")
+    _, ref = allowed_for(target, case)
+    mean = out.mean(axis=0)
+    c = magnitude(case, ref.weights) / (1 - dropout_p)
+    bound = tolerance.sdpa_dropout_allowed(c, samples, mean.size)
+    return compare_values(f"mean of {samples} dropout outputs (dropout_p={dropout_p})", mean, ref.output,
+                          bound, where=rows).ratio
+
+
 def assert_output_contract(target: Target, case: SDPACase, call: SDPACall) -> None:
+    __tracebackhide__ = True
     shape = (case.B, case.N, case.L, case.Ev)
     assert_contract("output", call.tensor, shape=shape, dtype=dtype_of(case.dtype), device=target.device)
 
@@ -225,25 +278,22 @@ def grad_logit_range(case: SDPACase, ref: spec.SDPAResult) -> float:
 
 def check_gradients(target: Target, case: SDPACase) -> float:
     """dq, dk, dv (and d-additive-mask where declared) of a random upstream
-    gradient against ``spec.sdpa_vjp``; returns the worst error/allowed ratio."""
-    import torch
-
+    gradient (seeded by the case's contents) against ``spec.sdpa_vjp``; returns
+    the worst error/allowed ratio."""
+    __tracebackhide__ = True
     rng = case_rng(case, "grad")
     grad_out = round_to(rng.standard_normal((case.B, case.N, case.L, case.Ev)), case.dtype)
     with_mask_grad = case.additive_mask is not None and target.caps.mask_grad
-    call_case = fold_causal(case) if (case.causal is not None and not uses_causal_flag(target, case)) else case
-    tensors = sdpa_inputs(call_case, requires_grad=True)
-    mask_t = tensors["attn_mask"]
-    if mask_t is not None and mask_t.requires_grad and not (with_mask_grad and call_case is case):
-        mask_t = mask_t.detach()
-        tensors = dict(tensors, attn_mask=mask_t)
-    call = run_sdpa(target, case, inputs=tensors)
-    g = torch.from_numpy(grad_out).to(dtype_of(case.dtype)).to(call.tensor.device)
+    folded = case.causal is not None and not uses_causal_flag(target, case)
+    call = run_sdpa(target, case, grad_output=grad_out, mask_grad=with_mask_grad and not folded)
+    return compare_gradients(target, call.spec, call.inputs)
 
-    def backward() -> None:
-        call.tensor.backward(g)
 
-    call_guarded(target, backward)
+def compare_gradients(target: Target, call: SDPACallSpec, tensors: dict[str, Any]) -> float:
+    """The gradients a backward of ``call`` left on ``tensors`` (the inputs handed
+    over) against ``spec.sdpa_vjp`` of the case as called; worst error/allowed."""
+    __tracebackhide__ = True
+    case, grad_out = call.case, call.grad_output
     ref = oracle(case)
     grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out,
                           attend_mask=case.attend_mask, additive_mask=case.additive_mask,
@@ -258,7 +308,8 @@ def check_gradients(target: Target, case: SDPACase) -> float:
             fail(f"{what} is None, but should be a gradient (autograd is declared)")
         allowed = tolerance.grad_allowed(case.dtype, bounds[what], logit_range, tf32=target.tf32)
         worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
-    if with_mask_grad and mask_t is not None and mask_t.requires_grad:
+    mask_t = tensors["attn_mask"]
+    if call.mask_grad and mask_t is not None and mask_t.requires_grad:
         if mask_t.grad is None:
             fail("dadditive_mask is None, but should be a gradient (mask_grad is declared)")
         bound = spec._sdpa._reduce_to_shape(bounds["dmask"], case.additive_mask.shape)

@@ -19,6 +19,8 @@ import numpy as np
 __all__ = [
     "SDPACase",
     "MHACase",
+    "SDPA_ATTRIBUTES",
+    "MHA_ATTRIBUTES",
     "LAYOUTS",
     "NOTE_MASK_EXPANDED",
     "NOTE_STRIDE0_BATCH",
@@ -39,6 +41,26 @@ NOTE_MASK_EXPANDED = "mask:expanded"
 NOTE_STRIDE0_BATCH = "stride0:batch"
 #: Layout "stride0": key/value expanded with stride 0 along the kv-head dim.
 NOTE_STRIDE0_HEADS = "stride0:heads"
+
+
+#: Attributes of an SDPA-level case as called, the keys an expected failure's
+#: ``match`` may use at this level: ``SDPACase.attrs()`` and what the call adds
+#: (``replay.SDPACallSpec.attrs``: the ``is_causal`` flag passed, ``dropout_p``,
+#: ``grad``: whether gradients were taken).
+SDPA_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "mask_kind", "causal", "scale", "scale_sign", "layout", "regime",
+    "B", "N", "K", "L", "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows",
+    "is_causal", "dropout_p", "grad",
+})
+#: Attributes of an MHA-level call: ``MHACase.attrs()`` and what the call adds
+#: (``replay.MHACallSpec.attrs``: ``grad`` (autograd on, else torch.no_grad()),
+#: ``dropout_p`` (the module's dropout), ``training``).
+MHA_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "B", "N", "K", "L", "S", "D", "E", "Ev", "need_weights",
+    "average_attn_weights", "key_padding_mask", "attn_mask", "is_causal", "batch_first", "unbatched",
+    "add_bias_kv", "add_zero_attn", "kdim_vdim", "bias", "mha_features", "self_attention", "mask_kind",
+    "fully_masked_rows", "grad", "dropout_p", "training",
+})
 
 
 def _scale_sign(scale: float | None) -> str:
@@ -145,7 +167,10 @@ class SDPACase:
         }
         out["gqa"] = self.K != self.N
         out["different_v_dim"] = self.E != self.Ev
-        out["fully_masked_rows"] = bool(self.fully_masked_rows().any())
+        try:
+            out["fully_masked_rows"] = bool(self.fully_masked_rows().any())
+        except ValueError:  # an invalid case (a mask of the wrong shape) has no rows to judge
+            out["fully_masked_rows"] = False
         out.update(extra)
         return out
 
@@ -310,7 +335,6 @@ class MHACase:
             "mha_features": self.mha_features(),
             "self_attention": self.key is self.query and self.value is self.query,
             "mask_kind": "none",
-            "training": False,
         }
         out["fully_masked_rows"] = self.fully_masked_rows()
         out.update(extra)

@@ -26,6 +26,7 @@ __all__ = [
     "cell",
     "render_table",
     "details",
+    "unapplied_expected_failures",
     "summary",
     "title",
     "terminal_lines",
@@ -76,7 +77,9 @@ def certificate(*, implementation: dict[str, Any], environment: dict[str, Any], 
 
 
 def cell(result: dict[str, Any]) -> str:
-    """``outcome ratio (examples)``; ratio ``-`` when the property has none."""
+    """``outcome ratio (examples)``; ratio ``-`` when the property has none. A FAIL
+    cell shows the failing example's ratio and the examples run until the first
+    failure."""
     text = OUTCOME_SYMBOLS.get(result["outcome"], result["outcome"])
     if result["outcome"] in ("passed", "xfailed", "stale-xfail", "failed") and result["examples"]:
         ratio = "-" if result["worst_ratio"] is None else f"{result['worst_ratio']:.2g}"
@@ -117,7 +120,10 @@ def details(cert: dict[str, Any]) -> list[str]:
         tag = f"{r['property']}[{r['level']}-{r['dtype']}-{r['device']}]"
         if r["outcome"] in ("failed", "error"):
             ce = r.get("counterexample") or {}
-            lines.append(f"FAIL {tag}: after {r['examples']} examples; shrunk case {ce}; saved {r['failure_file']}")
+            called = r.get("called")
+            called_text = f"; called {called['case']} with {called['arguments']}" if called else ""
+            lines.append(f"FAIL {tag}: after {r['examples']} examples; shrunk case {ce}{called_text}; "
+                         f"saved {r['failure_file']}")
             first = (r.get("message") or "").splitlines()[:3]
             lines += ["    " + x for x in first]
             cause = diagnosis.cause_line(r)
@@ -131,6 +137,27 @@ def details(cert: dict[str, Any]) -> list[str]:
         elif r["outcome"] == "skipped" and r["reason"] and r["reason"] not in seen:
             seen.add(r["reason"])
             lines.append(f"skipped ({r['reason']}) e.g. {tag}")
+    return lines + unapplied_expected_failures(cert)
+
+
+def unapplied_expected_failures(cert: dict[str, Any]) -> list[str]:
+    """One line per expected failure that excused no failing example in this run
+    although its property ran (a wildcard entry: although some property ran)."""
+    entries = cert["implementation"].get("expected_failures", [])
+    ran = {r["property"] for r in cert["results"] if r["outcome"] not in ("skipped", "error")}
+    hits: dict[int, int] = {}
+    covered: dict[int, int] = {}
+    for r in cert["results"]:
+        for e in r.get("expected_failures") or ():
+            hits[e["entry"]] = hits.get(e["entry"], 0) + e["hits"]
+            covered[e["entry"]] = covered.get(e["entry"], 0) + e["covered_passes"]
+    lines = []
+    for index, entry in enumerate(entries):
+        if not ran or (entry["property"] != "*" and entry["property"] not in ran) or hits.get(index):
+            continue
+        lines.append(f"expected failure never applied: property={entry['property']} match={entry['match']} "
+                     f"({entry['reason'][:70]}...): no failing example matched it in this run; "
+                     f"{covered.get(index, 0)} covered example(s) passed")
     return lines
 
 

@@ -18,11 +18,22 @@ __all__ = ["PropertyFailure", "Comparison", "compare_values", "assert_contract",
 
 
 class PropertyFailure(AssertionError):
-    """A property does not hold for the implementation on one case."""
+    """A property does not hold for the implementation on one case.
+
+    ``ratio``: the failing comparison's worst error/allowed ratio (what the
+    certificate shows in a FAIL cell), None when the failure is not ratio-based
+    (a NaN, a wrong shape, a missing raise).
+    """
+
+    def __init__(self, message: str, *, ratio: float | None = None) -> None:
+        super().__init__(message)
+        self.ratio = ratio
 
 
-def fail(what: str) -> None:
-    raise PropertyFailure(what)
+def fail(what: str, *, ratio: float | None = None) -> None:
+    """Raise :class:`PropertyFailure` (``ratio``: the failing comparison's error/allowed)."""
+    __tracebackhide__ = True
+    raise PropertyFailure(what, ratio=ratio)
 
 
 @dataclass
@@ -48,6 +59,7 @@ def compare_values(
     (bool, broadcastable) restricts the comparison to selected elements.
     Returns the worst error/allowed ratio; raises :class:`PropertyFailure`.
     """
+    __tracebackhide__ = True
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
     if actual.shape != expected.shape:
@@ -95,13 +107,15 @@ def compare_values(
             f"  worst error/allowed = {worst_ratio:.3g} at {i}: got {actual[i]!r}, "
             f"but should be {expected[i]!r} (|diff|={err[i]:.3g}, allowed {allowed[i]:.3g})\n"
             f"  greatest abs diff {err[j]:.3g} at {j}; greatest rel diff "
-            f"{float(err[k] / abs(expected[k])) if expected[k] != 0 else float('inf'):.3g} at {k}"
+            f"{float(err[k] / abs(expected[k])) if expected[k] != 0 else float('inf'):.3g} at {k}",
+            ratio=worst_ratio,
         )
     return Comparison(worst_ratio)
 
 
 def assert_contract(what: str, tensor: Any, *, shape: tuple[int, ...], dtype: Any, device: str) -> None:
     """Output contract: a tensor of the expected shape, dtype and device type."""
+    __tracebackhide__ = True
     import torch
 
     if not isinstance(tensor, torch.Tensor):

@@ -1,6 +1,6 @@
 """Small pieces the property tests share: drawing within a target's claims (and
-the directed examples that go with each strategy), probes, skip reasons,
-expected errors."""
+the directed examples that go with each strategy), probes, skip reasons. (An input
+that must raise: ``calls.expect_sdpa_raises``.)"""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import numpy as np
 import spec
 from conformance import directed
 from conformance.cases import MHACase, SDPACase
-from conformance.compare import fail
-from conformance.runner import ImplementationRaised, Target, call_guarded
+from conformance.runner import Target
 from conformance.strategies import mha_cases, sdpa_cases
 
 __all__ = [
@@ -25,7 +24,6 @@ __all__ = [
     "identity_probe",
     "attend_matrix",
     "skip_unless",
-    "expect_raise",
 ]
 
 
@@ -93,14 +91,3 @@ def skip_unless(condition: bool, reason: str) -> str | None:
     """For ``conformance_property(requires=...)``: None (run) when ``condition``
     holds, else ``reason`` (the skip reason)."""
     return None if condition else reason
-
-
-def expect_raise(target: Target, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-    """The call must raise (invalid input per the spec), not return a result."""
-    try:
-        out = call_guarded(target, fn, *args, **kwargs)
-    except ImplementationRaised:
-        return
-    shape = tuple(getattr(out, "shape", ()))
-    fail(f"{what}: returned a result of shape {shape}, but should raise an error "
-         "(the input is invalid per the spec)")

@@ -11,19 +11,28 @@ in ``conformance.tolerance``. Its SDPA twin is ``conformance.calls``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 import spec
-from conformance import diagnosis, mha_bounds
+from conformance import diagnosis, mha_bounds, tolerance
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
+from conformance.replay import (
+    MHACallSpec,
+    build_module,
+    mha_content_seed,
+    mha_output_shape,
+    run_mha_call,
+)
 from conformance.runner import Target, call_guarded
-from conformance.tensors import dtype_of, mha_inputs, to_numpy
+from conformance.tensors import to_numpy
 
 __all__ = [
     "MHACall",
+    "BuiltModule",
     "has_feature",
     "build",
     "run_mha",
@@ -32,8 +41,10 @@ __all__ = [
     "output_rows",
     "weight_rows",
     "check_mha",
-    "random_backward",
+    "upstream_gradient",
     "check_parameter_grads",
+    "check_input_derivative",
+    "check_dropout_mean",
     "attended_magnitude",
 ]
 
@@ -43,22 +54,22 @@ def has_feature(target: Target, feature: str) -> bool:
     return feature in target.caps.mha_features
 
 
-def build(target: Target, case: MHACase, *, dropout: float = 0.0, training: bool = False) -> Any:
+@dataclass
+class BuiltModule:
+    """A module built by :func:`build`, with the options it was built with (which
+    the calls made on it record)."""
+
+    module: Any
+    dropout: float
+    training: bool
+
+
+def build(target: Target, case: MHACase, *, dropout: float = 0.0, training: bool = False) -> BuiltModule:
     """The implementation's module with the case's options and weights."""
-    p = case.params
-
-    def make() -> Any:
-        module = target.impl.mha(
-            p.embed_dim, p.num_heads, dropout=dropout, bias=p.in_proj_bias is not None,
-            add_bias_kv=p.bias_k is not None, add_zero_attn=bool(p.add_zero_attn),
-            kdim=p.kdim, vdim=p.vdim, batch_first=case.batch_first,
-            device=case.device, dtype=dtype_of(case.dtype),
-        )
-        target.impl.load_weights(module, p)
-        module.train(training)
-        return module
-
-    return call_guarded(target, make)
+    __tracebackhide__ = True
+    spec_ = MHACallSpec(case, dropout=dropout, training=training)
+    module = build_module(target.impl, spec_, invoke=partial(call_guarded, target))
+    return BuiltModule(module, dropout, training)
 
 
 @dataclass
@@ -69,23 +80,37 @@ class MHACall:
     weights_tensor: Any  # the weights tensor itself (or None)
     inputs: dict[str, Any]  # the forward keyword arguments handed over
     module: Any  # the module called
+    spec: MHACallSpec | None = None  # the call exactly as made (what a failure reproduces)
 
 
-def run_mha(target: Target, case: MHACase, module: Any = None, *, requires_grad: bool = False,
-            inputs: dict[str, Any] | None = None, **overrides: Any) -> MHACall:
+def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *, requires_grad: bool = False,
+            inputs: dict[str, Any] | None = None, grad_output: np.ndarray | None = None,
+            samples: int = 1, **overrides: Any) -> MHACall:
     """Call ``module`` (default: :func:`build` of the case) on the case's inputs
-    (``inputs`` when given), forward keyword arguments ``overrides`` replaced."""
-    module = module if module is not None else build(target, case)
-    kwargs = dict(inputs) if inputs is not None else mha_inputs(case, requires_grad=requires_grad)
-    kwargs.update(overrides)
-    result = call_guarded(target, module, **kwargs)
-    if not isinstance(result, tuple) or len(result) != 2:
-        fail(f"forward returned {type(result).__name__}, but should return (output, weights) "
-             "as nn.MultiheadAttention does")
-    out, weights = result
-    call = MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights, kwargs, module)
-    diagnosis.observe_mha(case, call.output, call.weights, module=module, overrides=overrides)
-    return call
+    (``inputs`` when given) with the forward arguments ``overrides``
+    (need_weights, average_attn_weights, is_causal) replaced, through
+    ``replay.run_mha_call``, and log the call on the target.
+
+    ``requires_grad``: inputs require grad and autograd is on (otherwise the call
+    runs under ``torch.no_grad()``); ``grad_output``: backpropagate it after the call
+    (:func:`upstream_gradient`); ``samples``: call on that many copies of the case
+    along the batch. Dropout is seeded from the case's contents."""
+    __tracebackhide__ = True
+    case = case.replace(**overrides) if overrides else case
+    dropout, training = (module.dropout, module.training) if module is not None else (0.0, False)
+    seed = mha_content_seed(case, f"dropout|{dropout!r}|{samples}") if dropout else None
+    call = MHACallSpec(case, dropout=dropout, training=training, grad=requires_grad or grad_output is not None,
+                       grad_output=grad_output, dropout_seed=seed, samples=samples)
+    if target.log is not None:
+        target.log.calls.append(call)
+    outcome = run_mha_call(target.impl, call, invoke=partial(call_guarded, target),
+                           module=None if module is None else module.module, inputs=inputs)
+    out, weights = outcome.output, outcome.weights
+    result = MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights,
+                     outcome.inputs, outcome.module, call)
+    built = module if module is not None else BuiltModule(outcome.module, dropout, training)
+    diagnosis.observe_mha(call.called_case, result.output, result.weights, module=built, overrides={})
+    return result
 
 
 def oracle(case: MHACase, fully_masked: str = "zero", **overrides: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -121,6 +146,7 @@ def check_mha(target: Target, case: MHACase, call: MHACall, *, fully_masked: str
               include_dead: bool = False, what: str = "module output") -> float:
     """Compare the call's output (and weights, when asked for and declared) with
     the oracle; fully-masked rows only with ``include_dead``, under ``fully_masked``."""
+    __tracebackhide__ = True
     expected_out, expected_w = oracle(case, fully_masked=fully_masked)
     allowed, w_allowed = mha_bounds.allowed_error(case, tf32=target.tf32, fully_masked=fully_masked)
     dead = case.blocked_rows()
@@ -135,19 +161,16 @@ def check_mha(target: Target, case: MHACase, call: MHACall, *, fully_masked: str
     return ratio
 
 
-def random_backward(target: Target, case: MHACase, call: MHACall) -> np.ndarray:
-    """Backpropagate a random upstream gradient through the call's output; returns it."""
-    import torch
-
-    rng = np.random.default_rng(abs(hash(case.describe())) % 2**32)
-    g = rng.standard_normal(call.output.shape)
-    call_guarded(target, lambda: call.out_tensor.backward(
-        torch.from_numpy(g).to(call.out_tensor.dtype).to(call.out_tensor.device)))
-    return g
+def upstream_gradient(case: MHACase) -> np.ndarray:
+    """A random upstream gradient of the module output's shape, seeded by the
+    case's contents (the same in every process and on replay)."""
+    rng = np.random.default_rng(mha_content_seed(case, "grad"))
+    return rng.standard_normal(mha_output_shape(case))
 
 
 def check_parameter_grads(module: Any, *, require_all: bool = True) -> None:
     """Every trainable parameter's gradient is finite (and, with ``require_all``, present)."""
+    __tracebackhide__ = True
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
@@ -179,3 +202,72 @@ def attended_magnitude(case: MHACase, weights: np.ndarray) -> np.ndarray:
     attended = np.concatenate([weights[0, h] @ np.abs(v[:, h * E:(h + 1) * E]) for h in range(pr.num_heads)],
                               axis=-1)  # (L, D)
     return attended @ np.abs(pr.out_proj_weight).T
+
+
+def _perturbed(case: MHACase, direction: dict[str, np.ndarray], h: float) -> MHACase:
+    q = case.query + h * direction["query"]
+    k = q if case.key is case.query else case.key + h * direction["key"]
+    if case.value is case.query:
+        v = q
+    elif case.value is case.key:
+        v = k
+    else:
+        v = case.value + h * direction["value"]
+    return case.replace(query=q, key=k, value=v)
+
+
+def check_input_derivative(target: Target, case: MHACase, inputs: dict[str, Any], grad_output: np.ndarray) -> float:
+    """The gradients a backward of ``grad_output`` left on the query, key and value
+    tensors (``inputs``) against the oracle's derivative along a random direction
+    (seeded by the case's contents; float64 central differences of
+    ``spec.mha_forward``); returns error/allowed."""
+    __tracebackhide__ = True
+    rng = np.random.default_rng(mha_content_seed(case, "direction"))
+    direction = {n: rng.standard_normal(getattr(case, n).shape) for n in ("query", "key", "value")}
+    analytic = 0.0
+    scale = 0.0
+    seen = set()
+    for name in ("query", "key", "value"):
+        t = inputs[name]
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.grad is None:
+            fail(f"gradient with respect to {name} is None, but should reach the inputs")
+        grad = to_numpy(t.grad)
+        analytic += float((grad * direction[name]).sum())
+        scale += float((np.abs(grad) * np.abs(direction[name])).sum())
+    h = 1e-5
+    plus = oracle(_perturbed(case, direction, h), need_weights=False)[0]
+    minus = oracle(_perturbed(case, direction, -h), need_weights=False)[0]
+    g = grad_output
+    numeric = float((g * (plus - minus)).sum() / (2 * h))
+    allowed = tolerance.mha_derivative_allowed(
+        case.dtype, analytic_size=scale, numeric=numeric,
+        logit_range=mha_bounds.logit_range(case, tf32=target.tf32),
+        cancellation=float(np.abs(g * plus).sum()), step=h, tf32=target.tf32)
+    err = abs(analytic - numeric)
+    ratio = err / allowed if allowed > 0 else 0.0
+    if not np.isfinite(analytic) or err > allowed:
+        fail(f"directional derivative of Σ g·output along a random input direction={analytic!r}, "
+             f"but should be {numeric!r} (float64 central differences of the oracle; "
+             f"|diff|={err:.3g}, allowed {allowed:.3g})", ratio=ratio if np.isfinite(analytic) else None)
+    return ratio
+
+
+def check_dropout_mean(target: Target, case: MHACase, output: np.ndarray, dropout: float, samples: int) -> float:
+    """``output`` (L, samples, D) of a train-mode module with ``dropout`` on
+    ``samples`` copies of ``case`` (B = 1, (L, B, D) layout): no NaN in rows with
+    an attendable key, and the mean is the eval output within Hoeffding's bound
+    (``tolerance.mha_dropout_allowed``)."""
+    __tracebackhide__ = True
+    dead = case.blocked_rows().any(axis=1)[0]  # (L,)
+    if np.isnan(output[~dead]).any():
+        fail(f"train-mode output has NaN with dropout={dropout} in rows that have attendable keys")
+    expected, weights = oracle(case, need_weights=True, average_attn_weights=False)
+    mean = output.mean(axis=1, keepdims=True)  # (L, 1, D)
+    c = attended_magnitude(case, weights) / (1 - dropout)  # (L, D)
+    rounding = mha_bounds.allowed_error(case, tf32=target.tf32).output[:, 0]  # (L, D)
+    bound = tolerance.mha_dropout_allowed(c, samples, mean.size, rounding)
+    return compare_values(f"mean of {samples} train-mode outputs (dropout={dropout})", mean[:, 0], expected[:, 0],
+                          bound, where=~dead[:, None]).ratio

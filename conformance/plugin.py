@@ -128,14 +128,23 @@ def pytest_configure(config: pytest.Config) -> None:
         from conformance.devices import pin_cuda_device
 
         pin_cuda_device(getattr(config, "workerinput", {}).get("workerid"))
+    from conformance.expectations import entry_errors
+    from conformance.runner import registered_properties
+
+    properties = registered_properties()
+    errors = entry_errors(impl.expected_failures, properties)
+    if errors:
+        raise pytest.UsageError(f"--impl={impl_spec}: {len(errors)} invalid expected failure(s): "
+                                + "; ".join(errors))
     replay_path = config.getoption("replay")
     if replay_path:
         from conformance import failures
 
         try:
             case, meta = failures.load_case(replay_path)
-        except (OSError, KeyError, ValueError) as err:
-            raise pytest.UsageError(f"--replay {replay_path}: cannot read a saved case ({err})") from None
+            failures.validate_saved(case, meta, properties)
+        except ValueError as err:
+            raise pytest.UsageError(f"--replay {replay_path}: cannot replay it: {err}") from None
         session.replay = failures.Replay(meta["property"], meta["target"], case)
     config.pluginmanager.register(_ResultCollector(session), "conformance-results")
 

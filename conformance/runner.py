@@ -4,10 +4,11 @@ A property is a function ``check(target, case) -> ratio | None`` plus a strategy
 factory ``cases(target)`` and, optionally, ``directed(target)``: a short list of
 explicit cases (``conformance.directed``) run first. :func:`conformance_property`
 turns it into a pytest test parametrized over targets (level × dtype × device),
-which runs the directed cases, then draws cases with Hypothesis, counts examples, tracks the worst error ratio (headroom), treats
-known deviations (expected-failures files) as such without stopping the search
-for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
-and records everything for the certificate on the session
+which runs the directed cases, then draws cases with Hypothesis, counts examples,
+tracks the worst error ratio (headroom), treats known deviations (expected-failures
+files, matched against the calls each example made: ``Target.log``) as such without
+stopping the search for real failures, saves the shrunk failing case and its failing
+call as ``.npz`` with a reproducer, and records everything for the certificate on the session
 (``conformance.session``: on ``config.stash``, reached through the
 ``conformance_session`` fixture).
 """
@@ -15,6 +16,7 @@ and records everything for the certificate on the session
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import pkgutil
 import threading
@@ -30,6 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, FlakyReplay
 
 from conformance.compare import PropertyFailure
+from conformance.expectations import ExpectedFailureLedger
+from conformance.replay import CallLog
 from conformance.session import Session
 from implementations.base import Capabilities, Implementation
 
@@ -64,6 +68,9 @@ class Target:
     timeout: float = 60.0
     #: At most this many distinct shapes per property (``--shape-budget``); None: no budget.
     shape_budget: int | None = None
+    #: The calls the current example made (``calls.run_sdpa``/``mha_calls.run_mha``
+    #: append to it); the runner hands each example a copy of the target with a fresh log.
+    log: CallLog | None = field(default=None, compare=False, repr=False)
 
     @property
     def caps(self) -> Capabilities:
@@ -134,12 +141,20 @@ class Record:
     xfail_hits: int = 0
     xfail_reason: str = ""
     failing_case: Any = field(default=None, repr=False)
+    #: The calls the failing example made, in order (replay call specs).
+    failing_calls: tuple[Any, ...] = field(default=(), repr=False)
     first_failure_seconds: float | None = None
     causes: list[dict[str, Any]] = field(default_factory=list)  # conformance.diagnosis, best first
+    #: Examples run after the first failure (shrinking); ``examples`` stops counting there.
+    shrink_examples: int = 0
+    #: The call the reproducer makes, as a dict (set when it is not the drawn case as is).
+    called: dict[str, Any] | None = None
+    #: Per expected-failure entry of this property: index, hits, covered passes.
+    expected_failures: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("failing_case")
+        d = dataclasses.asdict(dataclasses.replace(self, failing_case=None, failing_calls=()))
+        del d["failing_case"], d["failing_calls"]
         return d
 
 
@@ -235,36 +250,36 @@ def conformance_property(
                 pytest.skip(record.reason)
 
             start = time.perf_counter()
-            # Expected failures of this property: how often a case they cover
-            # failed (a hit) or passed (evidence the entry is stale).
-            entries = [e for e in target.impl.expected_failures if e.property in ("*", property_id)]
-            covered_passes = [0] * len(entries)
-            hits = [0] * len(entries)
+            # Expected failures of this property, matched against the cases it
+            # called: how often one covering an example failed (a hit) or passed.
+            ledger = ExpectedFailureLedger(target.impl.expected_failures, property_id)
+            failing_ratio: list[float | None] = [None]
 
             def one_example(case: Any) -> None:
-                record.examples += 1
+                if record.first_failure_seconds is None:
+                    record.examples += 1
+                else:
+                    record.shrink_examples += 1
+                log = CallLog()
                 diagnosis.start_example(case, record)
                 try:
-                    ratio = check(target, case)
-                except PropertyFailure:
-                    attrs = case.attrs()
-                    entry = next((e for e in entries if e.applies(property_id, attrs)), None)
+                    ratio = check(dataclasses.replace(target, log=log), case)
+                except PropertyFailure as exc:
+                    entry = ledger.excuse(_called_attrs(log, case)) if ledger else None
                     if entry is not None:
-                        hits[entries.index(entry)] += 1
                         record.xfail_hits += 1
                         record.xfail_reason = entry.reason + (
                             f" ({entry.reference})" if entry.reference else ""
                         )
                         return
                     record.failing_case = case
+                    record.failing_calls = tuple(log.calls)
+                    failing_ratio[0] = exc.ratio
                     if record.first_failure_seconds is None:
                         record.first_failure_seconds = time.perf_counter() - start
                     raise
-                if entries:
-                    attrs = case.attrs()
-                    for i, e in enumerate(entries):
-                        if e.applies(property_id, attrs):
-                            covered_passes[i] += 1
+                if ledger:
+                    ledger.passed(_called_attrs(log, case))
                 if ratio is not None and (record.worst_ratio is None or ratio > record.worst_ratio):
                     record.worst_ratio = float(ratio)
 
@@ -285,30 +300,31 @@ def conformance_property(
                     def search(data: st.DataObject) -> None:
                         one_example(data.draw(strategy, label="case"))
 
+                    search._hypothesis_internal_database_key = _database_key(  # type: ignore[attr-defined]
+                        conformance_session, property_id, target)
                     search()
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
+                record.worst_ratio = failing_ratio[0]
+                record.expected_failures = ledger.summary()
                 diagnosis.annotate(exc, target, record)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=conformance_session.impl_spec,
                                   options=conformance_session.options)
                 raise
             record.seconds = time.perf_counter() - start
-            # An entry is stale when cases it covers were drawn and all passed;
-            # one whose cases were never drawn is only "not exercised".
-            # A wildcard entry ("*") is never judged stale by one property: many
-            # properties cannot see its deviation at all (output_contract, say).
-            stale = [e for e, n_pass, n_hit in zip(entries, covered_passes, hits, strict=True)
-                     if n_pass and not n_hit and e.property != "*"]
+            record.expected_failures = ledger.summary()
+            # An entry is stale when cases it covers were called and all passed;
+            # one whose cases were never called is only "not exercised".
+            stale = ledger.stale()
             if record.xfail_hits:
                 record.outcome = "xfailed"
             elif stale:
                 record.outcome = "stale-xfail"
             if stale:
                 record.reason = "expected failure no longer fails on the cases it covers: " + "; ".join(
-                    f"{e.reason} ({n} covered case(s) passed)"
-                    for e, n in zip(entries, covered_passes, strict=True) if e in stale
+                    f"{e.reason} ({n} covered case(s) passed)" for e, n in stale
                 )
 
         test.__name__ = f"test_{property_id}"
@@ -319,6 +335,28 @@ def conformance_property(
         return test
 
     return decorate
+
+
+def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:
+    """Attributes of the cases an example called (the drawn case's when it made no
+    call): what expected failures are matched against."""
+    return [call.attrs() for call in log.calls] or [case.attrs()]
+
+
+def _database_key(session: Session, property_id: str, target: Target) -> bytes:
+    """The Hypothesis database key of one property × implementation × level ×
+    dtype × device: a stable digest, the same in every process.
+
+    Set as the search's ``_hypothesis_internal_database_key``, it files each
+    failure under its own key, so the next run retries it first (without it
+    every property shares the digest of the one ``search`` function). The
+    derandomized (ci) seed comes from that function digest, which the key
+    leaves alone: ci draws do not depend on it.
+    """
+    impl = session.impl_spec or target.impl.name
+    options = ",".join(f"{k}={v}" for k, v in sorted(session.options.items()))
+    text = f"attention-conformance|{impl}|{options}|{property_id}|{target.id}"
+    return hashlib.sha384(text.encode()).digest()
 
 
 def _target_skip_reasons(target: Target, level: str) -> list[str]:

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance import mha_bounds, tolerance
+from conformance import mha_bounds
 from conformance.cases import MHACase
 from conformance.compare import assert_contract, compare_values, fail
 from conformance.helpers import mha_cases_for, mha_directed_for, skip_unless
 from conformance.mha_calls import (
-    attended_magnitude,
     build,
+    check_dropout_mean,
+    check_input_derivative,
     check_mha,
     check_parameter_grads,
     has_feature,
     oracle,
     output_rows,
     pair_allowed,
-    random_backward,
     run_mha,
+    upstream_gradient,
 )
 from conformance.runner import Target, conformance_property
-from conformance.tensors import dtype_of, mha_inputs, to_numpy
+from conformance.tensors import dtype_of, mha_inputs
 
 
 @conformance_property(
@@ -55,27 +56,17 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
     attention output 0, so the module output is out_proj.bias; nan; uniform),
     leave the other rows alone, and give finite gradients to every parameter."""
     policy = target.caps.fully_masked
-    call = run_mha(target, case, requires_grad=target.caps.autograd and target.dtype in ("float32", "float64"))
+    autograd = target.caps.autograd and target.dtype in ("float32", "float64")
+    backward = autograd and policy not in ("nan", "unspecified")
+    call = run_mha(target, case, requires_grad=autograd,
+                   grad_output=upstream_gradient(case) if backward else None)
     if policy == "unspecified":
         return check_mha(target, case, call)
     ratio = check_mha(target, case, call, fully_masked=policy, include_dead=True,
                       what=f"module output with fully-masked rows (declared policy {policy!r})")
-    if policy != "nan" and target.caps.autograd and target.dtype in ("float32", "float64"):
-        random_backward(target, case, call)
+    if backward:
         check_parameter_grads(call.module, require_all=False)
     return ratio
-
-
-def _perturbed(case: MHACase, direction: dict[str, np.ndarray], h: float) -> MHACase:
-    q = case.query + h * direction["query"]
-    k = q if case.key is case.query else case.key + h * direction["key"]
-    if case.value is case.query:
-        v = q
-    elif case.value is case.key:
-        v = k
-    else:
-        v = case.value + h * direction["value"]
-    return case.replace(query=q, key=k, value=v)
 
 
 @conformance_property(
@@ -90,38 +81,10 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
     """Every parameter receives a finite gradient, and the gradient with
     respect to query, key and value matches the oracle's derivative along a
     random direction (float64 central differences of spec.mha_forward)."""
-    call = run_mha(target, case, requires_grad=True)
-    g = random_backward(target, case, call)
+    g = upstream_gradient(case)
+    call = run_mha(target, case, requires_grad=True, grad_output=g)
     check_parameter_grads(call.module)
-    rng = np.random.default_rng(7)
-    direction = {n: rng.standard_normal(getattr(case, n).shape) for n in ("query", "key", "value")}
-    analytic = 0.0
-    scale = 0.0
-    seen = set()
-    for name in ("query", "key", "value"):
-        t = call.inputs[name]
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        if t.grad is None:
-            fail(f"gradient with respect to {name} is None, but should reach the inputs")
-        grad = to_numpy(t.grad)
-        analytic += float((grad * direction[name]).sum())
-        scale += float((np.abs(grad) * np.abs(direction[name])).sum())
-    h = 1e-5
-    plus = oracle(_perturbed(case, direction, h), need_weights=False)[0]
-    minus = oracle(_perturbed(case, direction, -h), need_weights=False)[0]
-    numeric = float((g * (plus - minus)).sum() / (2 * h))
-    allowed = tolerance.mha_derivative_allowed(
-        case.dtype, analytic_size=scale, numeric=numeric,
-        logit_range=mha_bounds.logit_range(case, tf32=target.tf32),
-        cancellation=float(np.abs(g * plus).sum()), step=h, tf32=target.tf32)
-    err = abs(analytic - numeric)
-    if not np.isfinite(analytic) or err > allowed:
-        fail(f"directional derivative of Σ g·output along a random input direction={analytic!r}, "
-             f"but should be {numeric!r} (float64 central differences of the oracle; "
-             f"|diff|={err:.3g}, allowed {allowed:.3g})")
-    return err / allowed if allowed > 0 else 0.0
+    return check_input_derivative(target, case, call.inputs, g)
 
 
 @conformance_property(
@@ -215,31 +178,9 @@ def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
     """
     p = 0.5
     M = 2048
-    tiled = case.replace(
-        query=np.tile(case.query, (1, M, 1)),
-        key=np.tile(case.key, (1, M, 1)) if case.key is not case.query else None,
-        value=np.tile(case.value, (1, M, 1)) if case.value is not case.query else None,
-        key_padding_mask=None if case.key_padding_mask is None else np.tile(case.key_padding_mask, (M, 1)),
-        attn_mask=(case.attn_mask if case.attn_mask is None or case.attn_mask.ndim == 2
-                   else np.tile(case.attn_mask, (M, 1, 1))),
-    )
-    if tiled.key is None:
-        tiled = tiled.replace(key=tiled.query)
-    if tiled.value is None:
-        tiled = tiled.replace(value=tiled.key if case.value is case.key else tiled.query)
-    module = build(target, tiled, dropout=p, training=True)
-    out = run_mha(target, tiled, module, need_weights=False).output  # (L, M, D)
-    dead = case.blocked_rows().any(axis=1)[0]  # (L,)
-    live = out[~dead]
-    if np.isnan(live).any():
-        fail(f"train-mode output has NaN with dropout={p} in rows that have attendable keys")
-    expected, weights = oracle(case, need_weights=True, average_attn_weights=False)
-    mean = out.mean(axis=1, keepdims=True)  # (L, 1, D)
-    c = attended_magnitude(case, weights) / (1 - p)  # (L, D)
-    rounding = mha_bounds.allowed_error(case, tf32=target.tf32).output[:, 0]  # (L, D)
-    bound = tolerance.mha_dropout_allowed(c, M, mean.size, rounding)
-    return compare_values(f"mean of {M} train-mode outputs (dropout={p})", mean[:, 0], expected[:, 0],
-                          bound, where=~dead[:, None]).ratio
+    module = build(target, case, dropout=p, training=True)
+    out = run_mha(target, case, module, need_weights=False, samples=M).output  # (L, M, D)
+    return check_dropout_mean(target, case, out, p, M)
 
 
 @conformance_property(
@@ -300,9 +241,9 @@ def test_mha_output_contract(target: Target, case: MHACase) -> None:
     inputs are not modified."""
     import torch
 
-    inputs = mha_inputs(case)
-    before = {k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    call = run_mha(target, case, inputs=inputs)
+    call = run_mha(target, case)
+    inputs = call.inputs
+    before = {k: v for k, v in mha_inputs(case).items() if isinstance(v, torch.Tensor)}  # fresh copies
     expected_out, expected_w = oracle(case)
     assert_contract("output", call.out_tensor, shape=expected_out.shape, dtype=dtype_of(case.dtype),
                     device=target.device)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance import tolerance
 from conformance.calls import (
     assert_output_contract,
     check_against_oracle,
+    check_fully_masked_policy,
     check_gradients,
-    oracle,
+    expect_sdpa_raises,
     run_sdpa,
 )
 from conformance.cases import SDPACase
-from conformance.compare import compare_values, fail
-from conformance.helpers import case_rng, cases_for, directed_for, expect_raise, skip_unless
+from conformance.compare import fail
+from conformance.helpers import case_rng, cases_for, directed_for, skip_unless
 from conformance.runner import Target, conformance_property
 from conformance.tensors import sdpa_inputs
 from spec.emulate import round_to
@@ -60,24 +60,7 @@ def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     autograd, under policy zero) give gradients that match the VJP."""
     call = run_sdpa(target, case)
     policy = target.caps.fully_masked
-    dead = case.fully_masked_rows()[..., None]  # (B, N, L, 1)
-    dead_full = np.broadcast_to(dead, call.output.shape)
-    if policy == "zero":
-        bad = dead_full & ~(call.output == 0)
-        if bad.any():
-            i = tuple(int(x) for x in np.argwhere(bad)[0])
-            fail(f"fully-masked row output at {i}={call.output[i]!r}, but should be 0 "
-                 f"(declared fully_masked='zero'); {int(bad.sum())} such elements")
-    elif policy == "nan":
-        bad = dead_full & ~np.isnan(call.output)
-        if bad.any():
-            i = tuple(int(x) for x in np.argwhere(bad)[0])
-            fail(f"fully-masked row output at {i}={call.output[i]!r}, but should be NaN "
-                 "(declared fully_masked='nan')")
-    elif policy == "uniform":
-        uniform = oracle(case, fully_masked="uniform").output
-        compare_values("fully-masked row output (uniform policy)", call.output, uniform,
-                       tolerance.sdpa_allowed(case.dtype, 0.0, np.abs(uniform) + 1e-300), where=dead)
+    check_fully_masked_policy(target, case, call.output)
     ratio = check_against_oracle(target, case, call.output, what="output of the other rows").ratio
     if policy == "zero" and target.caps.autograd and target.dtype in ("float64", "float32"):
         ratio = max(ratio, check_gradients(target, case))
@@ -94,11 +77,13 @@ def test_output_contract(target: Target, case: SDPACase) -> None:
     device, the inputs are not modified, and a second call gives the same result."""
     import torch
 
-    tensors = sdpa_inputs(case)
-    before = {k: v.detach().clone() for k, v in tensors.items() if v is not None}
-    first = run_sdpa(target, case, inputs=tensors)
+    first = run_sdpa(target, case)
     assert_output_contract(target, case, first)
+    tensors = first.inputs
+    before = sdpa_inputs(first.spec.passed_case)  # what was handed over, freshly made
     for name, old in before.items():
+        if old is None:
+            continue
         now = tensors[name]
         same = torch.equal(now.detach(), old) if old.dtype == torch.bool else torch.equal(
             torch.nan_to_num(now.detach()), torch.nan_to_num(old))
@@ -121,18 +106,14 @@ def test_output_contract(target: Target, case: SDPACase) -> None:
 def test_invalid_inputs_raise(target: Target, case: SDPACase) -> None:
     """Inputs invalid per the spec raise instead of computing: N % K != 0 with
     enable_gqa, and a mask built for another key length (S + 1)."""
-    import torch
-
-    t = sdpa_inputs(case)
-    q, k, v = t["query"], t["key"], t["value"]
     # N query heads against N + 1 kv heads: N % (N + 1) != 0 for every N >= 1.
-    k_bad = torch.cat([k[:, :1]] * (case.N + 1), dim=1)
-    v_bad = torch.cat([v[:, :1]] * (case.N + 1), dim=1)
-    expect_raise(target, f"query heads N={case.N} with K={case.N + 1} kv heads and enable_gqa=True",
-                 target.impl.sdpa, q, k_bad, v_bad, enable_gqa=True)
-    mask = torch.ones(case.L, case.S + 1, dtype=torch.bool, device=q.device)
-    expect_raise(target, f"attn_mask of shape (L, S+1)=({case.L}, {case.S + 1}) for S={case.S} keys",
-                 target.impl.sdpa, q, k, v, attn_mask=mask, enable_gqa=case.K != case.N)
+    bad_heads = case.replace(key=np.repeat(case.key[:, :1], case.N + 1, axis=1),
+                             value=np.repeat(case.value[:, :1], case.N + 1, axis=1))
+    expect_sdpa_raises(target, bad_heads,
+                       f"query heads N={case.N} with K={case.N + 1} kv heads and enable_gqa=True")
+    bad_mask = case.replace(attend_mask=np.ones((case.L, case.S + 1), dtype=bool))
+    expect_sdpa_raises(target, bad_mask,
+                       f"attn_mask of shape (L, S+1)=({case.L}, {case.S + 1}) for S={case.S} keys")
 
 
 @conformance_property(

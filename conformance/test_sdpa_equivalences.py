@@ -6,16 +6,15 @@ from __future__ import annotations
 import numpy as np
 
 import spec
-from conformance import tolerance
 from conformance.calls import (
     allowed_for,
     check_against_oracle,
-    magnitude,
+    check_dropout_mean,
     run_sdpa,
     valid_rows,
 )
 from conformance.cases import SDPACase
-from conformance.compare import compare_values, fail
+from conformance.compare import compare_values
 from conformance.helpers import cases_for, directed_for, skip_unless
 from conformance.runner import Target, conformance_property
 from spec.emulate import round_to
@@ -130,28 +129,5 @@ def test_dropout_expectation(target: Target, case: SDPACase) -> float:
     """
     p = 0.5
     positive = case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
-    M = DROPOUT_SAMPLES
-    tiled = positive.replace(
-        query=np.tile(positive.query, (M, 1, 1, 1)),
-        key=np.tile(positive.key, (M, 1, 1, 1)),
-        value=np.tile(positive.value, (M, 1, 1, 1)),
-        attend_mask=_tile_mask(positive.attend_mask, M),
-        additive_mask=_tile_mask(positive.additive_mask, M),
-    )
-    out = run_sdpa(target, tiled, dropout_p=p).output.reshape(M, *positive.query.shape[:3], positive.Ev)
-    rows = valid_rows(positive)
-    if np.isnan(out[:, rows[..., 0]]).any():
-        fail(f"dropout output has NaN with dropout_p={p} (e.g. -inf mask entries times a dropout mask)")
-    _, ref = allowed_for(target, positive)
-    mean = out.mean(axis=0)
-    c = magnitude(positive, ref.weights) / (1 - p)
-    bound = tolerance.sdpa_dropout_allowed(c, M, mean.size)
-    return compare_values(f"mean of {M} dropout outputs (dropout_p={p})", mean, ref.output, bound,
-                          where=rows).ratio
-
-
-def _tile_mask(mask: np.ndarray | None, M: int) -> np.ndarray | None:
-    if mask is None:
-        return None
-    m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    return np.tile(m4, (M, 1, 1, 1)) if m4.shape[0] > 1 else m4
+    out = run_sdpa(target, positive, dropout_p=p, samples=DROPOUT_SAMPLES).output
+    return check_dropout_mean(target, positive, out, p, DROPOUT_SAMPLES)

@@ -34,7 +34,9 @@ def listed(property_id, **attrs):
     """The torch-mha expected failure covering a case with these attributes, or None."""
     base = {"level": "mha", "key_padding_mask": None, "attn_mask": None, "is_causal": False,
             "batch_first": False, "self_attention": False, "add_bias_kv": False,
-            "add_zero_attn": False, "need_weights": True, "fully_masked_rows": False}
+            "add_zero_attn": False, "need_weights": True, "fully_masked_rows": False,
+            "N": 2, "unbatched": False, "kdim_vdim": False, "bias": True, "grad": False,
+            "training": False, "dropout_p": 0.0}
     case = {**base, **attrs}
     entries = registry.resolve("torch-mha").expected_failures
     return next((entry for entry in entries if entry.applies(property_id, case)), None)
@@ -54,7 +56,10 @@ def test_need_weights_true_gives_nan_rows_and_nan_gradients():
 
 def test_fast_path_gives_nan_rows():
     assert listed("mha_fully_masked_rows", need_weights=False, batch_first=True, self_attention=True,
-                  fully_masked_rows=True)
+                  fully_masked_rows=True, key_padding_mask="bool")
+    # With autograd on (the module's parameters require grad) the slow path runs.
+    assert not listed("mha_fully_masked_rows", need_weights=False, batch_first=True, self_attention=True,
+                      fully_masked_rows=True, key_padding_mask="bool", grad=True)
     module, _ = build(batch_first=True)
     x, kpm = fully_masked_inputs()
     with torch.no_grad():  # eval + no grad + self-attention + need_weights=False: the fast path

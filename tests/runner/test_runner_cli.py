@@ -76,7 +76,7 @@ def test_failure_is_shrunk_saved_reproduced_and_replayed(tmp_path):
                f"--conformance-report={tmp_path}/cert", tmp_path=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:]
     out = proc.stdout
-    assert "property forward_agreement failed for implementation" in out
+    assert "property forward_agreement (spec.sdpa) failed for implementation" in out
     assert "shrunk case: B=1 N=1 K=1 L=1" in out
     [result] = [r for r in report(tmp_path)["results"] if r["property"] == "forward_agreement"]
     assert result["outcome"] == "failed"
@@ -88,8 +88,8 @@ def test_failure_is_shrunk_saved_reproduced_and_replayed(tmp_path):
     repro = subprocess.run([sys.executable, "-c", result["reproducer"]], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert repro.returncode == 0, repro.stderr
-    diff = float(repro.stdout.rsplit("=", 1)[1])
-    assert diff > 1e-6
+    diff = float(repro.stdout.split("max |out - oracle| = ")[1].split()[0])
+    assert diff > 1e-6 and "FAILS: output values mismatch" in repro.stdout
     # --replay re-runs exactly that case: still failing for the buggy one, passing for sdpa.
     again = run(f"--impl={IMPLS}:ignores_scale", f"--replay={saved}", tmp_path=tmp_path)
     assert again.returncode == 1 and "1 failed" in again.stdout

@@ -1,0 +1,351 @@
+"""One replay path: the call a property made is what its failure saves, what the
+reproducer snippet makes in a fresh interpreter, and what expected failures are
+matched against. Also --replay's validation and the seeding of non-Hypothesis draws."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+import conformance
+from conformance import failures
+from conformance.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
+from conformance.mha_calls import upstream_gradient
+from conformance.replay import MHACallSpec, SDPACallSpec, report_sdpa_call
+from conformance.runner import Target, registered_properties
+from implementations.mutants import MUTANTS
+from implementations.mutants._base import (
+    SDPA_CAPABILITIES,
+    NaiveSDPA,
+    sdpa_implementation,
+)
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLAY_IMPLS = ROOT / "tests" / "runner" / "impls_for_replay.py"
+#: Imported before any in-process run so that pytester's restoring of sys.modules keeps them.
+MODULES = [importlib.import_module(m.name) for m in pkgutil.walk_packages(conformance.__path__, "conformance.")]
+PROPERTIES = dict(registered_properties())
+#: Dtype each property is run in (others: float64).
+DTYPES = {"large_logits": "float16", "dropout_expectation": "float32", "mha_dropout_expectation": "float32",
+          "mha_output_contract": "float32"}
+
+
+def killer(prop: str) -> str:
+    """An --impl value the property kills: a bug-zoo mutant that names it (not a
+    Triton one: slow on a CPU), else the wrong implementation of impls_for_replay."""
+    for name, mutant in MUTANTS.items():
+        if mutant.expected_property == prop and not name.startswith("triton"):
+            return f"mutant:{name}"
+    return f"{REPLAY_IMPLS}:{prop}"
+
+
+def run_snippets(snippets: dict[str, str], cwd: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Run each snippet, each in a fresh namespace, in one fresh interpreter
+    (started in ``cwd``); returns its output (and any exception) by name."""
+    driver = (
+        "import io, json, sys, contextlib, traceback\n"
+        "snippets = json.load(sys.stdin)\n"
+        "outputs = {}\n"
+        "for name, code in snippets.items():\n"
+        "    buffer = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(buffer):\n"
+        "        try:\n"
+        "            exec(compile(code, name, 'exec'), {'__name__': '__main__'})\n"
+        "        except BaseException:\n"
+        "            buffer.write('SNIPPET RAISED\\n' + traceback.format_exc())\n"
+        "    outputs[name] = buffer.getvalue()\n"
+        "sys.__stdout__.write(json.dumps(outputs))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    proc = subprocess.run([sys.executable, "-c", driver], input=json.dumps(snippets), cwd=cwd,
+                          capture_output=True, text=True, timeout=900, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def restore_profile():
+    settings.register_profile("_outer_replay", parent=settings.default)
+    yield
+    settings.load_profile("_outer_replay")
+
+
+def conformance_run(pytester, *args: str):
+    return pytester.runpytest_inprocess(str(ROOT / "conformance"), f"--rootdir={ROOT}", "-p", "no:cacheprovider",
+                                        *args)
+
+
+def inprocess_run(cwd: Path, *args: str) -> int:
+    """One conformance run in this process (the modules are imported already:
+    each run costs only its examples), started in ``cwd``."""
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return pytest.main([str(ROOT / "conformance"), f"--rootdir={ROOT}", "-p", "no:cacheprovider", "-q",
+                            *args])
+    finally:
+        os.chdir(old)
+
+
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory, restore_profile):
+    """For every property: the result of a ci run of an implementation it kills
+    (that property alone), and what its printed reproducer shows when run."""
+    workdir = tmp_path_factory.mktemp("reproduced")
+    results = {}
+    for prop in PROPERTIES:
+        report = workdir / f"{prop}-cert"
+        inprocess_run(workdir, f"--impl={killer(prop)}", f"--dtype={DTYPES.get(prop, 'float64')}",
+                      "-k", f"test_{prop}", "-x", "--hypothesis-profile=ci", f"--conformance-report={report}")
+        cert = json.loads(Path(f"{report}.json").read_text())
+        failed = [r for r in cert["results"] if r["property"] == prop and r["outcome"] == "failed"]
+        results[prop] = failed[0] if failed else None
+    snippets = {prop: r["reproducer"] for prop, r in results.items() if r and r["reproducer"]}
+    return results, run_snippets(snippets, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prop", sorted(PROPERTIES))
+def test_every_property_reproducer_shows_the_failure_in_a_fresh_interpreter(reproduced, prop):
+    results, outputs = reproduced
+    result = results[prop]
+    assert result is not None, f"{killer(prop)} was not killed by {prop} under ci"
+    output = outputs[prop]
+    assert "SNIPPET RAISED" not in output, output
+    assert "FAILS: " in output and "=> this call shows the failure" in output, (result["reproducer"], output)
+
+
+# -- item by item, on single runs --------------------------------------------------
+
+
+def test_mha_reproducer_runs_and_shows_the_mismatch(pytester, restore_profile):
+    conformance_run(pytester, "--impl=mutant:mha_no_out_proj", "-k", "mha_agreement", "-x",
+                    "--hypothesis-profile=ci", f"--conformance-report={pytester.path / 'cert'}")
+    [r] = json.loads((pytester.path / "cert.json").read_text())["results"]
+    assert r["outcome"] == "failed"
+    repro = subprocess.run([sys.executable, "-c", r["reproducer"]], cwd=pytester.path, capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+    assert repro.returncode == 0, repro.stderr
+    assert "FAILS: module output values mismatch" in repro.stdout
+    diff = float(repro.stdout.split("max |out - oracle| = ")[1].split()[0])
+    assert diff > 1e-3
+    # The certificate's FAIL cell shows the failing example's ratio, not "-" or 0.
+    assert r["worst_ratio"] is not None and r["worst_ratio"] > 1
+
+
+def test_notes_name_the_section_and_the_called_case(pytester, restore_profile):
+    result = conformance_run(pytester, "--impl=mutant:mask_after_softmax", "-k", "weights_are_distributions",
+                             "--dtype=float64", "-x", "--hypothesis-profile=ci")
+    out = result.stdout.str()
+    assert "property weights_are_distributions (spec.sdpa (weights)) failed" in out
+    # The property calls the V = identity probe (Ev = S), not the drawn case.
+    shrunk = re.search(r"^E\s+shrunk case: (.*)$", out, re.MULTILINE).group(1)
+    called = re.search(r"^E\s+called: (.*)$", out, re.MULTILINE).group(1)
+    assert "Ev=1 " in shrunk and "Ev=2 " in called and "is_causal=True" in called
+    # The assertion helpers hide themselves: the traceback ends at the property.
+    frames = re.findall(r"^\S*conformance/(\w+)\.py:\d+: ", out, re.MULTILINE)
+    assert frames and set(frames) <= {"runner", "test_sdpa_invariants"}, frames
+
+
+def test_causal_case_with_a_bool_mask_is_reproduced_as_called():
+    """The runner folds causality into the mask when a mask comes with it; the
+    zoo's correct control refuses is_causal=True with a mask, and the reproducer
+    makes the folded call, so the control agrees with the oracle."""
+    control = sdpa_implementation("control", NaiveSDPA(), SDPA_CAPABILITIES, "correct")
+    rng = np.random.default_rng(0)
+    case = SDPACase(rng.standard_normal((1, 1, 2, 2)), rng.standard_normal((1, 1, 3, 2)),
+                    rng.standard_normal((1, 1, 3, 2)), attend_mask=np.array([[True, True, False]] * 2),
+                    causal="upper_left")
+    from conformance.calls import uses_causal_flag
+
+    call = SDPACallSpec(case, is_causal=uses_causal_flag(Target(control, "sdpa", "float64", "cpu"), case))
+    assert not call.is_causal and call.passed_case.causal is None
+    snippet = failures.reproducer(call, "mutant:fully_masked_nan", None, {})
+    assert "is_causal" not in snippet.split("call = ")[1] and "causal='upper_left'" in snippet
+    report = report_sdpa_call(control, call)
+    assert not report.shows_failure, report.text()
+
+
+def test_large_logits_reproducer_makes_the_large_logits_call(pytester, restore_profile):
+    conformance_run(pytester, "--impl=mutant:logits_in_input_dtype", "-k", "large_logits", "-x",
+                    "--dtype=float16", "--hypothesis-profile=ci", f"--conformance-report={pytester.path / 'cert'}")
+    [r] = json.loads((pytester.path / "cert.json").read_text())["results"]
+    assert r["outcome"] == "failed" and r["called"] is not None
+    assert r["called"]["case"]["scale"] == 1 / 64  # the transformed case, not the drawn one
+    outputs = run_snippets({"large": r["reproducer"]}, pytester.path)
+    assert "FAILS: " in outputs["large"] and "max |out - oracle| = 0.0\n" not in outputs["large"]
+
+
+def test_invalid_inputs_reproducer_makes_the_invalid_call(pytester, restore_profile):
+    conformance_run(pytester, "--impl=mutant:gqa_indivisible_accepted", "-k", "invalid_inputs_raise", "-x",
+                    "--dtype=float64", "--hypothesis-profile=ci", f"--conformance-report={pytester.path / 'cert'}")
+    [r] = json.loads((pytester.path / "cert.json").read_text())["results"]
+    assert r["outcome"] == "failed"
+    assert r["called"]["case"]["K"] == r["called"]["case"]["N"] + 1
+    outputs = run_snippets({"invalid": r["reproducer"]}, pytester.path)
+    assert "the spec calls this input invalid" in outputs["invalid"]
+    assert "FAILS: returned a result" in outputs["invalid"]
+
+
+# -- saved calls round trip ---------------------------------------------------------
+
+
+def _mha_case(self_attention: bool = True) -> MHACase:
+    import spec
+
+    rng = np.random.default_rng(3)
+    params = spec.MHAParams.random(rng, 4, 2)
+    x = rng.standard_normal((3, 2, 4))
+    other = rng.standard_normal((3, 2, 4))
+    return MHACase(params, x, x if self_attention else other, x if self_attention else other,
+                   key_padding_mask=np.array([[False, False, True], [True, True, True]]))
+
+
+def test_saved_call_round_trips_with_self_attention_identity(tmp_path):
+    case = _mha_case()
+    call = MHACallSpec(case, dropout=0.5, training=True, grad=True, grad_output=upstream_gradient(case),
+                       dropout_seed=12, samples=1)
+    path = failures.save_case(case, tmp_path / "c.npz", call=call, property="mha_agreement",
+                              target="mha-float64-cpu")
+    loaded, _ = failures.load_case(path)
+    assert loaded.key is loaded.query and loaded.value is loaded.query
+    back = failures.load_call(path)
+    assert back.case.key is back.case.query and back.attrs() == call.attrs()
+    assert np.array_equal(back.grad_output, call.grad_output) and back.dropout_seed == 12
+
+
+# -- seeds: the same in every process ---------------------------------------------
+
+
+def test_upstream_gradient_and_dropout_seed_do_not_depend_on_the_hash_seed():
+    code = ("import hashlib, numpy as np\n"
+            "from tests.runner.test_replay import _mha_case\n"
+            "from conformance.mha_calls import upstream_gradient\n"
+            "from conformance.replay import mha_content_seed, content_seed\n"
+            "case = _mha_case()\n"
+            "print(hashlib.sha1(upstream_gradient(case).tobytes()).hexdigest(), mha_content_seed(case, 'dropout'),"
+            " content_seed('dropout', case.query))\n")
+    outs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+def test_ci_worst_ratios_of_random_properties_are_the_same_across_runs(tmp_path):
+    ratios = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed,
+                   ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
+        subprocess.run([sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+                        "--impl=handwritten", "--dtype=float32", "--hypothesis-profile=ci",
+                        "-k", "dropout_expectation or mha_gradients",
+                        f"--conformance-report={tmp_path / seed}"], cwd=ROOT, env=env, capture_output=True,
+                       timeout=900, check=True)
+        cert = json.loads((tmp_path / f"{seed}.json").read_text())
+        ratios.append({r["property"]: r["worst_ratio"] for r in cert["results"] if r["outcome"] == "passed"})
+    assert set(ratios[0]) == {"dropout_expectation", "mha_dropout_expectation", "mha_gradients"}
+    assert ratios[0] == ratios[1]
+
+
+# -- call attributes ----------------------------------------------------------------
+
+
+def test_call_attributes_are_the_declared_ones_and_set_for_real():
+    rng = np.random.default_rng(1)
+    case = SDPACase(rng.standard_normal((1, 1, 2, 3)), rng.standard_normal((1, 1, 2, 3)),
+                    rng.standard_normal((1, 1, 2, 3)))
+    sdpa = SDPACallSpec(case, dropout_p=0.25, grad_output=np.ones((1, 1, 2, 3)))
+    assert set(sdpa.attrs()) == SDPA_ATTRIBUTES
+    assert sdpa.attrs()["grad"] is True and sdpa.attrs()["dropout_p"] == 0.25
+    mha = MHACallSpec(_mha_case(), dropout=0.5, training=True, grad=True)
+    assert set(mha.attrs()) == MHA_ATTRIBUTES
+    attrs = mha.attrs()
+    assert (attrs["grad"], attrs["dropout_p"], attrs["training"], attrs["self_attention"]) == (True, 0.5, True, True)
+
+
+# -- --replay validation ---------------------------------------------------------------
+
+
+def _saved(tmp_path: Path, **meta) -> Path:
+    rng = np.random.default_rng(0)
+    case = SDPACase(*(rng.standard_normal((1, 1, 2, 3)) for _ in range(3)))
+    meta = {"property": "forward_agreement", "target": "sdpa-float64-cpu", **meta}
+    return failures.save_case(case, tmp_path / "case.npz", **meta)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated", "not a readable .npz file"),
+    ("unknown_property", "property='forward_agreemnt' is not a property of this suite; known: "),
+    ("inconsistent_shapes", "not a valid sdpa case"),
+    ("wrong_target", "target='mha-float64-cpu', but should be sdpa-<dtype>-<device>"),
+])
+def test_replay_of_a_bad_file_is_a_one_line_usage_error(pytester, tmp_path, restore_profile, damage, message):
+    path = _saved(tmp_path, property="forward_agreemnt" if damage == "unknown_property" else "forward_agreement",
+                  target="mha-float64-cpu" if damage == "wrong_target" else "sdpa-float64-cpu")
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    if damage == "inconsistent_shapes":
+        with np.load(path) as data:
+            arrays = dict(data)
+        arrays["key"] = arrays["key"][..., :2]  # E = 2 keys against E = 3 queries
+        np.savez(path, **arrays)
+    result = conformance_run(pytester, "--impl=spec", f"--replay={path}", "--hypothesis-profile=ci")
+    err = result.stderr.str()
+    assert result.ret == 4 and "INTERNALERROR" not in err + result.stdout.str()
+    assert message in err and f"--replay {path}: cannot replay it:" in err
+    if damage == "unknown_property":
+        assert "forward_agreement" in err.split("known: ")[1]
+
+
+# -- the Hypothesis database: one key per property x target -----------------------------
+
+
+def test_a_failure_found_under_dev_is_retried_first_by_the_next_run(tmp_path):
+    impls = ROOT / "tests" / "runner" / "impls_for_tests.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "f"))
+    results = []
+    for attempt in ("first", "second"):
+        subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider", "-q",
+                        f"--impl={impls}:ignores_scale", "--dtype=float64", "-k", "temperature or forward_agreement",
+                        f"--conformance-report={tmp_path / attempt}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)
+        results.append({r["property"]: r for r in json.loads((tmp_path / f"{attempt}.json").read_text())["results"]})
+    for prop in ("temperature", "forward_agreement"):
+        assert results[0][prop]["outcome"] == results[1][prop]["outcome"] == "failed"
+        assert results[1][prop]["examples"] == 1, prop  # the saved failure, replayed first
+    # Each property x target has its own key (a directory of .hypothesis/examples).
+    keys = [p for p in (tmp_path / ".hypothesis" / "examples").iterdir() if p.is_dir()]
+    assert len(keys) >= 2
+
+
+def test_database_keys_are_stable_and_distinct():
+    from types import SimpleNamespace
+
+    from conformance.runner import _database_key
+
+    impl = SimpleNamespace(name="x")
+    session = SimpleNamespace(impl_spec="sdpa", options={})
+    key = _database_key(session, "forward_agreement", Target(impl, "sdpa", "float32", "cpu"))
+    assert key == _database_key(session, "forward_agreement", Target(impl, "sdpa", "float32", "cpu"))
+    others = {_database_key(session, "temperature", Target(impl, "sdpa", "float32", "cpu")),
+              _database_key(session, "forward_agreement", Target(impl, "sdpa", "float16", "cpu")),
+              _database_key(SimpleNamespace(impl_spec="sdpa-math", options={}), "forward_agreement",
+                            Target(impl, "sdpa", "float32", "cpu"))}
+    assert key not in others and len(others) == 3
