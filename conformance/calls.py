@@ -37,6 +37,7 @@ __all__ = [
     "run_sdpa",
     "check_against_oracle",
     "assert_output_contract",
+    "assert_returned_tensor",
     "grad_magnitudes",
     "grad_logit_range",
     "check_gradients",
@@ -163,14 +164,23 @@ def run_sdpa(
         scale=case.scale,
         enable_gqa=case.K != case.N,
     )
+    expected_shape = (case.B, case.N, case.L, case.Ev)
+    assert_returned_tensor("output", out, device=case.device, shape=expected_shape, dims="(B, N, L, Ev)")
+    return SDPACall(to_numpy(out), out)
+
+
+def assert_returned_tensor(what: str, out: Any, *, device: str, shape: tuple[int, ...] | None = None,
+                           dims: str = "") -> None:
+    """What the implementation returned is a torch.Tensor with data on ``device`` (and of
+    ``shape``): anything else fails the property before the suite reads it."""
     import torch
 
     if not isinstance(out, torch.Tensor):
-        fail(f"output type={type(out).__name__}, but should be torch.Tensor (SDPA returns one tensor)")
-    expected_shape = (case.B, case.N, case.L, case.Ev)
-    if tuple(out.shape) != expected_shape:
-        fail(f"output shape={tuple(out.shape)}, but should be {expected_shape} (B, N, L, Ev)")
-    return SDPACall(to_numpy(out), out)
+        fail(f"{what} type={type(out).__module__}.{type(out).__qualname__}, but should be torch.Tensor")
+    if out.device.type != device:
+        fail(f"{what} device={out.device}, but should be {device} (the inputs' device)")
+    if shape is not None and tuple(out.shape) != tuple(shape):
+        fail(f"{what} shape={tuple(out.shape)}, but should be {tuple(shape)} {dims}".rstrip())
 
 
 def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,

@@ -17,6 +17,7 @@ import numpy as np
 
 import spec
 from conformance import tolerance
+from conformance.calls import assert_returned_tensor
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
 from conformance.runner import Target, call_guarded
@@ -84,6 +85,9 @@ def run_mha(target: Target, case: MHACase, module: Any = None, *, requires_grad:
         fail(f"forward returned {type(result).__name__}, but should return (output, weights) "
              "as nn.MultiheadAttention does")
     out, weights = result
+    assert_returned_tensor("module output", out, device=case.device)
+    if weights is not None:
+        assert_returned_tensor("attention weights", weights, device=case.device)
     return MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights, kwargs, module)
 
 

@@ -9,6 +9,14 @@ for real failures, saves the shrunk failing case as ``.npz`` with a reproducer,
 and records everything for the certificate on the session
 (``conformance.session``: on ``config.stash``, reached through the
 ``conformance_session`` fixture).
+
+Every call into the implementation goes through :func:`call_guarded` (and so
+through ``implementations.guard``, the one guarded path: timeout, exceptions
+captured, global state restored). A hang or a crash ends the property's search at
+once, with the case that did it (no shrinking: each step would cost a timeout or a
+new worker process), and the case is remembered for the session: another property
+handed the very same case fails fast instead of waiting again. With ``--isolate``
+the whole check of each example runs in a worker process (``conformance.isolation``).
 """
 
 from __future__ import annotations
@@ -16,12 +24,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,6 +36,7 @@ from hypothesis.errors import FlakyFailure, FlakyReplay
 
 from conformance.compare import PropertyFailure
 from conformance.session import Session
+from implementations import guard
 from implementations.base import Capabilities, Implementation
 
 __all__ = [
@@ -38,8 +45,10 @@ __all__ = [
     "Target",
     "ImplementationRaised",
     "ImplementationHung",
+    "ImplementationCrashed",
     "conformance_property",
     "registered_properties",
+    "registered_checks",
     "call_guarded",
 ]
 
@@ -52,6 +61,19 @@ class ImplementationHung(PropertyFailure):
     """The implementation did not return within the per-example timeout."""
 
 
+class ImplementationCrashed(PropertyFailure):
+    """The implementation ended its (isolated worker) process during a call."""
+
+
+class _StopSearch(BaseException):
+    """Ends Hypothesis' search at once (a BaseException, so it neither shrinks nor
+    replays): the implementation hung or crashed on ``failure``'s case."""
+
+    def __init__(self, failure: PropertyFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 @dataclass(frozen=True)
 class Target:
     """One certification target: an implementation at a level, dtype and device."""
@@ -61,6 +83,9 @@ class Target:
     dtype: str
     device: str
     timeout: float = 60.0
+    #: Inside an isolated worker: a context manager around each call into the
+    #: implementation that tells the pytest process, which enforces ``timeout``.
+    watch: Callable[[], ContextManager[Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def caps(self) -> Capabilities:
@@ -92,6 +117,8 @@ class PropertyInfo:
 #: ``conformance/test_*.py`` modules are imported; read it through
 #: :func:`registered_properties`. Definitions only: the same in every session.
 _PROPERTIES: dict[str, PropertyInfo] = {}
+#: Each property's ``check(target, case)`` by id (what an isolated worker runs).
+_CHECKS: dict[str, Callable[[Any, Any], float | None]] = {}
 
 
 def registered_properties() -> Mapping[str, PropertyInfo]:
@@ -106,6 +133,12 @@ def registered_properties() -> Mapping[str, PropertyInfo]:
         if module.name.startswith("test_"):
             importlib.import_module(f"conformance.{module.name}")
     return MappingProxyType(_PROPERTIES)
+
+
+def registered_checks() -> Mapping[str, Callable[[Target, Any], float | None]]:
+    """Each property's ``check(target, case)`` by id (imports every property module)."""
+    registered_properties()
+    return MappingProxyType(_CHECKS)
 
 
 @dataclass
@@ -129,6 +162,9 @@ class Record:
     xfail_reason: str = ""
     failing_case: Any = field(default=None, repr=False)
     first_failure_seconds: float | None = None
+    #: Timed-out calls whose threads were still running when the test ended (thread mode).
+    leftover_threads: int = 0
+    isolated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -139,36 +175,86 @@ class Record:
 def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call into the implementation: exceptions and hangs become property failures.
 
-    The call runs in a daemon thread so that a hang fails the property after
-    ``target.timeout`` seconds instead of stalling the run (the thread itself
-    cannot be killed and is left behind).
+    Goes through :func:`implementations.guard.guarded_call`: the call runs in a
+    daemon thread so that a hang fails the property after ``target.timeout`` seconds
+    (the thread cannot be killed and is left behind, counted on the certificate),
+    every exception is captured, and the global NumPy and torch settings the suite
+    computes under are restored afterwards. In an isolated worker (``target.watch``)
+    the call runs directly and the pytest process enforces the timeout.
     """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - everything is the implementation's
-            box["error"] = exc
-
-    if target.timeout and target.timeout > 0:
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(target.timeout)
-        if worker.is_alive():
-            raise ImplementationHung(
-                f"{target.impl.name} did not return within {target.timeout:g}s "
-                "(per-example timeout, --example-timeout)"
-            )
-    else:
-        run()
-    if "error" in box:
-        exc = box["error"]
-        tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    try:
+        if target.watch is not None:
+            with target.watch():
+                return guard.guarded_call(fn, *args, timeout=None, **kwargs)
+        return guard.guarded_call(fn, *args, timeout=target.timeout, **kwargs)
+    except guard.CallTimedOut:
+        raise ImplementationHung(
+            f"{target.impl.name} did not return within {target.timeout:g}s "
+            "(per-example timeout, --example-timeout); the call's thread cannot be stopped and "
+            "keeps running (--isolate=always runs the implementation in a worker process that is "
+            "killed instead)"
+        ) from None
+    except guard.CallRaised as exc:
         raise ImplementationRaised(
-            f"{target.impl.name} raised on a case it claims to support: {tb}"
-        ) from exc
-    return box["value"]
+            f"{target.impl.name} raised on a case it claims to support: {guard.summarise(exc.error)}"
+        ) from exc.error
+
+
+def _check_example(session: Session, property_id: str, check: Callable[[Target, Any], float | None],
+                   target: Target, case: Any) -> float | None:
+    """``check(target, case)``, in the isolated worker when there is one; a case that
+    already hung or crashed fails fast; a hang or crash ends the search."""
+    from conformance import isolation
+
+    digest = isolation.case_digest(case) if session.broken_cases else None
+    if digest in session.broken_cases:
+        cls, where, message = session.broken_cases[digest]
+        raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
+                  "a case that hangs or crashes is tried once per session)")
+    try:
+        if session.isolation is not None:
+            return session.isolation.check(property_id, target, case)
+        return check(target, case)
+    except (ImplementationHung, ImplementationCrashed) as exc:
+        session.broken_cases[digest or isolation.case_digest(case)] = (
+            type(exc), f"{property_id}[{target.id}]", str(exc))
+        raise
+
+
+def _first_failure(exc: BaseException) -> tuple[BaseException, Any]:
+    """The first property failure inside ``exc`` (an exception group or Hypothesis'
+    FlakyFailure) that carries its case, and that case; ``(exc, None)`` if none."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found, case = _first_failure(sub)
+            if case is not None:
+                return found, case
+    return exc, getattr(exc, "conformance_case", None)
+
+
+def _group_message(exc: BaseException) -> str:
+    """What an exception group (several distinct failures, or a flaky one) says:
+    each failure's first lines, not only Hypothesis' headline."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    if isinstance(exc, FlakyFailure) or "unreliable" in str(exc):
+        head = ("the implementation gave different results for the same case (Hypothesis: "
+                f"{str(exc).split(' (', 1)[0].split(': ', 1)[-1]}); the first failure:")
+    else:
+        head = f"{len(leaves)} distinct failures; the first:"
+    parts = [head]
+    for i, leaf in enumerate(leaves):
+        lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
+        parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
+    return "\n".join(parts)
 
 
 def _examples_setting(factor: float) -> settings:
@@ -205,6 +291,7 @@ def conformance_property(
         _PROPERTIES[property_id] = PropertyInfo(
             property_id, level, section, (check.__doc__ or "").strip(), examples_factor
         )
+        _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
             from conformance import failures
@@ -233,8 +320,8 @@ def conformance_property(
             def one_example(case: Any) -> None:
                 record.examples += 1
                 try:
-                    ratio = check(target, case)
-                except PropertyFailure:
+                    ratio = _check_example(conformance_session, property_id, check, target, case)
+                except PropertyFailure as exc:
                     attrs = case.attrs()
                     entry = next((e for e in entries if e.applies(property_id, attrs)), None)
                     if entry is not None:
@@ -244,9 +331,11 @@ def conformance_property(
                             f" ({entry.reference})" if entry.reference else ""
                         )
                         return
-                    record.failing_case = case
+                    record.failing_case = exc.conformance_case = case  # type: ignore[attr-defined]
                     if record.first_failure_seconds is None:
                         record.first_failure_seconds = time.perf_counter() - start
+                    if isinstance(exc, (ImplementationHung, ImplementationCrashed)):
+                        raise _StopSearch(exc) from None
                     raise
                 if entries:
                     attrs = case.attrs()
@@ -257,28 +346,38 @@ def conformance_property(
                     record.worst_ratio = float(ratio)
 
             replay = conformance_session.replay
+            record.isolated = conformance_session.isolation is not None
             try:
-                if replay is not None:
-                    if replay.property != property_id or replay.target_id != target.id:
-                        record.outcome = "skipped"
-                        pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
-                    one_example(replay.case)
-                else:
-                    strategy = cases(target)
+                try:
+                    if replay is not None:
+                        if replay.property != property_id or replay.target_id != target.id:
+                            record.outcome = "skipped"
+                            pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
+                        one_example(replay.case)
+                    else:
+                        strategy = cases(target)
 
-                    @_examples_setting(examples_factor)
-                    @given(data=st.data())
-                    def search(data: st.DataObject) -> None:
-                        one_example(data.draw(strategy, label="case"))
+                        @_examples_setting(examples_factor)
+                        @given(data=st.data())
+                        def search(data: st.DataObject) -> None:
+                            one_example(data.draw(strategy, label="case"))
 
-                    search()
+                        search()
+                except _StopSearch as stop:
+                    raise stop.failure from None
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
+                first, first_case = _first_failure(exc)
+                record.failing_case = first_case if first_case is not None else record.failing_case
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=conformance_session.impl_spec,
                                   options=conformance_session.options)
+                if first is not exc:  # several failures, or a flaky one: say what each was
+                    record.message = _group_message(exc)[:4000]
                 raise
+            finally:
+                record.leftover_threads = guard.leftover_threads()
             record.seconds = time.perf_counter() - start
             # An entry is stale when cases it covers were drawn and all passed;
             # one whose cases were never drawn is only "not exercised".
