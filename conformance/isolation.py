@@ -13,22 +13,27 @@ Protocol, over two pipes of the worker's own (never its stdout): each message is
 frame ``<u32 header length><u32 payload length><JSON header><.npz payload>``; cases
 travel as NumPy arrays (loaded with ``allow_pickle=False``) plus JSON, so nothing is
 ever unpickled. Requests: ``resolve`` (spec, options, timeout) and ``check``
-(property id, target, case). While a check runs, the worker announces each call into
-the implementation (``{"call": "start"}`` / ``{"call": "end"}``), so the pytest
-process enforces the per-call timeout itself: a call that does not return in time,
+(property id, target, case). While a check runs, the worker writes the time each call
+into the implementation started (0 when none runs) into a small shared file, the
+*call clock*; the pytest process reads it between waits, so it enforces the per-call
+timeout itself without being woken by every call: a call that does not return in time,
 or a worker that dies (``os._exit``, ``abort``, a segfault), kills the worker, fails
 the property with the case saved (:class:`~conformance.runner.ImplementationHung`,
 :class:`~conformance.runner.ImplementationCrashed`), and the next check starts a
 fresh worker. The worker's stdout and stderr go to a log file whose last lines are
 quoted in a crash message.
 
-Measured on this project's 2-core CPU machine (``benchmarks``-style timing of
-``forward_agreement`` on ``sdpa``, float32): starting a worker (interpreter, torch,
-the suite, resolution) costs about 2 s once per session (and per crash); an example
-costs about 1 ms more than in-process (framing, pipes, a copy of the case). ``auto``
-therefore isolates any implementation that is not part of this project (``file.py:attr``,
-``module:attr``, entry points) and any implementation a previous run saw crash; the
-built-ins and the bug zoo run in-process.
+Cost, measured on this project's shared 2-core CPU machine (``--hypothesis-profile=ci``,
+a bare SDPA function given as ``file.py:attr``): the plumbing of one example (a copy of
+the case as ``.npz``, two pipe transfers) is about 1 ms; starting a worker (interpreter,
+torch, the suite, resolution) about 5 s once per session and again after each crash;
+with one torch thread the property tests took 0.1-0.5 s longer each (+30 %), and with
+torch's default two intra-op threads, which compete badly with a busy pytest process on
+two cores, 1.5-3x as long (``--dtype=float32``, every property: 56 s instead of 17 s).
+That is not small, so ``auto`` isolates only an implementation an earlier run in this
+checkout saw crash; pass ``--isolate=always`` for untrusted code. In-process, every
+call still goes through ``implementations.guard`` (timeouts, exceptions, global state):
+only the death of the process itself needs a worker.
 
 Crash markers (``.conformance/``, or ``$ATTENTION_CONFORMANCE_STATE``): every pytest
 process that runs property tests keeps ``running-<pid>.json`` (implementation and
@@ -86,6 +91,9 @@ __all__ = [
 
 #: ``--isolate`` values.
 ISOLATE_MODES = ("auto", "always", "never")
+#: The call clock's layout: when the running call started (time.monotonic(), one
+#: clock for every process of the machine), 0.0 when no call runs.
+_CLOCK = struct.Struct("<d")
 
 
 def state_dir() -> Path:
@@ -349,6 +357,7 @@ class Worker:
         self.starts = 0
         self._to_worker = self._from_worker = -1
         self._log: Any = None
+        self._clock: Any = None  # the call clock: 8 bytes, a float64 time.monotonic() or 0
 
     # -- life cycle
 
@@ -358,11 +367,14 @@ class Worker:
         request_r, request_w = os.pipe()
         reply_r, reply_w = os.pipe()
         self._log = tempfile.NamedTemporaryFile(prefix="conformance-worker-", suffix=".log", delete=False)
+        self._clock = tempfile.TemporaryFile()
+        os.pwrite(self._clock.fileno(), _CLOCK.pack(0.0), 0)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "conformance.isolation", str(request_r), str(reply_w)],
-            pass_fds=(request_r, reply_w), stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+            [sys.executable, "-m", "conformance.isolation", str(request_r), str(reply_w),
+             str(self._clock.fileno())],
+            pass_fds=(request_r, reply_w, self._clock.fileno()), stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
         )
         os.close(request_r)
         os.close(reply_w)
@@ -395,6 +407,9 @@ class Worker:
             if self.process.poll() is None:
                 self.process.kill()
             self.process.wait()
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
         if self._log is not None:
             self._log.close()
             try:
@@ -418,38 +433,40 @@ class Worker:
                  limit: float | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Send a request; read replies until the answer. ``limit``: seconds the whole
         request may take (None: only the per-call timeout applies)."""
-        in_call = False
         try:
             _write_frame(self._to_worker, header, arrays)
         except OSError:
             pass  # it died: the read below says how
-        start = time.monotonic()
-        call_deadline: float | None = None
+        start = last_call_end = time.monotonic()
+        # Between waits, read the call clock: how long the current call has run.
+        poll = min(max(self.timeout / 10, 0.02), 1.0) if self.timeout else 1.0
         while True:
-            deadlines = [d for d in (call_deadline, None if limit is None else start + limit,
-                                     None if in_call else time.monotonic() + self.SUITE_LIMIT) if d]
-            wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            ready, _, _ = select.select([self._from_worker], [], [], wait)
-            if not ready:
-                self._kill()
-                if in_call:
+            ready, _, _ = select.select([self._from_worker], [], [], poll)
+            if ready:
+                try:
+                    return _read_frame(self._from_worker)
+                except (EOFError, OSError, struct.error, ValueError):
+                    raise self._died(self._call_started() > 0) from None
+            now, call_started = time.monotonic(), self._call_started()
+            if call_started:
+                last_call_end = now
+                if self.timeout and now - call_started > self.timeout:
+                    self._kill()
                     raise WorkerTimedOut()
+            elif (limit is not None and now - start > limit) or now - last_call_end > self.SUITE_LIMIT:
+                self._kill()
                 raise RuntimeError(
                     f"the isolated worker did not answer {header['op']!r} within "
-                    f"{limit or self.SUITE_LIMIT:g}s (the suite's own code, or resolution); it was killed"
+                    f"{limit if limit is not None else self.SUITE_LIMIT:g}s (the suite's own code, "
+                    "or resolution); it was killed"
                 )
-            try:
-                reply, arrays_back = _read_frame(self._from_worker)
-            except (EOFError, OSError, struct.error, ValueError):
-                died = self._died(in_call)
-                raise died from None
-            if reply.get("call") == "start":
-                in_call = True
-                call_deadline = time.monotonic() + self.timeout if self.timeout else None
-            elif reply.get("call") == "end":
-                in_call, call_deadline = False, None
-            else:
-                return reply, arrays_back
+
+    def _call_started(self) -> float:
+        """When the call into the implementation now running started (0: none runs)."""
+        try:
+            return _CLOCK.unpack(os.pread(self._clock.fileno(), _CLOCK.size, 0))[0]
+        except (OSError, struct.error, AttributeError):
+            return 0.0
 
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -474,7 +491,19 @@ class Worker:
 
         if not self.alive:
             self.close()
-            self.start()
+            try:
+                self.start()
+            except WorkerDied as died:
+                record_crash(self.spec, f"{died.how} while resolving it again")
+                raise runner.ImplementationCrashed(
+                    f"{self.spec} ended a fresh isolated worker process while it was resolved "
+                    f"again, before {property_id}[{target.id}] could run: {died.how}"
+                ) from None
+            except (ImplementationError, RuntimeError) as err:
+                raise runner.PropertyFailure(
+                    f"a fresh isolated worker could not resolve {self.spec} again (it had the first "
+                    f"time): {err}"
+                ) from None
         meta, arrays = encode_case(case)
         header = {"op": "check", "property": property_id, "level": target.level, "dtype": target.dtype,
                   "device": target.device, "timeout": target.timeout, "case": meta}
@@ -580,12 +609,6 @@ def forget_running() -> None:
         pass
 
 
-def _is_project_code(spec: str) -> bool:
-    from implementations.builtins import BUILTINS
-
-    return spec in BUILTINS or spec.startswith("mutant:")
-
-
 def choose(mode: str, spec: str) -> tuple[bool, str]:
     """Whether to isolate ``spec`` under ``--isolate=mode``, and why (for the header)."""
     if mode == "always":
@@ -596,24 +619,23 @@ def choose(mode: str, spec: str) -> tuple[bool, str]:
     if crashed:
         return True, (f"--isolate=auto: an earlier run of this implementation crashed ({crashed}); "
                       f"remove {state_dir() / 'crashes.json'} or pass --isolate=never to run it in-process")
-    if _is_project_code(spec):
-        return False, "--isolate=auto: a built-in or bug-zoo implementation runs in-process"
-    return True, "--isolate=auto: code from outside this project runs in a worker process"
+    return False, "--isolate=auto: no crash of this implementation seen in this checkout"
 
 
 # --------------------------------------------------------------------------- the worker side
 
 
 @contextmanager
-def _announce(fd: int) -> Iterator[None]:
-    _write_frame(fd, {"call": "start"})
+def _on_the_clock(clock_fd: int) -> Iterator[None]:
+    """Around each call into the implementation in the worker: its start on the call clock."""
+    os.pwrite(clock_fd, _CLOCK.pack(time.monotonic()), 0)
     try:
         yield
     finally:
-        _write_frame(fd, {"call": "end"})
+        os.pwrite(clock_fd, _CLOCK.pack(0.0), 0)
 
 
-def _serve(request_fd: int, reply_fd: int) -> int:
+def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
     import functools
 
     from conformance import runner
@@ -621,7 +643,7 @@ def _serve(request_fd: int, reply_fd: int) -> int:
 
     checks = runner.registered_checks()
     impl: Implementation | None = None
-    watch = functools.partial(_announce, reply_fd)
+    watch = functools.partial(_on_the_clock, clock_fd)
     while True:
         try:
             header, arrays = _read_frame(request_fd)
@@ -650,11 +672,11 @@ def _serve(request_fd: int, reply_fd: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m conformance.isolation REQUEST_FD REPLY_FD``: serve one pytest process."""
+    """``python -m conformance.isolation REQUEST_FD REPLY_FD CLOCK_FD``: serve one pytest process."""
     import faulthandler
 
     faulthandler.enable()  # a segfault leaves its traceback in the log quoted on a crash
-    return _serve(int(argv[0]), int(argv[1]))
+    return _serve(int(argv[0]), int(argv[1]), int(argv[2]))
 
 
 if __name__ == "__main__":

@@ -348,24 +348,22 @@ def conformance_property(
             replay = conformance_session.replay
             record.isolated = conformance_session.isolation is not None
             try:
-                try:
-                    if replay is not None:
-                        if replay.property != property_id or replay.target_id != target.id:
-                            record.outcome = "skipped"
-                            pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
-                        one_example(replay.case)
-                    else:
-                        strategy = cases(target)
+                if replay is not None:
+                    if replay.property != property_id or replay.target_id != target.id:
+                        record.outcome = "skipped"
+                        pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
+                    one_example(replay.case)
+                else:
+                    strategy = cases(target)
 
-                        @_examples_setting(examples_factor)
-                        @given(data=st.data())
-                        def search(data: st.DataObject) -> None:
-                            one_example(data.draw(strategy, label="case"))
+                    @_examples_setting(examples_factor)
+                    @given(data=st.data())
+                    def search(data: st.DataObject) -> None:
+                        one_example(data.draw(strategy, label="case"))
 
-                        search()
-                except _StopSearch as stop:
-                    raise stop.failure from None
-            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
+                    search()
+            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch) as caught:
+                exc = caught.failure if isinstance(caught, _StopSearch) else caught
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
                 first, first_case = _first_failure(exc)
@@ -375,6 +373,8 @@ def conformance_property(
                                   options=conformance_session.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was
                     record.message = _group_message(exc)[:4000]
+                if exc is not caught:
+                    raise exc from None
                 raise
             finally:
                 record.leftover_threads = guard.leftover_threads()
