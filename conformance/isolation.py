@@ -23,17 +23,16 @@ the property with the case saved (:class:`~conformance.runner.ImplementationHung
 fresh worker. The worker's stdout and stderr go to a log file whose last lines are
 quoted in a crash message.
 
-Cost, measured on this project's shared 2-core CPU machine (``--hypothesis-profile=ci``,
-a bare SDPA function given as ``file.py:attr``): the plumbing of one example (a copy of
-the case as ``.npz``, two pipe transfers) is about 1 ms; starting a worker (interpreter,
-torch, the suite, resolution) about 5 s once per session and again after each crash;
-with one torch thread the property tests took 0.1-0.5 s longer each (+30 %), and with
-torch's default two intra-op threads, which compete badly with a busy pytest process on
-two cores, 1.5-3x as long (``--dtype=float32``, every property: 56 s instead of 17 s).
-That is not small, so ``auto`` isolates only an implementation an earlier run in this
-checkout saw crash; pass ``--isolate=always`` for untrusted code. In-process, every
-call still goes through ``implementations.guard`` (timeouts, exceptions, global state):
-only the death of the process itself needs a worker.
+Cost, measured on this project's shared (heavily loaded) 2-core CPU machine: the
+plumbing of one example (the case as ``.npz``, two pipe transfers) is about 1 ms, and
+3-8 ms end to end under load; starting a worker (interpreter, torch, the suite,
+resolution) about 5 s, once per session and again after each crash. A bare SDPA
+function given as ``file.py:attr``, ``--hypothesis-profile=ci --dtype=float32``, every
+property: 12 s in-process, 19-20 s isolated. That is not small, so ``auto`` isolates
+only an implementation an earlier run in this checkout saw crash; pass
+``--isolate=always`` for untrusted code. In-process, every call still goes through
+``implementations.guard`` (timeouts, exceptions, global state): only the death of the
+process itself needs a worker.
 
 Crash markers (``.conformance/``, or ``$ATTENTION_CONFORMANCE_STATE``): every pytest
 process that runs property tests keeps ``running-<pid>.json`` (implementation and
@@ -288,7 +287,7 @@ class IsolatedImplementation(Implementation):
     capabilities, expected failures and skip reasons; its ``sdpa`` and ``mha`` raise
     (the calls happen in the worker)."""
 
-    skip_reasons: dict[str, list[str]] = field(default_factory=dict)
+    skip_reasons: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def not_supported_reasons(self, case: Any) -> list[str]:
         if set(case) == {"level", "device", "dtype"}:
@@ -508,14 +507,13 @@ class Worker:
         header = {"op": "check", "property": property_id, "level": target.level, "dtype": target.dtype,
                   "device": target.device, "timeout": target.timeout, "case": meta}
         name = target.impl.name
+        hung = (f"{name} did not return within {target.timeout:g}s (per-example timeout, "
+                "--example-timeout); its isolated worker process was killed and a fresh one continues")
         try:
             reply, _ = self._request(header, arrays, limit=None)
         except WorkerTimedOut:
             self.close()
-            raise runner.ImplementationHung(
-                f"{name} did not return within {target.timeout:g}s (per-example timeout, "
-                "--example-timeout); its isolated worker process was killed and a fresh one continues"
-            ) from None
+            raise runner.ImplementationHung(hung) from None
         except WorkerDied as died:
             self.close()
             record_crash(self.spec, f"{died.how} during {property_id}[{target.id}]")
@@ -527,6 +525,9 @@ class Worker:
             ) from None
         if "ratio" in reply:
             return reply["ratio"]
+        if reply.get("failure") == "ImplementationHung":  # the worker's own guard saw it first
+            self.close()  # its call thread is still running
+            raise runner.ImplementationHung(hung)
         if "failure" in reply:
             cls = getattr(runner, reply["failure"], None)
             if not (isinstance(cls, type) and issubclass(cls, runner.PropertyFailure)):

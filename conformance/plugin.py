@@ -75,7 +75,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--isolate", default="auto", choices=("auto", "always", "never"),
                     help="run the implementation in a worker process that a crash or hang cannot "
                          "take down (auto: only an implementation an earlier run in this "
-                         "checkout saw crash; it costs ~5 s to start and ~1 ms an example)")
+                         "checkout saw crash; it costs ~5 s to start and a few ms an example)")
 
 
 def _parse_options(raw: list[str]) -> dict[str, str]:

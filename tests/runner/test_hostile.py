@@ -212,8 +212,9 @@ def test_crash_under_xdist_is_counted_on_the_certificate(tmp_path):
     assert "summary: 2 failed" in proc.stdout
 
 
-def test_a_report_without_a_record_still_gets_a_result():
+def test_a_report_without_a_record_still_gets_a_result(tmp_path, monkeypatch):
     """What the xdist controller sees of a crashed test: a report and no record."""
+    monkeypatch.setenv("ATTENTION_CONFORMANCE_STATE", str(tmp_path))
     session = Session(profile="ci", started=0.0, impl_spec="x.py:f")
     report = type("Report", (), dict(
         nodeid="conformance/test_sdpa_agreement.py::test_forward_agreement[sdpa-float32-cpu]",
@@ -224,6 +225,7 @@ def test_a_report_without_a_record_still_gets_a_result():
     collector.pytest_runtest_logreport(report)  # counted once
     [r] = session.results
     assert (r["property"], r["dtype"], r["outcome"]) == ("forward_agreement", "float32", "failed")
+    assert isolation.crash_seen("x.py:f")  # the next auto run isolates it
 
 
 def test_hang_is_tried_once_per_case_and_ends_the_search(tmp_path):
