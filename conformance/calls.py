@@ -42,6 +42,7 @@ __all__ = [
     "check_fully_masked_policy",
     "check_dropout_mean",
     "assert_output_contract",
+    "assert_returned_tensor",
     "grad_magnitudes",
     "grad_logit_range",
     "check_gradients",
@@ -164,6 +165,7 @@ def run_sdpa(
                         dropout_seed=seed, grad_output=grad_output, mask_grad=mask_grad, samples=samples)
     _record(target, call)
     outcome = run_sdpa_call(target.impl, call, invoke=partial(call_guarded, target), inputs=inputs)
+    assert_returned_tensor("output", outcome.tensor, device=case.device)
     output = to_numpy(outcome.tensor)
     diagnosis.observe_sdpa(call.passed_case, output, dropout_p=dropout_p)
     return SDPACall(output, outcome.tensor, outcome.inputs, call)
@@ -181,6 +183,20 @@ def expect_sdpa_raises(target: Target, case: SDPACase, what: str) -> None:
     shape = tuple(getattr(outcome.tensor, "shape", ()))
     fail(f"{what}: returned a result of shape {shape}, but should raise an error "
          "(the input is invalid per the spec)")
+
+
+def assert_returned_tensor(what: str, out: Any, *, device: str, shape: tuple[int, ...] | None = None,
+                           dims: str = "") -> None:
+    """What the implementation returned is a torch.Tensor with data on ``device`` (and of
+    ``shape``): anything else fails the property before the suite reads it."""
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        fail(f"{what} type={type(out).__module__}.{type(out).__qualname__}, but should be torch.Tensor")
+    if out.device.type != device:
+        fail(f"{what} device={out.device}, but should be {device} (the inputs' device)")
+    if shape is not None and tuple(out.shape) != tuple(shape):
+        fail(f"{what} shape={tuple(out.shape)}, but should be {tuple(shape)} {dims}".rstrip())
 
 
 def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,

@@ -111,19 +111,24 @@ def details(cert: dict[str, Any]) -> list[str]:
     failure, stale entry and (once per reason) skip."""
     lines = []
     caps = cert["implementation"]["capabilities"]
+    # A probe note ("causal: ...") says how probing decided that policy.
+    notes = {n.split(": ", 1)[0]: f" (probe: {n.split(': ', 1)[-1]})" for n in caps.get("probe_notes") or ()}
     lines.append(
-        f"declared policies: fully-masked rows={caps['fully_masked']}, causal flag={caps['causal']}, "
-        f"tf32={caps['tf32']}"
+        f"declared policies: fully-masked rows={caps['fully_masked']}{notes.pop('fully_masked', '')}, "
+        f"causal flag={caps['causal']}{notes.pop('causal', '')}, tf32={caps['tf32']}"
+        + "".join(f"; {key}{note}" for key, note in notes.items())
     )
     seen: set[str] = set()
     for r in cert["results"]:
         tag = f"{r['property']}[{r['level']}-{r['dtype']}-{r['device']}]"
         if r["outcome"] in ("failed", "error"):
-            ce = r.get("counterexample") or {}
+            word = "FAIL" if r["outcome"] == "failed" else "ERROR"
+            ce = r.get("counterexample")
+            case = f"shrunk case {ce}" if ce else "no case"
             called = r.get("called")
             called_text = f"; called {called['case']} with {called['arguments']}" if called else ""
-            lines.append(f"FAIL {tag}: after {r['examples']} examples; shrunk case {ce}{called_text}; "
-                         f"saved {r['failure_file']}")
+            saved = f"; saved {r['failure_file']}" if r.get("failure_file") else ""
+            lines.append(f"{word} {tag}: after {r['examples']} examples; {case}{called_text}{saved}")
             first = (r.get("message") or "").splitlines()[:3]
             lines += ["    " + x for x in first]
             cause = diagnosis.cause_line(r)
@@ -137,6 +142,13 @@ def details(cert: dict[str, Any]) -> list[str]:
         elif r["outcome"] == "skipped" and r["reason"] and r["reason"] not in seen:
             seen.add(r["reason"])
             lines.append(f"skipped ({r['reason']}) e.g. {tag}")
+    leftover = max((r.get("leftover_threads") or 0 for r in cert["results"]), default=0)
+    if leftover:
+        lines.append(
+            f"{leftover} call(s) that timed out were still running in threads at the end (a thread "
+            "cannot be stopped, and a spinning one slows every later property): rerun with "
+            "--isolate=always to run the implementation in a worker process that is killed instead"
+        )
     return lines + unapplied_expected_failures(cert)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 import spec
 from conformance import diagnosis, mha_bounds, tolerance
+from conformance.calls import assert_returned_tensor
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
 from conformance.replay import (
@@ -106,6 +107,9 @@ def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *,
     outcome = run_mha_call(target.impl, call, invoke=partial(call_guarded, target),
                            module=None if module is None else module.module, inputs=inputs)
     out, weights = outcome.output, outcome.weights
+    assert_returned_tensor("module output", out, device=case.device)
+    if weights is not None:
+        assert_returned_tensor("attention weights", weights, device=case.device)
     result = MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights,
                      outcome.inputs, outcome.module, call)
     built = module if module is not None else BuiltModule(outcome.module, dropout, training)

@@ -5,8 +5,15 @@ Options (group "attention-conformance"): ``--impl`` (required to run
 key=value`` (repeatable: override a declared capability), ``--device``
 (cpu, cuda, all), ``--dtype`` (comma-separated subset), ``--conformance-report
 PATH`` (writes PATH.json and PATH.md), ``--replay FILE`` (re-run one saved
-failing case) and ``--example-timeout SECONDS``. Hypothesis profiles: ``dev``
-(default), ``ci`` (derandomized, CI-sized) and ``thorough``.
+failing case), ``--example-timeout SECONDS`` and ``--isolate auto|always|never``
+(run the implementation in a worker process, ``conformance.isolation``).
+Hypothesis profiles: ``dev`` (default), ``ci`` (derandomized, CI-sized) and
+``thorough``. Every option is checked in ``pytest_configure`` (the report path
+included), so a bad one is a one-line usage error before any test runs.
+
+Every test pytest runs has a result on the certificate: one that crashed its
+process (xdist reports it) or errored outside the property's code gets a ``failed``
+or ``error`` result from its report.
 
 The options and what the property tests record live on one
 ``conformance.session.Session`` in ``config.stash``; the records of every
@@ -16,7 +23,10 @@ certificate is built from them by ``conformance.certificate``.
 
 from __future__ import annotations
 
+import os
 import platform
+import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +75,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--shape-budget", default=None, type=int, metavar="N",
                     help="at most N distinct shapes per property (JIT implementations compile once "
                          "per shape); default 8 when the implementation declares jit; 0: no budget")
+    group.addoption("--isolate", default="auto", choices=("auto", "always", "never"),
+                    help="run the implementation in a worker process that a crash or hang cannot "
+                         "take down (auto: only an implementation an earlier run in this "
+                         "checkout saw crash; it costs ~5 s to start and a few ms an example)")
 
 
 def _parse_options(raw: list[str]) -> dict[str, str]:
@@ -81,9 +95,14 @@ def _parse_options(raw: list[str]) -> dict[str, str]:
 
 def _dtypes(config: pytest.Config) -> list[str] | None:
     raw = config.getoption("dtype")
-    if not raw:
+    if raw is None:
         return None
     dtypes = [d.strip() for d in raw.split(",") if d.strip()]
+    if not dtypes:
+        raise pytest.UsageError(
+            f"--dtype={raw!r} names no dtype; give a comma-separated subset of {', '.join(ALL_DTYPES)}, "
+            "or leave --dtype out to run every declared dtype"
+        )
     bad = [d for d in dtypes if d not in ALL_DTYPES]
     if bad:
         raise pytest.UsageError(
@@ -112,12 +131,14 @@ def pytest_configure(config: pytest.Config) -> None:
         print(registry.listing(), flush=True)
         pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
     options = _parse_options(config.getoption("impl_option"))
-    try:
-        impl = registry.resolve(impl_spec, options or None)
-    except ImplementationError as err:
-        raise pytest.UsageError(str(err)) from None
-    session.impl, session.impl_spec, session.options = impl, impl_spec, options
+    timeout = _example_timeout(config)
     session.dtypes = _dtypes(config)
+    report_path = config.getoption("conformance_report")
+    if report_path and not hasattr(config, "workerinput"):
+        _check_writable(report_path)
+    session.impl = _resolve(config, session, impl_spec, options, timeout)
+    session.impl_spec, session.options = impl_spec, options
+    impl = session.impl
     from conformance.strategies.shape_budget import shape_budget_for
 
     try:
@@ -147,6 +168,83 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--replay {replay_path}: cannot replay it: {err}") from None
         session.replay = failures.Replay(meta["property"], meta["target"], case)
     config.pluginmanager.register(_ResultCollector(session), "conformance-results")
+
+
+def _example_timeout(config: pytest.Config) -> float:
+    timeout = config.getoption("example_timeout")
+    if not timeout >= 0:  # negative or NaN
+        raise pytest.UsageError(
+            f"--example-timeout={timeout:g} must be >= 0 seconds (0 means no limit)"
+        )
+    return timeout
+
+
+def _check_writable(path: str) -> None:
+    """Fail now, not after the run, when ``path``.json / .md cannot be written."""
+    base = Path(path)
+    current = base.parent
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for current in (Path(f"{base}.json"), Path(f"{base}.md")):
+            if current.is_dir():
+                raise IsADirectoryError(f"{current} is a directory")
+            if current.exists() and not os.access(current, os.W_OK):
+                raise PermissionError(f"{current} is not writable")
+        current = base.parent
+        with tempfile.NamedTemporaryFile(dir=base.parent, prefix=".conformance-report-check-"):
+            pass
+    except OSError as err:
+        raise pytest.UsageError(
+            f"--conformance-report={path}: cannot write the certificate there ({current}: "
+            f"{type(err).__name__}: {err}); give a path in a writable folder, e.g. "
+            "--conformance-report=reports/certificate"
+        ) from None
+
+
+def _resolve(config: pytest.Config, session: Session, impl_spec: str, options: dict[str, str],
+             timeout: float) -> Any:
+    """The implementation, resolved here or, isolated, in a worker process."""
+    from conformance import isolation
+
+    isolate, session.isolate_reason = isolation.choose(config.getoption("isolate"), impl_spec)
+    isolation.mark_running(impl_spec)  # removed at a clean end, below or in pytest_unconfigure
+    try:
+        return _resolve_in(config, session, impl_spec, options, timeout, isolate)
+    except BaseException:
+        isolation.forget_running()
+        raise
+
+
+def _resolve_in(config: pytest.Config, session: Session, impl_spec: str, options: dict[str, str],
+                timeout: float, isolate: bool) -> Any:
+    from conformance import isolation
+    from implementations import registry
+
+    if not isolate:
+        try:
+            return registry.resolve(impl_spec, options or None, timeout=timeout)
+        except ImplementationError as err:
+            raise pytest.UsageError(str(err)) from None
+    worker = isolation.Worker(impl_spec, options, timeout)
+    try:
+        impl = worker.start()
+    except ImplementationError as err:
+        raise pytest.UsageError(str(err)) from None
+    except isolation.WorkerDied as died:
+        worker.close()
+        isolation.record_crash(impl_spec, f"{died.how} while resolving")
+        log = f"; its last output:\n{died.log}" if died.log else ""
+        raise pytest.UsageError(
+            f"--impl={impl_spec}: the isolated worker process died while importing and probing "
+            f"the implementation ({died.how}): its code ends the process{log}"
+        ) from None
+    except (isolation.WorkerTimedOut, RuntimeError) as err:
+        worker.close()
+        raise pytest.UsageError(f"--impl={impl_spec}: resolving it in the isolated worker failed: {err}") from None
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        worker.close()  # the xdist controller runs no test; each xdist worker starts its own
+    session.isolation = worker
+    return impl
 
 
 @pytest.fixture(scope="session")
@@ -215,6 +313,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"  declared: causal={caps.causal} fully_masked={caps.fully_masked} dtypes={caps.dtypes} "
         f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
     )
+    lines += [f"  probe note: {note}" for note in caps.probe_notes]
+    isolated = "in a worker process" if session.isolation is not None else "in-process"
+    lines.append(f"  implementation runs {isolated} ({session.isolate_reason})")
     return lines
 
 
@@ -253,17 +354,63 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
         session.current = None
 
 
+_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?P<level>[a-z]+)-(?P<dtype>\w+)-(?P<device>\w+)\]$")
+
+
 class _ResultCollector:
     """Gathers the records attached to test reports into the session: under
-    xdist the controller receives every worker's reports here."""
+    xdist the controller receives every worker's reports here. A property test
+    whose report carries no record (its process crashed, a fixture failed, a
+    marker skipped it) gets one made from the report, so that the certificate
+    counts every test pytest counts."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        from conformance import isolation
+
+        isolation.mark_running(self.session.impl_spec, item.nodeid)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        recorded = False
         for key, value in getattr(report, "user_properties", ()):
             if key == "conformance":
                 self.session.results.append(value)
+                recorded = True
+        if recorded:
+            self.session.recorded.add(report.nodeid)
+        elif report.nodeid not in self.session.recorded and (
+                report.failed or (report.skipped and report.when == "setup")):
+            result = self._result_from_report(report)
+            if result is not None:
+                self.session.results.append(result)
+                self.session.recorded.add(report.nodeid)
+
+    def _result_from_report(self, report: pytest.TestReport) -> dict[str, Any] | None:
+        from conformance import isolation
+        from conformance.runner import Record, registered_properties
+
+        m = _NODE_ID.search(report.nodeid)
+        if m is None or m["property"] not in registered_properties():
+            return None
+        record = Record(m["property"], m["level"], m["dtype"], m["device"])
+        text = str(getattr(report, "longreprtext", "") or report.longrepr or "").strip()
+        if report.skipped:
+            record.outcome = "skipped"
+            record.reason = text.rsplit("Skipped: ", 1)[-1] if "Skipped: " in text else text
+        elif "crashed while running" in text:
+            record.outcome = "failed"
+            record.message = (
+                f"{text.splitlines()[-1]}: the test process died (os._exit, abort or a segfault in "
+                "the implementation?) before the property could save the case; rerun with "
+                "--isolate=always to run the implementation in a worker process that survives it"
+            )
+            isolation.record_crash(self.session.impl_spec, f"a test process died during {report.nodeid}")
+        else:
+            record.outcome = "failed" if report.when == "call" else "error"
+            record.message = f"{report.when} of the test failed outside the property: " + text[-2000:]
+        return record.as_dict()
 
 
 def _environment(config: pytest.Config) -> dict[str, Any]:
@@ -298,5 +445,20 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(line)
     path = config.getoption("conformance_report")
     if path:
-        json_path, md_path = certificate.write(cert, path)
-        tr.write_line(f"certificate written to {json_path} and {md_path}")
+        try:
+            json_path, md_path = certificate.write(cert, path)
+        except OSError as err:
+            tr.write_line(f"certificate NOT written to {path}.json/.md: {type(err).__name__}: {err}", red=True)
+        else:
+            tr.write_line(f"certificate written to {json_path} and {md_path}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = session_of(config)
+    if session is None or not session.impl_spec:
+        return
+    from conformance import isolation
+
+    if session.isolation is not None:
+        session.isolation.close()
+    isolation.forget_running()

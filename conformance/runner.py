@@ -11,6 +11,14 @@ stopping the search for real failures, saves the shrunk failing case and its fai
 call as ``.npz`` with a reproducer, and records everything for the certificate on the session
 (``conformance.session``: on ``config.stash``, reached through the
 ``conformance_session`` fixture).
+
+Every call into the implementation goes through :func:`call_guarded` (and so
+through ``implementations.guard``, the one guarded path: timeout, exceptions
+captured, global state restored). A hang or a crash ends the property's search at
+once, with the case that did it (no shrinking: each step would cost a timeout or a
+new worker process), and the case is remembered for the session: another property
+handed the very same case fails fast instead of waiting again. With ``--isolate``
+the whole check of each example runs in a worker process (``conformance.isolation``).
 """
 
 from __future__ import annotations
@@ -19,12 +27,10 @@ import dataclasses
 import hashlib
 import importlib
 import pkgutil
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -35,6 +41,7 @@ from conformance.compare import PropertyFailure
 from conformance.expectations import ExpectedFailureLedger
 from conformance.replay import CallLog
 from conformance.session import Session
+from implementations import guard
 from implementations.base import Capabilities, Implementation
 
 __all__ = [
@@ -43,8 +50,10 @@ __all__ = [
     "Target",
     "ImplementationRaised",
     "ImplementationHung",
+    "ImplementationCrashed",
     "conformance_property",
     "registered_properties",
+    "registered_checks",
     "call_guarded",
 ]
 
@@ -55,6 +64,19 @@ class ImplementationRaised(PropertyFailure):
 
 class ImplementationHung(PropertyFailure):
     """The implementation did not return within the per-example timeout."""
+
+
+class ImplementationCrashed(PropertyFailure):
+    """The implementation ended its (isolated worker) process during a call."""
+
+
+class _StopSearch(BaseException):
+    """Ends Hypothesis' search at once (a BaseException, so it neither shrinks nor
+    replays): the implementation hung or crashed on ``failure``'s case."""
+
+    def __init__(self, failure: PropertyFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,9 @@ class Target:
     #: The calls the current example made (``calls.run_sdpa``/``mha_calls.run_mha``
     #: append to it); the runner hands each example a copy of the target with a fresh log.
     log: CallLog | None = field(default=None, compare=False, repr=False)
+    #: Inside an isolated worker: a context manager around each call into the
+    #: implementation that tells the pytest process, which enforces ``timeout``.
+    watch: Callable[[], ContextManager[Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def caps(self) -> Capabilities:
@@ -105,6 +130,8 @@ class PropertyInfo:
 #: ``conformance/test_*.py`` modules are imported; read it through
 #: :func:`registered_properties`. Definitions only: the same in every session.
 _PROPERTIES: dict[str, PropertyInfo] = {}
+#: Each property's ``check(target, case)`` by id (what an isolated worker runs).
+_CHECKS: dict[str, Callable[[Any, Any], float | None]] = {}
 
 
 def registered_properties() -> Mapping[str, PropertyInfo]:
@@ -119,6 +146,12 @@ def registered_properties() -> Mapping[str, PropertyInfo]:
         if module.name.startswith("test_"):
             importlib.import_module(f"conformance.{module.name}")
     return MappingProxyType(_PROPERTIES)
+
+
+def registered_checks() -> Mapping[str, Callable[[Target, Any], float | None]]:
+    """Each property's ``check(target, case)`` by id (imports every property module)."""
+    registered_properties()
+    return MappingProxyType(_CHECKS)
 
 
 @dataclass
@@ -151,6 +184,9 @@ class Record:
     called: dict[str, Any] | None = None
     #: Per expected-failure entry of this property: index, hits, covered passes.
     expected_failures: list[dict[str, Any]] = field(default_factory=list)
+    #: Timed-out calls whose threads were still running when the test ended (thread mode).
+    leftover_threads: int = 0
+    isolated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(dataclasses.replace(self, failing_case=None, failing_calls=()))
@@ -161,36 +197,89 @@ class Record:
 def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call into the implementation: exceptions and hangs become property failures.
 
-    The call runs in a daemon thread so that a hang fails the property after
-    ``target.timeout`` seconds instead of stalling the run (the thread itself
-    cannot be killed and is left behind).
+    Goes through :func:`implementations.guard.guarded_call`: the call runs in a
+    daemon thread so that a hang fails the property after ``target.timeout`` seconds
+    (the thread cannot be killed and is left behind, counted on the certificate),
+    every exception is captured, and the global NumPy and torch settings the suite
+    computes under are restored afterwards. In an isolated worker (``target.watch``)
+    the pytest process also watches the call, and kills the worker when it hangs.
+    (The call runs in a thread there too: torch's intra-op threads, started afresh
+    for each call thread, ran 2-3x faster on a busy 2-core machine than reused by
+    the worker's main thread.)
     """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - everything is the implementation's
-            box["error"] = exc
-
-    if target.timeout and target.timeout > 0:
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(target.timeout)
-        if worker.is_alive():
-            raise ImplementationHung(
-                f"{target.impl.name} did not return within {target.timeout:g}s "
-                "(per-example timeout, --example-timeout)"
-            )
-    else:
-        run()
-    if "error" in box:
-        exc = box["error"]
-        tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    try:
+        if target.watch is not None:
+            with target.watch():
+                return guard.guarded_call(fn, *args, timeout=target.timeout, **kwargs)
+        return guard.guarded_call(fn, *args, timeout=target.timeout, **kwargs)
+    except guard.CallTimedOut:
+        raise ImplementationHung(
+            f"{target.impl.name} did not return within {target.timeout:g}s "
+            "(per-example timeout, --example-timeout); the call's thread cannot be stopped and "
+            "keeps running (--isolate=always runs the implementation in a worker process that is "
+            "killed instead)"
+        ) from None
+    except guard.CallRaised as exc:
         raise ImplementationRaised(
-            f"{target.impl.name} raised on a case it claims to support: {tb}"
-        ) from exc
-    return box["value"]
+            f"{target.impl.name} raised on a case it claims to support: {guard.summarise(exc.error)}"
+        ) from exc.error
+
+
+def _check_example(session: Session, property_id: str, check: Callable[[Target, Any], float | None],
+                   target: Target, case: Any) -> float | None:
+    """``check(target, case)``, in the isolated worker when there is one; a case that
+    already hung or crashed fails fast; a hang or crash ends the search."""
+    from conformance import isolation
+
+    digest = isolation.case_digest(case) if session.broken_cases else None
+    if digest in session.broken_cases:
+        cls, where, message = session.broken_cases[digest]
+        raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
+                  "a case that hangs or crashes is tried once per session)")
+    try:
+        if session.isolation is not None:
+            return session.isolation.check(property_id, target, case)
+        return check(target, case)
+    except (ImplementationHung, ImplementationCrashed) as exc:
+        session.broken_cases[digest or isolation.case_digest(case)] = (
+            type(exc), f"{property_id}[{target.id}]", str(exc))
+        raise
+
+
+def _first_failure(exc: BaseException) -> tuple[BaseException, Any]:
+    """The first property failure inside ``exc`` (an exception group or Hypothesis'
+    FlakyFailure) that carries its case, and that case; ``(exc, None)`` if none."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found, case = _first_failure(sub)
+            if case is not None:
+                return found, case
+    return exc, getattr(exc, "conformance_case", None)
+
+
+def _group_message(exc: BaseException) -> str:
+    """What an exception group (several distinct failures, or a flaky one) says:
+    each failure's first lines, not only Hypothesis' headline."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    if isinstance(exc, FlakyFailure) or "unreliable" in str(exc):
+        head = ("the implementation gave different results for the same case (Hypothesis: "
+                f"{str(exc).split(' (', 1)[0].split(': ', 1)[-1]}); the first failure:")
+    else:
+        head = f"{len(leaves)} distinct failures; the first:"
+    parts = [head]
+    for i, leaf in enumerate(leaves):
+        lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
+        parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
+    return "\n".join(parts)
 
 
 def _examples_setting(factor: float) -> settings:
@@ -231,6 +320,7 @@ def conformance_property(
             property_id, level, section, (check.__doc__ or "").strip(), examples_factor,
             cases=cases, directed=directed,
         )
+        _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
             from conformance import diagnosis, failures
@@ -263,7 +353,8 @@ def conformance_property(
                 log = CallLog()
                 diagnosis.start_example(case, record)
                 try:
-                    ratio = check(dataclasses.replace(target, log=log), case)
+                    ratio = _check_example(conformance_session, property_id, check,
+                                           dataclasses.replace(target, log=log), case)
                 except PropertyFailure as exc:
                     entry = ledger.excuse(_called_attrs(log, case)) if ledger else None
                     if entry is not None:
@@ -272,11 +363,13 @@ def conformance_property(
                             f" ({entry.reference})" if entry.reference else ""
                         )
                         return
-                    record.failing_case = case
+                    record.failing_case = exc.conformance_case = case  # type: ignore[attr-defined]
                     record.failing_calls = tuple(log.calls)
                     failing_ratio[0] = exc.ratio
                     if record.first_failure_seconds is None:
                         record.first_failure_seconds = time.perf_counter() - start
+                    if isinstance(exc, (ImplementationHung, ImplementationCrashed)):
+                        raise _StopSearch(exc) from None
                     raise
                 if ledger:
                     ledger.passed(_called_attrs(log, case))
@@ -284,6 +377,7 @@ def conformance_property(
                     record.worst_ratio = float(ratio)
 
             replay = conformance_session.replay
+            record.isolated = conformance_session.isolation is not None
             try:
                 if replay is not None:
                     if replay.property != property_id or replay.target_id != target.id:
@@ -303,16 +397,25 @@ def conformance_property(
                     search._hypothesis_internal_database_key = _database_key(  # type: ignore[attr-defined]
                         conformance_session, property_id, target)
                     search()
-            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as exc:
+            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch) as caught:
+                exc = caught.failure if isinstance(caught, _StopSearch) else caught
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
+                first, first_case = _first_failure(exc)
+                record.failing_case = first_case if first_case is not None else record.failing_case
                 record.worst_ratio = failing_ratio[0]
                 record.expected_failures = ledger.summary()
                 diagnosis.annotate(exc, target, record)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=conformance_session.impl_spec,
                                   options=conformance_session.options)
+                if first is not exc:  # several failures, or a flaky one: say what each was
+                    record.message = _group_message(exc)[:4000]
+                if exc is not caught:
+                    raise exc from None
                 raise
+            finally:
+                record.leftover_threads = guard.leftover_threads()
             record.seconds = time.perf_counter() - start
             record.expected_failures = ledger.summary()
             # An entry is stale when cases it covers were called and all passed;

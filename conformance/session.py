@@ -16,6 +16,7 @@ import pytest
 
 if TYPE_CHECKING:
     from conformance.failures import Replay
+    from conformance.isolation import Worker
     from conformance.runner import Record
     from implementations.base import Implementation
 
@@ -36,6 +37,12 @@ class Session:
     replay: Replay | None = None  # --replay: the one saved case to re-run
     current: Record | None = None  # record of the property test running now
     results: list[dict[str, Any]] = field(default_factory=list)  # finished records, every worker's
+    isolation: Worker | None = None  # --isolate: the worker process running the implementation
+    isolate_reason: str = ""  # why it is (or is not) isolated, for the report header
+    #: case digest -> (failure class, property[target], message): cases the implementation
+    #: hung or crashed on, failed at once when drawn again (conformance.runner._check_example)
+    broken_cases: dict[str, tuple[type, str, str]] = field(default_factory=dict)
+    recorded: set[str] = field(default_factory=set)  # node ids whose record has been collected
 
 
 SESSION_KEY = pytest.StashKey[Session]()

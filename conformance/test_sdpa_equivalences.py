@@ -47,7 +47,9 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",),
                                  causal=(t.caps.causal,),
                                  length_relations=("L=S", "L=1<S", "1<L<S", "L>S")),
-    requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared"),
+    requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared" + "".join(
+        f" (probe: {note.split(': ', 1)[-1].split(';')[0]})" for note in t.caps.probe_notes
+        if note.startswith("causal:"))),
 )
 def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     """is_causal=True equals the explicit causal mask of the declared alignment

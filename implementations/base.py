@@ -21,6 +21,7 @@ S key length, E q/k head dim, Ev value head dim, D model dim.
 
 The runner talks to implementations only through this module: it never imports
 an implementation's internals, and implementations never import ``conformance``.
+Every call into an implementation's code goes through ``implementations.guard``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class Capabilities:
     #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
     jit: bool = False
     mha_features: frozenset[str] = ALL_MHA_FEATURES
+    #: How probing decided a value when the answer was not a plain yes or no, e.g.
+    #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
+    probe_notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [d for d in self.dtypes if d not in ALL_DTYPES]

@@ -57,6 +57,8 @@ def describe(impl: Implementation) -> str:
         match = f" {dict(entry.match)}" if entry.match else ""
         ref = f" [{entry.reference}]" if entry.reference else ""
         lines.append(f"  expected failure: {entry.property}{match}: {entry.reason}{ref}")
+    for note in impl.capabilities.probe_notes:
+        lines.append(f"  probe note: {note}")
     return "\n".join(lines)
 
 

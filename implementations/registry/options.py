@@ -105,9 +105,14 @@ def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implement
             raise ImplementationError(
                 f"--impl-option {key_name}={text}: bad value for {key_name!r}; expected {exc}"
             ) from exc
+    def overridden(caps: Capabilities) -> Capabilities:
+        # A probe note ("causal: ...") no longer describes a value the user set.
+        notes = tuple(n for n in caps.probe_notes if n.split(":", 1)[0] not in changes)
+        return caps.replace(**changes, probe_notes=notes)
+
     try:
-        caps = impl.capabilities.replace(**changes)
-        mha_caps = impl.mha_capabilities.replace(**changes) if impl.mha_capabilities else None
+        caps = overridden(impl.capabilities)
+        mha_caps = overridden(impl.mha_capabilities) if impl.mha_capabilities else None
     except ImplementationError as exc:
         raise ImplementationError(f"--impl-option values {dict(options)} are inconsistent: {exc}") from exc
     return dataclasses.replace(impl, capabilities=caps, mha_capabilities=mha_caps)

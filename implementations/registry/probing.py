@@ -3,6 +3,16 @@
 Each optional feature is tried on a tiny CPU input and recorded as unsupported when
 the call raises. The causal alignment is read off the float64 oracle ``spec.sdpa``,
 so probing depends on nothing but ``spec`` (and torch, to make the calls).
+
+Every call goes through :func:`implementations.guard.guarded_call` (timeout, every
+exception captured, global state and random generators restored), so a probe cannot
+hang the run, end it with an exception the registry does not expect, or change the
+NumPy or torch settings the suite computes under. A probe that does not return in
+time is an :class:`~implementations.base.ImplementationError` naming it; an
+implementation that cannot be probed declares its capabilities itself (an
+``Implementation``). Where a probe's answer is not a plain yes or no (``is_causal``
+has no effect, say) the capability is declared unsupported and
+``Capabilities.probe_notes`` says why.
 """
 
 from __future__ import annotations
@@ -13,26 +23,74 @@ import numpy as np
 
 import spec
 from implementations.base import ALL_DTYPES, Capabilities, ImplementationError
+from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 
-__all__ = ["probe_mha", "probe_sdpa"]
+__all__ = ["BUILD_TIMEOUT", "DEFAULT_PROBE_TIMEOUT", "build_limit", "probe_mha", "probe_sdpa"]
+
+#: Seconds a probe call may take when the caller gives no timeout.
+DEFAULT_PROBE_TIMEOUT = 60.0
+#: Seconds an import or a zero-argument builder may take at least: importing torch or
+#: compiling kernels is slow (a longer call timeout applies when one is given).
+BUILD_TIMEOUT = 300.0
 
 
-def _runs(call: Callable[[], Any]) -> bool:
-    """Whether ``call()`` returns without raising (and does not return False)."""
-    try:
-        return call() is not False
-    except Exception:
-        return False
+def build_limit(timeout: float | None) -> float | None:
+    """The limit for importing or building an implementation under call timeout ``timeout``."""
+    return max(timeout, BUILD_TIMEOUT) if timeout else None
+
+
+class _Prober:
+    """Makes the probe calls of one implementation: ``call`` returns the result or
+    raises the implementation's exception as :class:`CallRaised`; a probe that does
+    not return within ``timeout`` is an ImplementationError."""
+
+    def __init__(self, origin: str, timeout: float | None) -> None:
+        self.origin, self.timeout = origin, timeout
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return guarded_call(fn, timeout=self.timeout, rng=True)
+        except CallTimedOut:
+            raise ImplementationError(
+                f"{self.origin}: probing {what} did not return within {self.timeout:g}s "
+                "(--example-timeout); fix the hang, or skip probing by declaring the "
+                "capabilities yourself with implementations.Implementation(..., "
+                "capabilities=Capabilities(...))"
+            ) from None
+
+    def runs(self, what: str, fn: Callable[[], Any]) -> bool:
+        """Whether ``fn()`` returns without raising (and does not return False)."""
+        try:
+            return self.call(what, fn) is not False
+        except CallRaised:
+            return False
+
+
+def _describe_result(out: Any) -> str:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return f"a {out.device.type} tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
+    return "None" if out is None else f"a {type(out).__module__}.{type(out).__qualname__}"
+
+
+def _is_output(out: Any, shape: tuple[int, ...]) -> bool:
+    import torch
+
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.device.type == "cpu"
 
 
 # --------------------------------------------------------------------------- SDPA
 
 
-def probe_sdpa(fn: Callable[..., Any], *, origin: str) -> Capabilities:
-    """Capabilities of an SDPA-signature function, found by tiny calls on CPU."""
+def probe_sdpa(fn: Callable[..., Any], *, origin: str,
+               timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
+    """Capabilities of an SDPA-signature function, found by tiny calls on CPU
+    (each limited to ``timeout`` seconds)."""
     import torch
 
+    probe = _Prober(origin, timeout)
     gen = torch.Generator().manual_seed(0)
 
     def qkv(N=2, K=2, L=2, S=3, E=4, Ev=4, dtype=torch.float32):
@@ -40,67 +98,104 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str) -> Capabilities:
                 torch.randn(1, K, S, Ev, generator=gen).to(dtype))
 
     q, k, v = qkv()
+    plain = "a plain float32 call with query (1, 2, 2, 4), key (1, 2, 3, 4), value (1, 2, 3, 4)"
     try:
-        fn(q, k, v)
-    except Exception as exc:
+        out = probe.call("a plain call", lambda: fn(q, k, v))
+    except CallRaised as exc:
         raise ImplementationError(
-            f"{origin} has SDPA's signature but a plain float32 call with query (1, 2, 2, 4), key "
-            f"(1, 2, 3, 4), value (1, 2, 3, 4) raised {summarise(exc)}; it must at least run that"
-        ) from exc
+            f"{origin} has SDPA's signature but {plain} raised {summarise(exc.error)}; it must at "
+            "least run that"
+        ) from exc.error
+    if not _is_output(out, (1, 2, 2, 4)):
+        raise ImplementationError(
+            f"{origin} has SDPA's signature but {plain} returned {_describe_result(out)}; it must "
+            "return a torch.Tensor of shape (1, 2, 2, 4) (B, N, L, Ev) on the inputs' device, "
+            "as torch.nn.functional.scaled_dot_product_attention does"
+        )
+    runs = probe.runs
     # The order of the calls below fixes what each draw from ``gen`` is: keep it.
-    dtypes = tuple(d for d in ALL_DTYPES if _runs(lambda d=d: fn(*qkv(dtype=getattr(torch, d)))))
+    dtypes = tuple(d for d in ALL_DTYPES if runs(f"dtype {d}", lambda d=d: fn(*qkv(dtype=getattr(torch, d)))))
     mask_kinds = {"none"}
-    if _runs(lambda: fn(q, k, v, attn_mask=torch.tensor([[True, False, True], [True, True, False]]))):
+    if runs("a bool mask", lambda: fn(q, k, v, attn_mask=torch.tensor([[True, False, True], [True, True, False]]))):
         mask_kinds.add("bool")
-    if _runs(lambda: fn(q, k, v, attn_mask=torch.randn(2, 3, generator=gen))):
+    if runs("a float mask", lambda: fn(q, k, v, attn_mask=torch.randn(2, 3, generator=gen))):
         mask_kinds.add("additive")
 
     def backward(mask_grad: bool = False) -> bool:
+        # Forward and backward are two guarded calls: the suite's own ``.sum()`` runs
+        # under the suite's grad mode, whatever the forward did to its thread's.
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
         mask = torch.randn(2, 3, generator=gen).requires_grad_() if mask_grad else None
-        fn(qq, kk, vv, attn_mask=mask).sum().backward()
+        what = "a mask gradient" if mask_grad else "backward"
+        try:
+            out = probe.call(what, lambda: fn(qq, kk, vv, attn_mask=mask))
+            if not isinstance(out, torch.Tensor):
+                return False
+            probe.call(what, lambda: out.sum().backward())
+        except CallRaised:
+            return False
         return qq.grad is not None and (mask is None or mask.grad is not None)
 
+    notes: list[str] = []
     return Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
         mask_kinds=frozenset(mask_kinds),
-        causal=_probe_causal(fn, q, k, v),
-        fully_masked=_probe_fully_masked(fn, q, k, v) if "bool" in mask_kinds else "unspecified",
-        different_v_dim=_runs(lambda: fn(*qkv(Ev=3))),
-        gqa=_runs(lambda: fn(*qkv(N=2, K=1), enable_gqa=True)),
-        dropout=_runs(lambda: fn(q, k, v, dropout_p=0.5)),
-        custom_scale=_runs(lambda: fn(q, k, v, scale=0.5)),
-        autograd=_runs(backward),
-        mask_grad="additive" in mask_kinds and _runs(lambda: backward(mask_grad=True)),
-        non_contiguous=_runs(lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)),
+        causal=_probe_causal(probe, fn, q, k, v, notes),
+        fully_masked=_probe_fully_masked(probe, fn, q, k, v) if "bool" in mask_kinds else "unspecified",
+        different_v_dim=runs("Ev != E", lambda: fn(*qkv(Ev=3))),
+        gqa=runs("GQA", lambda: fn(*qkv(N=2, K=1), enable_gqa=True)),
+        dropout=runs("dropout", lambda: fn(q, k, v, dropout_p=0.5)),
+        custom_scale=runs("scale=", lambda: fn(q, k, v, scale=0.5)),
+        autograd=backward(),
+        mask_grad="additive" in mask_kinds and backward(mask_grad=True),
+        non_contiguous=runs("a transposed input", lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)),
+        probe_notes=tuple(notes),
     )
 
 
-def _probe_causal(fn, q, k, v) -> str | None:
-    """The alignment ``is_causal=True`` means, None when the flag raises."""
+def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str]) -> str | None:
+    """The alignment ``is_causal=True`` means; None, with a note in ``notes``, when the
+    flag raises, has no effect, or matches neither alignment."""
     try:
-        got = fn(q, k, v, is_causal=True)  # L=2, S=3: the two alignments differ
-    except Exception:
+        got = probe.call("is_causal=True", lambda: fn(q, k, v, is_causal=True))  # L=2, S=3: alignments differ
+    except CallRaised:
+        return None
+    if not _is_output(got, (1, 2, 2, 4)):
+        notes.append(f"causal: is_causal=True returned {_describe_result(got)}, not the (1, 2, 2, 4) "
+                     "output; declared as no causal flag")
         return None
     got = got.detach().double().numpy()
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
 
-    def close_to(alignment: str) -> bool:
-        return np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=1e-4)
+    def close_to(alignment: str | None) -> bool:
+        return bool(np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=1e-4))
 
-    return "lower_right" if close_to("lower_right") and not close_to("upper_left") else "upper_left"
+    upper, lower = close_to("upper_left"), close_to("lower_right")
+    if upper != lower:
+        return "upper_left" if upper else "lower_right"
+    fix = ("; declared as no causal flag (--impl-option causal=upper_left or lower_right "
+           "tests it anyway)")
+    if close_to(None):
+        notes.append("causal: is_causal=True has no effect (the output equals the non-causal one)" + fix)
+    else:
+        notes.append("causal: is_causal=True matches neither alignment, upper_left nor lower_right "
+                     "(query length 2, key length 3)" + fix)
+    return None
 
 
-def _probe_fully_masked(fn, q, k, v) -> str:
+def _probe_fully_masked(probe: _Prober, fn, q, k, v) -> str:
     """The policy for a query row whose every key is blocked."""
     import torch
 
     mask = torch.tensor([[False, False, False], [True, True, False]])  # row 0 sees nothing
     try:
-        row = fn(q, k, v, attn_mask=mask)[0, :, 0]  # (N, Ev)
-    except Exception:
+        out = probe.call("a fully-masked row", lambda: fn(q, k, v, attn_mask=mask))
+    except CallRaised:
         return "unspecified"
+    if not _is_output(out, (1, 2, 2, 4)):
+        return "unspecified"
+    row = out.detach()[0, :, 0]  # (N, Ev)
     if torch.isnan(row).all():
         return "nan"
     if torch.equal(row, torch.zeros_like(row)):
@@ -117,23 +212,39 @@ def _probe_fully_masked(fn, q, k, v) -> str:
 _D, _N, _L, _S, _B = 4, 2, 3, 3, 2
 
 
-def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
-    """Capabilities of an nn.MultiheadAttention drop-in, found by tiny calls on CPU."""
+def probe_mha(factory: Callable[..., Any], *, origin: str,
+              timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
+    """Capabilities of an nn.MultiheadAttention drop-in, found by tiny calls on CPU
+    (each limited to ``timeout`` seconds)."""
     import torch
 
+    probe = _Prober(origin, timeout)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(_L, _B, _D, generator=gen)
     kv = torch.randn(_S, _B, _D, generator=gen)
-    try:
+
+    def first() -> Any:
         module = factory(_D, _N)
         module.eval()
-        module(x, x, x)
-    except Exception as exc:
+        return module(x, x, x)
+
+    plain = ("building it with (embed_dim=4, num_heads=2) and calling it on query = key = value "
+             "of shape (3, 2, 4)")
+    try:
+        out = probe.call("a plain call", first)
+    except CallRaised as exc:
         raise ImplementationError(
-            f"{origin} has nn.MultiheadAttention's signature but building it with (embed_dim=4, "
-            f"num_heads=2) and calling it on query = key = value of shape (3, 2, 4) raised "
-            f"{summarise(exc)}; it must at least run that"
-        ) from exc
+            f"{origin} has nn.MultiheadAttention's signature but {plain} raised "
+            f"{summarise(exc.error)}; it must at least run that"
+        ) from exc.error
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and _is_output(out[0], (_L, _B, _D))):
+        shown = (f"a pair whose output is {_describe_result(out[0])}"
+                 if isinstance(out, (tuple, list)) and len(out) == 2 else _describe_result(out))
+        raise ImplementationError(
+            f"{origin} has nn.MultiheadAttention's signature but {plain} returned {shown}; it must "
+            "return (output, weights) with output a torch.Tensor of shape (3, 2, 4) (L, B, D), as "
+            "torch.nn.MultiheadAttention does"
+        )
 
     def call(build: dict | None = None, *args, **forward) -> Any:
         m = factory(_D, _N, **(build or {}))
@@ -142,18 +253,26 @@ def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
         return m(q_, k_, v_, **forward)
 
     # The order below (features, dtypes, fully-masked rows, backward) fixes what each
-    # module built from torch's global generator is: keep it.
-    mha_features = frozenset(f for f, probe in _mha_feature_probes(factory, call, x, kv).items() if _runs(probe))
+    # module built from torch's global generator is: keep it. (Probe calls restore the
+    # global generator afterwards, so each module is built from the same state.)
+    mha_features = frozenset(f for f, run in _mha_feature_probes(factory, call, x, kv).items()
+                             if probe.runs(f"feature {f}", run))
     dtypes = tuple(
         d for d in ALL_DTYPES
-        if _runs(lambda d=d: call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3))
+        if probe.runs(f"dtype {d}", lambda d=d: call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3))
     )
-    fully_masked = _probe_mha_fully_masked(factory, x) if "key_padding_mask" in mha_features else "unspecified"
+    fully_masked = (_probe_mha_fully_masked(probe, factory, x) if "key_padding_mask" in mha_features
+                    else "unspecified")
 
     def backward() -> bool:
-        m = factory(_D, _N)
         xx = x.clone().requires_grad_()
-        m(xx, xx, xx)[0].sum().backward()
+        try:
+            out = probe.call("backward", lambda: factory(_D, _N)(xx, xx, xx))
+            if not (isinstance(out, (tuple, list)) and isinstance(out[0], torch.Tensor)):
+                return False
+            probe.call("backward", lambda: out[0].sum().backward())
+        except CallRaised:
+            return False
         return xx.grad is not None
 
     return Capabilities(
@@ -162,7 +281,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str) -> Capabilities:
         causal="upper_left",
         fully_masked=fully_masked,
         dropout="dropout" in mha_features,
-        autograd=_runs(backward),
+        autograd=backward(),
         mask_grad=False,
         mha_features=mha_features,
     )
@@ -192,17 +311,27 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _probe_mha_fully_masked(factory, x) -> str:
+def _probe_mha_fully_masked(probe: _Prober, factory, x) -> str:
     """``nan``, ``zero`` (module output = out_proj.bias) or ``unspecified``."""
     import torch
 
     blocked = torch.tensor([[True, True, True], [False, False, False]])
-    m = factory(_D, _N)
-    m.eval()
-    out = m(x, x, x, key_padding_mask=blocked, need_weights=False)[0][:, 0]  # (L, D), batch 0
-    bias = getattr(getattr(m, "out_proj", None), "bias", None)
+
+    def run() -> tuple[Any, Any]:
+        m = factory(_D, _N)
+        m.eval()
+        out = m(x, x, x, key_padding_mask=blocked, need_weights=False)[0]
+        return out, getattr(getattr(m, "out_proj", None), "bias", None)
+
+    try:
+        out, bias = probe.call("a fully-masked row", run)
+    except CallRaised:
+        return "unspecified"
+    if not _is_output(out, (_L, _B, _D)):
+        return "unspecified"
+    out = out.detach()[:, 0]  # (L, D), batch 0
     if torch.isnan(out).all():
         return "nan"
-    if bias is not None and torch.allclose(out, bias.detach().expand_as(out)):
+    if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
         return "zero"  # attention output 0, so the module output is out_proj.bias
     return "unspecified"

@@ -24,8 +24,14 @@ import sys
 from typing import Any, Callable
 
 from implementations.base import Implementation, ImplementationError
+from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
-from implementations.registry.probing import probe_mha, probe_sdpa
+from implementations.registry.probing import (
+    DEFAULT_PROBE_TIMEOUT,
+    build_limit,
+    probe_mha,
+    probe_sdpa,
+)
 
 __all__ = [
     "ACCEPTED_OBJECTS",
@@ -52,13 +58,15 @@ ACCEPTED_OBJECTS = (
 )
 
 
-def recognise(obj: Any, *, name: str, origin: str = "") -> Implementation:
-    """An :class:`Implementation` for ``obj`` (see the module docstring for what is accepted)."""
+def recognise(obj: Any, *, name: str, origin: str = "",
+              timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Implementation:
+    """An :class:`Implementation` for ``obj`` (see the module docstring for what is
+    accepted); each call into ``obj`` (building, probing) is limited to ``timeout`` seconds."""
     origin = origin or name
     if isinstance(obj, Implementation):
         return obj
     if inspect.isclass(obj):
-        return _recognise_class(obj, name=name, origin=origin)
+        return _recognise_class(obj, name=name, origin=origin, timeout=timeout)
     if not callable(obj):
         raise ImplementationError(
             f"{origin} is a {type(obj).__name__}, not callable; expected {ACCEPTED_OBJECTS}"
@@ -66,10 +74,10 @@ def recognise(obj: Any, *, name: str, origin: str = "") -> Implementation:
     parameters = _parameters(obj, origin)
     names = [p.name for p in parameters]
     if names[:3] == ["query", "key", "value"]:
-        return _recognise_sdpa(obj, parameters, name=name, origin=origin)
+        return _recognise_sdpa(obj, parameters, name=name, origin=origin, timeout=timeout)
     required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not required:
-        return _call_builder(obj, origin)
+        return _call_builder(obj, origin, timeout)
     raise ImplementationError(
         f"{origin} has the signature {getattr(obj, '__name__', 'f')}({', '.join(names)}), which "
         "is not torch.nn.functional.scaled_dot_product_attention's "
@@ -78,15 +86,20 @@ def recognise(obj: Any, *, name: str, origin: str = "") -> Implementation:
     )
 
 
-def _call_builder(builder: Callable[[], Any], origin: str) -> Implementation:
+def _call_builder(builder: Callable[[], Any], origin: str, timeout: float | None) -> Implementation:
     """The Implementation a zero-argument callable returns."""
     try:
-        made = builder()
-    except Exception as exc:
+        made = guarded_call(builder, timeout=build_limit(timeout), rng=True)
+    except CallRaised as exc:
         raise ImplementationError(
             f"{origin} takes no arguments, so it was called to build an Implementation, "
-            f"but the call raised {summarise(exc)}"
-        ) from exc
+            f"but the call raised {summarise(exc.error)}"
+        ) from exc.error
+    except CallTimedOut:
+        raise ImplementationError(
+            f"{origin} takes no arguments, so it was called to build an Implementation, "
+            f"but the call did not return within {build_limit(timeout):g}s"
+        ) from None
     if isinstance(made, Implementation):
         return made
     raise ImplementationError(
@@ -121,7 +134,8 @@ def _version_of(obj: Any) -> str:
 # --------------------------------------------------------------------------- SDPA
 
 
-def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str, origin: str) -> Implementation:
+def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str, origin: str,
+                    timeout: float | None) -> Implementation:
     names = {p.name for p in parameters}
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in parameters)
     unknown = [p.name for p in parameters[3:] if p.name not in SDPA_PARAMETERS
@@ -136,7 +150,7 @@ def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter],
     sdpa = _SDPAAdapter(fn, accepted) if accepted != set(SDPA_PARAMETERS) else fn
     return Implementation(
         name=name,
-        capabilities=probe_sdpa(sdpa, origin=origin),
+        capabilities=probe_sdpa(sdpa, origin=origin, timeout=timeout),
         sdpa=sdpa,
         version=_version_of(fn),
         description=f"SDPA-signature function {origin}; capabilities probed",
@@ -167,7 +181,7 @@ class _SDPAAdapter:
 # --------------------------------------------------------------------------- MHA
 
 
-def _recognise_class(cls: type, *, name: str, origin: str) -> Implementation:
+def _recognise_class(cls: type, *, name: str, origin: str, timeout: float | None) -> Implementation:
     init_parameters = _parameters(cls.__init__, origin)[1:]
     init = [p.name for p in init_parameters]
     forward_fn = getattr(cls, "forward", None)
@@ -188,7 +202,7 @@ def _recognise_class(cls: type, *, name: str, origin: str) -> Implementation:
     factory = _MHAFactory(cls, set(MHA_INIT_PARAMETERS) if accepts_kwargs else set(init))
     return Implementation(
         name=name,
-        capabilities=probe_mha(factory, origin=origin),
+        capabilities=probe_mha(factory, origin=origin, timeout=timeout),
         mha=factory,
         load_weights=load_mha_weights,
         version=_version_of(cls),

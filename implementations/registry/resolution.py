@@ -10,7 +10,11 @@
 4. ``package.module:attr``;
 5. ``path/to/file.py:attr``.
 
-What an entry point or ``attr`` is turned into is :mod:`.recognition`'s job.
+What an entry point or ``attr`` is turned into is :mod:`.recognition`'s job. Importing
+a user's module, file or entry point runs its code: that goes through
+:func:`implementations.guard.guarded_call` like every other call into it (a timeout;
+any exception, ``SystemExit`` included, becomes a one-paragraph ImplementationError;
+global state restored).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from implementations.base import Implementation, ImplementationError
+from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.expected_failures import load_expected_failures
 from implementations.registry.options import apply_options
+from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
 
 __all__ = ["ACCEPTED", "ENTRY_POINT_GROUP", "registered", "resolve"]
@@ -76,27 +82,29 @@ def registered() -> dict[str, Callable[[], Implementation]]:
 # --------------------------------------------------------------------------- resolution
 
 
-def resolve(spec: str, options: Mapping[str, str] | None = None) -> Implementation:
+def resolve(spec: str, options: Mapping[str, str] | None = None, *,
+            timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Implementation:
     """The implementation ``spec`` names (see the module docstring), with ``options``
-    overriding its capabilities."""
+    overriding its capabilities. Importing, building and probing a user's code is
+    limited to ``timeout`` seconds a call (``0``/``None``: no limit)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
-    impl = _resolve(spec)
+    impl = _resolve(spec, timeout)
     return apply_options(impl, options) if options else impl
 
 
-def _resolve(spec: str) -> Implementation:
+def _resolve(spec: str, timeout: float | None) -> Implementation:
     builtins = registered()
     if spec in builtins:
         return builtins[spec]()
     entry_point = _find_entry_point(spec)
     if entry_point is not None:
-        return _resolve_entry_point(spec, entry_point)
+        return _resolve_entry_point(spec, entry_point, timeout)
     if spec.startswith("mutant:"):
         return _resolve_mutant(spec.removeprefix("mutant:"))
     if ":" in spec:
-        return _resolve_location(spec)
+        return _resolve_location(spec, timeout)
     raise ImplementationError(
         f"--impl={spec!r} is not a registered implementation (registered: "
         f"{', '.join(sorted(builtins))}), not an installed entry point of group "
@@ -116,16 +124,22 @@ def _entry_point_names() -> list[str]:
     return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
 
 
-def _resolve_entry_point(spec: str, entry_point: importlib.metadata.EntryPoint) -> Implementation:
+def _resolve_entry_point(spec: str, entry_point: importlib.metadata.EntryPoint,
+                        timeout: float | None) -> Implementation:
+    what = f"--impl={spec!r} is the entry point {entry_point.value!r} (group {ENTRY_POINT_GROUP!r}) but loading it"
     try:
-        obj = entry_point.load()
-    except Exception as exc:  # the user's package raised while importing
+        obj = guarded_call(entry_point.load, timeout=build_limit(timeout), rng=True)
+    except CallRaised as exc:  # the user's package raised while importing
         raise ImplementationError(
-            f"--impl={spec!r} is the entry point {entry_point.value!r} (group "
-            f"{ENTRY_POINT_GROUP!r}) but loading it raised {summarise(exc)}; fix that "
-            "package or reinstall it"
-        ) from exc
-    return recognise(obj, name=spec, origin=f"entry point {entry_point.value!r}")
+            f"{what} raised {summarise(exc.error)}; fix that package or reinstall it"
+        ) from exc.error
+    except CallTimedOut:
+        raise ImplementationError(_hung(what, build_limit(timeout))) from None
+    return recognise(obj, name=spec, origin=f"entry point {entry_point.value!r}", timeout=timeout)
+
+
+def _hung(what: str, timeout: float | None) -> str:
+    return f"{what} did not return within {timeout:g}s; fix the hang"
 
 
 def _resolve_mutant(name: str) -> Implementation:
@@ -152,13 +166,13 @@ def _resolve_mutant(name: str) -> Implementation:
 # --------------------------------------------------------------------------- module:attr, file.py:attr
 
 
-def _resolve_location(spec: str) -> Implementation:
+def _resolve_location(spec: str, timeout: float | None) -> Implementation:
     """``package.module:attr`` or ``path/to/file.py:attr``."""
     location, _, attr = spec.rpartition(":")
     if location.endswith(".py") or "/" in location or "\\" in location:
-        module = _import_file(spec, location)
+        module = _import_file(spec, location, timeout)
     else:
-        module = _import_module(spec, location)
+        module = _import_module(spec, location, timeout)
     if not attr.isidentifier():
         raise ImplementationError(
             f"--impl={spec!r}: {attr!r} after the colon is not an attribute name; "
@@ -170,13 +184,18 @@ def _resolve_location(spec: str) -> Implementation:
             f"--impl={spec!r}: {location} has no attribute {attr!r}; it defines {public}. "
             f"Expected {attr!r} to be {ACCEPTED_OBJECTS}"
         )
-    return recognise(getattr(module, attr), name=spec, origin=spec)
+    return recognise(getattr(module, attr), name=spec, origin=spec, timeout=timeout)
 
 
-def _import_module(spec: str, module_name: str) -> Any:
+def _import_module(spec: str, module_name: str, timeout: float | None) -> Any:
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
+        return guarded_call(importlib.import_module, module_name, timeout=build_limit(timeout), rng=True)
+    except CallTimedOut:
+        raise ImplementationError(_hung(f"--impl={spec!r}: importing module {module_name!r}",
+                                     build_limit(timeout))) from None
+    except CallRaised as raised:
+        exc = raised.error
+    if isinstance(exc, ModuleNotFoundError):
         if exc.name and module_name.startswith(exc.name):
             raise ImplementationError(
                 f"--impl={spec!r}: no module named {module_name!r} is importable from "
@@ -187,14 +206,13 @@ def _import_module(spec: str, module_name: str) -> Any:
             f"--impl={spec!r}: importing module {module_name!r} raised {summarise(exc)}; "
             "the module itself imports something that is missing"
         ) from exc
-    except Exception as exc:
-        raise ImplementationError(
-            f"--impl={spec!r}: importing module {module_name!r} raised {summarise(exc)}; "
-            "fix the error in that module"
-        ) from exc
+    raise ImplementationError(
+        f"--impl={spec!r}: importing module {module_name!r} raised {summarise(exc)}; "
+        "fix the error in that module"
+    ) from exc
 
 
-def _import_file(spec: str, location: str) -> Any:
+def _import_file(spec: str, location: str, timeout: float | None) -> Any:
     path = Path(location).expanduser()
     if not path.is_file():
         raise ImplementationError(
@@ -208,11 +226,14 @@ def _import_file(spec: str, location: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look modules up here
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
+        guarded_call(module_spec.loader.exec_module, module, timeout=build_limit(timeout), rng=True)
+    except CallRaised as exc:
         del sys.modules[module_name]
         raise ImplementationError(
-            f"--impl={spec!r}: running {location!r} raised {summarise(exc)}; fix the error in "
+            f"--impl={spec!r}: running {location!r} raised {summarise(exc.error)}; fix the error in "
             "that file"
-        ) from exc
+        ) from exc.error
+    except CallTimedOut:
+        del sys.modules[module_name]
+        raise ImplementationError(_hung(f"--impl={spec!r}: running {location!r}", build_limit(timeout))) from None
     return module

@@ -1,0 +1,203 @@
+"""The one guarded path for every call into an implementation's own code.
+
+Everything that runs code the suite did not write goes through :func:`guarded_call`:
+importing a user's module or file, building an implementation, capability probing
+(``implementations.registry``), and every call the property tests make
+(``conformance.runner.call_guarded``, which turns the two exceptions below into
+property failures). A guarded call
+
+* runs under a **timeout** (``timeout`` seconds, ``0`` or ``None``: no limit): the
+  call runs in a daemon thread named ``implementation-call``; one that does not return
+  in time raises :class:`CallTimedOut`. A thread cannot be killed, so it is left behind
+  (:func:`leftover_threads` counts those still running: a pure-Python spin slows
+  everything after it; ``pytest --isolate=always`` runs the implementation in a worker
+  process that is killed instead, see ``conformance.isolation``);
+* **captures every exception** the call raises, ``SystemExit`` included, as
+  :class:`CallRaised` (``KeyboardInterrupt`` still stops the run);
+* **restores the global state the suite's own arithmetic depends on** when the call
+  returns (see :class:`GlobalState`): NumPy's floating-point error handling and print
+  options, torch's grad mode, default dtype, deterministic-algorithms flag, float32
+  matmul precision and anomaly mode, and, with ``rng=True``, the random number
+  generators of ``random``, NumPy and torch. The call itself sees the caller's state:
+  thread-local settings (grad mode, the NumPy error state) are carried into the call's
+  thread.
+
+Random generators are restored only where asked (resolution and probing do): the
+property tests' dropout checks need successive calls to draw fresh randomness, and
+Hypothesis seeds the global generators itself for every example.
+
+This module lives in ``implementations`` because the registry's probing needs it and
+``implementations`` never imports ``conformance``; it imports nothing but the standard
+library, NumPy, and torch when torch is already imported.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import random
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = [
+    "CALL_THREAD_NAME",
+    "CallRaised",
+    "CallTimedOut",
+    "GlobalState",
+    "GuardedCallFailed",
+    "guarded_call",
+    "leftover_threads",
+    "summarise",
+]
+
+#: Name of the threads guarded calls run in (how :func:`leftover_threads` finds them).
+CALL_THREAD_NAME = "implementation-call"
+
+
+class GuardedCallFailed(Exception):
+    """A guarded call did not return a value."""
+
+
+class CallRaised(GuardedCallFailed):
+    """The call raised ``error`` (any exception, ``SystemExit`` included)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        super().__init__(summarise(error))
+
+
+class CallTimedOut(GuardedCallFailed):
+    """The call did not return within ``timeout`` seconds (its thread is left running)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(f"did not return within {timeout:g}s")
+
+
+def summarise(exc: BaseException) -> str:
+    """``Type: message (at file:line)`` for the innermost frame, on one line."""
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" + where if message else f"{type(exc).__name__}{where}"
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """The process-wide and thread-local settings an implementation may change and the
+    suite depends on. :meth:`capture` reads them, :meth:`restore` writes them back (only
+    the ones that changed); ``rng`` holds the random generators' states when captured
+    with ``rng=True``."""
+
+    numpy_err: dict[str, str]
+    numpy_errcall: Any
+    numpy_print: dict[str, Any]
+    torch: tuple[Any, ...] | None
+    rng: tuple[Any, ...] | None
+
+    @classmethod
+    def capture(cls, *, rng: bool = False) -> GlobalState:
+        torch = sys.modules.get("torch")
+        torch_state = None
+        if torch is not None:
+            torch_state = (
+                torch.is_grad_enabled(),
+                torch.get_default_dtype(),
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.get_float32_matmul_precision(),
+                torch.is_anomaly_enabled(),
+            )
+        rng_state = None
+        if rng:
+            rng_state = (random.getstate(), np.random.get_state(),
+                         torch.get_rng_state() if torch is not None else None)
+        return cls(np.geterr(), np.geterrcall(), np.get_printoptions(), torch_state, rng_state)
+
+    def restore(self) -> None:
+        if np.geterr() != self.numpy_err:
+            np.seterr(**self.numpy_err)
+        if np.geterrcall() is not self.numpy_errcall:
+            np.seterrcall(self.numpy_errcall)
+        if np.get_printoptions() != self.numpy_print:
+            np.set_printoptions(**self.numpy_print)
+        torch = sys.modules.get("torch")
+        if torch is not None and self.torch is not None:
+            grad, default_dtype, deterministic, warn_only, matmul, anomaly = self.torch
+            if torch.is_grad_enabled() != grad:
+                torch.set_grad_enabled(grad)
+            if torch.get_default_dtype() != default_dtype:
+                torch.set_default_dtype(default_dtype)
+            if (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) != (deterministic, warn_only):
+                torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+            if torch.get_float32_matmul_precision() != matmul:
+                torch.set_float32_matmul_precision(matmul)
+            if torch.is_anomaly_enabled() != anomaly:
+                torch.set_anomaly_enabled(anomaly)
+        if self.rng is not None:
+            py_state, np_state, torch_rng = self.rng
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            if torch is not None and torch_rng is not None:
+                torch.set_rng_state(torch_rng)
+
+    def enter_thread(self) -> None:
+        """Carry the caller's thread-local settings into a new thread (grad mode;
+        NumPy's error state travels with the copied context)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and self.torch is not None and torch.is_grad_enabled() != self.torch[0]:
+            torch.set_grad_enabled(self.torch[0])
+
+
+def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng: bool = False,
+                 **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under the guard (see the module docstring).
+
+    Returns what ``fn`` returns; raises :class:`CallRaised` (``.error`` is the
+    exception, chained as the cause) or :class:`CallTimedOut`. ``timeout``: seconds,
+    ``0``/``None`` for no limit (the call then runs in the caller's thread); ``rng``:
+    restore the random generators afterwards too.
+    """
+    state = GlobalState.capture(rng=rng)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - everything is the implementation's
+            box["error"] = exc
+
+    try:
+        if timeout and timeout > 0:
+            context = contextvars.copy_context()
+
+            def in_thread() -> None:
+                state.enter_thread()
+                context.run(run)
+
+            worker = threading.Thread(target=in_thread, name=CALL_THREAD_NAME, daemon=True)
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive():
+                raise CallTimedOut(timeout)
+        else:
+            run()
+    finally:
+        state.restore()
+    if "error" in box:
+        raise CallRaised(box["error"]) from box["error"]
+    return box["value"]
+
+
+def leftover_threads() -> int:
+    """How many guarded calls that timed out are still running in this process."""
+    return sum(1 for t in threading.enumerate() if t.name == CALL_THREAD_NAME and t.is_alive())

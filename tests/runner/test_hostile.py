@@ -1,0 +1,381 @@
+"""A misbehaving implementation never breaks the run, the certificate or the suite's arithmetic.
+
+Each test certifies one hostile implementation of ``tests/runner/hostile_impls.py`` (it
+hangs, crashes, returns garbage, pollutes global state, or is flaky) with short
+timeouts, and checks that the run ends in bounded time with a truthful certificate.
+Sections follow the issue's items: 1 guarded calls and probing, 2-3 crashes and hangs,
+6 output paths, 7 wrong results, 8 flaky results, 9 option and import nits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from conformance import certificate, isolation
+from conformance.plugin import _ResultCollector
+from conformance.session import Session
+from conformance.strategies import mha_cases, sdpa_cases
+from implementations import guard, registry
+from implementations.base import Capabilities, ImplementationError
+
+ROOT = Path(__file__).resolve().parents[2]
+HOSTILE = "tests/runner/hostile_impls.py"
+
+
+def run(*args: str, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``pytest conformance`` under ci, failures and crash markers kept under ``tmp_path``;
+    the wall time is ``.seconds``."""
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+    proc.seconds = time.monotonic() - start  # type: ignore[attr-defined]
+    return proc
+
+
+def results(tmp_path: Path) -> dict[str, dict]:
+    """The certificate's SDPA-level results by property (one dtype per run here; the
+    hostile implementations have no MHA level, so those tests skip)."""
+    cert = json.loads((tmp_path / "cert.json").read_text())
+    return {r["property"]: r for r in cert["results"] if r["level"] == "sdpa"}
+
+
+def certify(attr: str, tmp_path: Path, *args: str, keyword: str = "forward_agreement",
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    return run(f"--impl={HOSTILE}:{attr}", "--dtype=float64", "-k", keyword,
+               f"--conformance-report={tmp_path}/cert", *args, tmp_path=tmp_path, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- 1. one guarded path
+
+
+def test_guarded_call_restores_the_state_the_suite_computes_under():
+    def pollute():
+        np.seterr(all="raise")
+        np.set_printoptions(precision=2)
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        torch.manual_seed(123)
+        return "value"
+
+    rng = torch.get_rng_state()
+    for timeout in (0, 5):  # in the caller's thread, and in a call thread
+        assert guard.guarded_call(pollute, timeout=timeout, rng=True) == "value"
+        assert np.geterr()["invalid"] == "warn" and np.get_printoptions()["precision"] == 8
+        assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_guarded_call_times_out_and_captures_every_exception():
+    start = time.monotonic()
+    with pytest.raises(guard.CallTimedOut, match="did not return within 0.2s"):
+        guard.guarded_call(time.sleep, 5, timeout=0.2)
+    assert time.monotonic() - start < 2
+    with pytest.raises(guard.CallRaised, match="SystemExit: 3") as raised:
+        guard.guarded_call(sys.exit, 3, timeout=1)
+    assert isinstance(raised.value.error, SystemExit)
+
+
+def test_probe_that_hangs_fails_resolution_within_the_timeout(tmp_path):
+    proc = certify("hangs", tmp_path, "--example-timeout=1", timeout=120)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "probing a plain call did not return within 1s" in proc.stderr
+    assert proc.seconds < 60
+
+
+@pytest.mark.parametrize("attr, shown", [
+    ("returns_none", "returned None"),
+    ("returns_numpy", "returned a numpy.ndarray"),
+    ("returns_list", "returned a builtins.list"),
+    ("returns_squeezed", "returned a cpu tensor of shape (2, 2, 4)"),
+    ("returns_meta", "returned a meta tensor"),
+])
+def test_probe_of_a_wrong_return_is_a_one_paragraph_error(attr, shown):
+    with pytest.raises(ImplementationError) as err:
+        registry.resolve(f"{HOSTILE}:{attr}", timeout=30)
+    message = str(err.value)
+    assert shown in message and "must return a torch.Tensor of shape (1, 2, 2, 4)" in message
+    assert "\n" not in message
+
+
+def test_a_wrong_return_at_probing_is_a_usage_error_not_an_internal_error(tmp_path):
+    proc = certify("returns_meta", tmp_path)
+    assert proc.returncode == 4
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr
+    assert "returned a meta tensor" in proc.stderr
+
+
+def test_numpy_error_state_set_by_the_implementation_leaves_the_suite_exact(tmp_path):
+    """The implementation calls np.seterr(all="raise") on every call, probing included:
+    the oracle and the tolerance arithmetic still run under the suite's settings."""
+    proc = certify("sets_numpy_raise", tmp_path, "--isolate=never",
+                   keyword="forward_agreement or fully_masked_rows or temperature")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert {r["outcome"] for r in results(tmp_path).values()} == {"passed"}
+
+
+def test_grad_mode_switched_off_during_probing_does_not_hide_autograd():
+    impl = registry.resolve(f"{HOSTILE}:disables_grad", timeout=30)
+    assert impl.capabilities.autograd
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("attr, said", [
+    ("ignores_causal", "is_causal=True has no effect"),
+    ("odd_causal", "is_causal=True matches neither alignment"),
+])
+def test_a_causal_flag_that_is_not_an_alignment_is_said_so(attr, said):
+    impl = registry.resolve(f"{HOSTILE}:{attr}", timeout=30)
+    assert impl.capabilities.causal is None
+    [note] = impl.capabilities.probe_notes
+    assert note.startswith("causal: " + said)
+    entry = certificate.implementation_entry(impl, attr, {})
+    cert = certificate.certificate(implementation=entry, environment={"torch": "x", "devices": ["cpu"]},
+                                   profile="ci", seconds=1.0, results=[])
+    assert f"causal flag=None (probe: {said}" in certificate.details(cert)[0]
+    # A value the user sets is no longer the probe's: its note goes.
+    overridden = registry.resolve(f"{HOSTILE}:{attr}", {"causal": "upper_left"}, timeout=30)
+    assert overridden.capabilities.causal == "upper_left" and overridden.capabilities.probe_notes == ()
+
+
+def test_causal_flag_skip_reason_carries_the_probe_note(tmp_path):
+    proc = certify("ignores_causal", tmp_path, keyword="causal_flag_equivalence")
+    assert proc.returncode == 0
+    r = results(tmp_path)["causal_flag_equivalence"]
+    assert r["outcome"] == "skipped"
+    assert r["reason"].startswith("no causal flag declared (probe: is_causal=True has no effect")
+
+
+def test_mha_causal_flag_skip_reason_names_the_missing_feature():
+    from conformance.runner import Target
+    from conformance.test_mha import _causal_hint_missing
+
+    impl = registry.resolve("torch-mha")
+    caps = impl.caps("mha")
+    no_mask = dataclasses.replace(impl, mha_capabilities=caps.replace(mha_features=caps.mha_features - {"attn_mask"}))
+    reason = _causal_hint_missing(Target(no_mask, "mha", "float32", "cpu"))
+    assert reason.startswith("attn_mask not declared") and "is_causal and" not in reason
+    assert _causal_hint_missing(Target(impl, "mha", "float32", "cpu")) is None
+
+
+# --------------------------------------------------------------------------- 2-3. crashes and hangs
+
+
+@pytest.mark.parametrize("attr, how", [("exits", "exit code 3"), ("aborts", "SIGABRT")])
+def test_crash_in_isolated_mode_fails_the_property_with_the_case_saved(tmp_path, attr, how):
+    proc = certify(attr, tmp_path, "--isolate=always", keyword="forward_agreement or temperature")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for r in results(tmp_path).values():
+        assert r["outcome"] == "failed" and r["isolated"]
+        assert "ended its isolated worker process during a call into it" in r["message"] and how in r["message"]
+        assert Path(r["failure_file"]).exists() and r["counterexample"]["L"] >= 2
+    assert attr in (tmp_path / "state" / "crashes.json").read_text()
+    assert proc.seconds < 180
+
+
+def test_crash_in_process_makes_the_next_auto_run_isolated(tmp_path):
+    dead = certify("exits", tmp_path, "--isolate=never")
+    assert dead.returncode == 3 and not (tmp_path / "cert.json").exists()  # os._exit(3): nothing left
+    proc = certify("exits", tmp_path, "-v")
+    assert proc.returncode == 1
+    assert "implementation runs in a worker process (--isolate=auto: an earlier run" in proc.stdout
+    [r] = results(tmp_path).values()
+    assert r["outcome"] == "failed" and Path(r["failure_file"]).exists()
+
+
+def test_crash_under_xdist_is_counted_on_the_certificate(tmp_path):
+    proc = certify("exits", tmp_path, "--isolate=never", "-n", "2",
+                   keyword="forward_agreement or temperature")
+    assert proc.returncode == 1
+    assert re.search(r"\b2 failed\b", proc.stdout)
+    got = results(tmp_path)
+    assert {got[p]["outcome"] for p in ("forward_agreement", "temperature")} == {"failed"}
+    assert "rerun with --isolate=always" in got["forward_agreement"]["message"]
+    assert "summary: 2 failed" in proc.stdout
+
+
+def test_a_report_without_a_record_still_gets_a_result(tmp_path, monkeypatch):
+    """What the xdist controller sees of a crashed test: a report and no record."""
+    monkeypatch.setenv("ATTENTION_CONFORMANCE_STATE", str(tmp_path))
+    session = Session(profile="ci", started=0.0, impl_spec="x.py:f")
+    report = type("Report", (), dict(
+        nodeid="conformance/test_sdpa_agreement.py::test_forward_agreement[sdpa-float32-cpu]",
+        when="???", failed=True, skipped=False, user_properties=[],
+        longreprtext="worker 'gw0' crashed while running 'conformance/...'"))()
+    collector = _ResultCollector(session)
+    collector.pytest_runtest_logreport(report)
+    collector.pytest_runtest_logreport(report)  # counted once
+    [r] = session.results
+    assert (r["property"], r["dtype"], r["outcome"]) == ("forward_agreement", "float32", "failed")
+    assert isolation.crash_seen("x.py:f")  # the next auto run isolates it
+
+
+def test_hang_is_tried_once_per_case_and_ends_the_search(tmp_path):
+    """A 0.5 s timeout costs about 0.5 s a property, not one timeout per shrink step;
+    the same case drawn by the next property fails at once."""
+    keyword = "forward_agreement or temperature or value_linearity or output_contract"
+    proc = certify("sleeps", tmp_path, "--isolate=never", "--example-timeout=0.5", keyword=keyword)
+    assert proc.returncode == 1
+    got = results(tmp_path)
+    assert len(got) == 4 and all(r["outcome"] == "failed" and r["examples"] == 1 for r in got.values())
+    assert all(Path(r["failure_file"]).exists() for r in got.values())
+    assert sum("not run again" in r["message"] for r in got.values()) >= 2
+    assert sum(r["seconds"] for r in got.values()) < 10
+
+
+def test_hang_costs_one_timeout_per_property(tmp_path):
+    proc = certify("sleeps", tmp_path, "--isolate=always", "--example-timeout=2")
+    assert proc.returncode == 1
+    [r] = results(tmp_path).values()
+    assert "did not return within 2s" in r["message"] and "worker process was killed" in r["message"]
+    assert 2 <= r["seconds"] < 10
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_spinning_call_is_counted_in_thread_mode_and_killed_in_isolated_mode(tmp_path, mode):
+    proc = certify("spins", tmp_path, f"--isolate={mode}", "--example-timeout=0.3")
+    assert proc.returncode == 1
+    [r] = results(tmp_path).values()
+    assert r["outcome"] == "failed"
+    if mode == "never":
+        assert r["leftover_threads"] >= 1 and "still running in threads at the end" in proc.stdout
+    else:
+        assert r["leftover_threads"] == 0 and "still running" not in proc.stdout
+
+
+def test_cases_travel_to_the_worker_as_arrays_and_json():
+    seen = []
+
+    @settings(max_examples=15, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(sdpa=sdpa_cases(dtype="float16"), mha=mha_cases(dtype="float32", self_attention=True))
+    def roundtrip(sdpa, mha):
+        for case in (sdpa, mha):
+            meta, arrays = isolation.encode_case(case)
+            json.dumps(meta)  # plain JSON
+            back = isolation.decode_case(json.loads(json.dumps(meta)), arrays)
+            assert isolation.case_digest(back) == isolation.case_digest(case)
+            assert back.describe() == case.describe()
+        back_mha = isolation.decode_case(*isolation.encode_case(mha))
+        assert back_mha.key is back_mha.query  # self-attention survives
+        seen.append(back_mha.attrs()["self_attention"])
+
+    roundtrip()
+    assert all(seen)
+
+
+def test_frames_never_unpickle():
+    read_fd, write_fd = os.pipe()
+    try:
+        isolation._write_frame(write_fd, {"op": "x"}, {"a": np.array([object()], dtype=object)})
+        with pytest.raises(ValueError, match="pickle"):
+            isolation._read_frame(read_fd)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+# --------------------------------------------------------------------------- 6. output paths
+
+
+def test_unwritable_report_path_is_a_usage_error_before_any_test(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    proc = run("--impl=sdpa", "--dtype=float32", f"--conformance-report={tmp_path}/a-file/cert",
+               tmp_path=tmp_path)
+    assert proc.returncode == 4
+    assert f"--conformance-report={tmp_path}/a-file/cert: cannot write" in proc.stderr
+    assert "passed" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- 7. wrong results
+
+
+@pytest.mark.parametrize("attr, mismatch", [
+    ("wrong_device", "output device=meta, but should be cpu"),
+    ("wrong_type", "output type=numpy.ndarray, but should be torch.Tensor"),
+])
+def test_a_wrong_device_or_type_fails_with_the_case_saved(tmp_path, attr, mismatch):
+    proc = certify(attr, tmp_path, "--isolate=never")
+    assert proc.returncode == 1
+    [r] = results(tmp_path).values()
+    assert r["outcome"] == "failed" and r["message"].startswith(mismatch)
+    assert Path(r["failure_file"]).exists() and r["counterexample"] is not None
+    assert f"saved {r['failure_file']}" in proc.stdout
+
+
+def test_details_name_no_file_when_none_was_saved():
+    caps = Capabilities()
+    entry = {"name": "x", "spec": "x", "version": "0", "options": {}, "expected_failures": [],
+             "capabilities": {"fully_masked": caps.fully_masked, "causal": caps.causal, "tf32": False}}
+    bad = {"property": "p", "level": "sdpa", "dtype": "float32", "device": "cpu", "outcome": "error",
+           "examples": 0, "counterexample": None, "failure_file": "", "message": "setup failed"}
+    cert = certificate.certificate(implementation=entry, environment={}, profile="ci", seconds=0,
+                                   results=[bad])
+    line = certificate.details(cert)[1]
+    assert line == "ERROR p[sdpa-float32-cpu]: after 0 examples; no case"
+
+
+# --------------------------------------------------------------------------- 8. flaky results
+
+
+@pytest.mark.parametrize("attr, said", [
+    ("first_time_wrong", "the implementation gave different results for the same case"),
+    ("two_bugs", "2 distinct failures; the first:"),
+])
+def test_flaky_or_several_failures_keep_the_first_case_and_its_message(tmp_path, attr, said):
+    proc = certify(attr, tmp_path, "--isolate=never")
+    assert proc.returncode == 1
+    [r] = results(tmp_path).values()
+    assert r["message"].startswith(said)
+    assert "values mismatch" in r["message"]  # the mismatch itself, not only Hypothesis' headline
+    assert Path(r["failure_file"]).exists() and r["counterexample"] is not None
+
+
+# --------------------------------------------------------------------------- 9. nits
+
+
+@pytest.mark.parametrize("args, said", [
+    (("--example-timeout=-5",), "--example-timeout=-5 must be >= 0 seconds (0 means no limit)"),
+    (("--dtype", ","), "--dtype=',' names no dtype"),
+])
+def test_bad_option_values_are_usage_errors(tmp_path, args, said):
+    proc = run("--impl=sdpa", *args, tmp_path=tmp_path)
+    assert proc.returncode == 4 and said in proc.stderr
+
+
+def test_system_exit_at_import_is_a_usage_error(tmp_path):
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    proc = run(f"--impl={tmp_path}/exits_at_import.py:f", tmp_path=tmp_path)
+    assert proc.returncode == 4 and "INTERNALERROR" not in proc.stdout + proc.stderr
+    assert "raised SystemExit: 3" in proc.stderr
+
+
+def test_os_exit_at_import_is_reported(tmp_path):
+    (tmp_path / "dies_at_import.py").write_text("import os\nos._exit(5)\n")
+    spec = f"--impl={tmp_path}/dies_at_import.py:f"
+    proc = run(spec, "--isolate=always", tmp_path=tmp_path)
+    assert proc.returncode == 4
+    assert "the isolated worker process died while importing and probing" in proc.stderr
+    assert "exit code 5" in proc.stderr
+    # In-process the run can only die; the next run says so and isolates it.
+    (tmp_path / "state" / "crashes.json").unlink()
+    assert run(spec, "--isolate=never", tmp_path=tmp_path).returncode == 5
+    proc = run(spec, tmp_path=tmp_path)
+    assert proc.returncode == 4 and "died while importing" in proc.stderr
