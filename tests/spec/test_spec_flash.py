@@ -174,7 +174,7 @@ def test_random_flash_calls_equal_brute_force(case):
 @settings(deadline=None, max_examples=80)
 @given(flash_cases())
 def test_without_softcap_equals_sdpa_with_window_mask_and_alibi_bias(case):
-    """flash_attention(softcap=0) = spec.sdpa(attend_mask=window_mask, additive_mask=alibi_bias)."""
+    """flash_attention(softcap=0) = spec.sdpa(attend_mask=window_mask, additive_mask=alibi_bias), to float64 rounding."""
     if case["k"].shape[1] == 0:
         return                                                           # sdpa needs S >= 1
     case = {**case, "softcap": 0.0}
@@ -185,7 +185,8 @@ def test_without_softcap_equals_sdpa_with_window_mask_and_alibi_bias(case):
                          attend_mask=spec.window_mask(L, S, case["window"], causal=case["causal"],
                                                       alignment=case["alignment"]))
     got = _flash_call(case, fully_masked=case["fully_masked"])
-    np.testing.assert_array_equal(got, np.swapaxes(expected.output, 1, 2))
+    # Equal up to the order of float64 roundings (bit-equal on most draws, not all).
+    np.testing.assert_allclose(got, np.swapaxes(expected.output, 1, 2), rtol=1e-13, atol=1e-300)
 
 
 def test_causal_sets_the_right_side_to_zero():
