@@ -186,8 +186,10 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
 
 @conformance_property(
     "temperature", level="sdpa", section="spec.sdpa (scale)",
-    cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range")),
-    directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range")),
+    cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range"),
+                              scale_kinds=("positive", "tiny", "negative", "zero")),
+    directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range"),
+                                 scale_kinds=("positive", "tiny", "negative", "zero")),
     requires=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
 )
 def test_temperature(target: Target, case: SDPACase) -> float:
