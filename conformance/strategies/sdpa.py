@@ -268,8 +268,8 @@ def sdpa_cases(
       cases get their blocked rows from the flag alone (no mask, L > S, so the first
       L - S rows see no key) even when masks are allowed; without it the runner
       folds causality into the forced mask and such rows never reach ``is_causal``.
-      Ignored where ``causal`` holds no ``"lower_right"``, no mask is not allowed,
-      or L > S is impossible;
+      Ignored where ``causal`` holds no ``"lower_right"``, mask kind ``"none"`` is
+      not allowed, or L > S is impossible;
     * ``length_relations`` ⊆ :data:`LENGTH_RELATIONS` (``"L=S"``, ``"L=1<S"``,
       ``"1<L<S"``, ``"L>S"``): each example first draws one relation, uniformly
       (shrinking toward the first), then L and S inside it, so a single query
