@@ -237,6 +237,8 @@ class _SDPAOptions:
     gqa: list[bool]
     different_v_dim: list[bool]
     fully_masked: bool | None
+    #: ``sdpa_cases``' ``scale_kinds``: True (any), False (default only) or the kinds.
+    scale_kinds: Any = True
 
 
 def _sdpa_options(target: Any, arguments: dict[str, Any]) -> _SDPAOptions:
@@ -258,7 +260,29 @@ def _sdpa_options(target: Any, arguments: dict[str, Any]) -> _SDPAOptions:
         gqa=flag("gqa", caps.gqa),
         different_v_dim=flag("different_v_dim", caps.different_v_dim),
         fully_masked=arguments.get("fully_masked"),
+        scale_kinds=arguments.get("scale_kinds", True),
     )
+
+
+def _scale_allowed(kind: str, kinds: Any) -> bool:
+    if kinds is True:
+        return True
+    if kinds is False:
+        return kind == "default"
+    return kind in kinds
+
+
+def _incidental_scale(E: int, kinds: Any) -> float | None:
+    """The scale of an example that needs none: the default where the property draws
+    it, else the default's value given explicitly (same logits), else the simplest
+    allowed kind."""
+    if _scale_allowed("default", kinds):
+        return None
+    for kind, value in (("positive", 1 / np.sqrt(E)), ("negative", -1 / np.sqrt(E)),
+                        ("tiny", 1e-6), ("zero", 0.0)):
+        if _scale_allowed(kind, kinds):
+            return float(value)
+    return None
 
 
 def _pick(preferred: Sequence[Any], allowed: Sequence[Any]) -> Any:
@@ -329,14 +353,16 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     B = max(example.B, 2) if layout == "stride0" else example.B
     Ev = example.Ev if example.Ev is not None and True in options.different_v_dim else example.E
     regime = _pick([example.regime, "normal"], options.regimes)
+    scale = example.scale if example.scale is not None else \
+        _incidental_scale(example.E, options.scale_kinds)
     sizes = {"B": B, "N": N, "K": K, "L": example.L, "S": example.S, "E": example.E, "Ev": Ev}
     attend, additive, notes = _sdpa_mask(kind, dead_row, B, example.L, example.S)
     stride0 = [0] if layout == "stride0" else []
     query, key, value = sdpa_values(_seed(example.name, target.dtype), sizes, regime, target.dtype,
-                                    example.scale, stride0, extreme=True)
+                                    scale, stride0, extreme=True)
     notes += (NOTE_STRIDE0_BATCH,) if stride0 else ()
     return SDPACase(query=query, key=key, value=value, attend_mask=attend, additive_mask=additive,
-                    causal=causal, scale=example.scale, dtype=target.dtype, device=target.device,
+                    causal=causal, scale=scale, dtype=target.dtype, device=target.device,
                     layout=layout, regime=regime, notes=notes + (f"directed: {example.name}",))
 
 

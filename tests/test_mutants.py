@@ -126,8 +126,6 @@ def _require_builtin(name: str) -> None:
 
 @pytest.mark.parametrize("impl", CORRECT)
 def test_correct_implementation_passes(impl, tmp_path):
-    if impl == "jax":
-        pytest.xfail("jax fails a directed example since the merge (open, issue 12)")
     if impl in ("triton", "jax"):
         _require_builtin(impl)
     code, report, output = run_conformance(impl, tmp_path, stop_at_first_failure=False)
