@@ -39,7 +39,7 @@ __all__ = ["MHA_MASK_KINDS", "mha_cases"]
 #: MHA mask dtypes: "bool" (True = blocked) or "float" (added).
 MHA_MASK_KINDS = ("bool", "float")
 #: Features a case turns on by a drawn boolean (the rest follow from other draws).
-_MHA_TOGGLES = ("bias", "kdim_vdim", "bias_kv", "zero_attn", "batch_first", "unbatched",
+_MHA_TOGGLES = ("no_bias", "kdim_vdim", "bias_kv", "zero_attn", "batch_first", "unbatched",
                 "key_padding_mask", "attn_mask")
 NOTE_SELF_ATTENTION = "self_attention"
 
@@ -169,7 +169,7 @@ def _round_params(params: MHAParams, dtype: str) -> MHAParams:
 def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
                 dims: _MHASizes) -> tuple[MHAParams, np.ndarray, np.ndarray, np.ndarray]:
     """Weights and query, key, value, exact in the dtype (one array when self-attention)."""
-    params = MHAParams.random(rng, dims.D, dims.N, bias=not on["bias"], add_bias_kv=on["bias_kv"],
+    params = MHAParams.random(rng, dims.D, dims.N, bias=not on["no_bias"], add_bias_kv=on["bias_kv"],
                               add_zero_attn=on["zero_attn"],
                               kdim=dims.kdim if on["kdim_vdim"] else None,
                               vdim=dims.vdim if on["kdim_vdim"] else None)
@@ -341,7 +341,7 @@ def mha_cases(
     allowed, required = mha_feature_sets(caps, features, required_features)
     kinds = choices("mask_kinds", mask_kinds, MHA_MASK_KINDS, MHA_MASK_KINDS)
     need = resolve_flag("need_weights", need_weights, "need_weights", allowed, required)
-    average = resolve_flag("average_attn_weights", average_attn_weights, "average_weights",
+    average = resolve_flag("average_attn_weights", average_attn_weights, "per_head_weights",
                             allowed, required, on_means_feature=False)
     causal = resolve_flag("is_causal", is_causal, "is_causal", allowed, required)
     if causal and "attn_mask" not in allowed:
