@@ -12,7 +12,12 @@ from typing import Any
 
 from hypothesis.errors import InvalidArgument
 
-from implementations.base import ALL_DTYPES, ALL_MHA_FEATURES, Capabilities, renamed_mha_features
+from implementations.base import (
+    ALL_DTYPES,
+    ALL_MHA_FEATURES,
+    Capabilities,
+    renamed_mha_features,
+)
 
 
 def fail(name: str, value: Any, why: str, fix: str) -> InvalidArgument:
