@@ -9,7 +9,6 @@ weights, inputs and masks.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from conformance.strategies.sdpa_masks import NOTE_FORCED, nonzero_bias
 from conformance.strategies.sizes import SizeBounds, draw_sizes, size_bounds
 from implementations.base import Capabilities
 from spec import MHAParams
-from spec.emulate import round_to
+from spec.emulate import round_arrays_to, round_to
 
 __all__ = ["MHA_MASK_KINDS", "mha_cases"]
 
@@ -159,13 +158,6 @@ def _draw_mha_sizes(draw: st.DrawFn, plan: _MHAPlan, on: dict[str, bool]) -> _MH
     return _MHASizes(B=B, N=N, E=E, L=L, S=S, kdim=kdim, vdim=vdim, same=same)
 
 
-def _round_params(params: MHAParams, dtype: str) -> MHAParams:
-    changes = {f.name: round_to(getattr(params, f.name), dtype)
-               for f in dataclasses.fields(params)
-               if isinstance(getattr(params, f.name), np.ndarray)}
-    return dataclasses.replace(params, **changes)
-
-
 def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
                 dims: _MHASizes) -> tuple[MHAParams, np.ndarray, np.ndarray, np.ndarray]:
     """Weights and query, key, value, exact in the dtype (one array when self-attention)."""
@@ -173,7 +165,7 @@ def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
                               add_zero_attn=on["zero_attn"],
                               kdim=dims.kdim if on["kdim_vdim"] else None,
                               vdim=dims.vdim if on["kdim_vdim"] else None)
-    params = _round_params(params, plan.dtype)
+    params = round_arrays_to(params, plan.dtype)
 
     def inputs(length: int, dim: int) -> np.ndarray:
         if on["unbatched"]:
