@@ -13,9 +13,10 @@ import pytest
 import spec
 from conformance import mha_bounds
 from conformance.cases import MHACase
+from implementations.base import ALL_DTYPES
 from spec.emulate import round_arrays_to, round_to
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
+DTYPES = ALL_DTYPES
 
 
 def _case(dtype: str, seed: int) -> MHACase:
