@@ -253,7 +253,7 @@ class MHACase:
         p = self.params
         used = set()
         if p.in_proj_bias is None:
-            used.add("bias")
+            used.add("no_bias")
         if p.kdim != p.embed_dim or p.vdim != p.embed_dim:
             used.add("kdim_vdim")
         if p.bias_k is not None:
@@ -273,7 +273,7 @@ class MHACase:
         if self.need_weights:
             used.add("need_weights")
         if not self.average_attn_weights:
-            used.add("average_weights")
+            used.add("per_head_weights")
         return used
 
     def blocked_rows(self) -> np.ndarray:

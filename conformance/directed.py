@@ -462,9 +462,9 @@ MHA_EXAMPLES: tuple[MHAExample, ...] = (
     MHAExample("cross-attention, L != S, kdim and vdim != D", L=2, S=3, kdim=3, vdim=5,
                features=frozenset({"kdim_vdim", "cross_attention"}), cross=True),
     MHAExample("unbatched (L, D) input without biases", L=3, S=3,
-               features=frozenset({"unbatched", "bias"})),
+               features=frozenset({"unbatched", "no_bias"})),
     MHAExample("batch_first, per-head weights, a float per-head attn_mask", L=2, S=2, B=2,
-               features=frozenset({"batch_first", "attn_mask", "need_weights", "average_weights"}),
+               features=frozenset({"batch_first", "attn_mask", "need_weights", "per_head_weights"}),
                mask="per_head", need_weights=True, average_attn_weights=False),
     MHAExample("add_bias_kv", L=2, S=2, N=1, E=4, features=frozenset({"bias_kv"})),
     MHAExample("four heads of dim 1 (head split and merge)", L=2, S=2, N=4, E=1),
@@ -487,7 +487,7 @@ def _mha_options(target: Any, arguments: dict[str, Any]) -> dict[str, list[Any]]
     return {
         "features": sorted(features),
         "need_weights": flag("need_weights", "need_weights"),
-        "average_attn_weights": flag("average_attn_weights", "average_weights", on_means_feature=False),
+        "average_attn_weights": flag("average_attn_weights", "per_head_weights", on_means_feature=False),
         "is_causal": flag("is_causal", "is_causal") if "attn_mask" in features else [False],
         "mask_kinds": [k for k in ("bool", "float") if given is None or k in given],
     }
@@ -538,7 +538,7 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     D = example.N * example.E
     rng = _seed(example.name, target.dtype)
     params = _rounded(MHAParams.random(
-        rng, D, example.N, bias="bias" not in features, add_bias_kv="bias_kv" in features,
+        rng, D, example.N, bias="no_bias" not in features, add_bias_kv="bias_kv" in features,
         add_zero_attn="zero_attn" in features, kdim=example.kdim, vdim=example.vdim), target.dtype)
     batch_first = "batch_first" in features
 

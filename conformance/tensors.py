@@ -32,15 +32,12 @@ from conformance.cases import (
     MHACase,
     SDPACase,
 )
+from implementations.base import ALL_DTYPES
 
 __all__ = ["dtype_of", "to_numpy", "sdpa_inputs", "mha_inputs", "POISON_PAD"]
 
-_TORCH_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+#: The suite's dtype names are torch's attribute names (``implementations.base.ALL_DTYPES``).
+_TORCH_DTYPES = {name: getattr(torch, name) for name in ALL_DTYPES}
 #: Elements of padding after each innermost row (and before the first) of a poisoned tensor.
 POISON_PAD = 3
 

@@ -110,7 +110,7 @@ def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
     "mha_averaged_weights", level="mha", section="spec.mha_forward (average_attn_weights)",
     cases=lambda t: mha_cases_for(t, need_weights=True),
     directed=lambda t: mha_directed_for(t, need_weights=True),
-    requires=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "average_weights"),
+    requires=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "per_head_weights"),
                                    "per-head weights not declared"),
 )
 def test_mha_averaged_weights(target: Target, case: MHACase) -> float:

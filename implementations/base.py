@@ -34,6 +34,7 @@ __all__ = [
     "ALL_DTYPES",
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
+    "RENAMED_MHA_FEATURES",
     "CAUSAL_ALIGNMENTS",
     "FULLY_MASKED_POLICIES",
     "MATCH_COMPARISONS",
@@ -41,6 +42,8 @@ __all__ = [
     "ExpectedFailure",
     "Implementation",
     "ImplementationError",
+    "check_mha_feature_names",
+    "renamed_mha_features",
 ]
 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -52,7 +55,7 @@ ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
 #: forward arguments of ``torch.nn.MultiheadAttention``).
 ALL_MHA_FEATURES = frozenset(
     {
-        "bias",              # bias=False supported
+        "no_bias",           # bias=False accepted (projections without bias)
         "kdim_vdim",         # kdim/vdim != embed_dim (separate projection weights)
         "bias_kv",           # add_bias_kv=True
         "zero_attn",         # add_zero_attn=True
@@ -62,11 +65,31 @@ ALL_MHA_FEATURES = frozenset(
         "attn_mask",         # attn_mask argument, bool and float
         "is_causal",         # is_causal argument (with its attn_mask hint)
         "need_weights",      # returns weights when need_weights=True
-        "average_weights",   # average_attn_weights=False returns per-head weights
+        "per_head_weights",  # average_attn_weights=False returns per-head weights
         "dropout",           # dropout>0 constructor option, train/eval modes
         "cross_attention",   # query, key, value may differ (without it: self-attention only)
     }
 )
+#: Former MHA feature names -> their names now. The old ones read as the opposite of
+#: what they meant ("bias" meant bias=False works), so they are refused, not mapped.
+RENAMED_MHA_FEATURES = {"bias": "no_bias", "average_weights": "per_head_weights"}
+
+
+def renamed_mha_features(names: Any) -> str:
+    """``"'bias' is now 'no_bias'"`` for each former feature name in ``names`` ("" if none)."""
+    return "; ".join(f"{old!r} is now {RENAMED_MHA_FEATURES[old]!r}"
+                     for old in sorted(set(names) & RENAMED_MHA_FEATURES.keys()))
+
+
+def check_mha_feature_names(names: Any, where: str = "mha_features") -> None:
+    """Raise ImplementationError naming each unknown feature (and a former name's new one)."""
+    unknown = sorted(set(names) - ALL_MHA_FEATURES)
+    if unknown:
+        renamed = renamed_mha_features(unknown)
+        raise ImplementationError(
+            f"{where} has unknown entries {unknown}{f' ({renamed})' if renamed else ''}; "
+            f"known: {sorted(ALL_MHA_FEATURES)}"
+        )
 
 
 class ImplementationError(ValueError):
@@ -127,12 +150,7 @@ class Capabilities:
             raise ImplementationError(
                 f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
             )
-        if not set(self.mha_features) <= ALL_MHA_FEATURES:
-            raise ImplementationError(
-                f"mha_features has unknown entries "
-                f"{sorted(set(self.mha_features) - ALL_MHA_FEATURES)}; known: "
-                f"{sorted(ALL_MHA_FEATURES)}"
-            )
+        check_mha_feature_names(self.mha_features)
 
     def replace(self, **changes: Any) -> "Capabilities":
         return dataclasses.replace(self, **changes)

@@ -11,6 +11,7 @@ inf exactly as in a naive float16 implementation.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from . import _checks
 from ._sdpa import Problem, prepare
 
-__all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_to"]
+__all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_arrays_to", "round_to"]
 
 #: dtype name -> (storage dtype, accumulation dtype)
 EMULATED_DTYPES: dict[str, tuple[Any, Any]] = {
@@ -42,6 +43,14 @@ def round_to(values: Any, dtype: str) -> np.ndarray:
     _checks.check_choice("dtype", dtype, tuple(EMULATED_DTYPES))
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         return np.asarray(values, dtype=np.float64).astype(_storage_dtype(dtype)).astype(np.float64)
+
+
+def round_arrays_to(record: Any, dtype: str) -> Any:
+    """``record`` (a dataclass such as ``MHAParams``) with every array field rounded to
+    ``dtype`` by :func:`round_to`; other fields (None, flags) as they are."""
+    changes = {f.name: round_to(getattr(record, f.name), dtype) for f in dataclasses.fields(record)
+               if isinstance(getattr(record, f.name), np.ndarray)}
+    return dataclasses.replace(record, **changes)
 
 
 def _rounder(dtype: str) -> tuple[Callable[[np.ndarray], np.ndarray], Any]:

@@ -12,7 +12,12 @@ from typing import Any
 
 from hypothesis.errors import InvalidArgument
 
-from implementations.base import ALL_DTYPES, ALL_MHA_FEATURES, Capabilities
+from implementations.base import (
+    ALL_DTYPES,
+    ALL_MHA_FEATURES,
+    Capabilities,
+    renamed_mha_features,
+)
 
 
 def fail(name: str, value: Any, why: str, fix: str) -> InvalidArgument:
@@ -80,6 +85,11 @@ def choices(name: str, value: Any, known: Sequence[str], default: Sequence[str])
     return chosen
 
 
+def _choose_features(names: set[str]) -> str:
+    renamed = renamed_mha_features(names)
+    return (f"{renamed}; " if renamed else "") + f"choose from {sorted(ALL_MHA_FEATURES)}"
+
+
 def mha_feature_sets(caps: Capabilities | None, features: Any, required: Any) -> tuple[set[str], set[str]]:
     """(allowed, required) MHA feature sets, checked against each other and ``caps``."""
     declared = set(caps.mha_features) if caps is not None else set(ALL_MHA_FEATURES)
@@ -92,7 +102,7 @@ def mha_feature_sets(caps: Capabilities | None, features: Any, required: Any) ->
         allowed = set(features)
         if allowed - ALL_MHA_FEATURES:
             raise fail("features", features, f"has unknown {sorted(allowed - ALL_MHA_FEATURES)}",
-                       f"choose from {sorted(ALL_MHA_FEATURES)}")
+                       _choose_features(allowed))
         if allowed - declared:
             raise fail("features", features, f"has {sorted(allowed - declared)} outside "
                        f"caps.mha_features", "drop them")
@@ -100,7 +110,7 @@ def mha_feature_sets(caps: Capabilities | None, features: Any, required: Any) ->
     unknown = required - ALL_MHA_FEATURES
     if unknown:
         raise fail("required_features", sorted(required), f"has unknown {sorted(unknown)}",
-                   f"choose from {sorted(ALL_MHA_FEATURES)}")
+                   _choose_features(unknown))
     if required - allowed:
         raise fail("required_features", sorted(required), f"needs {sorted(required - allowed)} "
                    "which features/caps.mha_features do not allow", "allow them or drop them")

@@ -9,7 +9,6 @@ weights, inputs and masks.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -32,14 +31,14 @@ from conformance.strategies.sdpa_masks import NOTE_FORCED, nonzero_bias
 from conformance.strategies.sizes import SizeBounds, draw_sizes, size_bounds
 from implementations.base import Capabilities
 from spec import MHAParams
-from spec.emulate import round_to
+from spec.emulate import round_arrays_to, round_to
 
 __all__ = ["MHA_MASK_KINDS", "mha_cases"]
 
 #: MHA mask dtypes: "bool" (True = blocked) or "float" (added).
 MHA_MASK_KINDS = ("bool", "float")
 #: Features a case turns on by a drawn boolean (the rest follow from other draws).
-_MHA_TOGGLES = ("bias", "kdim_vdim", "bias_kv", "zero_attn", "batch_first", "unbatched",
+_MHA_TOGGLES = ("no_bias", "kdim_vdim", "bias_kv", "zero_attn", "batch_first", "unbatched",
                 "key_padding_mask", "attn_mask")
 NOTE_SELF_ATTENTION = "self_attention"
 
@@ -159,21 +158,14 @@ def _draw_mha_sizes(draw: st.DrawFn, plan: _MHAPlan, on: dict[str, bool]) -> _MH
     return _MHASizes(B=B, N=N, E=E, L=L, S=S, kdim=kdim, vdim=vdim, same=same)
 
 
-def _round_params(params: MHAParams, dtype: str) -> MHAParams:
-    changes = {f.name: round_to(getattr(params, f.name), dtype)
-               for f in dataclasses.fields(params)
-               if isinstance(getattr(params, f.name), np.ndarray)}
-    return dataclasses.replace(params, **changes)
-
-
 def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
                 dims: _MHASizes) -> tuple[MHAParams, np.ndarray, np.ndarray, np.ndarray]:
     """Weights and query, key, value, exact in the dtype (one array when self-attention)."""
-    params = MHAParams.random(rng, dims.D, dims.N, bias=not on["bias"], add_bias_kv=on["bias_kv"],
+    params = MHAParams.random(rng, dims.D, dims.N, bias=not on["no_bias"], add_bias_kv=on["bias_kv"],
                               add_zero_attn=on["zero_attn"],
                               kdim=dims.kdim if on["kdim_vdim"] else None,
                               vdim=dims.vdim if on["kdim_vdim"] else None)
-    params = _round_params(params, plan.dtype)
+    params = round_arrays_to(params, plan.dtype)
 
     def inputs(length: int, dim: int) -> np.ndarray:
         if on["unbatched"]:
@@ -341,7 +333,7 @@ def mha_cases(
     allowed, required = mha_feature_sets(caps, features, required_features)
     kinds = choices("mask_kinds", mask_kinds, MHA_MASK_KINDS, MHA_MASK_KINDS)
     need = resolve_flag("need_weights", need_weights, "need_weights", allowed, required)
-    average = resolve_flag("average_attn_weights", average_attn_weights, "average_weights",
+    average = resolve_flag("average_attn_weights", average_attn_weights, "per_head_weights",
                             allowed, required, on_means_feature=False)
     causal = resolve_flag("is_causal", is_causal, "is_causal", allowed, required)
     if causal and "attn_mask" not in allowed:

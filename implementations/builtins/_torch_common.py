@@ -1,5 +1,6 @@
-"""Helpers shared by the torch-based built-ins (and the bug zoo): dtype names, weight
-loading, strides, batching."""
+"""Helpers shared by the torch-based built-ins (and the bug zoo): weight loading,
+strides, batching. (The suite's dtype names are torch's attribute names,
+``getattr(torch, name)`` for each of ``implementations.base.ALL_DTYPES``.)"""
 
 from __future__ import annotations
 
@@ -10,18 +11,7 @@ import torch
 
 from implementations.base import ImplementationError
 
-__all__ = ["DTYPES", "contiguous_strides", "dtype_name", "flatten_batch", "load_mha_weights", "torch_version"]
-
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+__all__ = ["contiguous_strides", "flatten_batch", "load_mha_weights", "torch_version"]
 
 
 def torch_version() -> str:

@@ -18,10 +18,10 @@ A query row whose every key is blocked has no distribution to average over; its
 output (and its weights) are defined as 0, as the spec's ``fully_masked="zero"``
 policy and SDPA since PyTorch 2.5 do. Gradients through such rows are 0, not NaN.
 
-The bug zoo's correct bases (``implementations/mutants/_base.py``: ``NaiveSDPA``,
-``HandwrittenMHA``) are a second hand-written implementation, deliberately independent
-of this one (written apart, no shared code) so that a bug in one cannot hide in the
-other: keep them separate.
+The bug zoo's correct bases (``NaiveSDPA`` in ``implementations/mutants/_sdpa_bases.py``,
+``HandwrittenMHA`` in ``implementations/mutants/_mha_base.py``) are a second
+hand-written implementation, deliberately independent of this one (written apart, no
+shared code) so that a bug in one cannot hide in the other: keep them separate.
 """
 
 from __future__ import annotations

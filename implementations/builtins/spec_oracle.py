@@ -15,12 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from implementations.base import ALL_MHA_FEATURES, Capabilities, Implementation
+from implementations.base import ALL_DTYPES, ALL_MHA_FEATURES, Capabilities, Implementation
 from implementations.builtins._torch_common import load_mha_weights
 
 __all__ = ["SpecMultiheadAttention", "make_implementation", "spec_sdpa"]
-
-_ALL = ("float64", "float32", "float16", "bfloat16")
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -141,9 +139,9 @@ def make_implementation() -> Implementation:
     mha_features = ALL_MHA_FEATURES - {"dropout"}
     return Implementation(
         name="spec",
-        capabilities=Capabilities(devices=("cpu",), dtypes=_ALL, dropout=False, non_contiguous=True),
+        capabilities=Capabilities(devices=("cpu",), dtypes=ALL_DTYPES, dropout=False, non_contiguous=True),
         mha_capabilities=Capabilities(
-            devices=("cpu",), dtypes=_ALL, dropout=False, autograd=False,
+            devices=("cpu",), dtypes=ALL_DTYPES, dropout=False, autograd=False,
             mask_grad=False, mha_features=mha_features,
         ),
         sdpa=spec_sdpa,

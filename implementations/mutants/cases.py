@@ -249,7 +249,7 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
         if case.get("need_weights", True):
             features.add("need_weights")
         if not case.get("average_attn_weights", True):
-            features.add("average_weights")
+            features.add("per_head_weights")
         if case.get("dropout"):
             features.add("dropout")
         if case.get("unbatched"):

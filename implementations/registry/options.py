@@ -19,6 +19,7 @@ from implementations.base import (
     Capabilities,
     Implementation,
     ImplementationError,
+    renamed_mha_features,
 )
 
 __all__ = ["apply_options"]
@@ -63,6 +64,9 @@ def _parse_optional_int(text: str) -> int | None:
 
 
 def _parse_mha_features(text: str) -> frozenset[str]:
+    renamed = renamed_mha_features(item.strip() for item in text.split(","))
+    if renamed:
+        raise ValueError(f"the current feature names ({renamed})")
     return frozenset(() if text.strip().lower() == "none" else _parse_list(ALL_MHA_FEATURES)(text))
 
 

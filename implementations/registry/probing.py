@@ -295,7 +295,7 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
     causal = torch.ones(_L, _S, dtype=torch.bool).tril().logical_not()
     return {
         "cross_attention": lambda: call(None, x, kv, kv),
-        "bias": lambda: call({"bias": False}),
+        "no_bias": lambda: call({"bias": False}),
         "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(_S, _B, 3), torch.randn(_S, _B, 5)),
         "bias_kv": lambda: call({"add_bias_kv": True}),
         "zero_attn": lambda: call({"add_zero_attn": True}),
@@ -306,7 +306,7 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
         "attn_mask": lambda: (call(None, attn_mask=causal), call(None, attn_mask=torch.randn(_L, _S))),
         "is_causal": lambda: call(None, attn_mask=causal, is_causal=True),
         "need_weights": lambda: call(None, need_weights=True)[1] is not None,
-        "average_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,
+        "per_head_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,
         "dropout": lambda: factory(_D, _N, dropout=0.5).train()(x, x, x),
     }
 

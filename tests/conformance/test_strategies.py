@@ -221,8 +221,8 @@ MHA_FORCING = [
     (dict(fully_masked=True, is_causal=True), lambda c: c.fully_masked_rows() and c.is_causal),
     (dict(fully_masked=False, required_features=("key_padding_mask", "attn_mask")),
      lambda c: not c.fully_masked_rows() and c.key_padding_mask is not None),
-    (dict(required_features=("kdim_vdim", "bias_kv", "zero_attn", "bias")),
-     lambda c: c.mha_features() >= {"kdim_vdim", "bias_kv", "zero_attn", "bias"}),
+    (dict(required_features=("kdim_vdim", "bias_kv", "zero_attn", "no_bias")),
+     lambda c: c.mha_features() >= {"kdim_vdim", "bias_kv", "zero_attn", "no_bias"}),
     (dict(required_features=("unbatched", "key_padding_mask")),
      lambda c: c.unbatched and c.query.ndim == 2 and c.key_padding_mask.shape == (c.S,)),
     (dict(required_features=("batch_first",)),
@@ -427,6 +427,9 @@ INVALID = [
     (lambda: cs.mha_cases(dtype="float32", need_weights=False, required_features=("need_weights",)),
      "need_weights=False"),
     (lambda: cs.mha_cases(dtype="float32", mask_kinds=("int",)), "mask_kinds=('int',)"),
+    (lambda: cs.mha_cases(dtype="float32", required_features=("bias",)), "'bias' is now 'no_bias'"),
+    (lambda: cs.mha_cases(dtype="float32", features=("average_weights",)),
+     "'average_weights' is now 'per_head_weights'"),
 ]
 
 

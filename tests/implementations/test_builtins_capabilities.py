@@ -90,7 +90,7 @@ def test_cuda_only_backends_are_marked_and_unavailable_without_cuda():
 
 MHA_FEATURE_CALLS = {
     "cross_attention": ({}, {}),  # every call below has distinct query, key and value
-    "bias": ({"bias": False}, {}),
+    "no_bias": ({"bias": False}, {}),
     "kdim_vdim": ({"kdim": 3, "vdim": 5}, {}),
     "bias_kv": ({"add_bias_kv": True}, {}),
     "zero_attn": ({"add_zero_attn": True}, {}),
@@ -100,7 +100,7 @@ MHA_FEATURE_CALLS = {
     "attn_mask": ({}, {"attn_mask": torch.randn(3, 4)}),
     "is_causal": ({}, {"attn_mask": ~torch.ones(3, 4, dtype=torch.bool).tril(), "is_causal": True}),
     "need_weights": ({}, {"need_weights": True}),
-    "average_weights": ({}, {"need_weights": True, "average_attn_weights": False}),
+    "per_head_weights": ({}, {"need_weights": True, "average_attn_weights": False}),
     "dropout": ({"dropout": 0.5}, {}),
 }
 
@@ -130,7 +130,7 @@ def test_mha_claimed_features_run(name, feature):
         return
     output, weights = run()
     assert torch.isfinite(output).all()
-    if feature == "average_weights":
+    if feature == "per_head_weights":
         assert weights.shape == (2, 2, 3, 4)
     if feature == "need_weights":
         assert weights.shape == (2, 3, 4)

@@ -45,7 +45,7 @@ def test_mha_dropin_example(batch_first):
     caps = impl.caps("mha")
     assert impl.mha is not None and "need_weights" in caps.mha_features
     assert {"bias_kv", "zero_attn", "kdim_vdim", "dropout"}.isdisjoint(caps.mha_features)
-    assert {"batch_first", "key_padding_mask", "attn_mask", "unbatched", "average_weights",
+    assert {"batch_first", "key_padding_mask", "attn_mask", "unbatched", "per_head_weights",
             "cross_attention"} <= caps.mha_features
     rng = np.random.default_rng(1)
     params = spec.MHAParams.random(rng, 8, 2)

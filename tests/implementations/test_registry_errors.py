@@ -117,3 +117,17 @@ def test_sdpa_function_that_cannot_run(tmp_path):
 def test_unknown_mutant():
     message = error_for("mutant:definitely_not_a_mutant")
     assert "definitely_not_a_mutant" in message
+
+
+@pytest.mark.parametrize("old, new", [("bias", "no_bias"), ("average_weights", "per_head_weights")])
+def test_former_mha_feature_names_are_refused_with_their_new_name(old, new):
+    """The old names read as the opposite of their meaning, so they are not mapped silently."""
+    from implementations.base import Capabilities
+    from implementations.registry.options import apply_options
+
+    with pytest.raises(ImplementationError, match=f"'{old}' is now '{new}'"):
+        Capabilities(mha_features=frozenset({old, "need_weights"}))
+    impl = registry.resolve("torch-mha")
+    with pytest.raises(ImplementationError, match=f"'{old}' is now '{new}'"):
+        apply_options(impl, {"mha_features": f"need_weights,{old}"})
+    assert new in apply_options(impl, {"mha_features": f"need_weights,{new}"}).caps("mha").mha_features

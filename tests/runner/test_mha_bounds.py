@@ -13,18 +13,17 @@ import pytest
 import spec
 from conformance import mha_bounds
 from conformance.cases import MHACase
-from spec.emulate import round_to
+from implementations.base import ALL_DTYPES
+from spec.emulate import round_arrays_to, round_to
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
+DTYPES = ALL_DTYPES
 
 
 def _case(dtype: str, seed: int) -> MHACase:
     rng = np.random.default_rng(seed)
     D, N, L, S, B = 8, 2, 5, 6, 2
     params = spec.MHAParams.random(rng, D, N)
-    params = dataclasses.replace(params, **{
-        f.name: round_to(getattr(params, f.name), dtype) for f in dataclasses.fields(params)
-        if isinstance(getattr(params, f.name), np.ndarray)})
+    params = round_arrays_to(params, dtype)
     x = round_to(rng.standard_normal((L, B, D)), dtype)
     kv = round_to(rng.standard_normal((S, B, D)), dtype)
     return MHACase(params=params, query=x, key=kv, value=kv, dtype=dtype, need_weights=False)

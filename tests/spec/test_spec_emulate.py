@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import spec
 from spec import masks
-from spec.emulate import round_to
+from spec.emulate import round_arrays_to, round_to
 from spec_test_cases import POLICIES, assert_close, describe_case, sdpa_cases
 
 LOW = ("float32", "float16", "bfloat16")
@@ -123,9 +123,7 @@ def mha_calls(draw, *, dtype: str = "float64"):
     vdim = D if self_attention else draw(st.sampled_from([D, 2, 4]))
     params = spec.MHAParams.random(rng, D, N, kdim=kdim, vdim=vdim, bias=draw(st.booleans()),
                                    add_bias_kv=draw(st.booleans()), add_zero_attn=draw(st.booleans()))
-    params = dataclasses.replace(params, **{f.name: round_to(getattr(params, f.name), dtype)
-                                            for f in dataclasses.fields(params)
-                                            if isinstance(getattr(params, f.name), np.ndarray)})
+    params = round_arrays_to(params, dtype)
     B, L = draw(st.integers(1, 2)), draw(st.integers(1, 5))
     S = L if self_attention else draw(st.integers(1, 5))
     unbatched, batch_first = draw(st.booleans()), draw(st.booleans())
@@ -205,9 +203,7 @@ def test_low_precision_mha_error_is_of_the_order_of_eps(dtype_and_call):
 def _mha_fixture(dtype: str, *, seed: int, kdim: int | None = None):
     rng = np.random.default_rng(seed)
     params = spec.MHAParams.random(rng, 32, 4, kdim=kdim, vdim=kdim)
-    params = dataclasses.replace(params, **{f.name: round_to(getattr(params, f.name), dtype)
-                                            for f in dataclasses.fields(params)
-                                            if isinstance(getattr(params, f.name), np.ndarray)})
+    params = round_arrays_to(params, dtype)
     query = round_to(rng.normal(size=(16, 2, 32)), dtype)
     key = round_to(rng.normal(size=(12, 2, kdim or 32)), dtype)
     value = round_to(rng.normal(size=(12, 2, kdim or 32)), dtype)
@@ -279,3 +275,16 @@ def test_mha_steps_hold_the_intermediates():
     np.testing.assert_array_equal(steps.layout(steps.output),
                                   spec.emulate_mha(params, query, key, value, dtype="bfloat16")[0])
     assert steps.scale == pytest.approx(1 / np.sqrt(8))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_round_arrays_to_rounds_every_array_field_and_nothing_else(dtype):
+    params = spec.MHAParams.random(np.random.default_rng(3), 8, 2, bias=False, add_zero_attn=True)
+    rounded = round_arrays_to(params, dtype)
+    for f in dataclasses.fields(params):
+        before, after = getattr(params, f.name), getattr(rounded, f.name)
+        if isinstance(before, np.ndarray):
+            np.testing.assert_array_equal(after, round_to(before, dtype))
+            assert not np.array_equal(after, before), f"{f.name} was not rounded to {dtype}"
+        else:
+            assert after == before, f"{f.name}={after!r}, but should be left as {before!r}"

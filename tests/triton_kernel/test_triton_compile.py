@@ -44,6 +44,8 @@ import pytest
 import torch  # noqa: E402
 
 import implementations.builtins.triton_attention as ta  # noqa: E402
+from conformance.tensors import dtype_of  # noqa: E402
+from implementations.base import ALL_DTYPES  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
@@ -52,16 +54,13 @@ TARGETS = {
     "sm80": (("cuda", 80, 32), 163 * 1024),   # A100
     "sm90": (("cuda", 90, 32), 227 * 1024),   # H100 / H200
 }
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+#: dtype name -> torch dtype (the suite's one map, conformance.tensors.dtype_of).
+DTYPES = {name: dtype_of(name) for name in ALL_DTYPES}
+
 
 def _all_variants():
     out = []
-    for dtype in DTYPES:
+    for dtype in ALL_DTYPES:
         for mask_kind in ("none", "bool", "additive"):
             for causal in (False, True):
                 out.append(dict(dtype=dtype, E=64, Ev=64, mask=mask_kind, causal=causal, bwd=True))
@@ -77,7 +76,7 @@ def _all_variants():
 def _core_variants():
     """Every constexpr branch, every GPU tile family and head-dim extreme, once per dtype."""
     out = []
-    for dtype in DTYPES:
+    for dtype in ALL_DTYPES:
         out.append(dict(dtype=dtype, E=64, Ev=64, mask="none", causal=False))
         for E, Ev in ((64, 64), (128, 128), (256, 256)):
             out.append(dict(dtype=dtype, E=E, Ev=Ev, mask="additive", causal=True, bwd=True))
@@ -105,7 +104,7 @@ def _variant_id(v) -> str:
 
 def _plan(v):
     """CPU tensors shaped like a GPU call of this variant -> ta.plan_launch(gpu=True)."""
-    dtype = DTYPES[v["dtype"]]
+    dtype = dtype_of(v["dtype"])
     B, N, L, S = 2, 4, 100, 90
     E, Ev = v["E"], v["Ev"]
     if v.get("layout") == "strided":
@@ -248,7 +247,7 @@ def _family(cfg):
 @pytest.mark.parametrize("which", sorted(CONFIGS))
 def test_variants_cover_every_gpu_config(which):
     """Every GPU tile family (tiles, warps, stages, dot mode) of every dtype is compiled."""
-    compiled = {(v["dtype"], _family(CONFIGS[which](DTYPES[v["dtype"]], v["E"], v["Ev"], gpu=True)))
+    compiled = {(v["dtype"], _family(CONFIGS[which](dtype_of(v["dtype"]), v["E"], v["Ev"], gpu=True)))
                 for v in VARIANTS if which == "forward" or v.get("bwd")}
     for name, dtype in DTYPES.items():
         for E in range(1, ta.MAX_HEAD_DIM + 1):
