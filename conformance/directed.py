@@ -46,7 +46,7 @@ from conformance.cases import LAYOUTS, NOTE_STRIDE0_BATCH, MHACase, SDPACase
 from conformance.strategies import MASK_KINDS, REGIMES, mha_cases, sdpa_cases
 from conformance.strategies.values import sdpa_values
 from spec import MHAParams
-from spec.emulate import round_to
+from spec.emulate import round_arrays_to, round_to
 
 __all__ = [
     "MAX_DIRECTED",
@@ -493,12 +493,6 @@ def _mha_options(target: Any, arguments: dict[str, Any]) -> dict[str, list[Any]]
     }
 
 
-def _rounded(params: MHAParams, dtype: str) -> MHAParams:
-    return dataclasses.replace(params, **{
-        f.name: round_to(getattr(params, f.name), dtype) for f in dataclasses.fields(params)
-        if isinstance(getattr(params, f.name), np.ndarray)})
-
-
 def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
                options: dict[str, list[Any]]) -> MHACase | None:
     """``example`` adapted to the property's options (None: its bug class is ruled out)."""
@@ -537,7 +531,7 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     S = L if self_attention else example.S
     D = example.N * example.E
     rng = _seed(example.name, target.dtype)
-    params = _rounded(MHAParams.random(
+    params = round_arrays_to(MHAParams.random(
         rng, D, example.N, bias="no_bias" not in features, add_bias_kv="bias_kv" in features,
         add_zero_attn="zero_attn" in features, kdim=example.kdim, vdim=example.vdim), target.dtype)
     batch_first = "batch_first" in features
