@@ -247,7 +247,7 @@ def check_fully_masked_policy(target: Target, case: SDPACase, output: np.ndarray
             fail(f"fully-masked row output at {i}={output[i]!r}, but should be NaN ({declared})")
     elif policy == "uniform":
         uniform = oracle(case, fully_masked="uniform").output
-        compare_values("fully-masked row output (uniform policy)", output, uniform,
+        compare_values(f"fully-masked row output ({declared})", output, uniform,
                        tolerance.sdpa_allowed(case.dtype, 0.0, np.abs(uniform) + 1e-300), where=dead)
 
 
