@@ -82,7 +82,7 @@ def per_head_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     """A kernel launched per (batch item, head) on exactly (B, N, L, E) inputs: it reads
     the mask of item b, head h as ``attn_mask[b, h]`` (broadcast dims of size 1), so a
     mask of fewer dims, (L, S) or (N, L, S), is misread. Needs ``batch_dims=1``."""
-    B, N, L, E = query.shape
+    B, N, L, _ = query.shape  # exactly 4-D
     group = N // key.shape[1]
     out = query.new_empty(B, N, L, value.shape[-1])
     for b in range(B):
