@@ -60,6 +60,11 @@ def test_gradient_agreement(target: Target, case: SDPACase) -> float:
     "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
     directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
+    requires=lambda t: skip_unless(
+        bool({"bool", "additive"} & set(t.caps.mask_kinds))
+        or (t.caps.causal == "lower_right" and not t.caps.self_attention_lengths),
+        "no mask declared, and no lower-right causal flag with L > S (self_attention_lengths: "
+        "L == S only) to block every key of a row"),
 )
 def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     """Rows whose keys are all blocked follow the declared policy (zero: output 0;

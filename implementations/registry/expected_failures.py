@@ -13,7 +13,12 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from implementations.base import MATCH_COMPARISONS, ExpectedFailure, Implementation, ImplementationError
+from implementations.base import (
+    MATCH_COMPARISONS,
+    ExpectedFailure,
+    Implementation,
+    ImplementationError,
+)
 
 __all__ = ["XFAIL_DIR", "load_expected_failures", "load_expected_failures_file", "with_expected_failures"]
 

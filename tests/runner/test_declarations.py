@@ -177,6 +177,13 @@ def test_self_attention_lengths_certifies_and_fails_without_it(tmp_path):
                tmp_path=tmp_path)
     assert proc.returncode == 1 and outcomes(tmp_path)["forward_agreement[float32]"] == "failed"
     assert "self-attention only" in proc.stdout
+    # Without masks only a lower-right flag with L > S could block a whole row: it skips.
+    proc = run(f"--impl={IMPLS}:self_attention", "--impl-option", "mask_kinds=none", "--impl-option",
+               "causal=lower_right", "-k", "fully_masked_rows and not mha", "--dtype=float32",
+               tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cert = json.loads((tmp_path / "cert.json").read_text())
+    assert cert["results"][0]["outcome"] == "skipped" and "L == S only" in cert["results"][0]["reason"]
 
 
 def test_shared_kv_certifies_gradients_as_dk_plus_dv_and_fails_without_it(tmp_path):
