@@ -154,7 +154,7 @@ def report_sdpa_call(impl: Any, call: SDPACallSpec, *, invoke: Invoke = call_dir
         report.lines.append(f"dropout_p={call.dropout_p}: one random sample, not compared with the oracle")
     else:
         report.lines.append(f"oracle: spec.sdpa(causal={case.causal!r}, scale={case.scale!r}, "
-                            f"fully_masked={target.caps.fully_masked!r})")
+                            f"fully_masked={calls.fully_masked_policy(target, case)!r})")
         for check in (lambda: calls.check_against_oracle(target, case, out),
                       lambda: calls.check_fully_masked_policy(target, case, out)):
             try:
@@ -182,7 +182,7 @@ def report_mha_call(impl: Any, call: MHACallSpec, *, invoke: Invoke = call_direc
 
     case = call.case
     target = Target(impl, "mha", case.dtype, case.device)
-    policy = target.caps.fully_masked
+    policy = mha_calls.fully_masked_policy(target, case)
     report = CallReport(call, [f"call: module(query, key, value, ...) with {call.arguments()}",
                                f"case as called: {case.describe()}"])
     try:

@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -220,16 +220,23 @@ def run_sdpa_call(impl: Any, call: SDPACallSpec, *, invoke: Invoke = call_direct
     from conformance.tensors import dtype_of, sdpa_inputs
 
     case = call.called_case
+    caps = impl.caps("sdpa")
     tensors = inputs if inputs is not None else sdpa_inputs(call.passed_case, requires_grad=call.grad)
     mask = tensors["attn_mask"]
     if mask is not None and mask.requires_grad and not call.mask_grad:
         tensors = dict(tensors, attn_mask=mask.detach())
+    if caps.shared_kv and tensors["value"] is not tensors["key"]:
+        if not np.array_equal(case.key, case.value):
+            fail("the call has value != key, but the implementation declares shared_kv (key is "
+                 "value): the suite should not make this call (please report it)")
+        tensors = dict(tensors, value=tensors["key"])  # one tensor: its gradient is dk + dv
+    sdpa = impl.sdpa if caps.batch_dims is None else partial(_call_4d, impl.sdpa)
 
     def forward() -> Any:
         with _seeded(call.dropout_seed, case.device):
-            return impl.sdpa(tensors["query"], tensors["key"], tensors["value"],
-                             attn_mask=tensors["attn_mask"], dropout_p=call.dropout_p,
-                             is_causal=call.is_causal, scale=case.scale, enable_gqa=call.enable_gqa)
+            return sdpa(tensors["query"], tensors["key"], tensors["value"],
+                        attn_mask=tensors["attn_mask"], dropout_p=call.dropout_p,
+                        is_causal=call.is_causal, scale=case.scale, enable_gqa=call.enable_gqa)
 
     out = invoke(forward)
     if check_output:
@@ -242,6 +249,27 @@ def run_sdpa_call(impl: Any, call: SDPACallSpec, *, invoke: Invoke = call_direct
         g = torch.from_numpy(call.grad_output).to(dtype_of(case.dtype)).to(out.device)
         invoke(out.backward, g)
     return SDPAOutcome(out, tensors)
+
+
+def _call_4d(sdpa: Callable[..., Any], query: Any, key: Any, value: Any, *, attn_mask: Any,
+             **kwargs: Any) -> Any:
+    """``sdpa`` that accepts exactly (B, N, L, E) (``Capabilities.batch_dims=1``) called on
+    inputs of any rank: q, k, v with their leading batch dims flattened to one (a 3-D
+    input gets a batch of 1), the mask broadcast to those dims and made 4-D, the output
+    given back its leading dims."""
+    lead = tuple(query.shape[:-3])
+
+    def four(t: Any) -> Any:  # (*lead, H, T, F) -> (prod(lead), H, T, F)
+        return t.reshape(-1, *t.shape[-3:]) if t.dim() >= 4 else t.reshape(1, *t.shape)
+
+    if attn_mask is not None:
+        full = len(lead) + 3
+        if attn_mask.dim() < full:  # (L, S), (N, L, S), ...: broadcast's leading 1s written out
+            attn_mask = attn_mask.reshape((1,) * (full - attn_mask.dim()) + tuple(attn_mask.shape))
+        if len(lead) != 1:
+            attn_mask = four(attn_mask.expand(*lead, *attn_mask.shape[-3:]))
+    out = sdpa(four(query), four(key), four(value), attn_mask=attn_mask, **kwargs)
+    return out.reshape(*lead, *out.shape[-3:]) if hasattr(out, "reshape") and out.dim() == 4 else out
 
 
 # -- MHA ----------------------------------------------------------------------

@@ -34,6 +34,8 @@ __all__ = [
     "logit_scale",
     "naive_error",
     "uses_causal_flag",
+    "fully_masked_kind",
+    "fully_masked_policy",
     "allowed_error",
     "allowed_for",
     "run_sdpa",
@@ -107,6 +109,20 @@ def uses_causal_flag(target: Target, case: SDPACase) -> bool:
     """Whether the case's causality goes over as ``is_causal=True`` (the flag means
     the case's alignment and no mask comes with it) rather than folded into a mask."""
     return case.causal is not None and case.causal == target.caps.causal and case.mask_kind == "none"
+
+
+def fully_masked_kind(target: Target, case: SDPACase) -> str:
+    """What blocks the case's fully-masked rows as the implementation is called
+    (``implementations.base.FULLY_MASKED_KINDS``): the causal flag alone, else the
+    mask the causal constraint is folded into (additive when there is one, else bool)."""
+    if uses_causal_flag(target, case):
+        return "causal"
+    return "additive" if case.additive_mask is not None else "bool"
+
+
+def fully_masked_policy(target: Target, case: SDPACase) -> str:
+    """The declared policy for ``case``'s fully-masked rows (per kind, where declared so)."""
+    return target.caps.fully_masked_policy(fully_masked_kind(target, case))
 
 
 def allowed_error(target: Target, case: SDPACase, ref: spec.SDPAResult) -> np.ndarray:
@@ -210,10 +226,12 @@ def check_against_oracle(target: Target, case: SDPACase, actual: np.ndarray, *,
 
 
 def check_fully_masked_policy(target: Target, case: SDPACase, output: np.ndarray) -> None:
-    """Rows with every key blocked follow the declared policy (zero: output 0;
-    nan: NaN; uniform: mean of V; unspecified: anything)."""
+    """Rows with every key blocked follow the declared policy for what blocks them
+    (:func:`fully_masked_policy`; zero: output 0; nan: NaN; uniform: mean of V;
+    unspecified: anything)."""
     __tracebackhide__ = True
-    policy = target.caps.fully_masked
+    policy = fully_masked_policy(target, case)
+    declared = f"declared fully_masked={policy!r} for {fully_masked_kind(target, case)} rows"
     dead = case.fully_masked_rows()[..., None]  # (B, N, L, 1)
     dead_full = np.broadcast_to(dead, output.shape)
     if policy == "zero":
@@ -221,16 +239,15 @@ def check_fully_masked_policy(target: Target, case: SDPACase, output: np.ndarray
         if bad.any():
             i = tuple(int(x) for x in np.argwhere(bad)[0])
             fail(f"fully-masked row output at {i}={output[i]!r}, but should be 0 "
-                 f"(declared fully_masked='zero'); {int(bad.sum())} such elements")
+                 f"({declared}); {int(bad.sum())} such elements")
     elif policy == "nan":
         bad = dead_full & ~np.isnan(output)
         if bad.any():
             i = tuple(int(x) for x in np.argwhere(bad)[0])
-            fail(f"fully-masked row output at {i}={output[i]!r}, but should be NaN "
-                 "(declared fully_masked='nan')")
+            fail(f"fully-masked row output at {i}={output[i]!r}, but should be NaN ({declared})")
     elif policy == "uniform":
         uniform = oracle(case, fully_masked="uniform").output
-        compare_values("fully-masked row output (uniform policy)", output, uniform,
+        compare_values(f"fully-masked row output ({declared})", output, uniform,
                        tolerance.sdpa_allowed(case.dtype, 0.0, np.abs(uniform) + 1e-300), where=dead)
 
 
@@ -318,11 +335,15 @@ def compare_gradients(target: Target, call: SDPACallSpec, tensors: dict[str, Any
     logit_range = grad_logit_range(case, ref)
     worst = 0.0
     pairs = [("dquery", "query", grads.dquery), ("dkey", "key", grads.dkey), ("dvalue", "value", grads.dvalue)]
+    if tensors["value"] is tensors["key"]:
+        # One tensor handed over as key and value (shared_kv): its gradient is dkey + dvalue.
+        bounds = dict(bounds, dkey=bounds["dkey"] + bounds["dvalue"])
+        pairs = [pairs[0], ("dkey + dvalue", "key", grads.dkey + grads.dvalue)]
     for what, name, expected in pairs:
         grad = tensors[name].grad
         if grad is None:
             fail(f"{what} is None, but should be a gradient (autograd is declared)")
-        allowed = tolerance.grad_allowed(case.dtype, bounds[what], logit_range, tf32=target.tf32)
+        allowed = tolerance.grad_allowed(case.dtype, bounds["d" + name], logit_range, tf32=target.tf32)
         worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
     mask_t = tensors["attn_mask"]
     if call.mask_grad and mask_t is not None and mask_t.requires_grad:

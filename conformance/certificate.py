@@ -41,7 +41,26 @@ OUTCOME_SYMBOLS = {"passed": "PASS", "failed": "FAIL", "skipped": "skip", "xfail
 
 def _capabilities(caps: Any) -> dict[str, Any]:
     d = asdict(caps)
+    if not isinstance(caps.fully_masked, str):  # a policy per kind: {"bool": "uniform", ...}
+        d["fully_masked"] = dict(caps.fully_masked)
     return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in d.items()}
+
+
+def _policy_text(policy: Any) -> str:
+    """A fully-masked policy as written in the JSON: one string or kind -> policy."""
+    if isinstance(policy, dict):
+        return ",".join(f"{kind}:{value}" for kind, value in policy.items())
+    return str(policy)
+
+
+def _input_declarations(caps: dict[str, Any]) -> str:
+    """``; inputs: ...`` for the SDPA input conventions the implementation declares."""
+    parts = [text for key, text in (("self_attention_lengths", "L == S only"),
+                                    ("shared_kv", "key is value (one tensor)"))
+             if caps.get(key)]
+    if caps.get("batch_dims") is not None:
+        parts.append(f"batch_dims={caps['batch_dims']} (4-D inputs and masks)")
+    return f"; inputs: {', '.join(parts)}" if parts else ""
 
 
 def implementation_entry(impl: Implementation, spec: str, options: dict[str, str]) -> dict[str, Any]:
@@ -114,8 +133,10 @@ def details(cert: dict[str, Any]) -> list[str]:
     # A probe note ("causal: ...") says how probing decided that policy.
     notes = {n.split(": ", 1)[0]: f" (probe: {n.split(': ', 1)[-1]})" for n in caps.get("probe_notes") or ()}
     lines.append(
-        f"declared policies: fully-masked rows={caps['fully_masked']}{notes.pop('fully_masked', '')}, "
+        f"declared policies: fully-masked rows={_policy_text(caps['fully_masked'])}"
+        f"{notes.pop('fully_masked', '')}, "
         f"causal flag={caps['causal']}{notes.pop('causal', '')}, tf32={caps['tf32']}"
+        + _input_declarations(caps)
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
     seen: set[str] = set()

@@ -295,7 +295,10 @@ def _sdpa_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
     from conformance import tolerance
 
     case, observed = call.case, call.output
-    policy = target.caps.fully_masked
+    # The case as passed: causality still in it only when the flag carries it alone.
+    kind = "causal" if case.causal is not None and case.mask_kind == "none" else \
+        "additive" if case.additive_mask is not None else "bool"
+    policy = target.caps.fully_masked_policy(kind)
     if call.dropout_p > 0:
         stacked = _unstacked(case, observed)
         if stacked is None:
@@ -352,7 +355,7 @@ def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
     if getattr(call.module, "training", False) or set(call.overrides) - _MHA_OVERRIDES:
         return None                                              # random, or not a problem we can state
     case = call.case.replace(**call.overrides) if call.overrides else call.case
-    problem = V.MHAProblem.from_case(case, fully_masked=target.caps.fully_masked)
+    problem = V.MHAProblem.from_case(case, fully_masked=MC.fully_masked_policy(target, case))
     weights = call.weights if MC.has_feature(target, "need_weights") else None
     output_allowed, weights_allowed = mha_bounds.allowed_error(case, tf32=target.tf32)
 

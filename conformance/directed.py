@@ -258,7 +258,7 @@ def _sdpa_options(target: Any, arguments: dict[str, Any]) -> _SDPAOptions:
         regimes=within(arguments.get("regimes"), REGIMES),
         layouts=within(layouts, LAYOUTS if caps.non_contiguous else ("contiguous",)),
         gqa=flag("gqa", caps.gqa),
-        different_v_dim=flag("different_v_dim", caps.different_v_dim),
+        different_v_dim=flag("different_v_dim", caps.different_v_dim and not caps.shared_kv),
         fully_masked=arguments.get("fully_masked"),
         scale_kinds=arguments.get("scale_kinds", True),
     )
@@ -323,6 +323,9 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     out); ``index`` spreads the examples over the layouts of a property that takes
     no contiguous input."""
     declared = target.caps.causal
+    L, S = example.L, example.S
+    if target.caps.self_attention_lengths:  # L == S only: the example at its larger length
+        L = S = max(L, S)
     if example.causal == REQUIRED:
         causal = declared if declared in options.causal else "ruled out"
     elif example.causal == PREFERRED:
@@ -331,7 +334,7 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
         causal = _pick([None, declared], options.causal)
     # A lower-right flag empties the first L - S rows by itself; otherwise a property
     # that needs a fully-masked row gets one from the mask.
-    flag_empties_rows = causal == "lower_right" and example.L > example.S
+    flag_empties_rows = causal == "lower_right" and L > S
     dead_row = example.dead_row or (options.fully_masked is True and not flag_empties_rows)
     masks = [k for k in options.mask_kinds if k != "none"] if dead_row else options.mask_kinds
     kind = _pick(["none", "bool", "additive"], masks)
@@ -355,11 +358,13 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     regime = _pick([example.regime, "normal"], options.regimes)
     scale = example.scale if example.scale is not None else \
         _incidental_scale(example.E, options.scale_kinds)
-    sizes = {"B": B, "N": N, "K": K, "L": example.L, "S": example.S, "E": example.E, "Ev": Ev}
-    attend, additive, notes = _sdpa_mask(kind, dead_row, B, example.L, example.S)
+    sizes = {"B": B, "N": N, "K": K, "L": L, "S": S, "E": example.E, "Ev": Ev}
+    attend, additive, notes = _sdpa_mask(kind, dead_row, B, L, S)
     stride0 = [0] if layout == "stride0" else []
     query, key, value = sdpa_values(_seed(example.name, target.dtype), sizes, regime, target.dtype,
                                     scale, stride0, extreme=True)
+    if target.caps.shared_kv:
+        value = key  # one memory tensor
     notes += (NOTE_STRIDE0_BATCH,) if stride0 else ()
     return SDPACase(query=query, key=key, value=value, attend_mask=attend, additive_mask=additive,
                     causal=causal, scale=scale, dtype=target.dtype, device=target.device,

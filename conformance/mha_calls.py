@@ -38,6 +38,7 @@ __all__ = [
     "build",
     "run_mha",
     "oracle",
+    "fully_masked_policy",
     "pair_allowed",
     "output_rows",
     "weight_rows",
@@ -115,6 +116,13 @@ def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *,
     built = module if module is not None else BuiltModule(outcome.module, dropout, training)
     diagnosis.observe_mha(call.called_case, result.output, result.weights, module=built, overrides={})
     return result
+
+
+def fully_masked_policy(target: Target, case: MHACase) -> str:
+    """The declared policy for the case's fully-masked rows: nn.MultiheadAttention merges
+    its masks into one, additive when either is float, else bool."""
+    floats = [m for m in (case.key_padding_mask, case.attn_mask) if m is not None and m.dtype != np.bool_]
+    return target.caps.fully_masked_policy("additive" if floats else "bool")
 
 
 def oracle(case: MHACase, fully_masked: str = "zero", **overrides: Any) -> tuple[np.ndarray, np.ndarray | None]:

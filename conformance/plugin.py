@@ -61,6 +61,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "an entry point, module:attr, path/to/file.py:attr or mutant:NAME")
     group.addoption("--impl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="override a declared capability, e.g. causal=lower_right, fully_masked=nan")
+    group.addoption("--xfail-file", default=None, metavar="PATH",
+                    help="expected failures of the implementation (TOML, the schema of "
+                         "implementations/xfail/*.toml), added to any it declares")
     group.addoption("--device", default="cpu", choices=("cpu", "cuda", "all"),
                     help="device(s) to certify on (cuda is skipped with a reason when absent)")
     group.addoption("--dtype", default=None, metavar="DTYPES",
@@ -136,7 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         _check_writable(report_path)
-    session.impl = _resolve(config, session, impl_spec, options, timeout)
+    session.impl = _with_xfail_file(config, _resolve(config, session, impl_spec, options, timeout))
     session.impl_spec, session.options = impl_spec, options
     impl = session.impl
     from conformance.strategies.shape_budget import shape_budget_for
@@ -168,6 +171,20 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--replay {replay_path}: cannot replay it: {err}") from None
         session.replay = failures.Replay(meta["property"], meta["target"], case)
     config.pluginmanager.register(_ResultCollector(session), "conformance-results")
+
+
+def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
+    """``impl`` with the entries of ``--xfail-file`` added (checked against the
+    properties with the implementation's own, below)."""
+    path = config.getoption("xfail_file")
+    if not path:
+        return impl
+    from implementations import registry
+
+    try:
+        return registry.with_expected_failures(impl, registry.load_expected_failures_file(path))
+    except ImplementationError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def _example_timeout(config: pytest.Config) -> float:
@@ -310,7 +327,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
     caps = impl.capabilities
     lines.append(
-        f"  declared: causal={caps.causal} fully_masked={caps.fully_masked} dtypes={caps.dtypes} "
+        f"  declared: causal={caps.causal} fully_masked={caps.fully_masked_text()} dtypes={caps.dtypes} "
         f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
     )
     lines += [f"  probe note: {note}" for note in caps.probe_notes]

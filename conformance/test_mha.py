@@ -20,6 +20,7 @@ from conformance.mha_calls import (
     check_input_derivative,
     check_mha,
     check_parameter_grads,
+    fully_masked_policy,
     has_feature,
     oracle,
     output_rows,
@@ -55,7 +56,7 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
     """Query rows whose keys are all blocked follow the declared policy (zero:
     attention output 0, so the module output is out_proj.bias; nan; uniform),
     leave the other rows alone, and give finite gradients to every parameter."""
-    policy = target.caps.fully_masked
+    policy = fully_masked_policy(target, case)
     autograd = target.caps.autograd and target.dtype in ("float32", "float64")
     backward = autograd and policy not in ("nan", "unspecified")
     call = run_mha(target, case, requires_grad=autograd,

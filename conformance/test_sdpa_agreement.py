@@ -11,11 +11,18 @@ from conformance.calls import (
     check_fully_masked_policy,
     check_gradients,
     expect_sdpa_raises,
+    fully_masked_policy,
     run_sdpa,
 )
 from conformance.cases import SDPACase
 from conformance.compare import fail
-from conformance.helpers import case_rng, cases_for, directed_for, skip_unless
+from conformance.helpers import (
+    case_rng,
+    cases_for,
+    directed_for,
+    needs_separate_values,
+    skip_unless,
+)
 from conformance.runner import Target, conformance_property
 from conformance.tensors import sdpa_inputs
 from spec.emulate import round_to
@@ -53,13 +60,19 @@ def test_gradient_agreement(target: Target, case: SDPACase) -> float:
     "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
     directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
+    requires=lambda t: skip_unless(
+        bool({"bool", "additive"} & set(t.caps.mask_kinds))
+        or (t.caps.causal == "lower_right" and not t.caps.self_attention_lengths),
+        "no mask declared, and no lower-right causal flag with L > S (self_attention_lengths: "
+        "L == S only) to block every key of a row"),
 )
 def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     """Rows whose keys are all blocked follow the declared policy (zero: output 0;
-    nan: NaN; uniform: mean of V), never change any other row, and (with
+    nan: NaN; uniform: mean of V; declared for all rows or per kind of blocking:
+    bool mask, additive mask, causal flag), never change any other row, and (with
     autograd, under policy zero) give gradients that match the VJP."""
     call = run_sdpa(target, case)
-    policy = target.caps.fully_masked
+    policy = fully_masked_policy(target, case)
     check_fully_masked_policy(target, case, call.output)
     ratio = check_against_oracle(target, case, call.output, what="output of the other rows").ratio
     if policy == "zero" and target.caps.autograd and target.dtype in ("float64", "float32"):
@@ -124,7 +137,7 @@ def test_invalid_inputs_raise(target: Target, case: SDPACase) -> None:
                                  regimes=("normal",), fully_masked=False),
     requires=lambda t: skip_unless(t.dtype == "float16", "only float16 has a range that q·kᵀ can "
                                    "overflow while the scaled logits stay representable")
-    or skip_unless(t.caps.custom_scale, "needs an explicit scale"),
+    or skip_unless(t.caps.custom_scale, "needs an explicit scale") or needs_separate_values(t),
     examples_factor=0.5,
 )
 def test_large_logits(target: Target, case: SDPACase) -> float | None:

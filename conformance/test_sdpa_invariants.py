@@ -21,6 +21,7 @@ from conformance.helpers import (
     cases_for,
     directed_for,
     identity_probe,
+    needs_separate_values,
     skip_unless,
 )
 from conformance.runner import Target, conformance_property
@@ -28,8 +29,9 @@ from spec.emulate import round_to
 
 
 def _probe_ok(t: Target) -> str | None:
-    """The V = identity probe needs Ev = S != E."""
-    return skip_unless(t.caps.different_v_dim, "the V = identity weights probe needs Ev != E")
+    """The V = identity probe needs Ev = S != E, and a value apart from the key."""
+    return skip_unless(t.caps.different_v_dim, "the V = identity weights probe needs Ev != E") \
+        or needs_separate_values(t)
 
 
 def _probe_cases(t: Target, **kw):
@@ -77,7 +79,8 @@ def _padded(case: SDPACase, rng: np.random.Generator, target: Target) -> SDPACas
                               min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                                  min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
-    requires=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared"),
+    requires=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared")
+    or needs_separate_values(t),
 )
 def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     """Blocked keys get weight exactly 0, and giving them any other finite key
@@ -154,6 +157,7 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
     "shift_invariance", level="sdpa", section="spec.sdpa (softmax shift)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
     directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
+    requires=needs_separate_values,
 )
 def test_shift_invariance(target: Target, case: SDPACase) -> float:
     """Adding a vector to every key, or a constant to a row of an additive mask,
@@ -208,6 +212,7 @@ def test_temperature(target: Target, case: SDPACase) -> float:
     "value_linearity", level="sdpa", section="spec.sdpa (linear in V)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
+    requires=needs_separate_values,
 )
 def test_value_linearity(target: Target, case: SDPACase) -> float:
     """The output is linear in V: out(2V) = 2·out(V) and out(V1 + V2) = out(V1) + out(V2)."""
@@ -271,6 +276,7 @@ def _stack(a: np.ndarray | None, b: np.ndarray | None, axis: int, full_ndim: int
     "batch_independence", level="sdpa", section="spec.sdpa (batch items are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
+    requires=needs_separate_values,
 )
 def test_batch_independence(target: Target, case: SDPACase) -> float:
     """Each batch item's output is what that item alone gives (with a second,
@@ -304,6 +310,7 @@ def test_batch_independence(target: Target, case: SDPACase) -> float:
     "head_independence", level="sdpa", section="spec.sdpa (heads are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
+    requires=needs_separate_values,
 )
 def test_head_independence(target: Target, case: SDPACase) -> float:
     """Each head's output is what that head alone gives (with a second group of
@@ -348,7 +355,7 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
     "scaling_variance", level="sdpa", section="spec.sdpa (default scale 1/sqrt(E))",
     cases=lambda t: st.integers(0, 2**32 - 1).map(lambda seed: _variance_case(t, seed)),
     requires=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
-                                   "needs E or Ev = 64 and S = 64"),
+                                   "needs E or Ev = 64 and S = 64") or needs_separate_values(t),
     examples_factor=0.25,
 )
 def test_scaling_variance(target: Target, case: SDPACase) -> float:

@@ -20,7 +20,7 @@ from conformance import tolerance
 from conformance.calls import allowed_error, logit_scale, magnitude, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import PropertyFailure, compare_values, fail
-from conformance.helpers import skip_unless
+from conformance.helpers import needs_separate_values, skip_unless
 from conformance.runner import Target, call_guarded
 from conformance.sweep import Sweep, sweep_property
 from conformance.tensors import dtype_of, to_numpy
@@ -213,7 +213,8 @@ def _oracle(pool: _Pool, layouts: list[_Layout], L: int, S: int) -> dict[_Layout
 @sweep_property(
     "small_sizes_sweep", level="sdpa", section="spec.sdpa (every L, S in 1..33)",
     check=_check_case, budget_s=BUDGET_S,
-    requires=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared"),
+    requires=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared")
+    or needs_separate_values(t),
 )
 def test_small_sizes_sweep(target: Target, sweep: Sweep) -> None:
     """For every L and S in 1..33 (block edges 1, 2, 15, 16, 17, 31, 32, 33 first),
@@ -240,6 +241,8 @@ def _sweep(target: Target, sweep: Sweep) -> None:
     length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
     pool = _Pool(target, E, {layout.Ev for layout in layouts}, length)
     order = size_order(length)
+    if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
+        order = [(L, S) for L, S in order if L == S]
     smallest: tuple[tuple[int, int], SDPACase, PropertyFailure] | None = None
     stopped, chunk, position = False, 1, 0
     while position < len(order):
@@ -259,7 +262,8 @@ def _sweep(target: Target, sweep: Sweep) -> None:
             if failure is not None:
                 smallest = ((L + S, L), *failure)
                 break
-    sweep.record.reason = (f"visited {sweep.record.examples} of {len(order)} sizes (L, S in 1..{length}), "
+    lengths = "L = S" if target.caps.self_attention_lengths else "L, S"
+    sweep.record.reason = (f"visited {sweep.record.examples} of {len(order)} sizes ({lengths} in 1..{length}), "
                            f"{len(layouts)} calls each" + (f"; stopped at the {BUDGET_S:g} s budget"
                                                            if stopped else ""))
     if smallest is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "ALL_MHA_FEATURES",
     "RENAMED_MHA_FEATURES",
     "CAUSAL_ALIGNMENTS",
+    "FULLY_MASKED_KINDS",
     "FULLY_MASKED_POLICIES",
     "MATCH_COMPARISONS",
     "Capabilities",
@@ -49,6 +50,11 @@ __all__ = [
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
 FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
+#: What blocks every key of a fully-masked row, as the implementation is called: a bool
+#: ``attn_mask``, a -inf additive ``attn_mask``, or the ``is_causal`` flag alone (rows
+#: emptied by a lower-right flag with L > S). A causal constraint the runner folds into a
+#: mask is that mask's kind. ``Capabilities.fully_masked`` may give a policy per kind.
+FULLY_MASKED_KINDS = ("bool", "additive", "causal")
 #: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
 ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
 #: Optional features of an MHA-level implementation (constructor options and
@@ -109,8 +115,13 @@ class Capabilities:
     mask_kinds: frozenset[str] = ALL_MASK_KINDS
     #: Alignment that ``is_causal=True`` means; ``None``: no causal flag support.
     causal: str | None = "upper_left"
-    #: Output for query rows where every key is blocked: zero / nan / uniform / unspecified.
-    fully_masked: str = "zero"
+    #: Output for query rows where every key is blocked: zero / nan / uniform / unspecified;
+    #: or a policy per kind of blocking (:data:`FULLY_MASKED_KINDS`), given as a mapping
+    #: such as ``{"bool": "uniform", "additive": "nan"}`` (kinds left out: ``"zero"``) and
+    #: kept as ``(kind, policy)`` pairs, or as one string when every kind agrees
+    #: (``fully_masked_rows``, ``mha_fully_masked_rows``; read it with
+    #: :meth:`fully_masked_policy`).
+    fully_masked: str | tuple[tuple[str, str], ...] = "zero"
     different_v_dim: bool = True     # Ev != E
     gqa: bool = True                 # K < N with enable_gqa=True
     dropout: bool = False            # dropout_p > 0 honoured
@@ -125,6 +136,17 @@ class Capabilities:
     #: Each new input shape costs a compilation (JAX, torch.compile): the runner then
     #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
     jit: bool = False
+    #: Only self-attention lengths, L == S (sliding-window and many fused self-attention
+    #: kernels): the strategies draw L == S only, and L != S is outside the claims.
+    self_attention_lengths: bool = False
+    #: Key is value: one memory tensor (``forward(x, memory)``). The suite hands the same
+    #: tensor over as ``key`` and ``value`` (so Ev == E); the gradient w.r.t. it is
+    #: dkey + dvalue; properties that change the values apart from the keys skip.
+    shared_kv: bool = False
+    #: Leading batch dims the SDPA callable accepts: None, any number (torch's
+    #: convention); 1, exactly (B, N, L, E) 4-D inputs and 4-D masks: the suite reshapes
+    #: other ranks (masks (L, S), (N, L, S), ...) to 4-D and the output back.
+    batch_dims: int | None = None
     mha_features: frozenset[str] = ALL_MHA_FEATURES
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
@@ -141,10 +163,11 @@ class Capabilities:
                 f"causal={self.causal!r} is not an alignment; use one of "
                 f"{CAUSAL_ALIGNMENTS} or None for no causal flag"
             )
-        if self.fully_masked not in FULLY_MASKED_POLICIES:
+        object.__setattr__(self, "fully_masked", _fully_masked_value(self.fully_masked))
+        if self.batch_dims not in (None, 1):
             raise ImplementationError(
-                f"fully_masked={self.fully_masked!r} is not a policy; use one of "
-                f"{FULLY_MASKED_POLICIES}"
+                f"batch_dims={self.batch_dims!r} is not supported; use None (any number of "
+                "leading batch dims) or 1 (exactly (B, N, L, E))"
             )
         if not set(self.mask_kinds) <= ALL_MASK_KINDS:
             raise ImplementationError(
@@ -154,6 +177,56 @@ class Capabilities:
 
     def replace(self, **changes: Any) -> "Capabilities":
         return dataclasses.replace(self, **changes)
+
+    def fully_masked_policy(self, kind: str) -> str:
+        """The policy for a row emptied by ``kind`` (one of :data:`FULLY_MASKED_KINDS`)."""
+        if isinstance(self.fully_masked, str):
+            return self.fully_masked
+        return dict(self.fully_masked)[kind]
+
+    @property
+    def fully_masked_policies(self) -> dict[str, str]:
+        """Kind -> policy, for every kind in :data:`FULLY_MASKED_KINDS`."""
+        return {kind: self.fully_masked_policy(kind) for kind in FULLY_MASKED_KINDS}
+
+    def fully_masked_text(self) -> str:
+        """``"zero"``, or per kind ``"bool:uniform,additive:nan,causal:uniform"``
+        (the ``--impl-option fully_masked=`` syntax)."""
+        if isinstance(self.fully_masked, str):
+            return self.fully_masked
+        return ",".join(f"{kind}:{policy}" for kind, policy in self.fully_masked)
+
+
+def _fully_masked_value(value: Any) -> str | tuple[tuple[str, str], ...]:
+    """``Capabilities.fully_masked`` checked and normalized: one policy string, or
+    (kind, policy) pairs for every kind in :data:`FULLY_MASKED_KINDS` (a mapping or a
+    sequence of pairs; kinds left out get ``"zero"``); one string when all agree."""
+    if isinstance(value, str):
+        if value not in FULLY_MASKED_POLICIES:
+            raise ImplementationError(
+                f"fully_masked={value!r} is not a policy; use one of {FULLY_MASKED_POLICIES}, "
+                "or a policy per kind such as {'bool': 'uniform', 'additive': 'nan'}"
+            )
+        return value
+    try:
+        pairs = dict(value.items() if isinstance(value, Mapping) else value)
+    except (TypeError, ValueError):
+        raise ImplementationError(
+            f"fully_masked={value!r} is neither a policy nor a mapping kind -> policy; use one "
+            f"of {FULLY_MASKED_POLICIES} or e.g. {{'bool': 'uniform', 'additive': 'nan'}}"
+        ) from None
+    unknown = sorted(set(pairs) - set(FULLY_MASKED_KINDS))
+    bad = {kind: policy for kind, policy in pairs.items() if policy not in FULLY_MASKED_POLICIES}
+    if unknown or bad:
+        raise ImplementationError(
+            f"fully_masked={value!r}: " + (f"unknown kinds {unknown} (kinds: {FULLY_MASKED_KINDS})"
+                                           if unknown else f"{bad} are not policies")
+            + f"; give each of {FULLY_MASKED_KINDS} one of {FULLY_MASKED_POLICIES}"
+        )
+    full = tuple((kind, pairs.get(kind, "zero")) for kind in FULLY_MASKED_KINDS)
+    if len({policy for _, policy in full}) == 1:
+        return full[0][1]
+    return full
 
 
 @dataclass(frozen=True)
@@ -298,6 +371,11 @@ class Implementation:
         if case.get("E") is not None and case.get("Ev") is not None:
             if case["E"] != case["Ev"] and not c.different_v_dim:
                 reasons.append("Ev != E not supported")
+            elif case["E"] != case["Ev"] and c.shared_kv and level == "sdpa":
+                reasons.append("Ev != E but shared_kv declares key is value")
+        if level == "sdpa" and c.self_attention_lengths and case.get("L") is not None \
+                and case.get("S") is not None and case["L"] != case["S"]:
+            reasons.append(f"L={case['L']} != S={case['S']} but self_attention_lengths declares L == S only")
         if case.get("N") is not None and case.get("K") is not None:
             if case["N"] != case["K"] and not c.gqa:
                 reasons.append("GQA (K < N) not supported")

@@ -70,6 +70,8 @@ class _SDPAPlan:
     causal_dead_rows: bool = False
     #: With a shape budget, the shapes every example's sizes come from.
     pool: ShapePool | None = None
+    #: Value is key (``caps.shared_kv``): one memory tensor.
+    shared_kv: bool = False
 
 
 def _causal_choices(causal: Any, caps: Capabilities | None) -> list[str | None]:
@@ -98,8 +100,8 @@ def _causal_choices(causal: Any, caps: Capabilities | None) -> list[str | None]:
 def _meet_fully_masked(fully_masked: bool | None, kinds: list[str], causal: list[str | None],
                        bounds: SizeBounds) -> tuple[list[str], list[str | None]]:
     """Mask kinds and causal options narrowed so that ``fully_masked`` can be met."""
-    l_gt_s_possible = bounds.max_L > bounds.min_S
-    l_le_s_possible = bounds.min_L <= bounds.max_S
+    l_gt_s_possible = relation_possible("L>S", bounds)
+    l_le_s_possible = relation_possible("L<=S", bounds)
     if fully_masked:
         if "none" in kinds and len(kinds) > 1:
             kinds = [k for k in kinds if k != "none"]
@@ -169,7 +171,7 @@ def _causal_dead_rows_possible(causal_dead_rows: Any, fully_masked: bool | None,
         raise fail("causal_dead_rows", causal_dead_rows, f"only means something with "
                    f"fully_masked=True (got fully_masked={fully_masked})",
                    "pass fully_masked=True or drop causal_dead_rows")
-    return "none" in kinds and "lower_right" in causal and bounds.max_L > bounds.min_S
+    return "none" in kinds and "lower_right" in causal and relation_possible("L>S", bounds)
 
 
 def _draw_stride0_axes(draw: st.DrawFn, layout: str, sizes: dict[str, int]) -> tuple[list[int], list[str]]:
@@ -210,6 +212,8 @@ def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
                      dtype=plan.dtype, causal=causal, fully_masked=plan.fully_masked)
     stride0_axes, stride0_notes = _draw_stride0_axes(draw, layout, sizes)
     query, key, value = sdpa_values(rng, sizes, regime, plan.dtype, scale, stride0_axes)
+    if plan.shared_kv:
+        value = key
     return SDPACase(query=query, key=key, value=value, attend_mask=mask.attend_mask,
                     additive_mask=mask.additive_mask, causal=causal, scale=scale,
                     dtype=plan.dtype, device=plan.device, layout=layout, regime=regime,
@@ -278,7 +282,10 @@ def sdpa_cases(
       are drawn independently. Needs ``fully_masked=None``;
     * size bounds ``min_/max_batch``, ``min_/max_heads``, ``min_/max_L``,
       ``min_/max_S``, ``min_/max_head_dim`` (defaults from ``caps``; tiny typical
-      sizes, see :func:`sdpa_shapes`);
+      sizes, see :func:`sdpa_shapes`); ``caps.self_attention_lengths`` draws L == S
+      only (relations other than ``"L=S"`` are then dropped, and dead rows from a
+      lower-right flag alone are impossible); ``caps.shared_kv`` draws value = key
+      (so Ev == E);
     * ``shape_budget``: at most this many distinct (B, N, K, L, S, E, Ev) shapes,
       fixed once per strategy (for JIT-compiled implementations, which compile once
       per shape; see :mod:`conformance.strategies.shape_budget`). None: no budget.
@@ -314,7 +321,8 @@ def sdpa_cases(
                      causal=causal_options, regimes=regime_strategy,
                      layouts=layout_strategies(layouts=layout_options, caps=caps),
                      scales=scale_strategy, bounds=bounds, fully_masked=fully_masked,
-                     length_relations=relations, causal_dead_rows=flag_dead_rows)
+                     length_relations=relations, causal_dead_rows=flag_dead_rows,
+                     shared_kv=caps is not None and caps.shared_kv)
     if budget is not None:
         plan = dataclasses.replace(plan, pool=_budget_pool(plan, budget, "stride0" in layout_options))
     return named_strategy(sdpa_cases, arguments, lambda draw: _draw_sdpa_case(draw, plan))

@@ -79,6 +79,8 @@ def _fits(sizes: dict[str, int], kind: CaseKind) -> bool:
         return sizes["L"] > sizes["S"]
     if relation == "L<=S":
         return sizes["L"] <= sizes["S"]
+    if relation == "L=S":
+        return sizes["L"] == sizes["S"]
     return True
 
 

@@ -190,6 +190,8 @@ class SizeBounds:
     min_head_dim: int
     max_head_dim: int
     different_v_dim: bool | None
+    #: L == S in every problem (``Capabilities.self_attention_lengths``).
+    equal_lengths: bool = False
 
 
 def _cap_bound(value: int | None, default: int, cap: int | None, *, upper: bool) -> int:
@@ -241,18 +243,25 @@ def size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
         if gqa:
             raise fail("gqa", gqa, "but caps.gqa=False", "pass gqa=None or False")
         gqa = False
-    if caps is not None and not caps.different_v_dim:
+    if caps is not None and (not caps.different_v_dim or caps.shared_kv):
+        declared = "caps.different_v_dim=False" if not caps.different_v_dim else \
+            "caps.shared_kv=True (key is value)"
         if different_v_dim:
-            raise fail("different_v_dim", different_v_dim, "but caps.different_v_dim=False",
+            raise fail("different_v_dim", different_v_dim, f"but {declared}",
                        "pass different_v_dim=None or False")
         different_v_dim = False
+    equal_lengths = caps is not None and caps.self_attention_lengths
+    if equal_lengths and max(min_L, min_S) > min(max_L, max_S):
+        raise fail("min_L", min_L, f"with min_S={min_S}, max_L={max_L}, max_S={max_S} leaves no "
+                   "L == S, which caps.self_attention_lengths=True requires",
+                   "let the L and S bounds overlap")
     if different_v_dim and hi_dim == lo_dim:
         raise fail("different_v_dim", different_v_dim,
                    f"needs two head dims but min_head_dim=max_head_dim={lo_dim}",
                    "widen the head-dim bounds")
     min_heads, max_heads = head_bounds(min_heads, max_heads, gqa)
     return SizeBounds(min_batch, max_batch, min_heads, max_heads, gqa, min_L, max_L,
-                      min_S, max_S, lo_dim, hi_dim, different_v_dim)
+                      min_S, max_S, lo_dim, hi_dim, different_v_dim, equal_lengths)
 
 
 #: How the query length L may relate to the key length S, simplest first
@@ -262,6 +271,8 @@ LENGTH_RELATIONS = ("L=S", "L=1<S", "1<L<S", "L>S")
 
 def relation_possible(relation: str, b: SizeBounds) -> bool:
     """Whether the length bounds leave an (L, S) pair in ``relation``."""
+    if b.equal_lengths and relation not in ("L=S", "L<=S"):
+        return False
     if relation == "L=S":
         return max(b.min_L, b.min_S) <= min(b.max_L, b.max_S)
     if relation == "L=1<S":
@@ -279,8 +290,11 @@ def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
                min_batch: int | None = None, block_weight: int = 2) -> dict[str, int]:
     """Sizes B, N, K, L, S, E, Ev; ``relation`` (one of :data:`LENGTH_RELATIONS`, or
     "L<=S") constrains the lengths; ``block_weight`` is how often each block-size
-    neighbour comes vs 20 for each small length."""
+    neighbour comes vs 20 for each small length. With ``b.equal_lengths`` L == S
+    whatever ``relation`` asks."""
     length = functools.partial(_draw_length, block_weight=block_weight)
+    if b.equal_lengths:
+        relation = "L=S"
     B = _integer(draw, max(b.min_batch, min_batch or 1), b.max_batch)
     N, K = draw_heads(draw, b.min_heads, b.max_heads, b.gqa)
     if relation == "L>S":

@@ -18,11 +18,12 @@ How SDPA's arguments map (read from ``jax/_src/nn/functions.py``, jax 0.10):
 * gradients: a ``torch.autograd.Function`` whose backward is ``jax.vjp`` of the same
   function (q, k, v and the additive mask).
 
-Measured deviations (``implementations/xfail/jax.toml``, re-measured by
-``tests/implementations/test_jax_deviations.py``): JAX computes the softmax in
-float32 whatever the input dtype, blocked keys get a large finite negative logit
-rather than -inf (a row whose keys are all blocked by the bool mask comes out
-uniform), and a row whose additive mask is -inf everywhere comes out NaN.
+Fully-masked rows, declared per kind (``Capabilities.fully_masked``): keys blocked by
+the bool mask (or the causal flag) get a large finite negative logit rather than -inf,
+so a row whose keys are all blocked comes out uniform, while a row whose additive mask
+is -inf everywhere comes out NaN. The measured deviation (``implementations/xfail/jax.toml``,
+re-measured by ``tests/implementations/test_jax_deviations.py``): JAX computes the
+softmax in float32 whatever the input dtype.
 
 Enabling float64 needs ``jax_enable_x64``, a process-wide JAX setting: building this
 implementation switches it on (before JAX's first use in a certification run).
@@ -54,7 +55,9 @@ CAPABILITIES = Capabilities(
     devices=("cpu",),
     dtypes=("float64", "float32", "float16", "bfloat16"),
     causal="upper_left",
-    fully_masked="uniform",
+    # Blocked keys get a finite large negative logit from a bool mask or the causal flag
+    # (a row with every key blocked is uniform), while a -inf bias is added as given (NaN).
+    fully_masked={"bool": "uniform", "additive": "nan", "causal": "uniform"},
     different_v_dim=False,
     gqa=True,
     dropout=False,

@@ -12,7 +12,7 @@ One module per job:
 * :mod:`.probing` — the capabilities of a bare function or class, found by tiny calls
   checked against the ``spec`` oracle;
 * :mod:`.options` — ``--impl-option key=value`` overrides of any capability;
-* :mod:`.expected_failures` — ``implementations/xfail/<name>.toml`` as data;
+* :mod:`.expected_failures` — ``implementations/xfail/<name>.toml`` (and ``--xfail-file``) as data;
 * :mod:`.describing` — ``describe(impl)`` and the ``--impl=list`` table.
 
 Every failure is an :class:`~implementations.base.ImplementationError` whose message
@@ -22,7 +22,12 @@ is one paragraph naming what was found and what was expected.
 from __future__ import annotations
 
 from implementations.registry.describing import describe, listing
-from implementations.registry.expected_failures import XFAIL_DIR, load_expected_failures
+from implementations.registry.expected_failures import (
+    XFAIL_DIR,
+    load_expected_failures,
+    load_expected_failures_file,
+    with_expected_failures,
+)
 from implementations.registry.options import apply_options
 from implementations.registry.probing import probe_mha, probe_sdpa
 from implementations.registry.recognition import (
@@ -43,9 +48,11 @@ __all__ = [
     "describe",
     "listing",
     "load_expected_failures",
+    "load_expected_failures_file",
     "probe_mha",
     "probe_sdpa",
     "recognise",
     "registered",
     "resolve",
+    "with_expected_failures",
 ]

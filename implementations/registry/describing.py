@@ -9,7 +9,7 @@ __all__ = ["describe", "listing"]
 
 _SHORT_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _LISTING_HEADER = ("name", "available", "levels", "devices", "dtypes", "masks", "causal",
-                   "fully-masked", "gqa", "Ev!=E", "dropout", "grad", "xfails")
+                   "fully-masked", "gqa", "Ev!=E", "dropout", "grad", "inputs", "xfails")
 
 
 def _yes(flag: bool) -> str:
@@ -22,10 +22,11 @@ def _caps_line(c: Capabilities, level: str) -> str:
         f"dtypes={','.join(c.dtypes)}",
         f"masks={','.join(sorted(c.mask_kinds))}",
         f"causal={c.causal or 'no'}",
-        f"fully_masked={c.fully_masked}",
+        f"fully_masked={c.fully_masked_text()}",
     ]
     if level == "sdpa":
         parts += [f"Ev!=E={_yes(c.different_v_dim)}", f"gqa={_yes(c.gqa)}"]
+        parts += _input_conventions(c)
     else:
         parts += [f"weights={_yes('need_weights' in c.mha_features)}"]
     parts += [
@@ -40,6 +41,18 @@ def _caps_line(c: Capabilities, level: str) -> str:
         missing = sorted(ALL_MHA_FEATURES - set(c.mha_features))
         parts.append(f"mha_features=all but {missing}" if missing else "mha_features=all")
     return " ".join(parts)
+
+
+def _input_conventions(c: Capabilities) -> list[str]:
+    """The SDPA input declarations that differ from torch's convention."""
+    parts = []
+    if c.self_attention_lengths:
+        parts.append("self_attention_lengths=yes (L == S only)")
+    if c.shared_kv:
+        parts.append("shared_kv=yes (key is value)")
+    if c.batch_dims is not None:
+        parts.append(f"batch_dims={c.batch_dims} (exactly (B, N, L, E))")
+    return parts
 
 
 def describe(impl: Implementation) -> str:
@@ -68,11 +81,19 @@ def _listing_row(name: str, impl: Implementation) -> tuple[str, ...]:
     return (
         name, _yes(impl.available), levels or "-", ",".join(c.devices),
         ",".join(_SHORT_DTYPES[d] for d in c.dtypes), ",".join(sorted(c.mask_kinds - {"none"})) or "-",
-        c.causal or "-", c.fully_masked,
+        c.causal or "-", c.fully_masked_text(),
         _yes(c.gqa) if impl.sdpa is not None else "-",
         _yes(c.different_v_dim) if impl.sdpa is not None else "-",
-        _yes(c.dropout), _yes(c.autograd), str(len(impl.expected_failures)),
+        _yes(c.dropout), _yes(c.autograd), _inputs_cell(c) if impl.sdpa is not None else "-",
+        str(len(impl.expected_failures)),
     )
+
+
+def _inputs_cell(c: Capabilities) -> str:
+    """``any``, or the input declarations: ``L=S``, ``k=v``, ``4-D``."""
+    marks = [mark for mark, on in (("L=S", c.self_attention_lengths), ("k=v", c.shared_kv),
+                                   ("4-D", c.batch_dims == 1)) if on]
+    return ",".join(marks) or "any"
 
 
 def listing() -> str:

@@ -2,16 +2,25 @@
 
 A built-in's file is named after its registered name; the registry attaches the
 entries when it builds the built-in (:func:`implementations.registry.resolution.registered`).
+Any implementation, a plain ``file.py:attr`` function included, takes a file of the
+same schema with ``--xfail-file PATH`` (:func:`load_expected_failures_file`,
+:func:`with_expected_failures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
-from implementations.base import MATCH_COMPARISONS, ExpectedFailure, ImplementationError
+from implementations.base import (
+    MATCH_COMPARISONS,
+    ExpectedFailure,
+    Implementation,
+    ImplementationError,
+)
 
-__all__ = ["XFAIL_DIR", "load_expected_failures"]
+__all__ = ["XFAIL_DIR", "load_expected_failures", "load_expected_failures_file", "with_expected_failures"]
 
 #: Where the built-ins' expected-failures files live.
 XFAIL_DIR = Path(__file__).resolve().parent.parent / "xfail"
@@ -30,26 +39,72 @@ def load_expected_failures(name: str, directory: Path | None = None) -> tuple[Ex
     path = (directory or XFAIL_DIR) / f"{name}.toml"
     if not path.is_file():
         return ()
+    return _load(path, str(path))
+
+
+def load_expected_failures_file(path: str | Path) -> tuple[ExpectedFailure, ...]:
+    """The entries of the expected-failures file ``path`` (``--xfail-file``), in the
+    schema of ``implementations/xfail/*.toml``; a missing or unreadable file, bad TOML,
+    or an entry that breaks the schema raises ImplementationError naming the argument,
+    the rule and the fix. (Property ids and ``match`` keys are checked against the
+    suite's properties when the run starts: ``conformance.expectations.entry_errors``.)"""
+    where = f"--xfail-file {path}"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ImplementationError(
+            f"{where}: no such file (looked for {file.resolve()}); give the path of a TOML file "
+            "of [[xfail]] tables, as in implementations/xfail/*.toml"
+        )
+    return _load(file, where)
+
+
+def with_expected_failures(impl: Implementation, entries: tuple[ExpectedFailure, ...]) -> Implementation:
+    """``impl`` with ``entries`` added after its own expected failures."""
+    return dataclasses.replace(impl, expected_failures=tuple(impl.expected_failures) + tuple(entries))
+
+
+def _load(path: Path, where: str) -> tuple[ExpectedFailure, ...]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ImplementationError(f"{where}: cannot read it ({type(exc).__name__}: {exc})") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ImplementationError(f"{path} is not valid TOML: {exc}") from exc
-    return tuple(_entry(path, index, entry) for index, entry in enumerate(data.get("xfail", [])))
+        raise ImplementationError(f"{where} is not valid TOML: {exc}; fix the syntax") from exc
+    unknown = sorted(set(data) - {"xfail"})
+    entries = data.get("xfail", [])
+    if unknown or not isinstance(entries, list):
+        raise ImplementationError(
+            f"{where}: top-level keys {unknown or ['xfail']} are not the schema: the file holds "
+            "only [[xfail]] tables (each property, reason, optional match and reference); "
+            "write each entry under a [[xfail]] line"
+        )
+    return tuple(_entry(where, index, entry) for index, entry in enumerate(entries))
 
 
-def _entry(path: Path, index: int, entry: dict) -> ExpectedFailure:
+def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
     """One validated ``[[xfail]]`` table."""
     unknown = set(entry) - _ENTRY_KEYS
     if unknown or "property" not in entry or "reason" not in entry:
         raise ImplementationError(
-            f"{path} entry {index}: needs property and reason (optional match, reference); "
-            f"got keys {sorted(entry)}"
+            f"{where} entry {index}: needs property and reason (optional match, reference); "
+            f"got keys {sorted(entry)}" + (f"; remove {sorted(unknown)}" if unknown else "")
+        )
+    for key_name in ("property", "reason", "reference"):
+        if key_name in entry and not isinstance(entry[key_name], str):
+            raise ImplementationError(
+                f"{where} entry {index}: {key_name}={entry[key_name]!r} must be a string; "
+                f'write {key_name} = "..."'
+            )
+    if not isinstance(entry.get("match", {}), dict):
+        raise ImplementationError(
+            f"{where} entry {index}: match={entry['match']!r} must be a table of case "
+            'attributes; write e.g. match = { dtype = "float16", mask_kind = "additive" }'
         )
     match = dict(entry.get("match", {}))
     for key_name, wanted in match.items():
         if isinstance(wanted, dict) and (not wanted or set(wanted) - set(MATCH_COMPARISONS)):
             raise ImplementationError(
-                f"{path} entry {index}: match.{key_name}={wanted!r}; a table value must use "
+                f"{where} entry {index}: match.{key_name}={wanted!r}; a table value must use "
                 f"only {sorted(MATCH_COMPARISONS)} (e.g. {{ le = 0.0 }})"
             )
     return ExpectedFailure(

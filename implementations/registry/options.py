@@ -3,6 +3,10 @@
 Keys are :class:`~implementations.base.Capabilities` fields, e.g. ``causal=lower_right``,
 ``fully_masked=nan``, ``dtypes=float32,float16``, ``gqa=false``; each value is parsed and
 validated, and a bad key or value raises ImplementationError listing what is valid.
+
+``fully_masked`` also takes a policy per kind of blocking, ``bool:uniform,additive:nan``
+(kinds ``bool``, ``additive``, ``causal``; a bare policy in the list is the default of
+the kinds not named, else ``zero``). ``batch_dims=1`` declares exactly 4-D inputs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from implementations.base import (
     ALL_MASK_KINDS,
     ALL_MHA_FEATURES,
     CAUSAL_ALIGNMENTS,
+    FULLY_MASKED_KINDS,
     FULLY_MASKED_POLICIES,
     Capabilities,
     Implementation,
@@ -63,6 +68,41 @@ def _parse_optional_int(text: str) -> int | None:
     return value
 
 
+def _parse_fully_masked(text: str) -> str | dict[str, str]:
+    """``nan``, or ``bool:uniform,additive:nan[,causal:...]`` with an optional bare
+    default policy among the items (``uniform,additive:nan``)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    expected = (f"one of {list(FULLY_MASKED_POLICIES)}, or KIND:POLICY pairs such as "
+                f"bool:uniform,additive:nan with KIND in {list(FULLY_MASKED_KINDS)}")
+    if len(items) == 1 and ":" not in items[0]:
+        if items[0] not in FULLY_MASKED_POLICIES:
+            raise ValueError(expected)
+        return items[0]
+    default, per_kind = "zero", {}
+    for item in items:
+        kind, sep, policy = (part.strip() for part in item.partition(":"))
+        if not sep:
+            kind, policy = "", kind
+        if policy not in FULLY_MASKED_POLICIES or (sep and kind not in FULLY_MASKED_KINDS) \
+                or kind in per_kind:
+            raise ValueError(f"{expected}; {item!r} is not (or names its kind twice)")
+        if sep:
+            per_kind[kind] = policy
+        else:
+            default = policy
+    if not items:
+        raise ValueError(expected)
+    return {kind: per_kind.get(kind, default) for kind in FULLY_MASKED_KINDS}
+
+
+def _parse_batch_dims(text: str) -> int | None:
+    if text.strip().lower() in ("none", "any"):
+        return None
+    if text.strip() != "1":
+        raise ValueError("1 (exactly (B, N, L, E) inputs) or none (any leading batch dims)")
+    return 1
+
+
 def _parse_mha_features(text: str) -> frozenset[str]:
     renamed = renamed_mha_features(item.strip() for item in text.split(","))
     if renamed:
@@ -77,7 +117,8 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "dtypes": _parse_list(ALL_DTYPES),
         "mask_kinds": lambda text: frozenset(_parse_list(ALL_MASK_KINDS)(text)),
         "causal": _parse_choice(CAUSAL_ALIGNMENTS, allow_none=True),
-        "fully_masked": _parse_choice(FULLY_MASKED_POLICIES),
+        "fully_masked": _parse_fully_masked,
+        "batch_dims": _parse_batch_dims,
         "mha_features": _parse_mha_features,
         "max_head_dim": _parse_optional_int,
         "max_seq_len": _parse_optional_int,

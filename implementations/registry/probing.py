@@ -99,36 +99,65 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
 
     q, k, v = qkv()
     plain = "a plain float32 call with query (1, 2, 2, 4), key (1, 2, 3, 4), value (1, 2, 3, 4)"
+    notes: list[str] = []
+    equal_lengths = False
     try:
         out = probe.call("a plain call", lambda: fn(q, k, v))
     except CallRaised as exc:
-        raise ImplementationError(
-            f"{origin} has SDPA's signature but {plain} raised {summarise(exc.error)}; it must at "
-            "least run that"
-        ) from exc.error
-    if not _is_output(out, (1, 2, 2, 4)):
+        # Self-attention kernels take L == S only: that is a declaration, not a failure.
+        q3 = torch.randn(1, 2, 3, 4, generator=gen)
+        if not _is_output(_try(probe, "a call with L == S", lambda: fn(q3, k, v)), (1, 2, 3, 4)):
+            raise ImplementationError(
+                f"{origin} has SDPA's signature but {plain} raised {summarise(exc.error)}; it must at "
+                "least run that"
+            ) from exc.error
+        equal_lengths, q = True, q3
+        notes.append(f"self_attention_lengths: query length 2 with key length 3 raised "
+                     f"{summarise(exc.error)}, query length 3 runs; declared L == S only")
+        out = probe.call("a plain call", lambda: fn(q, k, v))
+    L = q.shape[2]
+    if not _is_output(out, (1, 2, L, 4)):
         raise ImplementationError(
             f"{origin} has SDPA's signature but {plain} returned {_describe_result(out)}; it must "
-            "return a torch.Tensor of shape (1, 2, 2, 4) (B, N, L, Ev) on the inputs' device, "
+            f"return a torch.Tensor of shape (1, 2, {L}, 4) (B, N, L, Ev) on the inputs' device, "
             "as torch.nn.functional.scaled_dot_product_attention does"
         )
+    shared_kv = _probe_shared_kv(out, q, k, v, notes)
+    if shared_kv:
+        v = k  # what it attends over: the probes below compare with the oracle on (q, k, k)
     runs = probe.runs
+    batch_dims = None
+    if not runs("3-D inputs", lambda: fn(q[0], k[0], v[0])) and \
+            not runs("5-D inputs", lambda: fn(q[None], k[None], v[None])):
+        batch_dims = 1
+        notes.append("batch_dims: 3-D and 5-D inputs raise; declared exactly (B, N, L, E), "
+                     "the suite reshapes other ranks and masks to 4-D")
+
+    def as_mask(mask: Any) -> Any:  # (L, S) -> (1, 1, L, S) for a 4-D-only callable
+        return mask.reshape(1, 1, *mask.shape) if batch_dims == 1 else mask
+
+    def qkv_for(**sizes: Any) -> tuple[Any, Any, Any]:
+        if equal_lengths:
+            sizes["L"] = sizes.get("S", 3)
+        return qkv(**sizes)
+
     # The order of the calls below fixes what each draw from ``gen`` is: keep it.
-    dtypes = tuple(d for d in ALL_DTYPES if runs(f"dtype {d}", lambda d=d: fn(*qkv(dtype=getattr(torch, d)))))
+    dtypes = tuple(d for d in ALL_DTYPES if runs(f"dtype {d}", lambda d=d: fn(*qkv_for(dtype=getattr(torch, d)))))
     mask_kinds = {"none"}
-    if runs("a bool mask", lambda: fn(q, k, v, attn_mask=torch.tensor([[True, False, True], [True, True, False]]))):
+    bool_mask = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])[:L]
+    if runs("a bool mask", lambda: fn(q, k, v, attn_mask=as_mask(bool_mask))):
         mask_kinds.add("bool")
-    if runs("a float mask", lambda: fn(q, k, v, attn_mask=torch.randn(2, 3, generator=gen))):
+    if runs("a float mask", lambda: fn(q, k, v, attn_mask=as_mask(torch.randn(L, 3, generator=gen)))):
         mask_kinds.add("additive")
 
     def backward(mask_grad: bool = False) -> bool:
         # Forward and backward are two guarded calls: the suite's own ``.sum()`` runs
         # under the suite's grad mode, whatever the forward did to its thread's.
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        mask = torch.randn(2, 3, generator=gen).requires_grad_() if mask_grad else None
+        mask = torch.randn(L, 3, generator=gen).requires_grad_() if mask_grad else None
         what = "a mask gradient" if mask_grad else "backward"
         try:
-            out = probe.call(what, lambda: fn(qq, kk, vv, attn_mask=mask))
+            out = probe.call(what, lambda: fn(qq, kk, vv, attn_mask=None if mask is None else as_mask(mask)))
             if not isinstance(out, torch.Tensor):
                 return False
             probe.call(what, lambda: out.sum().backward())
@@ -136,33 +165,76 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             return False
         return qq.grad is not None and (mask is None or mask.grad is not None)
 
-    notes: list[str] = []
-    return Capabilities(
+    causal = _probe_causal(probe, fn, q, k, v, notes, equal_lengths)
+    fully_masked = {
+        kind: _probe_fully_masked(probe, fn, q, k, v, kind, as_mask)
+        for kind in ("bool", "additive") if kind in mask_kinds
+    }
+    caps = Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
         mask_kinds=frozenset(mask_kinds),
-        causal=_probe_causal(probe, fn, q, k, v, notes),
-        fully_masked=_probe_fully_masked(probe, fn, q, k, v) if "bool" in mask_kinds else "unspecified",
-        different_v_dim=runs("Ev != E", lambda: fn(*qkv(Ev=3))),
-        gqa=runs("GQA", lambda: fn(*qkv(N=2, K=1), enable_gqa=True)),
+        causal=causal,
+        different_v_dim=not shared_kv and runs("Ev != E", lambda: fn(*qkv_for(Ev=3))),
+        gqa=runs("GQA", lambda: fn(*qkv_for(N=2, K=1), enable_gqa=True)),
         dropout=runs("dropout", lambda: fn(q, k, v, dropout_p=0.5)),
         custom_scale=runs("scale=", lambda: fn(q, k, v, scale=0.5)),
         autograd=backward(),
         mask_grad="additive" in mask_kinds and backward(mask_grad=True),
         non_contiguous=runs("a transposed input", lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)),
+        self_attention_lengths=equal_lengths,
+        shared_kv=shared_kv,
+        batch_dims=batch_dims,
         probe_notes=tuple(notes),
     )
+    if causal == "lower_right" and not equal_lengths:  # the flag alone empties row 0 at L=3 > S=2
+        fully_masked["causal"] = _probe_fully_masked(probe, fn, *qkv(L=3, S=2), "causal", as_mask)
+    return caps.replace(fully_masked=_fully_masked_declaration(fully_masked))
 
 
-def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str]) -> str | None:
+def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``'s result, or None when it raises."""
+    try:
+        return probe.call(what, fn)
+    except CallRaised:
+        return None
+
+
+def _probe_shared_kv(out: Any, q, k, v, notes: list[str]) -> bool:
+    """Whether the plain call's output is attention over the keys with the keys as
+    values (one memory tensor; ``value`` ignored) rather than over the values."""
+    q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
+    got = out.detach().double().numpy()
+    if np.allclose(got, spec.sdpa(q64, k64, v64).output, atol=1e-4):
+        return False
+    if np.allclose(got, spec.sdpa(q64, k64, k64).output, atol=1e-4):
+        notes.append("shared_kv: the output is attention with the keys as values (value is "
+                     "ignored); declared key is value, the suite passes one tensor as both")
+        return True
+    return False
+
+
+def _fully_masked_declaration(policies: dict[str, str]) -> str | dict[str, str]:
+    """One policy when the probed kinds agree (kinds not probed take it), else per kind."""
+    if not policies:
+        return "unspecified"
+    if len(set(policies.values())) == 1:
+        return next(iter(policies.values()))
+    default = policies.get("bool", "unspecified")
+    return {kind: policies.get(kind, default) for kind in ("bool", "additive", "causal")}
+
+
+def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str], equal_lengths: bool = False) -> str | None:
     """The alignment ``is_causal=True`` means; None, with a note in ``notes``, when the
-    flag raises, has no effect, or matches neither alignment."""
+    flag raises, has no effect, or matches neither alignment. With L == S only the
+    alignments coincide: a flag that matches them is declared ``upper_left``."""
+    shape = (1, 2, q.shape[2], 4)
     try:
         got = probe.call("is_causal=True", lambda: fn(q, k, v, is_causal=True))  # L=2, S=3: alignments differ
     except CallRaised:
         return None
-    if not _is_output(got, (1, 2, 2, 4)):
-        notes.append(f"causal: is_causal=True returned {_describe_result(got)}, not the (1, 2, 2, 4) "
+    if not _is_output(got, shape):
+        notes.append(f"causal: is_causal=True returned {_describe_result(got)}, not the {shape} "
                      "output; declared as no causal flag")
         return None
     got = got.detach().double().numpy()
@@ -172,6 +244,8 @@ def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str]) -> str | None:
         return bool(np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=1e-4))
 
     upper, lower = close_to("upper_left"), close_to("lower_right")
+    if equal_lengths and upper:
+        return "upper_left"
     if upper != lower:
         return "upper_left" if upper else "lower_right"
     fix = ("; declared as no causal flag (--impl-option causal=upper_left or lower_right "
@@ -184,16 +258,26 @@ def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str]) -> str | None:
     return None
 
 
-def _probe_fully_masked(probe: _Prober, fn, q, k, v) -> str:
-    """The policy for a query row whose every key is blocked."""
+def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callable[[Any], Any]) -> str:
+    """The policy for a query row whose every key is blocked by ``kind``: a bool mask,
+    a -inf additive mask, or (``causal``: L > S) the lower-right causal flag alone."""
     import torch
 
-    mask = torch.tensor([[False, False, False], [True, True, False]])  # row 0 sees nothing
+    L, S = q.shape[2], k.shape[2]
+    attend = torch.ones(L, S, dtype=torch.bool)
+    attend[0] = False  # row 0 sees nothing
+    if kind == "bool":
+        call = lambda: fn(q, k, v, attn_mask=as_mask(attend))
+    elif kind == "additive":
+        bias = torch.zeros(L, S).masked_fill(~attend, float("-inf"))
+        call = lambda: fn(q, k, v, attn_mask=as_mask(bias))
+    else:
+        call = lambda: fn(q, k, v, is_causal=True)
     try:
-        out = probe.call("a fully-masked row", lambda: fn(q, k, v, attn_mask=mask))
+        out = probe.call(f"a fully-masked row ({kind})", call)
     except CallRaised:
         return "unspecified"
-    if not _is_output(out, (1, 2, 2, 4)):
+    if not _is_output(out, (1, 2, L, 4)):
         return "unspecified"
     row = out.detach()[0, :, 0]  # (N, Ev)
     if torch.isnan(row).all():

@@ -50,9 +50,9 @@ def test_float64_carries_float32_softmax_rounding(impl):
 
 
 def test_additive_minus_inf_row_is_nan_while_bool_blocked_row_is_uniform(impl):
-    assert entry_for(impl, "fully_masked_rows", mask_kind="additive") is not None
-    assert entry_for(impl, "fully_masked_rows", mask_kind="bool") is None
-    assert impl.capabilities.fully_masked == "uniform"
+    # Declared per kind, not an expected failure.
+    assert entry_for(impl, "fully_masked_rows", mask_kind="additive") is None
+    assert impl.capabilities.fully_masked_policies == {"bool": "uniform", "additive": "nan", "causal": "uniform"}
     q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=torch.float32)
     attend = torch.ones(3, 5, dtype=torch.bool)
     attend[1] = False
