@@ -505,6 +505,7 @@ def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
     the case's contents, so a plain second call would draw the same sample."""
     from conformance import replay
     from conformance.runner import call_guarded
+    from conformance.tensors import to_numpy
 
     for call in calls:
         if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
@@ -516,18 +517,12 @@ def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
                                       dropout_seed=zlib.crc32(f"diagnosis/recall/{seed}".encode()))
             outcome = replay.run_mha_call(target.impl, spec, invoke=partial(call_guarded, target),
                                           module=call.module.module)
-            again = _Call("mha", call.case, _numpy(outcome.output), module=call.module)
+            again = _Call("mha", call.case, to_numpy(outcome.output), module=call.module)
             random = _random_in_eval([call, again])
             if random is not None:
                 return random
         return None
     return None
-
-
-def _numpy(tensor: Any) -> np.ndarray:
-    from conformance.tensors import to_numpy
-
-    return to_numpy(tensor)
 
 
 # --------------------------------------------------------------------------- the certificate
