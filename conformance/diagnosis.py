@@ -24,6 +24,10 @@ Where the output comes from, cheapest first:
 3. Only when the property made no observable call (it compares gradients, or expects
    an error) is the implementation called once more, on the shrunk case, through the
    runner's guarded path.
+4. Where several variants match equally (a directed example is not shrunk, and a small
+   case often fits several conventions), the property's failing case before shrinking
+   orders them, then at most :data:`MAX_DISCRIMINATING` cases derived from the failing
+   one on which the tied variants' outputs differ, each called once (:func:`_separate`).
 
 Everything runs inside a guard: a diagnosis error becomes the line
 ``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
