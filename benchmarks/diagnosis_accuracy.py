@@ -7,7 +7,10 @@ variant that models its bug), runs, as a subprocess,
 the cause named first against the expected one. A mutant counts as right when the
 expected cause is named first. The second check: no mutant gets a wrong cause ranked
 first with a strictly better fit than the right one (a wrong first with an equal fit is
-a tie the shrunk case cannot break, listed but not counted here).
+a tie the failing case alone cannot break, listed but not counted here). Where several
+causes were named, a ``tie`` line says why the first one leads: the other cases it also
+fits (its note: the failing case before shrinking, discriminating cases), or only fit
+and table order.
 
     python benchmarks/diagnosis_accuracy.py --jobs 1
     python benchmarks/diagnosis_accuracy.py --only causal_lower_right,gqa_tile
@@ -49,6 +52,8 @@ class Diagnosis:
     dtype: str | None = None
     named: list[str] = field(default_factory=list)
     fits: list[float | None] = field(default_factory=list)
+    #: Each named cause's note: the other cases it also fits, where a tie was broken.
+    cause_notes: list[str] = field(default_factory=list)
     wall_seconds: float = 0.0
     note: str = ""
 
@@ -98,6 +103,7 @@ def diagnose_mutant(mutant: Mutant, profile: str, timeout_s: float) -> Diagnosis
     causes = first.get("causes") or []
     result.named = [c["variant"] for c in causes]
     result.fits = [c.get("fit") for c in causes]
+    result.cause_notes = [c.get("note") or "" for c in causes]
     return result
 
 
@@ -118,6 +124,10 @@ def print_table(results: list[Diagnosis]) -> None:
     for d in results:
         if d.note:
             print(f"note {d.name}: {d.note}")
+    for d in results:
+        if len(d.named) > 1:
+            why = d.cause_notes[0] if d.cause_notes else ""
+            print(f"tie {d.name}: {d.first} first" + (f", {why}" if why else ", by fit and table order"))
 
 
 def summary(results: list[Diagnosis]) -> str:

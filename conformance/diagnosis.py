@@ -24,6 +24,10 @@ Where the output comes from, cheapest first:
 3. Only when the property made no observable call (it compares gradients, or expects
    an error) is the implementation called once more, on the shrunk case, through the
    runner's guarded path.
+4. Where several variants match equally (a directed example is not shrunk, and a small
+   case often fits several conventions), the property's failing case before shrinking
+   orders them, then at most :data:`MAX_DISCRIMINATING` cases derived from the failing
+   one on which the tied variants' outputs differ, each called once (:func:`_separate`).
 
 Everything runs inside a guard: a diagnosis error becomes the line
 ``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
@@ -34,8 +38,10 @@ each variant's own weights. docs/DIAGNOSIS.md says how to read the result.
 from __future__ import annotations
 
 import math
+import zlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -68,6 +74,9 @@ _RANDOM_IN_EVAL = "mha_dropout_in_eval"
 #: Extra calls of an eval-mode module whose output is wrong and matches no variant,
 #: looking for that sign (only then; every other diagnosis calls at most once).
 RECALLS = 3
+#: Cases derived from a failing case that the implementation is called on, at most,
+#: to tell apart variants that match the failing case equally (:func:`_separate`).
+MAX_DISCRIMINATING = 2
 
 
 # --------------------------------------------------------------------------- observing calls
@@ -137,10 +146,12 @@ def observe_mha(case: Any, output: np.ndarray, weights: np.ndarray | None, *, mo
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the diagnosis found: the matches (dicts as recorded) and the message line."""
+    """What the diagnosis found: the matches (dicts as recorded) and the message line;
+    ``call``: the observed call they were matched on (None when there is none)."""
 
     causes: list[dict[str, Any]]
     line: str
+    call: Any = field(default=None, compare=False, repr=False)
 
 
 def annotate(exc: BaseException, target: Any, record: Any) -> None:
@@ -177,8 +188,8 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     first = _FIRST_FAILURE.get()
     if first is None or first.record is not record or first.case is case:
         first = None
-    if len(verdict.causes) > 1 and first is not None:
-        verdict = _break_ties(verdict, _verdict(target, first.calls))
+    if len(verdict.causes) > 1:
+        verdict = _separate(target, verdict, first)
     if not verdict.causes:
         # A random output can look deterministic on one case: two equal samples.
         random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls)
@@ -202,15 +213,42 @@ def _verdict(target: Any, calls: list[_Call]) -> Verdict:
                     "something else (a relation between calls, gradients, an error)")
 
 
-def _break_ties(verdict: Verdict, unshrunk: Verdict) -> Verdict:
-    """``verdict``'s causes, those that also explain the unshrunk failing case first."""
-    also = {c["variant"] for c in unshrunk.causes}
-    if not also & {c["variant"] for c in verdict.causes}:
-        return verdict
-    causes = sorted(verdict.causes, key=lambda c: c["variant"] not in also)
-    causes = [dict(c, note="also fits the failing case before shrinking") if c["variant"] in also else c
-              for c in causes]
-    return Verdict(causes, _line(causes))
+def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
+    """``verdict``'s causes ordered by how many other cases they also explain.
+
+    Several variants often match one small case equally (with one query, ignoring the
+    causal flag and aligning it lower-right attend the same keys). The evidence, cheapest
+    first: the property's failing case before shrinking (its calls are kept; no call);
+    then, while the leaders still tie, up to :data:`MAX_DISCRIMINATING` discriminating
+    cases derived from the failing call's case, on which the tied variants' outputs
+    differ (chosen in pure NumPy), each called once through the guarded path. A
+    cause's rank is the number of these cases it fits; equal counts keep ``rank``'s
+    order (fit, then the table's). Each cause's note names the cases it fits."""
+    ids = [c["variant"] for c in verdict.causes]
+    fits: dict[str, list[str]] = {v: [] for v in ids}
+    if first is not None:
+        also = {c["variant"] for c in _verdict(target, first.calls).causes}
+        for v in ids:
+            if v in also:
+                fits[v].append("the failing case before shrinking")
+    best = max(len(f) for f in fits.values())
+    leaders = [v for v in ids if len(fits[v]) == best]
+    if len(leaders) > 1 and verdict.call is not None:
+        for description, call in _discriminating_calls(target, verdict.call, leaders):
+            prepared = _sdpa_problem(target, call)
+            if prepared is None:
+                continue
+            problem, observed, allowed = prepared
+            for v in ids:
+                if V.variant_fit(observed, problem, v, allowed) <= 1.0:
+                    fits[v].append(description)
+    order = sorted(range(len(ids)), key=lambda i: -len(fits[ids[i]]))     # stable: rank's order on ties
+    causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]])) for i in order]
+    return Verdict(causes, _line(causes), verdict.call)
+
+
+def _fits_note(cases: list[str]) -> str:
+    return "also fits " + " and ".join(cases) if cases else ""
 
 
 def _implementation_broke(exc: BaseException) -> bool:
@@ -251,7 +289,7 @@ def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
         return True
     relative = _relative_error(observed, V.reference(problem))
     causes = [_cause(m.variant_id, m.fit, relative) for m in matches]
-    return Verdict(causes, _line(causes))
+    return Verdict(causes, _line(causes), call)
 
 
 def _cause(variant_id: str, fit: float | None, relative: float | None, note: str = "") -> dict[str, Any]:
@@ -285,6 +323,90 @@ def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     error = float(np.abs(output - expected)[finite].max())
     size = float(np.abs(expected[finite]).max())
     return error / size if size > 0 else error
+
+
+# --------------------------------------------------------------------------- discriminating cases
+
+
+def _discriminating_calls(target: Any, call: _Call, tied: list[str]) -> list[tuple[str, _Call]]:
+    """The implementation called on up to :data:`MAX_DISCRIMINATING` cases derived from
+    ``call``'s case on which the ``tied`` variants' outputs differ (most pairs told
+    apart first; the variants are computed, not the implementation, to choose them),
+    as ``(description, observed call)``. Only a deterministic SDPA call, and only cases
+    the target claims (``directed.admitted``); a call that raises is left out."""
+    from conformance.calls import run_sdpa
+    from conformance.directed import admitted
+
+    if call.level != "sdpa" or call.dropout_p > 0:
+        return []
+    apart: set[frozenset[str]] = set()
+    chosen: list[tuple[str, Any]] = []
+    candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
+    while len(chosen) < MAX_DISCRIMINATING and candidates:
+        scored = []
+        for index, (description, case) in enumerate(candidates):
+            groups = V.partition(V.SDPAProblem.from_case(case, fully_masked=target.caps.fully_masked), tied)
+            pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
+            scored.append((len(pairs - apart), -index, description, case, pairs))
+        gained, _, description, case, pairs = max(scored, key=lambda item: item[:2])
+        if not gained:
+            break
+        apart |= pairs
+        chosen.append((description, case))
+        candidates = [(d, c) for d, c in candidates if d != description]
+    if _EXAMPLE.get() is None:
+        start_example(call.case)
+    out = []
+    for description, case in chosen:
+        start = len(_EXAMPLE.get().calls)
+        try:
+            run_sdpa(target, case)
+        except Exception:  # noqa: BLE001, S112 - no output on this case: it tells nothing
+            continue
+        out.append((f"a discriminating case ({description})", _EXAMPLE.get().calls[start]))
+    return out
+
+
+def _derived_cases(case: Any) -> list[tuple[str, Any]]:
+    """Small changes of ``case`` that separate the usual ties: one or two more queries
+    or keys (causal alignments, a one-query shortcut), a key block more (a ragged last
+    block), another explicit scale (a falsy or ignored scale), one more batch item.
+    The new entries are seeded normal values rounded to the dtype; new mask entries
+    attend. Contiguous, so any target that claims the sizes takes them."""
+    from spec.emulate import round_to
+
+    B, L, S = case.B, case.L, case.S
+    sizes = [(B, L + 1, S + 1), (B, L + 1, S + 2), (B, L + 2, S + 1), (B, L + 1, S), (B, L, S + 1),
+             (B, L, S + V.KERNEL_BLOCK), (B, L, S + V.KERNEL_BLOCK + 1), (B + 1, L, S)]
+    rng = np.random.default_rng(zlib.crc32(f"diagnosis/{case.dtype}".encode()))
+
+    def grown(x: np.ndarray | None, new: tuple[int, ...], fill: Any = None) -> np.ndarray | None:
+        """``x`` grown to ``new`` at the end of each axis: new values drawn, or ``fill``
+        for a mask (whose axes of size 1 broadcast and stay)."""
+        if x is None:
+            return None
+        for axis, n in zip(range(-len(new), 0), new, strict=True):
+            if -axis > x.ndim or x.shape[axis] == n or fill is not None and x.shape[axis] == 1:
+                continue
+            shape = list(x.shape)
+            shape[axis] = n - x.shape[axis]
+            extra = round_to(rng.standard_normal(shape), case.dtype) if fill is None else np.full(shape, fill)
+            x = np.concatenate([x, extra.astype(x.dtype)], axis=axis)
+        return x
+
+    out = []
+    for b, l, s in sizes:
+        q = grown(case.query, (b, case.N, l, case.E))
+        k, v = grown(case.key, (b, case.K, s, case.E)), grown(case.value, (b, case.K, s, case.Ev))
+        mask_shape = (b, case.N, l, s)
+        out.append((f"B={b}, L={l}, S={s}", case.replace(
+            query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
+            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
+    default = 1.0 / math.sqrt(case.E)
+    for scale in (None, 1.5 * default):
+        if scale != case.scale:
+            out.append((f"scale={scale!r}", case.replace(scale=scale, layout="contiguous", notes=())))
+    return out
 
 
 # --------------------------------------------------------------------------- problems and bounds
@@ -384,18 +506,26 @@ def _random_in_eval(calls: list[_Call]) -> Verdict | None:
 
 def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
     """Call the module of the first eval-mode MHA call whose output is wrong again on the
-    same inputs, up to RECALLS times (guarded calls); a different output is the sign of
-    the random variant. Two samples of a tiny case agree often (one key: half the time)."""
-    from conformance.mha_calls import run_mha
+    same inputs, up to RECALLS times (guarded calls), each time with torch's generator
+    seeded differently; an output that changes is the sign of the random variant (an
+    eval-mode module must not depend on the generator). The runner seeds dropout from
+    the case's contents, so a plain second call would draw the same sample."""
+    from conformance import replay
+    from conformance.runner import call_guarded
+    from conformance.tensors import to_numpy
 
     for call in calls:
         if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
             continue
         if _diagnose_call(target, call) is not True:
             continue
-        for _ in range(RECALLS):
-            run_mha(target, call.case, call.module, **call.overrides)
-            random = _random_in_eval([call, _EXAMPLE.get().calls[-1]])
+        for seed in range(RECALLS):
+            spec = replay.MHACallSpec(call.case, dropout=call.module.dropout, training=False,
+                                      dropout_seed=zlib.crc32(f"diagnosis/recall/{seed}".encode()))
+            outcome = replay.run_mha_call(target.impl, spec, invoke=partial(call_guarded, target),
+                                          module=call.module.module)
+            again = _Call("mha", call.case, to_numpy(outcome.output), module=call.module)
+            random = _random_in_eval([call, again])
             if random is not None:
                 return random
         return None

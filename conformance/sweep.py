@@ -112,7 +112,7 @@ def sweep_property(
                                                 (run.__doc__ or "").strip(), 1.0)
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import failures
+            from conformance import diagnosis, failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
@@ -144,6 +144,7 @@ def sweep_property(
             except PropertyFailure as exc:
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"
+                diagnosis.annotate(exc, target, record)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=conformance_session.impl_spec,
                                   options=conformance_session.options)

@@ -19,6 +19,8 @@ Public API::
     reference(problem) -> VariantResult                    # the correct convention
     rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
     correct_fit(observed, problem, allowed=None) -> float  # <= 1: the oracle explains it
+    variant_fit(observed, problem, variant, allowed=None) -> float   # <= 1: the variant explains it
+    partition(problem, variants, allowed=None) -> [[id, ...], ...]  # variants grouped by output
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
 
 Conventions are the spec's: SDPA bool masks True = may attend, MHA bool masks True =
@@ -30,8 +32,8 @@ variant with the real bug it stands for.
 from __future__ import annotations
 
 from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
-from ._rank import (DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, precision_factor,
-                    rank, reference)
+from ._rank import (DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, partition,
+                    precision_factor, rank, reference, variant_fit)
 from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
 from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
@@ -50,6 +52,8 @@ __all__ = [
     "reference",
     "rank",
     "correct_fit",
+    "variant_fit",
+    "partition",
     "precision_factor",
     "Match",
     "fit",

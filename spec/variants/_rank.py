@@ -11,7 +11,7 @@ from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, Variant, VariantResult
 from .registry import VARIANTS, lookup
 
 __all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "default_allowed", "fit", "rank", "reference",
-           "correct_fit", "precision_factor"]
+           "correct_fit", "precision_factor", "variant_fit", "partition"]
 
 #: An output, or an ``(output, weights)`` pair (weights None when there are none).
 Observed = Union[np.ndarray, tuple]
@@ -205,3 +205,52 @@ def rank(observed: Observed, problem: Problem,
         if observed_fit <= 1.0:
             matches.append((factor > 1.0, Match(variant.id, observed_fit)))
     return [match for _, match in sorted(matches, key=lambda item: (item[0], item[1].fit))]
+
+
+def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
+                allowed: Allowed | None = None) -> float:
+    """Worst error/allowed of ``observed`` against what ``variant`` outputs on
+    ``problem`` (``fit`` <= 1: the variant explains the observation here).
+
+    Unlike :func:`rank`, the variant is compared even where it does not apply or
+    its output equals the correct one: that is its prediction there too. Used to
+    tell apart variants that ``rank`` matched equally on one case, on another case
+    where their outputs differ (:func:`partition`). Same parts, rows and precision
+    scaling as :func:`rank`; ``inf`` for a variant without ``compute``."""
+    variant = lookup(variant) if isinstance(variant, str) else variant
+    if variant.compute is None or variant.level != problem.level:
+        return float("inf")
+    output, weights = _split(observed)
+    bound = _as_callable(allowed, problem)
+    result = variant.compute(problem)
+    parts = _parts(weights, result, reference(problem))
+    factor = precision_factor(variant, problem)
+    observed_parts = {"output": output, "weights": weights}
+    return max(_part_fit(problem, part, observed_parts[part], result, bound, factor) for part in parts)
+
+
+def partition(problem: Problem, variants: Iterable[Variant | str],
+              allowed: Allowed | None = None) -> list[list[str]]:
+    """``variants`` (deterministic ones of the problem's level) grouped by output on
+    ``problem``: two variants are in one group when their results are each within
+    the other's allowed error. More than one group: an observation on ``problem``
+    can tell the groups apart. Groups and their members keep the given order."""
+    bound = _as_callable(allowed, problem)
+    chosen = [lookup(v) if isinstance(v, str) else v for v in variants]
+    chosen = [v for v in chosen if v.compute is not None and v.level == problem.level]
+    correct = reference(problem)
+    results = {v.id: v.compute(problem) for v in chosen}
+    groups: list[list[str]] = []
+    for v in chosen:
+        mine = results[v.id]
+        for group in groups:
+            other = results[group[0]]
+            parts = _parts(mine.weights, other, correct) if mine.weights is not None else ["output"]
+            close = max(max(_part_fit(problem, part, getattr(mine, part), other, bound),
+                            _part_fit(problem, part, getattr(other, part), mine, bound)) for part in parts)
+            if close <= 1.0:
+                group.append(v.id)
+                break
+        else:
+            groups.append([v.id])
+    return groups

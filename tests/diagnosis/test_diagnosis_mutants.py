@@ -43,20 +43,8 @@ def certify(impl: str, workdir: Path, *args: str) -> tuple[dict, str]:
     return json.loads(json_path.read_text()), output
 
 
-
-#: Known open (issue 11): directed examples now find these bugs first, on cases that are
-#: not shrunk and where the variants tie (L = 1) or one eval call cannot show randomness.
-DIRECTED_OPEN = {
-    name: "directed examples fail first on an unshrunk case where the variants tie or a "
-          "single call shows no randomness (open: rank ties on the directed case)"
-    for name in ("causal_lower_right", "mha_dropout_functional_default", "mha_dropout_in_eval",
-                 "scale_ignored", "tiled_ragged_tail_dropped", "triton_drop_ragged_block")
-}
-
 @pytest.mark.parametrize("name", WITH_CAUSE)
 def test_the_diagnosis_names_the_mutants_bug_first(name, tmp_path):
-    if name in DIRECTED_OPEN:
-        pytest.xfail(DIRECTED_OPEN[name])
     mutant = MUTANTS[name]
     if name.startswith("triton_"):
         from implementations.builtins.triton_attention import make_implementation
@@ -76,7 +64,6 @@ def test_the_diagnosis_names_the_mutants_bug_first(name, tmp_path):
 
 
 def test_a_float32_softmax_is_one_cause_covering_every_property_it_fails(tmp_path):
-    pytest.xfail("with directed examples the float32-softmax failures split over causes (open, issue 11)")
     report, output = certify(f"{IMPLS}:softmax_float32_impl", tmp_path, "--dtype", "float64")
     failed = sorted(r["property"] for r in report["results"] if r["outcome"] == "failed")
     assert len(failed) >= 3, output[-4000:]  # several properties see float32 rounding

@@ -109,6 +109,81 @@ def test_variants_tied_on_the_shrunk_case_are_ordered_by_the_first_failing_case(
     assert "before shrinking" in verdict.line
 
 
+def test_variants_tied_on_an_unshrunk_case_are_told_apart_on_a_discriminating_case():
+    # A directed example is not shrunk, so there is no earlier failing case to consult:
+    # with one query, ignoring the flag and aligning it lower-right attend the same keys.
+    fn = Counted(lower_right=True)
+    target, case = target_of(fn), case_of(2, L=1, S=2, causal="upper_left")
+    diagnosis.start_example(case)
+    run_sdpa(target, case)
+    verdict = diagnosis.diagnose(target, failed_record(case))
+    named = [c["variant"] for c in verdict.causes]
+    assert named[0] == "causal_lower_right" and {"causal_ignored", "causal_ignored_when_L1"} <= set(named)
+    assert "discriminating case (B=1, L=2, S=3)" in verdict.causes[0]["note"]
+    assert not verdict.causes[1]["note"]                       # the others do not fit it
+    assert 1 < fn.calls <= 1 + diagnosis.MAX_DISCRIMINATING
+
+
+def test_an_ignored_scale_of_zero_is_told_apart_from_a_falsy_one():
+    # scale=0: `scale or default` and a dropped scale= both use the default scale
+    fn = Counted(ignore_scale=True)
+    target, case = target_of(fn), case_of(3, L=1, S=2, scale=0.0)
+    diagnosis.start_example(case)
+    run_sdpa(target, case)
+    verdict = diagnosis.diagnose(target, failed_record(case))
+    assert [c["variant"] for c in verdict.causes][:2] == ["scale_arg_ignored", "scale_zero_falsy"]
+    assert verdict.causes[0]["note"].startswith("also fits a discriminating case (scale=")
+
+
+def test_a_single_cause_calls_nothing_more():
+    fn = Counted(ignore_scale=True)
+    target, case = target_of(fn), case_of(scale=0.25)
+    diagnosis.start_example(case)
+    run_sdpa(target, case)
+    verdict = diagnosis.diagnose(target, failed_record(case))
+    assert [c["variant"] for c in verdict.causes] == ["scale_arg_ignored"] and fn.calls == 1
+
+
+def test_dropout_on_in_eval_mode_shows_under_another_seed():
+    # The runner seeds dropout from the case's contents: two eval-mode calls on the same
+    # inputs agree even when the module drops weights; the recall reseeds the generator.
+    from conformance.directed import mha_directed
+    from conformance.mha_calls import build, run_mha
+    from implementations.registry import resolve
+
+    target = Target(resolve("mutant:mha_dropout_in_eval"), "mha", "float64", "cpu")
+    case = mha_directed(target)[0]
+    module = build(target, case, dropout=0.5)
+    diagnosis.start_example(case)
+    first, second = run_mha(target, case, module), run_mha(target, case, module)
+    assert np.array_equal(first.output, second.output)         # one seed: no sign of randomness
+    record = Record("mha_eval_determinism", "mha", "float64", "cpu", outcome="failed")
+    record.failing_case = case
+    verdict = diagnosis.diagnose(target, record)
+    assert [c["variant"] for c in verdict.causes] == ["mha_dropout_in_eval"]
+
+
+def test_variants_are_partitioned_by_output_and_fitted_where_they_do_not_apply():
+    from spec import variants as V
+
+    rng = np.random.default_rng(4)
+    q, k, v = rng.normal(size=(1, 1, 1, 4)), rng.normal(size=(1, 1, 2, 4)), rng.normal(size=(1, 1, 2, 4))
+    tied = ["causal_ignored_when_L1", "causal_ignored", "causal_lower_right"]
+    one_query = V.SDPAProblem(q, k, v, causal="upper_left")
+    assert V.partition(one_query, tied) == [tied]
+    q2 = np.concatenate([q, rng.normal(size=(1, 1, 1, 4))], axis=2)
+    k2, v2 = (np.concatenate([x, rng.normal(size=(1, 1, 1, 4))], axis=2) for x in (k, v))
+    two_queries = V.SDPAProblem(q2, k2, v2, causal="upper_left")
+    assert V.partition(two_queries, tied) == [[t] for t in tied]
+    observed = V.VARIANTS["causal_lower_right"].compute(two_queries).output
+    assert V.variant_fit(observed, two_queries, "causal_lower_right") == 0.0
+    assert V.variant_fit(observed, two_queries, "causal_ignored") > 1.0
+    # where a variant does not apply it predicts the correct output
+    no_flag = V.SDPAProblem(q, k, v)
+    assert not V.VARIANTS["causal_lower_right"].applies(no_flag)
+    assert V.variant_fit(V.reference(no_flag).output, no_flag, "causal_lower_right") <= 1.0
+
+
 def result(prop: str, dtype: str, causes: list | None, outcome: str = "failed", device: str = "cpu") -> dict:
     r = {"property": prop, "level": "sdpa", "dtype": dtype, "device": device, "outcome": outcome,
          "examples": 20, "worst_ratio": None, "seconds": 0.1, "reason": "", "counterexample": None,
