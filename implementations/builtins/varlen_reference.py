@@ -28,7 +28,15 @@ import torch
 
 from implementations.base import Capabilities, Implementation
 
-__all__ = ["attend", "flash_attn_varlen_func", "flash_attn_with_kvcache", "make_implementation"]
+__all__ = [
+    "VARLEN_CAPABILITIES",
+    "KVCacheAttention",
+    "VarlenAttention",
+    "attend",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "make_implementation",
+]
 
 
 def _refuse(**given: Any) -> None:
@@ -72,87 +80,117 @@ def _scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
-    """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev)."""
-    _refuse(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-            alibi_slopes=(alibi_slopes, None), return_attn_probs=(return_attn_probs, False),
-            block_table=(block_table, None))
-    starts_q, starts_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
-    if len(starts_q) != len(starts_k):
-        raise ValueError(f"cu_seqlens_q has {len(starts_q)} entries but cu_seqlens_k {len(starts_k)}")
-    if starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
-        raise ValueError("cu_seqlens must end at the packed lengths total_q and total_k")
-    scale = _scale(softmax_scale, q.shape[-1])
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])              # (T_q, N, Ev)
-    for b in range(len(starts_q) - 1):
-        rows = slice(starts_q[b], starts_q[b + 1])
-        keys = slice(starts_k[b], starts_k[b + 1])
-        out[rows] = attend(q[rows], k[keys], v[keys], scale=scale, causal=causal)
-    return out
+class VarlenAttention:
+    """``flash_attn_varlen_func``: each step is a method (the bug zoo overrides one)."""
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, deterministic=False,
+                 return_attn_probs=False, block_table=None):
+        """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev)."""
+        _refuse(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
+                softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                return_attn_probs=(return_attn_probs, False), block_table=(block_table, None))
+        starts_q, starts_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+        if len(starts_q) != len(starts_k):
+            raise ValueError(f"cu_seqlens_q has {len(starts_q)} entries but cu_seqlens_k {len(starts_k)}")
+        if starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
+            raise ValueError("cu_seqlens must end at the packed lengths total_q and total_k")
+        scale = self.scale(softmax_scale, q.shape[-1])
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])          # (T_q, N, Ev)
+        for b in range(len(starts_q) - 1):
+            rows, keys = self.sequence(starts_q, starts_k, b)
+            out[rows] = attend(q[rows], k[keys], v[keys], scale=scale, causal=causal)
+        return out
+
+    def scale(self, softmax_scale: float | None, head_dim: int) -> float:
+        return _scale(softmax_scale, head_dim)
+
+    def sequence(self, starts_q: list[int], starts_k: list[int], b: int) -> tuple[slice, slice]:
+        """Sequence b's query rows and key rows in the packed tensors."""
+        return slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
 
 
-def _cache_rows(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, length: int) -> torch.Tensor:
-    """Sequence b's first ``length`` logical cache rows (S_b, K, X): a view of a contiguous
-    cache, a gather of pages ``block_table[b, t // page_size]``, slot ``t % page_size``."""
-    if block_table is None:
-        return cache[b, :length]
-    page_size = cache.shape[1]
-    t = torch.arange(length, device=cache.device)
-    pages = block_table[b].long()[t // page_size]
-    return cache[pages, t % page_size]
+class KVCacheAttention:
+    """``flash_attn_with_kvcache``: each step is a method (the bug zoo overrides one)."""
 
-
-def _write(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, start: int, new: torch.Tensor) -> None:
-    """Write ``new`` (S_new, K, X) at logical rows start .. start + S_new - 1 of sequence b, in place."""
-    if block_table is None:
-        cache[b, start:start + new.shape[0]] = new
-        return
-    page_size = cache.shape[1]
-    t = torch.arange(start, start + new.shape[0], device=cache.device)
-    cache[block_table[b].long()[t // page_size], t % page_size] = new
-
-
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
-    """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev)."""
-    _refuse(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-            cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
-            window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-            alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together")
-    B = q.shape[0]
-    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    if cache_seqlens is None:
+    def __call__(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                 return_softmax_lse=False):
+        """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev)."""
+        _refuse(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
+                alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
+        if (k is None) != (v is None):
+            raise ValueError("k and v must be given together")
+        B = q.shape[0]
+        capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        if cache_seqlens is None:
+            if k is not None:
+                raise ValueError("new keys k/v need cache_seqlens (where would they go?)")
+            lengths = [capacity] * B
+        elif isinstance(cache_seqlens, int):
+            lengths = [cache_seqlens] * B
+        else:
+            lengths = [int(x) for x in cache_seqlens]
+        new = 0 if k is None else k.shape[1]
+        if any(n < 0 or n + new > capacity for n in lengths):
+            raise ValueError(f"cache_seqlens {lengths} plus S_new={new} must lie in [0, {capacity}]")
+        scale = _scale(softmax_scale, q.shape[-1])
+        # 1. append the new keys and values at each sequence's length (in place, like FlashAttention)
         if k is not None:
-            raise ValueError("new keys k/v need cache_seqlens (where would they go?)")
-        lengths = [capacity] * B
-    elif isinstance(cache_seqlens, int):
-        lengths = [cache_seqlens] * B
-    else:
-        lengths = [int(x) for x in cache_seqlens]
-    new = 0 if k is None else k.shape[1]
-    if any(n < 0 or n + new > capacity for n in lengths):
-        raise ValueError(f"cache_seqlens {lengths} plus S_new={new} must lie in [0, {capacity}]")
-    scale = _scale(softmax_scale, q.shape[-1])
-    # 1. append the new keys and values at each sequence's length (in place, like FlashAttention)
-    if k is not None:
+            for b in range(B):
+                self.write(k_cache, block_table, b, self.append_at(lengths[b]), k[b])
+                self.write(v_cache, block_table, b, self.append_at(lengths[b]), v[b])
+        # 2. sequence b attends its first cache_seqlens[b] + S_new keys
+        out = q.new_zeros(*q.shape[:3], v_cache.shape[-1])              # (B, L, N, Ev)
         for b in range(B):
-            _write(k_cache, block_table, b, lengths[b], k[b])
-            _write(v_cache, block_table, b, lengths[b], v[b])
-    # 2. sequence b attends its first cache_seqlens[b] + S_new keys
-    out = q.new_zeros(*q.shape[:3], v_cache.shape[-1])                  # (B, L, N, Ev)
-    for b in range(B):
-        keys = _cache_rows(k_cache, block_table, b, lengths[b] + new)   # (S_b, K, E)
-        values = _cache_rows(v_cache, block_table, b, lengths[b] + new)
-        out[b] = attend(q[b], keys, values, scale=scale, causal=causal)
-    return out
+            valid = self.valid_keys(lengths[b], new, capacity)
+            keys = self.rows(k_cache, block_table, b, valid)            # (S_b, K, E)
+            values = self.rows(v_cache, block_table, b, valid)          # (S_b, K, Ev)
+            out[b] = self.attend(q[b], keys, values, scale=scale, causal=causal)
+        return out
+
+    def append_at(self, length: int) -> int:
+        """Where a sequence's new keys go: right after its ``length`` valid ones."""
+        return length
+
+    def valid_keys(self, length: int, new: int, capacity: int) -> int:
+        """How many keys a sequence attends: its valid cache plus the appended ones."""
+        return length + new
+
+    def attend(self, q, keys, values, *, scale: float, causal: bool):
+        return attend(q, keys, values, scale=scale, causal=causal)
+
+    def page_of(self, block_table, b: int, t, page_size: int):
+        """The page holding logical row(s) ``t`` of sequence b."""
+        return block_table[b].long()[t // page_size]
+
+    def rows(self, cache, block_table, b: int, length: int):
+        """Sequence b's first ``length`` logical rows (S_b, K, X): a view of a contiguous
+        cache, or a gather from pages ``block_table[b, t // page_size]``, slot ``t % page_size``."""
+        if block_table is None:
+            return cache[b, :length]
+        page_size = cache.shape[1]
+        t = torch.arange(length, device=cache.device)
+        return cache[self.page_of(block_table, b, t, page_size), t % page_size]
+
+    def write(self, cache, block_table, b: int, start: int, new) -> None:
+        """Write ``new`` (S_new, K, X) at logical rows start .. start + S_new - 1 of sequence b, in place."""
+        if block_table is None:
+            cache[b, start:start + new.shape[0]] = new
+            return
+        page_size = cache.shape[1]
+        t = torch.arange(start, start + new.shape[0], device=cache.device)
+        cache[self.page_of(block_table, b, t, page_size), t % page_size] = new
+
+
+#: The two entry points, FlashAttention's names and signatures.
+flash_attn_varlen_func = VarlenAttention()
+flash_attn_with_kvcache = KVCacheAttention()
 
 
 VARLEN_CAPABILITIES = Capabilities(
@@ -164,14 +202,17 @@ VARLEN_CAPABILITIES = Capabilities(
 )
 
 
-def make_implementation() -> Implementation:
+def make_implementation(*, name: str = "varlen-reference", varlen: Any = None, kvcache: Any = None,
+                        description: str = "") -> Implementation:
+    """The built-in (or, with ``varlen``/``kvcache`` given, one of the bug zoo's variants)."""
     devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
     return Implementation(
-        name="varlen-reference",
+        name=name,
         capabilities=VARLEN_CAPABILITIES.replace(devices=devices),
-        varlen=flash_attn_varlen_func,
-        kvcache=flash_attn_with_kvcache,
+        varlen=varlen or flash_attn_varlen_func,
+        kvcache=kvcache or flash_attn_with_kvcache,
         version=torch.__version__,
-        description="flash_attn_varlen_func and flash_attn_with_kvcache in plain PyTorch, "
+        listed=not name.startswith("mutant:"),
+        description=description or "flash_attn_varlen_func and flash_attn_with_kvcache in plain PyTorch, "
         "written from spec/varlen.py and spec/kvcache.py (implementations/builtins/varlen_reference.py)",
     )
