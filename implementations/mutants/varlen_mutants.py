@@ -125,8 +125,8 @@ VARLEN_MUTANTS = [
         bug="causal decoding lets query i see keys 0..i (top-left) instead of 0..i + S_b - L (bottom-right)",
         origin="real code: PyTorch's is_causal (top-left) used for a decoding step, where the "
                "new queries are the last L of S_b positions (FlashAttention's bottom-right)",
-        smallest_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1, "causal": True},
-        safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1, "causal": False},
+        smallest_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "causal": True},
+        safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "causal": False},
         expected_property="kvcache_agreement",
     ),
     _mutant(
