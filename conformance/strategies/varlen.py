@@ -49,9 +49,6 @@ def _heads(draw: st.DrawFn, caps: Capabilities | None) -> tuple[int, int, int, i
 
 def _causal(draw: st.DrawFn, caps: Capabilities | None, causal: bool | None) -> bool:
     allowed = caps is None or caps.causal == "lower_right"
-    if causal and not allowed:
-        raise InvalidArgument(f"causal={causal!r} but caps.causal={caps.causal!r}; FlashAttention's "
-                              "flag is bottom-right: declare causal='lower_right' or pass causal=None")
     return causal if causal is not None else (allowed and draw(st.booleans()))
 
 
@@ -73,6 +70,9 @@ def varlen_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilit
     one key, N = K = E = Ev = 1."""
     if max_batch < 1 or max_len < 0:
         raise InvalidArgument(f"max_batch={max_batch!r}, max_len={max_len!r}: need max_batch >= 1, max_len >= 0")
+    if causal and caps is not None and caps.causal != "lower_right":
+        raise InvalidArgument(f"causal={causal!r} but caps.causal={caps.causal!r}; FlashAttention's "
+                              "flag is bottom-right: declare causal='lower_right' or pass causal=None")
 
     def draw_example(draw: st.DrawFn) -> VarlenCase:
         B = draw(st.integers(1, max_batch))
