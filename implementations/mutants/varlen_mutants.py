@@ -53,6 +53,15 @@ class AppendAtStart(KVCacheAttention):
         return 0
 
 
+class AppendNotWritten(KVCacheAttention):
+    """Attends the new keys and values but never writes them into the caches."""
+
+    def __call__(self, q, k_cache, v_cache, k=None, v=None, *args, **kwargs):
+        if k is None:
+            return super().__call__(q, k_cache, v_cache, k, v, *args, **kwargs)
+        return super().__call__(q, k_cache.clone(), v_cache.clone(), k, v, *args, **kwargs)
+
+
 class CausalTopLeft(KVCacheAttention):
     """Causal in the cache aligned top-left (query i sees keys 0..i), not bottom-right."""
 
@@ -118,6 +127,15 @@ VARLEN_MUTANTS = [
         origin="hand-written pitfall: the append offset (cache_seqlens) forgotten in the cache write",
         smallest_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 1, "S_cache": 2},
         safe_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 2},
+        expected_property="kvcache_equivalence",
+    ),
+    _mutant(
+        "kvcache_append_not_written", kvcache=AppendNotWritten(),
+        bug="the new keys and values are attended but not written into the caches (the next step misses them)",
+        origin="hand-written pitfall: torch.cat of the cache and the new keys instead of an in-place "
+               "write (FlashAttention's flash_attn_with_kvcache updates k_cache and v_cache in place)",
+        smallest_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 1},
+        safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1},
         expected_property="kvcache_equivalence",
     ),
     _mutant(
