@@ -198,6 +198,7 @@ VARLEN_CAPABILITIES = Capabilities(
     causal="lower_right",
     fully_masked="zero",
     autograd=False,
+    mask_grad=False,
     mask_kinds=frozenset({"none"}),
 )
 

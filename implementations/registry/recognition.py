@@ -272,6 +272,7 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         custom_scale="softmax_scale" in has,
         different_v_dim=False,           # FlashAttention-2 requires Ev == E
         autograd=False,
+        mask_grad=False,
         mask_kinds=frozenset({"none"}),
         kv_paged="block_table" in has,
         kv_append={"k", "v"} <= has,
