@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from implementations.base import ALL_MHA_FEATURES, VARLEN_LEVELS, Capabilities, Implementation
+from implementations.base import (
+    ALL_MHA_FEATURES,
+    VARLEN_LEVELS,
+    Capabilities,
+    Implementation,
+)
 from implementations.registry.resolution import registered
 
 __all__ = ["describe", "listing"]
