@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from conformance.helpers import skip_unless
 from conformance.runner import Target, conformance_property
-from conformance.strategies.varlen import kvcache_cases, varlen_cases
+from conformance.strategies.varlen import (
+    kvcache_cases,
+    kvcache_directed,
+    varlen_cases,
+    varlen_directed,
+)
 from conformance.varlen_calls import (
     KVCacheCase,
     VarlenCase,
@@ -32,8 +37,16 @@ def _kvcache(target: Target, **kwargs: object) -> object:
     return kvcache_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 
+def _varlen_directed(target: Target) -> list[VarlenCase]:
+    return varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)
+
+
+def _kvcache_directed(target: Target, paged: bool = False) -> list[KVCacheCase]:
+    return kvcache_directed(dtype=target.dtype, device=target.device, caps=target.caps, paged=paged)
+
+
 @conformance_property("varlen_agreement", level="varlen", section="spec.varlen_attention",
-                      cases=_varlen)
+                      cases=_varlen, directed=_varlen_directed)
 def test_varlen_agreement(target: Target, case: VarlenCase) -> float:
     """The packed output equals spec.varlen_attention (each sequence its own problem:
     its own L and S, bottom-right causal, empty and one-token sequences included) under
@@ -42,7 +55,7 @@ def test_varlen_agreement(target: Target, case: VarlenCase) -> float:
 
 
 @conformance_property("varlen_equivalence", level="varlen", section="spec.varlen_attention (packing)",
-                      cases=_varlen)
+                      cases=_varlen, directed=_varlen_directed)
 def test_varlen_equivalence(target: Target, case: VarlenCase) -> float:
     """Packing changes nothing: each sequence's rows of the packed output equal the
     implementation's output for that sequence called alone (cu_seqlens [0, L_b], [0,
@@ -61,7 +74,7 @@ def test_varlen_equivalence(target: Target, case: VarlenCase) -> float:
 
 
 @conformance_property("kvcache_agreement", level="kvcache", section="spec.kvcache_attention",
-                      cases=lambda t: _kvcache(t))
+                      cases=lambda t: _kvcache(t), directed=_kvcache_directed)
 def test_kvcache_agreement(target: Target, case: KVCacheCase) -> float:
     """The output with a contiguous cache, cache_seqlens and appended keys equals
     spec.kvcache_attention (sequence b attends its first cache_seqlens[b] + S_new keys,
@@ -70,7 +83,7 @@ def test_kvcache_agreement(target: Target, case: KVCacheCase) -> float:
 
 
 @conformance_property("kvcache_equivalence", level="kvcache", section="spec.kvcache_attention (cache_seqlens)",
-                      cases=lambda t: _kvcache(t))
+                      cases=lambda t: _kvcache(t), directed=_kvcache_directed)
 def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
     """A cache with cache_seqlens is plain attention over its valid prefix: each
     sequence's output equals the implementation's output for that sequence alone with a
@@ -95,7 +108,7 @@ def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
 
 
 @conformance_property("paged_equivalence", level="kvcache", section="spec.kvcache_attention (block_table)",
-                      cases=lambda t: _kvcache(t, paged=True),
+                      cases=lambda t: _kvcache(t, paged=True), directed=lambda t: _kvcache_directed(t, paged=True),
                       requires=lambda t: skip_unless(t.caps.kv_paged, "paged cache (kv_paged) not declared"))
 def test_paged_equivalence(target: Target, case: KVCacheCase) -> float:
     """A paged cache is the contiguous one re-indexed: for any block table (pages

@@ -25,7 +25,7 @@ from conformance.varlen_calls import KVCacheCase, VarlenCase
 from implementations.base import Capabilities
 from spec.emulate import round_to
 
-__all__ = ["kvcache_cases", "varlen_cases"]
+__all__ = ["kvcache_cases", "kvcache_directed", "varlen_cases", "varlen_directed"]
 
 
 def _lengths(draw: st.DrawFn, max_len: int) -> int:
@@ -138,3 +138,60 @@ def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabili
     arguments: dict[str, Any] = {"dtype": dtype, "device": device, "caps": caps, "paged": paged, "append": append,
                                      "max_batch": max_batch, "max_query": max_query, "max_cache": max_cache}
     return named_strategy(kvcache_cases, arguments, draw_example)
+
+
+# -- directed examples: the smallest case of each bug class, run before the search --------
+
+
+def _seeded(seed: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return round_to(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
+                    caps: Capabilities | None = None) -> list[VarlenCase]:
+    """A query whose neighbour's first key sits right after its own (B = 2, the second
+    sequence with no query), empty and one-token sequences side by side, and (where
+    declared) causal with L > S and with L < S in one packed batch."""
+    N, K, E = (2, 1, 2) if caps is None or caps.gqa else (1, 1, 2)
+    Ev = 3 if caps is None or caps.different_v_dim else E
+    causal_ok = caps is None or caps.causal == "lower_right"
+    layouts = [([(1, 1), (0, 1)], False), ([(0, 2), (1, 0), (1, 1), (2, 3)], False)]
+    if causal_ok:
+        layouts.append(([(3, 1), (1, 3), (2, 2)], True))
+    cases = []
+    for i, (lengths, causal) in enumerate(layouts):
+        T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+        cases.append(VarlenCase(
+            _seeded(3 * i, (T_q, N, E), dtype), _seeded(3 * i + 1, (T_k, K, E), dtype),
+            _seeded(3 * i + 2, (T_k, K, Ev), dtype),
+            cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
+            cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
+            causal=causal, dtype=dtype, device=device))
+    return cases
+
+
+def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                     paged: bool = False) -> list[KVCacheCase]:
+    """An empty cache with a stale row after it, an append into a cache with room past it
+    (where declared), causal decoding of L = 2 against S_b = 3 (where declared); paged:
+    page size 2 (not dividing the valid length 3) with the pages in reverse order and a
+    spare page."""
+    N, K, E, Ev = 2, 1, 2, 2
+    if caps is not None and not caps.gqa:
+        N = 1
+    append = caps is None or caps.kv_append
+    causal = caps is None or caps.causal == "lower_right"
+    specs = [((0, 2), 0, 4, 1, False), ((1, 0), 1 if append else 0, 4, 1, False)]
+    if causal:
+        specs.append(((3, 2), 0, 4, 2, True))
+    cases = []
+    for i, (seqlens, new, capacity, L, is_causal) in enumerate(specs):
+        B = len(seqlens)
+        order = tuple(reversed(range(B * capacity // 2 + 1))) if paged else None
+        cases.append(KVCacheCase(
+            _seeded(5 * i, (B, L, N, E), dtype), _seeded(5 * i + 1, (B, capacity, K, E), dtype),
+            _seeded(5 * i + 2, (B, capacity, K, Ev), dtype), cache_seqlens=seqlens,
+            k_new=_seeded(5 * i + 3, (B, new, K, E), dtype) if new else None,
+            v_new=_seeded(5 * i + 4, (B, new, K, Ev), dtype) if new else None,
+            causal=is_causal, page_size=2 if paged else None, page_order=order, dtype=dtype, device=device))
+    return cases
