@@ -342,7 +342,8 @@ class KVCacheCall:
 
 def _pages(case: KVCacheCase, cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The logical cache (B, S_cache, K, X) as pages (num_pages, page_size, K, X) and the
-    block table (B, max_pages); spare pages hold garbage drawn from the case's contents."""
+    block table (B, max_pages); spare pages hold integers up to ±30 (exact in every dtype),
+    seeded by the page count and size, so a read from one shows."""
     B, S_cache, K, X = cache.shape
     size = case.page_size
     max_pages = S_cache // size

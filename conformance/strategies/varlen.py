@@ -28,14 +28,12 @@ from spec.emulate import round_to
 __all__ = ["kvcache_cases", "kvcache_directed", "varlen_cases", "varlen_directed"]
 
 
-def _lengths(draw: st.DrawFn, max_len: int) -> int:
-    """A sequence length: 1, 0 (empty), or anything up to ``max_len``; shrinks to 1."""
-    return weighted(draw, [(1, 3), (0, 2), (None, 6)]) if max_len else 0
-
-
 def _length(draw: st.DrawFn, max_len: int) -> int:
-    picked = _lengths(draw, max_len)
-    return draw(st.integers(0, max_len)) if picked is None else min(picked, max_len)
+    """A sequence length: 1 (one token), 0 (empty), or anything up to ``max_len``; shrinks to 1."""
+    if not max_len:
+        return 0
+    picked = weighted(draw, [(1, 3), (0, 2), (None, 6)])
+    return draw(st.integers(0, max_len)) if picked is None else picked
 
 
 def _heads(draw: st.DrawFn, caps: Capabilities | None) -> tuple[int, int, int, int]:
