@@ -25,6 +25,7 @@ import numpy as np
 
 from implementations.base import (
     ALL_DTYPES,
+    VARLEN_LEVELS,
     Capabilities,
     ExpectedFailure,
     Implementation,
@@ -51,9 +52,11 @@ CALL_CLOCK = struct.Struct("<d")
 
 def _case_classes() -> dict[str, type]:
     from conformance.cases import MHACase, SDPACase
+    from conformance.varlen_calls import KVCacheCase, VarlenCase
     from spec import MHAParams
 
-    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams}
+    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams,
+            "VarlenCase": VarlenCase, "KVCacheCase": KVCacheCase}
 
 
 def _json_default(value: Any) -> Any:
@@ -202,6 +205,7 @@ def describe_implementation(impl: Implementation) -> dict[str, Any]:
         "listed": impl.listed,
         "sdpa": impl.sdpa is not None,
         "mha": impl.mha is not None,
+        **{level: getattr(impl, level) is not None for level in VARLEN_LEVELS},
         "capabilities": _caps_to_json(impl.capabilities),
         "mha_capabilities": None if impl.mha_capabilities is None else _caps_to_json(impl.mha_capabilities),
         "expected_failures": [dataclasses.asdict(e) | {"match": dict(e.match)} for e in impl.expected_failures],
@@ -209,7 +213,7 @@ def describe_implementation(impl: Implementation) -> dict[str, Any]:
         "skip_reasons": {
             _skip_key(level, device, dtype): impl.not_supported_reasons(
                 {"level": level, "device": device, "dtype": dtype})
-            for level in ("sdpa", "mha") for device in ("cpu", "cuda") for dtype in ALL_DTYPES
+            for level in ("sdpa", "mha", *VARLEN_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
         },
     }
 
@@ -250,6 +254,7 @@ class IsolatedImplementation(Implementation):
             sdpa=_OnlyInTheWorker("sdpa") if data["sdpa"] else None,
             mha=_OnlyInTheWorker("mha") if data["mha"] else None,
             load_weights=_OnlyInTheWorker("load_weights") if data["mha"] else None,
+            **{level: _OnlyInTheWorker(level) if data.get(level) else None for level in VARLEN_LEVELS},
             mha_capabilities=None if data["mha_capabilities"] is None else _caps_from_json(data["mha_capabilities"]),
             version=data["version"],
             description=data["description"],

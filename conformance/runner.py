@@ -112,7 +112,7 @@ class Target:
 
 @dataclass(frozen=True)
 class PropertyInfo:
-    """A registered property: its id, level ("sdpa" or "mha"), the spec section
+    """A registered property: its id, level ("sdpa", "mha", "varlen", "kvcache"), the spec section
     it checks (``spec.<name> (...)``), its docstring, its share of the
     profile's examples, and its case sources: ``cases(target)`` (the Hypothesis
     strategy) and ``directed(target)`` (the explicit cases run first)."""

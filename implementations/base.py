@@ -15,6 +15,17 @@ An :class:`Implementation` exposes attention at one or both of two levels:
   module with the constructor options and ``forward`` of
   ``torch.nn.MultiheadAttention`` (bool masks there are **True = blocked**), plus
   ``load_weights(module, params)`` copying a ``spec.mha.MHAParams`` into it.
+* **Varlen level** — ``varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, ...)`` with
+  FlashAttention's ``flash_attn_varlen_func`` convention: q ``(total_q, N, E)``, k
+  ``(total_k, K, E)``, v ``(total_k, K, Ev)``, int32 cumulative lengths ``(B + 1,)``;
+  ``causal`` is bottom-right per sequence. Returns ``(total_q, N, Ev)`` (``spec.varlen``).
+* **KV-cache level** — ``kvcache(q, k_cache, v_cache, k=None, v=None, ...,
+  cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, ...)`` with
+  ``flash_attn_with_kvcache``'s convention: q ``(B, L, N, E)``, caches ``(B, S_cache, K,
+  E|Ev)`` or pages ``(num_pages, page_size, K, E|Ev)`` with ``block_table (B,
+  max_pages)``; new k/v are written into the caches in place. Returns ``(B, L, N, Ev)``
+  (``spec.kvcache``).
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim, D model dim.
@@ -39,6 +50,7 @@ __all__ = [
     "FULLY_MASKED_KINDS",
     "FULLY_MASKED_POLICIES",
     "MATCH_COMPARISONS",
+    "VARLEN_LEVELS",
     "Capabilities",
     "ExpectedFailure",
     "Implementation",
@@ -98,6 +110,11 @@ def check_mha_feature_names(names: Any, where: str = "mha_features") -> None:
         )
 
 
+# -- varlen / kv-cache levels (FlashAttention's packed and decoding entry points) --
+#: The levels whose callable is an ``Implementation`` field of the same name.
+VARLEN_LEVELS = ("varlen", "kvcache")
+
+
 class ImplementationError(ValueError):
     """An implementation is misdeclared or cannot be resolved/loaded."""
 
@@ -148,6 +165,9 @@ class Capabilities:
     #: other ranks (masks (L, S), (N, L, S), ...) to 4-D and the output back.
     batch_dims: int | None = None
     mha_features: frozenset[str] = ALL_MHA_FEATURES
+    # -- kv-cache level features (``conformance/test_varlen.py`` consumes them) --
+    kv_paged: bool = True            # block_table= (paged cache) honoured: paged_equivalence
+    kv_append: bool = True           # new k=/v= written at cache_seqlens: kvcache_equivalence
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -309,6 +329,9 @@ class Implementation:
     mha: MHAFactory | None = None
     load_weights: WeightLoader | None = None
     mha_capabilities: Capabilities | None = None  # defaults to ``capabilities``
+    # -- varlen / kv-cache levels (see the module docstring) --
+    varlen: Callable[..., Any] | None = None
+    kvcache: Callable[..., Any] | None = None
     version: str = "0"
     description: str = ""
     #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
@@ -320,10 +343,11 @@ class Implementation:
     listed: bool = True
 
     def __post_init__(self) -> None:
-        if self.unavailable_reason is None and self.sdpa is None and self.mha is None:
+        if self.unavailable_reason is None and all(
+                fn is None for fn in (self.sdpa, self.mha, self.varlen, self.kvcache)):
             raise ImplementationError(
-                f"Implementation(name={self.name!r}) exposes neither sdpa= nor mha=; "
-                "give at least one callable"
+                f"Implementation(name={self.name!r}) exposes none of sdpa=, mha=, varlen=, "
+                "kvcache=; give at least one callable"
             )
         if self.mha is not None and self.load_weights is None:
             raise ImplementationError(
@@ -358,6 +382,8 @@ class Implementation:
             return [f"{self.name} has no SDPA-level callable"]
         if level == "mha" and self.mha is None:
             return [f"{self.name} has no MHA-level module"]
+        if level in VARLEN_LEVELS and getattr(self, level) is None:
+            return [f"{self.name} has no {level}-level callable"]
         c = self.caps(level)
         if "device" in case and case["device"] not in c.devices:
             reasons.append(f"device={case['device']!r} not in declared devices {c.devices}")
@@ -399,6 +425,9 @@ class Implementation:
             v = case.get(dim)
             if v is not None and c.max_seq_len is not None and v > c.max_seq_len:
                 reasons.append(f"{dim}={v} > max_seq_len={c.max_seq_len}")
+        for feature in ("kv_paged", "kv_append"):
+            if case.get(feature) and not getattr(c, feature):
+                reasons.append(f"{feature} not supported")
         missing = set(case.get("mha_features", ())) - set(c.mha_features)
         if level == "mha" and missing:
             reasons.append(f"MHA features not supported: {sorted(missing)}")

@@ -14,6 +14,9 @@ Modules, one job each:
   (``value_regimes``, ``scales``, ``layouts``);
 * :mod:`.sdpa`: whole SDPA cases (``sdpa_cases``);
 * :mod:`.mha`: whole MHA cases (``mha_cases``);
+* :mod:`.varlen`: packed variable-length batches and KV-cache decoding steps
+  (``varlen_cases``, ``kvcache_cases``; imported from there, not re-exported here:
+  their case types live in ``conformance.varlen_calls``);
 * ``_validation`` / ``_drawing``: argument checks, weighted draws, seeds, reprs.
 
 How the strategies draw:

@@ -26,4 +26,6 @@ BUILTINS: dict[str, str] = {
     "flex": "implementations.builtins.flex:make_implementation",
     "triton": "implementations.builtins.triton_attention:make_implementation",
     "jax": "implementations.builtins.jax_attention:make_implementation",
+    # varlen / kv-cache levels
+    "varlen-reference": "implementations.builtins.varlen_reference:make_implementation",
 }

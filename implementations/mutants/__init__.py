@@ -17,7 +17,8 @@ Modules: :mod:`.sdpa_mutants`, :mod:`.tiled_mutants`, :mod:`.mha_mutants`,
 :mod:`.property_mutants` (one mutant for each property no other mutant names, so
 every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
 modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
-(bugs that live at one (L, S) size).
+(bugs that live at one (L, S) size); :mod:`.varlen_mutants` (packed-sequence and
+KV-cache bugs, at the varlen and kvcache levels).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
 from implementations.mutants.size_mutants import SIZE_MUTANTS
 from implementations.mutants.tiled_mutants import TILED_MUTANTS
 from implementations.mutants.triton_mutants import TRITON_MUTANTS
+from implementations.mutants.varlen_mutants import VARLEN_MUTANTS
 
 __all__ = ["MUTANTS", "Mutant"]
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
-              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS)
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *VARLEN_MUTANTS)
 }

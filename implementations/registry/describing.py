@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from implementations.base import ALL_MHA_FEATURES, Capabilities, Implementation
+from implementations.base import (
+    ALL_MHA_FEATURES,
+    VARLEN_LEVELS,
+    Capabilities,
+    Implementation,
+)
 from implementations.registry.resolution import registered
 
 __all__ = ["describe", "listing"]
@@ -66,6 +71,11 @@ def describe(impl: Implementation) -> str:
         lines.append(f"  SDPA level: {_caps_line(impl.caps('sdpa'), 'sdpa')}")
     if impl.mha is not None:
         lines.append(f"  MHA level: {_caps_line(impl.caps('mha'), 'mha')}")
+    for level in VARLEN_LEVELS:  # varlen / kvcache
+        if getattr(impl, level) is not None:
+            c = impl.caps(level)
+            lines.append(f"  {level} level: {_caps_line(c, 'sdpa')} kv_paged={_yes(c.kv_paged)} "
+                         f"kv_append={_yes(c.kv_append)}")
     for entry in impl.expected_failures:
         match = f" {dict(entry.match)}" if entry.match else ""
         ref = f" [{entry.reference}]" if entry.reference else ""
@@ -76,7 +86,7 @@ def describe(impl: Implementation) -> str:
 
 
 def _listing_row(name: str, impl: Implementation) -> tuple[str, ...]:
-    levels = "+".join(lvl for lvl, fn in (("sdpa", impl.sdpa), ("mha", impl.mha)) if fn is not None)
+    levels = "+".join(lvl for lvl in ("sdpa", "mha", *VARLEN_LEVELS) if getattr(impl, lvl) is not None)
     c = impl.caps("sdpa" if impl.sdpa is not None else "mha")
     return (
         name, _yes(impl.available), levels or "-", ",".join(c.devices),

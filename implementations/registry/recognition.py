@@ -7,12 +7,16 @@ Accepted, in this order:
 * a function with the signature of ``torch.nn.functional.scaled_dot_product_attention``
   (``query, key, value`` first; ``attn_mask, dropout_p, is_causal, scale, enable_gqa``
   optional, a missing one meaning that feature is unsupported);
+* FlashAttention's ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+  max_seqlen_q, max_seqlen_k, ...)`` (varlen level) or ``flash_attn_with_kvcache(q,
+  k_cache, v_cache, ...)`` (kvcache level), called as is, capabilities read from the
+  signature;
 * a class that is a drop-in for ``torch.nn.MultiheadAttention`` (constructor
   ``embed_dim, num_heads, ...`` and ``forward(query, key, value, key_padding_mask,
   need_weights, attn_mask, average_attn_weights, is_causal)``; weights are loaded by
   nn.MultiheadAttention's parameter names).
 
-For the last two the capabilities are probed (:mod:`.probing`); the adapters here
+For SDPA functions and MHA classes the capabilities are probed (:mod:`.probing`); the adapters here
 (:class:`_SDPAAdapter`, :class:`_MHAFactory`) fill in a missing optional parameter
 while it keeps its default and refuse it otherwise.
 """
@@ -23,7 +27,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
-from implementations.base import Implementation, ImplementationError
+from implementations.base import Capabilities, Implementation, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.probing import (
@@ -35,9 +39,11 @@ from implementations.registry.probing import (
 
 __all__ = [
     "ACCEPTED_OBJECTS",
+    "KVCACHE_PARAMETERS",
     "MHA_FORWARD_PARAMETERS",
     "MHA_INIT_PARAMETERS",
     "SDPA_PARAMETERS",
+    "VARLEN_PARAMETERS",
     "recognise",
 ]
 
@@ -50,11 +56,14 @@ MHA_FORWARD_PARAMETERS = (
     "query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
     "average_attn_weights", "is_causal",
 )
+# -- varlen / kv-cache levels: FlashAttention's entry points, recognised by signature --
+VARLEN_PARAMETERS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+KVCACHE_PARAMETERS = ("q", "k_cache", "v_cache")
 #: What an object found by ``--impl`` may be, for error messages.
 ACCEPTED_OBJECTS = (
     "an Implementation (or a zero-argument callable returning one), a function "
     "with torch.nn.functional.scaled_dot_product_attention's signature, or a drop-in class for "
-    "torch.nn.MultiheadAttention"
+    "torch.nn.MultiheadAttention (or FlashAttention's flash_attn_varlen_func / flash_attn_with_kvcache)"
 )
 
 
@@ -73,6 +82,9 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         )
     parameters = _parameters(obj, origin)
     names = [p.name for p in parameters]
+    varlen_level = _varlen_level(names)
+    if varlen_level is not None:
+        return _recognise_varlen(obj, varlen_level, names, name=name, origin=origin)
     if names[:3] == ["query", "key", "value"]:
         return _recognise_sdpa(obj, parameters, name=name, origin=origin, timeout=timeout)
     required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -233,3 +245,39 @@ class _MHAFactory:
         if ("device" not in self.accepted and device is not None) or ("dtype" not in self.accepted and dtype is not None):
             module = module.to(device=device, dtype=dtype)
         return module
+
+
+# --------------------------------------------------------------------------- varlen / kv-cache
+
+
+def _varlen_level(names: list[str]) -> str | None:
+    """``"varlen"`` for flash_attn_varlen_func's signature, ``"kvcache"`` for
+    flash_attn_with_kvcache's, else None."""
+    if tuple(names[:7]) == VARLEN_PARAMETERS:
+        return "varlen"
+    if tuple(names[:3]) == KVCACHE_PARAMETERS:
+        return "kvcache"
+    return None
+
+
+def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, name: str,
+                      origin: str) -> Implementation:
+    """A FlashAttention-signature function, called as is; its capabilities are read from the
+    signature (a missing ``causal``, ``softmax_scale``, ``k``/``v`` or ``block_table``
+    parameter: that feature is not claimed), not probed: ``--impl-option`` overrides them
+    (FlashAttention itself: ``--device cuda --impl-option dtypes=float16,bfloat16``)."""
+    has = set(names)
+    caps = Capabilities(
+        causal="lower_right" if "causal" in has else None,
+        custom_scale="softmax_scale" in has,
+        different_v_dim=False,           # FlashAttention-2 requires Ev == E
+        autograd=False,
+        mask_grad=False,
+        mask_kinds=frozenset({"none"}),
+        kv_paged="block_table" in has,
+        kv_append={"k", "v"} <= has,
+        probe_notes=(f"{level}: capabilities read from the signature, not probed",),
+    )
+    return Implementation(name=name, capabilities=caps, version=_version_of(fn),
+                          description=f"{level}-level function {origin} (FlashAttention's signature)",
+                          **{level: fn})

@@ -40,7 +40,7 @@ IMPLS = [registry.resolve(name) for name in ("spec", "sdpa-flash", "torch-mha")]
 
 
 def _targets(impl: Implementation, level: str):
-    if (impl.sdpa if level == "sdpa" else impl.mha) is None:
+    if getattr(impl, level) is None:  # sdpa, mha, varlen, kvcache
         return []
     return [Target(impl, level, dtype, "cpu") for dtype in impl.caps(level).dtypes]
 

@@ -12,6 +12,7 @@ from implementations.base import Capabilities, Implementation, ImplementationErr
 EXPECTED_BUILTINS = {
     "spec", "handwritten", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-flash-cuda",
     "sdpa-efficient", "sdpa-cudnn", "torch-mha", "flex", "triton", "jax",
+    "varlen-reference",
 }
 
 SDPA_SOURCE = textwrap.dedent(

@@ -1,0 +1,195 @@
+"""Packed variable-length batches and KV-cache decoding steps (``varlen_cases``, ``kvcache_cases``).
+
+Structure (sequence lengths, heads, head dims, causal, scale, page size, page order) is
+drawn by Hypothesis and shrinks toward the simplest case: one sequence of length 1, N =
+K = 1, E = Ev = 1, no causal flag, default scale, contiguous pages in order. Lengths are
+drawn with extra weight on 0 and 1 (an empty sequence, a single token), and page sizes
+both dividing and not dividing the lengths. Array values come from one drawn seed (the
+seed shrinks to 0), drawn in float64 and rounded through the dtype (``round_to``).
+
+With ``caps`` given, only cases inside the claims are drawn: GQA only with ``gqa``,
+Ev != E only with ``different_v_dim``, causal only when the flag means FlashAttention's
+bottom-right alignment, appended keys only with ``kv_append``, pages only with ``kv_paged``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from conformance.strategies._drawing import draw_seed, named_strategy, weighted
+from conformance.varlen_calls import KVCacheCase, VarlenCase
+from implementations.base import Capabilities
+from spec.emulate import round_to
+
+__all__ = ["kvcache_cases", "kvcache_directed", "varlen_cases", "varlen_directed"]
+
+
+def _length(draw: st.DrawFn, max_len: int) -> int:
+    """A sequence length: 1 (one token), 0 (empty), or anything up to ``max_len``; shrinks to 1."""
+    if not max_len:
+        return 0
+    picked = weighted(draw, [(1, 3), (0, 2), (None, 6)])
+    return draw(st.integers(0, max_len)) if picked is None else picked
+
+
+def _heads(draw: st.DrawFn, caps: Capabilities | None) -> tuple[int, int, int, int]:
+    """(N, K, E, Ev) within the claims."""
+    K = draw(st.integers(1, 2))
+    group = draw(st.integers(1, 3)) if caps is None or caps.gqa else 1
+    E = draw(st.sampled_from((1, 2, 3, 4, 8)))
+    Ev = E if caps is not None and not caps.different_v_dim else draw(st.sampled_from((E, 1, 2, 5)))
+    return K * group, K, E, Ev
+
+
+def _causal(draw: st.DrawFn, caps: Capabilities | None, causal: bool | None) -> bool:
+    allowed = caps is None or caps.causal == "lower_right"
+    return causal if causal is not None else (allowed and draw(st.booleans()))
+
+
+def _scale(draw: st.DrawFn, caps: Capabilities | None, dtype: str) -> float | None:
+    if caps is not None and not caps.custom_scale:
+        return None
+    kind = weighted(draw, [("default", 3), ("drawn", 1)])
+    return None if kind == "default" else float(round_to(draw(st.sampled_from((0.5, 0.125, 1.0, -0.5))), dtype))
+
+
+def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return round_to(rng.standard_normal(shape), dtype)
+
+
+def varlen_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                 causal: bool | None = None, max_batch: int = 4, max_len: int = 7) -> st.SearchStrategy[VarlenCase]:
+    """Packed batches of ``1..max_batch`` sequences, each with ``0..max_len`` queries and keys
+    (``causal=None``: drawn where declared). Shrinks toward one sequence of one query and
+    one key, N = K = E = Ev = 1."""
+    if max_batch < 1 or max_len < 0:
+        raise InvalidArgument(f"max_batch={max_batch!r}, max_len={max_len!r}: need max_batch >= 1, max_len >= 0")
+    if causal and caps is not None and caps.causal != "lower_right":
+        raise InvalidArgument(f"causal={causal!r} but caps.causal={caps.causal!r}; FlashAttention's "
+                              "flag is bottom-right: declare causal='lower_right' or pass causal=None")
+
+    def draw_example(draw: st.DrawFn) -> VarlenCase:
+        B = draw(st.integers(1, max_batch))
+        lengths = []
+        for _ in range(B):
+            L = _length(draw, max_len)
+            S = L if draw(st.booleans()) else _length(draw, max_len)   # self-attention often
+            lengths.append((L, S))
+        N, K, E, Ev = _heads(draw, caps)
+        is_causal = _causal(draw, caps, causal)
+        scale = _scale(draw, caps, dtype)
+        rng = draw_seed(draw)
+        T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+        return VarlenCase(
+            _values(rng, (T_q, N, E), dtype), _values(rng, (T_k, K, E), dtype), _values(rng, (T_k, K, Ev), dtype),
+            cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
+            cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
+            causal=is_causal, scale=scale, dtype=dtype, device=device)
+
+    return named_strategy(varlen_cases, {"dtype": dtype, "device": device, "caps": caps, "causal": causal,
+                                             "max_batch": max_batch, "max_len": max_len}, draw_example)
+
+
+def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                  paged: bool = False, append: bool | None = None, max_batch: int = 3,
+                  max_query: int = 3, max_cache: int = 9) -> st.SearchStrategy[KVCacheCase]:
+    """Decoding steps: B in ``1..max_batch`` sequences of ``1..max_query`` queries against
+    caches of ``cache_seqlens[b]`` valid rows (0 included) and room to spare (so reading
+    past the valid rows shows); ``append`` (None: drawn where declared) adds 1..2 new keys.
+    ``paged``: the case carries a page size (1..4, dividing the valid lengths or not) and
+    a page order (a permutation, spare pages included). Shrinks toward B = L = 1, an empty
+    cache, no append, pages in order."""
+    can_append = caps is None or caps.kv_append
+    if append and not can_append:
+        raise InvalidArgument("append=True but caps.kv_append is False; pass append=None or False")
+    if paged and caps is not None and not caps.kv_paged:
+        raise InvalidArgument("paged=True but caps.kv_paged is False; check paged layouts only where declared")
+
+    def draw_example(draw: st.DrawFn) -> KVCacheCase:
+        B = draw(st.integers(1, max_batch))
+        L = draw(st.integers(1, max_query))
+        N, K, E, Ev = _heads(draw, caps)
+        new = draw(st.integers(0, 2)) if (append is None and can_append) else (draw(st.integers(1, 2)) if append else 0)
+        seqlens = tuple(_length(draw, max_cache - new) for _ in range(B))
+        capacity = max(seqlens) + new + draw(st.integers(0, 3))           # room past the valid rows
+        page_size = order = None
+        if paged:
+            page_size = draw(st.integers(1, 4))
+            max_pages = max(1, -(-capacity // page_size))
+            capacity = max_pages * page_size
+            spare = draw(st.integers(0, 2))
+            order = tuple(draw(st.permutations(range(B * max_pages + spare))))
+        is_causal = _causal(draw, caps, None)
+        scale = _scale(draw, caps, dtype)
+        rng = draw_seed(draw)
+        k_new = _values(rng, (B, new, K, E), dtype) if new else None
+        v_new = _values(rng, (B, new, K, Ev), dtype) if new else None
+        return KVCacheCase(
+            _values(rng, (B, L, N, E), dtype), _values(rng, (B, capacity, K, E), dtype),
+            _values(rng, (B, capacity, K, Ev), dtype), cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
+            causal=is_causal, scale=scale, page_size=page_size, page_order=order, dtype=dtype, device=device)
+
+    arguments: dict[str, Any] = {"dtype": dtype, "device": device, "caps": caps, "paged": paged, "append": append,
+                                     "max_batch": max_batch, "max_query": max_query, "max_cache": max_cache}
+    return named_strategy(kvcache_cases, arguments, draw_example)
+
+
+# -- directed examples: the smallest case of each bug class, run before the search --------
+
+
+def _seeded(seed: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return round_to(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
+                    caps: Capabilities | None = None) -> list[VarlenCase]:
+    """A query whose neighbour's first key sits right after its own (B = 2, the second
+    sequence with no query), empty and one-token sequences side by side, and (where
+    declared) causal with L > S and with L < S in one packed batch."""
+    N, K, E = (2, 1, 2) if caps is None or caps.gqa else (1, 1, 2)
+    Ev = 3 if caps is None or caps.different_v_dim else E
+    causal_ok = caps is None or caps.causal == "lower_right"
+    layouts = [([(1, 1), (0, 1)], False), ([(0, 2), (1, 0), (1, 1), (2, 3)], False)]
+    if causal_ok:
+        layouts.append(([(3, 1), (1, 3), (2, 2)], True))
+    cases = []
+    for i, (lengths, causal) in enumerate(layouts):
+        T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+        cases.append(VarlenCase(
+            _seeded(3 * i, (T_q, N, E), dtype), _seeded(3 * i + 1, (T_k, K, E), dtype),
+            _seeded(3 * i + 2, (T_k, K, Ev), dtype),
+            cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
+            cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
+            causal=causal, dtype=dtype, device=device))
+    return cases
+
+
+def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                     paged: bool = False) -> list[KVCacheCase]:
+    """An empty cache with a stale row after it, an append into a cache with room past it
+    (where declared), causal decoding of L = 2 against S_b = 3 (where declared); paged:
+    page size 2 (not dividing the valid length 3) with the pages in reverse order and a
+    spare page."""
+    N, K, E, Ev = 2, 1, 2, 2
+    if caps is not None and not caps.gqa:
+        N = 1
+    append = caps is None or caps.kv_append
+    causal = caps is None or caps.causal == "lower_right"
+    specs = [((0, 2), 0, 4, 1, False), ((1, 0), 1 if append else 0, 4, 1, False)]
+    if causal:
+        specs.append(((3, 2), 0, 4, 2, True))
+    cases = []
+    for i, (seqlens, new, capacity, L, is_causal) in enumerate(specs):
+        B = len(seqlens)
+        order = tuple(reversed(range(B * capacity // 2 + 1))) if paged else None
+        cases.append(KVCacheCase(
+            _seeded(5 * i, (B, L, N, E), dtype), _seeded(5 * i + 1, (B, capacity, K, E), dtype),
+            _seeded(5 * i + 2, (B, capacity, K, Ev), dtype), cache_seqlens=seqlens,
+            k_new=_seeded(5 * i + 3, (B, new, K, E), dtype) if new else None,
+            v_new=_seeded(5 * i + 4, (B, new, K, Ev), dtype) if new else None,
+            causal=is_causal, page_size=2 if paged else None, page_order=order, dtype=dtype, device=device))
+    return cases

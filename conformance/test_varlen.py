@@ -1,0 +1,125 @@
+"""Packed variable-length attention and KV-cache decoding (spec.varlen, spec.kvcache).
+
+The varlen level is FlashAttention's ``flash_attn_varlen_func``; the kvcache level its
+``flash_attn_with_kvcache`` (``implementations.base``). How a case is called and bounded
+is in ``conformance.varlen_calls``; the cases come from ``conformance.strategies.varlen``.
+"""
+
+from __future__ import annotations
+
+from conformance.helpers import skip_unless
+from conformance.runner import Target, conformance_property
+from conformance.strategies.varlen import (
+    kvcache_cases,
+    kvcache_directed,
+    varlen_cases,
+    varlen_directed,
+)
+from conformance.varlen_calls import (
+    KVCacheCase,
+    VarlenCase,
+    assert_same_cache,
+    check_kvcache_against_oracle,
+    check_varlen_against_oracle,
+    compare_pair,
+    kvcache_bounds,
+    run_kvcache,
+    run_varlen,
+    varlen_bounds,
+)
+
+
+def _varlen(target: Target) -> object:
+    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps)
+
+
+def _kvcache(target: Target, **kwargs: object) -> object:
+    return kvcache_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+
+
+def _varlen_directed(target: Target) -> list[VarlenCase]:
+    return varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)
+
+
+def _kvcache_directed(target: Target, paged: bool = False) -> list[KVCacheCase]:
+    return kvcache_directed(dtype=target.dtype, device=target.device, caps=target.caps, paged=paged)
+
+
+@conformance_property("varlen_agreement", level="varlen", section="spec.varlen_attention",
+                      cases=_varlen, directed=_varlen_directed)
+def test_varlen_agreement(target: Target, case: VarlenCase) -> float:
+    """The packed output equals spec.varlen_attention (each sequence its own problem:
+    its own L and S, bottom-right causal, empty and one-token sequences included) under
+    the tolerance rule applied sequence by sequence."""
+    return check_varlen_against_oracle(target, case, run_varlen(target, case))
+
+
+@conformance_property("varlen_equivalence", level="varlen", section="spec.varlen_attention (packing)",
+                      cases=_varlen, directed=_varlen_directed)
+def test_varlen_equivalence(target: Target, case: VarlenCase) -> float:
+    """Packing changes nothing: each sequence's rows of the packed output equal the
+    implementation's output for that sequence called alone (cu_seqlens [0, L_b], [0,
+    S_b]); a query that reads a neighbour's keys differs from its call alone. Each call
+    is within the tolerance rule of the oracle, so they may differ by twice it."""
+    packed = run_varlen(target, case)
+    _, allowed, live = varlen_bounds(target, case)
+    worst = 0.0
+    for b, (rows, _) in enumerate(case.sequences()):
+        if rows.stop == rows.start:
+            continue
+        alone = run_varlen(target, case.alone(b))
+        worst = max(worst, compare_pair(target, f"sequence {b} packed vs alone", packed[rows], alone,
+                                        allowed[rows], live[rows]))
+    return worst
+
+
+@conformance_property("kvcache_agreement", level="kvcache", section="spec.kvcache_attention",
+                      cases=lambda t: _kvcache(t), directed=_kvcache_directed)
+def test_kvcache_agreement(target: Target, case: KVCacheCase) -> float:
+    """The output with a contiguous cache, cache_seqlens and appended keys equals
+    spec.kvcache_attention (sequence b attends its first cache_seqlens[b] + S_new keys,
+    bottom-right causal at that length) under the tolerance rule."""
+    return check_kvcache_against_oracle(target, case, run_kvcache(target, case).output)
+
+
+@conformance_property("kvcache_equivalence", level="kvcache", section="spec.kvcache_attention (cache_seqlens)",
+                      cases=lambda t: _kvcache(t), directed=_kvcache_directed)
+def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
+    """A cache with cache_seqlens is plain attention over its valid prefix: each
+    sequence's output equals the implementation's output for that sequence alone with a
+    cache of exactly its cache_seqlens[b] + S_new valid rows (no cache_seqlens, nothing
+    appended), and the appended keys and values land at rows cache_seqlens[b] ..
+    cache_seqlens[b] + S_new - 1 of the cache (written in place, exactly)."""
+    call = run_kvcache(target, case)
+    ref = case.oracle()
+    valid = case.valid_lengths()
+    assert_same_cache("k_cache after the call", call.k_cache, ref.k_cache, valid)
+    assert_same_cache("v_cache after the call", call.v_cache, ref.v_cache, valid)
+    _, allowed, live = kvcache_bounds(target, case)
+    worst = 0.0
+    for b, S_b in enumerate(valid):
+        prefix = case.replace(query=case.query[b:b + 1], k_cache=ref.k_cache[b:b + 1, :S_b],
+                              v_cache=ref.v_cache[b:b + 1, :S_b], cache_seqlens=(S_b,),
+                              k_new=None, v_new=None, page_size=None, page_order=None)
+        alone = run_kvcache(target, prefix).output
+        worst = max(worst, compare_pair(target, f"sequence {b} with cache_seqlens vs its valid prefix alone",
+                                        call.output[b:b + 1], alone, allowed[b:b + 1], live[b:b + 1]))
+    return worst
+
+
+@conformance_property("paged_equivalence", level="kvcache", section="spec.kvcache_attention (block_table)",
+                      cases=lambda t: _kvcache(t, paged=True), directed=lambda t: _kvcache_directed(t, paged=True),
+                      requires=lambda t: skip_unless(t.caps.kv_paged, "paged cache (kv_paged) not declared"))
+def test_paged_equivalence(target: Target, case: KVCacheCase) -> float:
+    """A paged cache is the contiguous one re-indexed: for any block table (pages
+    shuffled, spare pages in between, page sizes that do and do not divide the lengths)
+    the output equals the contiguous call's, and the appended keys land in the same
+    logical rows (read back through the block table, exactly)."""
+    paged = run_kvcache(target, case, paged=True)
+    contiguous = run_kvcache(target, case, paged=False)
+    valid = case.valid_lengths()
+    assert_same_cache("paged k_cache after the call (logical rows)", paged.k_cache, contiguous.k_cache, valid)
+    assert_same_cache("paged v_cache after the call (logical rows)", paged.v_cache, contiguous.v_cache, valid)
+    _, allowed, live = kvcache_bounds(target, case)
+    return compare_pair(target, "paged output vs contiguous", paged.output, contiguous.output, allowed, live)
+

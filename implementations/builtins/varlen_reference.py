@@ -1,0 +1,219 @@
+"""FlashAttention's packed and decoding entry points, written step by step in PyTorch.
+
+Two functions with FlashAttention-2's signatures, written from ``spec/varlen.py`` and
+``spec/kvcache.py`` (not from FlashAttention's code):
+
+* :func:`flash_attn_varlen_func` — q (T_q, N, E), k (T_k, K, E), v (T_k, K, Ev) hold B
+  packed sequences; sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and
+  key rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` and attends nothing else.
+* :func:`flash_attn_with_kvcache` — q (B, L, N, E) against a cache (B, S_cache, K, E|Ev),
+  or pages (num_pages, page_size, K, E|Ev) with ``block_table`` (B, max_pages); new keys
+  k/v (B, S_new, K, E|Ev) are written into the cache **in place** at
+  ``cache_seqlens[b]``, then sequence b attends its first ``cache_seqlens[b] + S_new`` keys.
+
+``causal`` is FlashAttention's bottom-right triangle: query i of a sequence with L
+queries and S keys may attend key j when ``j <= i + S - L``; a query row with no key
+(S = 0, or causal with L > S) gives 0. GQA: query head h uses kv head h // (N / K).
+16-bit inputs are computed in float32 and rounded once at the end; float64 stays float64.
+Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
+E q/k head dim, Ev value head dim, T packed total length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from implementations.base import Capabilities, Implementation
+
+__all__ = [
+    "VARLEN_CAPABILITIES",
+    "KVCacheAttention",
+    "VarlenAttention",
+    "attend",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "make_implementation",
+]
+
+
+def _refuse(**given: Any) -> None:
+    """Options of FlashAttention this reference does not implement must keep their default."""
+    for name, (value, default) in given.items():
+        if value != default:
+            raise NotImplementedError(f"{name}={value!r} is not supported (only {default!r})")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q (L, N, E), k (S, K, E), v (S, K, Ev) -> (L, N, Ev), in q's compute dtype."""
+    L, N, _ = q.shape
+    S, K, Ev = v.shape
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    out_dtype, work = q.dtype, _compute_dtype(q.dtype)
+    if L == 0 or S == 0:
+        return torch.zeros(L, N, Ev, dtype=out_dtype, device=q.device)
+    group = N // K
+    q = q.to(work).transpose(0, 1)                                      # (N, L, E)
+    k = k.to(work).repeat_interleave(group, dim=1).transpose(0, 1)      # (N, S, E)
+    v = v.to(work).repeat_interleave(group, dim=1).transpose(0, 1)      # (N, S, Ev)
+    scores = scale * (q @ k.transpose(-1, -2))                          # (N, L, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
+    if causal:                                                           # bottom-right: j <= i + S - L
+        allowed = allowed.tril(diagonal=S - L)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)                                # exp(-inf) = 0 on blocked keys
+    total = weights.sum(dim=-1, keepdim=True)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))  # empty rows stay 0
+    return (weights @ v).transpose(0, 1).to(out_dtype)                   # (L, N, Ev)
+
+
+def _scale(softmax_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+class VarlenAttention:
+    """``flash_attn_varlen_func``: each step is a method (the bug zoo overrides one)."""
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, deterministic=False,
+                 return_attn_probs=False, block_table=None):
+        """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev)."""
+        _refuse(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
+                softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
+                return_attn_probs=(return_attn_probs, False), block_table=(block_table, None))
+        starts_q, starts_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+        if len(starts_q) != len(starts_k):
+            raise ValueError(f"cu_seqlens_q has {len(starts_q)} entries but cu_seqlens_k {len(starts_k)}")
+        if starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
+            raise ValueError("cu_seqlens must end at the packed lengths total_q and total_k")
+        scale = self.scale(softmax_scale, q.shape[-1])
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])          # (T_q, N, Ev)
+        for b in range(len(starts_q) - 1):
+            rows, keys = self.sequence(starts_q, starts_k, b)
+            out[rows] = attend(q[rows], k[keys], v[keys], scale=scale, causal=causal)
+        return out
+
+    def scale(self, softmax_scale: float | None, head_dim: int) -> float:
+        return _scale(softmax_scale, head_dim)
+
+    def sequence(self, starts_q: list[int], starts_k: list[int], b: int) -> tuple[slice, slice]:
+        """Sequence b's query rows and key rows in the packed tensors."""
+        return slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+
+
+class KVCacheAttention:
+    """``flash_attn_with_kvcache``: each step is a method (the bug zoo overrides one)."""
+
+    def __call__(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                 return_softmax_lse=False):
+        """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev)."""
+        _refuse(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
+                alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
+        if (k is None) != (v is None):
+            raise ValueError("k and v must be given together")
+        B = q.shape[0]
+        capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        if cache_seqlens is None:
+            if k is not None:
+                raise ValueError("new keys k/v need cache_seqlens (where would they go?)")
+            lengths = [capacity] * B
+        elif isinstance(cache_seqlens, int):
+            lengths = [cache_seqlens] * B
+        else:
+            lengths = [int(x) for x in cache_seqlens]
+        new = 0 if k is None else k.shape[1]
+        if any(n < 0 or n + new > capacity for n in lengths):
+            raise ValueError(f"cache_seqlens {lengths} plus S_new={new} must lie in [0, {capacity}]")
+        scale = _scale(softmax_scale, q.shape[-1])
+        # 1. append the new keys and values at each sequence's length (in place, like FlashAttention)
+        if k is not None:
+            for b in range(B):
+                self.write(k_cache, block_table, b, self.append_at(lengths[b]), k[b])
+                self.write(v_cache, block_table, b, self.append_at(lengths[b]), v[b])
+        # 2. sequence b attends its first cache_seqlens[b] + S_new keys
+        out = q.new_zeros(*q.shape[:3], v_cache.shape[-1])              # (B, L, N, Ev)
+        for b in range(B):
+            valid = self.valid_keys(lengths[b], new, capacity)
+            keys = self.rows(k_cache, block_table, b, valid)            # (S_b, K, E)
+            values = self.rows(v_cache, block_table, b, valid)          # (S_b, K, Ev)
+            out[b] = self.attend(q[b], keys, values, scale=scale, causal=causal)
+        return out
+
+    def append_at(self, length: int) -> int:
+        """Where a sequence's new keys go: right after its ``length`` valid ones."""
+        return length
+
+    def valid_keys(self, length: int, new: int, capacity: int) -> int:
+        """How many keys a sequence attends: its valid cache plus the appended ones."""
+        return length + new
+
+    def attend(self, q, keys, values, *, scale: float, causal: bool):
+        return attend(q, keys, values, scale=scale, causal=causal)
+
+    def page_of(self, block_table, b: int, t, page_size: int):
+        """The page holding logical row(s) ``t`` of sequence b."""
+        return block_table[b].long()[t // page_size]
+
+    def rows(self, cache, block_table, b: int, length: int):
+        """Sequence b's first ``length`` logical rows (S_b, K, X): a view of a contiguous
+        cache, or a gather from pages ``block_table[b, t // page_size]``, slot ``t % page_size``."""
+        if block_table is None:
+            return cache[b, :length]
+        page_size = cache.shape[1]
+        t = torch.arange(length, device=cache.device)
+        return cache[self.page_of(block_table, b, t, page_size), t % page_size]
+
+    def write(self, cache, block_table, b: int, start: int, new) -> None:
+        """Write ``new`` (S_new, K, X) at logical rows start .. start + S_new - 1 of sequence b, in place."""
+        if block_table is None:
+            cache[b, start:start + new.shape[0]] = new
+            return
+        page_size = cache.shape[1]
+        t = torch.arange(start, start + new.shape[0], device=cache.device)
+        cache[self.page_of(block_table, b, t, page_size), t % page_size] = new
+
+
+#: The two entry points, FlashAttention's names and signatures.
+flash_attn_varlen_func = VarlenAttention()
+flash_attn_with_kvcache = KVCacheAttention()
+
+
+VARLEN_CAPABILITIES = Capabilities(
+    dtypes=("float64", "float32", "float16", "bfloat16"),
+    causal="lower_right",
+    fully_masked="zero",
+    autograd=False,
+    mask_grad=False,
+    mask_kinds=frozenset({"none"}),
+)
+
+
+def make_implementation(*, name: str = "varlen-reference", varlen: Any = None, kvcache: Any = None,
+                        description: str = "") -> Implementation:
+    """The built-in (or, with ``varlen``/``kvcache`` given, one of the bug zoo's variants)."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return Implementation(
+        name=name,
+        capabilities=VARLEN_CAPABILITIES.replace(devices=devices),
+        varlen=varlen or flash_attn_varlen_func,
+        kvcache=kvcache or flash_attn_with_kvcache,
+        version=torch.__version__,
+        listed=not name.startswith("mutant:"),
+        description=description or "flash_attn_varlen_func and flash_attn_with_kvcache in plain PyTorch, "
+        "written from spec/varlen.py and spec/kvcache.py (implementations/builtins/varlen_reference.py)",
+    )

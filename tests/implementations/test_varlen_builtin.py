@@ -1,0 +1,128 @@
+"""The varlen / kvcache levels: the ``varlen-reference`` built-in agrees with the spec and
+its claims are true, and FlashAttention's signatures are recognised with no adapter."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+from implementations import registry
+from implementations.builtins.varlen_reference import (
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+
+DTYPE_TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+def _packed(rng, lengths, N=4, K=2, E=3, Ev=5):
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    return (rng.standard_normal((T_q, N, E)), rng.standard_normal((T_k, K, E)), rng.standard_normal((T_k, K, Ev)),
+            np.cumsum([0] + [L for L, _ in lengths]), np.cumsum([0] + [S for _, S in lengths]))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_TOLERANCE))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_agrees_with_the_spec(dtype, causal):
+    rng = np.random.default_rng(1)
+    lengths = [(2, 3), (0, 2), (1, 0), (3, 1), (1, 1)]       # empty queries, no keys, L > S
+    q, k, v, cu_q, cu_k = _packed(rng, lengths)
+    t = getattr(torch, dtype)
+    args = [torch.tensor(x).to(t) for x in (q, k, v)]
+    got = flash_attn_varlen_func(*args, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                                 3, 3, softmax_scale=0.7, causal=causal)
+    assert got.dtype == t and got.shape == (q.shape[0], 4, 5)
+    stored = [x.double().numpy() for x in args]
+    want = spec.varlen_attention(*stored, cu_q, cu_k, causal=causal, scale=0.7)
+    np.testing.assert_allclose(got.double().numpy(), want, atol=DTYPE_TOLERANCE[dtype], rtol=DTYPE_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_agrees_with_the_spec_and_appends_in_place(paged, causal):
+    rng = np.random.default_rng(2)
+    B, L, N, K, E, Ev, new, page_size = 3, 2, 4, 2, 3, 3, 2, 3
+    seqlens = np.array([0, 4, 7])
+    q = rng.standard_normal((B, L, N, E))
+    table = None
+    if paged:
+        table = rng.permutation(B * 3 + 2)[:B * 3].reshape(B, 3)              # shuffled, 2 spare pages
+        shape = (B * 3 + 2, page_size)
+    else:
+        shape = (B, 9)
+    k_cache, v_cache = rng.standard_normal((*shape, K, E)), rng.standard_normal((*shape, K, Ev))
+    k_new, v_new = rng.standard_normal((B, new, K, E)), rng.standard_normal((B, new, K, Ev))
+    want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=seqlens, k=k_new, v=v_new,
+                                  block_table=table, causal=causal)
+    k_t, v_t = torch.tensor(k_cache), torch.tensor(v_cache)
+    got = flash_attn_with_kvcache(torch.tensor(q), k_t, v_t, torch.tensor(k_new), torch.tensor(v_new),
+                                  cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                                  block_table=None if table is None else torch.tensor(table, dtype=torch.int32),
+                                  causal=causal)
+    np.testing.assert_allclose(got.numpy(), want.output, atol=1e-12, rtol=1e-12)
+    assert np.array_equal(k_t.numpy(), want.k_cache) and np.array_equal(v_t.numpy(), want.v_cache)
+
+
+def test_options_it_does_not_implement_raise():
+    rng = np.random.default_rng(3)
+    q, k, v, cu_q, cu_k = (torch.tensor(x) for x in _packed(rng, [(1, 1)]))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, dropout_p=0.5)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, window_size=(1, 0))
+    cache = torch.zeros(1, 2, 2, 3)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(torch.zeros(1, 1, 4, 3), cache, cache, torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3),
+                                cache_seqlens=torch.tensor([2], dtype=torch.int32))
+
+
+def test_builtin_declares_both_levels_only():
+    impl = registry.resolve("varlen-reference")
+    assert impl.varlen is flash_attn_varlen_func and impl.kvcache is flash_attn_with_kvcache
+    assert impl.sdpa is None and impl.mha is None
+    c = impl.capabilities
+    assert (c.causal, c.fully_masked, c.gqa, c.different_v_dim, c.kv_paged, c.kv_append) == (
+        "lower_right", "zero", True, True, True, True)
+    assert impl.not_supported_reasons({"level": "sdpa"}) == ["varlen-reference has no SDPA-level callable"]
+    assert impl.not_supported_reasons({"level": "kvcache", "kv_paged": True, "dtype": "float16"}) == []
+
+
+FLASH_SOURCE = textwrap.dedent(
+    """
+    from implementations.builtins.varlen_reference import flash_attn_varlen_func as _varlen
+    from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kvcache
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False):
+        return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale=softmax_scale, causal=causal)
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                block_table=None, softmax_scale=None, causal=False):
+        return _kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                        block_table=block_table, softmax_scale=softmax_scale, causal=causal)
+
+    def decode_only(q, k_cache, v_cache, cache_seqlens=None):
+        return _kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)
+    """
+)
+
+
+def test_flash_signatures_are_recognised_without_an_adapter(tmp_path):
+    path = tmp_path / "user_flash.py"
+    path.write_text(FLASH_SOURCE)
+    varlen = registry.resolve(f"{path}:flash_attn_varlen_func")
+    assert varlen.varlen.__name__ == "flash_attn_varlen_func" and varlen.kvcache is None and varlen.sdpa is None
+    kvcache = registry.resolve(f"{path}:flash_attn_with_kvcache")
+    assert kvcache.kvcache.__name__ == "flash_attn_with_kvcache" and kvcache.varlen is None
+    assert (kvcache.capabilities.causal, kvcache.capabilities.kv_paged, kvcache.capabilities.kv_append) == (
+        "lower_right", True, True)
+    bare = registry.resolve(f"{path}:decode_only")
+    c = bare.capabilities
+    assert (c.causal, c.custom_scale, c.kv_paged, c.kv_append) == (None, False, False, False)
+    overridden = registry.resolve(f"{path}:decode_only", {"kv_paged": "true"})
+    assert overridden.capabilities.kv_paged is True

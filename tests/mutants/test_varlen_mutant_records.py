@@ -1,0 +1,130 @@
+"""The varlen / kvcache mutants' records are complete and true (fast; no conformance runner).
+
+For each mutant of ``implementations/mutants/varlen_mutants.py``: its record names a
+registered property of its own level; it claims exactly the built-in's capabilities; its
+smallest case lies inside them and gives a result (output, or the caches after the
+call) that differs from ``spec.varlen_attention`` / ``spec.kvcache_attention``; and its
+safe case agrees with the spec (the bug is the only one there). The correct built-in
+agrees on every mutant's cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+from conformance.runner import registered_properties
+from implementations.builtins.varlen_reference import (
+    VARLEN_CAPABILITIES,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+from implementations.mutants import MUTANTS
+
+NAMES = sorted(name for name, m in MUTANTS.items() if m.level in ("varlen", "kvcache"))
+
+
+def _varlen_agrees(fn, case: dict) -> bool:
+    """``fn`` (flash_attn_varlen_func's signature) = spec.varlen_attention on ``case``."""
+    rng = np.random.default_rng(0)
+    lengths = case["lengths"]
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    q = rng.standard_normal((T_q, case["N"], case["E"]))
+    k = rng.standard_normal((T_k, case["K"], case["E"]))
+    v = rng.standard_normal((T_k, case["K"], case["Ev"]))
+    cu_q = np.cumsum([0] + [L for L, _ in lengths])
+    cu_k = np.cumsum([0] + [S for _, S in lengths])
+    causal = bool(case.get("causal"))
+    want = spec.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
+    got = fn(torch.tensor(q), torch.tensor(k), torch.tensor(v), torch.tensor(cu_q, dtype=torch.int32),
+             torch.tensor(cu_k, dtype=torch.int32), max(L for L, _ in lengths), max(S for _, S in lengths),
+             causal=causal)
+    return bool(np.allclose(got.numpy(), want, rtol=1e-12, atol=1e-12))
+
+
+def _kvcache_agrees(fn, case: dict) -> bool:
+    """``fn`` (flash_attn_with_kvcache's signature) = spec.kvcache_attention on ``case``:
+    the output and the caches after the call."""
+    rng = np.random.default_rng(0)
+    seqlens = case["cache_seqlens"]
+    B, L, N, K, E, Ev, new = len(seqlens), case["L"], case["N"], case["K"], case["E"], case["Ev"], case["S_new"]
+    q = rng.standard_normal((B, L, N, E))
+    table = None
+    if case.get("page_size"):
+        rows = (case["num_pages"], case["page_size"])
+        table = np.array(case["block_table"])
+    else:
+        rows = (B, case["S_cache"])
+    k_cache, v_cache = rng.standard_normal((*rows, K, E)), rng.standard_normal((*rows, K, Ev))
+    k_new = rng.standard_normal((B, new, K, E)) if new else None
+    v_new = rng.standard_normal((B, new, K, Ev)) if new else None
+    causal = bool(case.get("causal"))
+    want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=np.array(seqlens), k=k_new, v=v_new,
+                                  block_table=table, causal=causal)
+    k_t, v_t = torch.tensor(k_cache), torch.tensor(v_cache)
+    extra = {} if k_new is None else {"k": torch.tensor(k_new), "v": torch.tensor(v_new)}
+    got = fn(torch.tensor(q), k_t, v_t, **extra, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+             block_table=None if table is None else torch.tensor(table, dtype=torch.int32), causal=causal)
+    return (bool(np.allclose(got.numpy(), want.output, rtol=1e-12, atol=1e-12))
+            and np.array_equal(k_t.numpy(), want.k_cache) and np.array_equal(v_t.numpy(), want.v_cache))
+
+
+def _agrees(level: str, fn, case: dict) -> bool:
+    return (_varlen_agrees if level == "varlen" else _kvcache_agrees)(fn, case)
+
+
+def _callable(mutant):
+    implementation = mutant.build()
+    return getattr(implementation, mutant.level)
+
+
+def test_both_levels_have_mutants():
+    assert {MUTANTS[n].level for n in NAMES} == {"varlen", "kvcache"}, NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_record_is_complete(name):
+    mutant = MUTANTS[name]
+    info = registered_properties().get(mutant.expected_property)
+    assert info is not None, f"expected_property={mutant.expected_property!r} is not registered"
+    assert info.level == mutant.level, f"{mutant.expected_property} is a {info.level}-level property"
+    assert mutant.bug and "\n" not in mutant.bug and len(mutant.bug) < 240
+    implementation = mutant.build()
+    assert implementation.name == f"mutant:{name}" and implementation.listed is False
+    assert implementation.sdpa is None and implementation.mha is None
+    assert implementation.capabilities.replace(devices=VARLEN_CAPABILITIES.devices) == VARLEN_CAPABILITIES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_smallest_case_is_claimed(name):
+    mutant = MUTANTS[name]
+    case = mutant.smallest_case
+    attrs = {"level": mutant.level, "device": "cpu", "dtype": "float64",
+             "causal": "lower_right" if case.get("causal") else None, "N": case["N"], "K": case["K"],
+             "E": case["E"], "Ev": case["Ev"], "kv_paged": bool(case.get("page_size")),
+             "kv_append": bool(case.get("S_new"))}
+    assert mutant.build().not_supported_reasons(attrs) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_smallest_case_exposes_the_bug(name):
+    mutant = MUTANTS[name]
+    assert not _agrees(mutant.level, _callable(mutant), mutant.smallest_case), (
+        f"{name} agrees with the spec on its smallest case {mutant.smallest_case}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_safe_case_agrees(name):
+    mutant = MUTANTS[name]
+    assert _agrees(mutant.level, _callable(mutant), mutant.safe_case), (
+        f"{name} disagrees with the spec on its safe case {mutant.safe_case}: it has more than one bug")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_builtin_agrees_on_every_case(name):
+    mutant = MUTANTS[name]
+    fn = flash_attn_varlen_func if mutant.level == "varlen" else flash_attn_with_kvcache
+    for case in (mutant.smallest_case, mutant.safe_case):
+        assert _agrees(mutant.level, fn, case), f"varlen-reference disagrees with the spec on {case}"
