@@ -87,7 +87,7 @@ class MHACall:
 
 def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *, requires_grad: bool = False,
             inputs: dict[str, Any] | None = None, grad_output: np.ndarray | None = None,
-            samples: int = 1, **overrides: Any) -> MHACall:
+            samples: int = 1, seed_salt: str = "", **overrides: Any) -> MHACall:
     """Call ``module`` (default: :func:`build` of the case) on the case's inputs
     (``inputs`` when given) with the forward arguments ``overrides``
     (need_weights, average_attn_weights, is_causal) replaced, through
@@ -96,11 +96,12 @@ def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *,
     ``requires_grad``: inputs require grad and autograd is on (otherwise the call
     runs under ``torch.no_grad()``); ``grad_output``: backpropagate it after the call
     (:func:`upstream_gradient`); ``samples``: call on that many copies of the case
-    along the batch. Dropout is seeded from the case's contents."""
+    along the batch. Dropout is seeded from the case's contents (and ``seed_salt``: two
+    calls that must draw different dropout samples give different salts)."""
     __tracebackhide__ = True
     case = case.replace(**overrides) if overrides else case
     dropout, training = (module.dropout, module.training) if module is not None else (0.0, False)
-    seed = mha_content_seed(case, f"dropout|{dropout!r}|{samples}") if dropout else None
+    seed = mha_content_seed(case, f"dropout|{dropout!r}|{samples}{seed_salt}") if dropout else None
     call = MHACallSpec(case, dropout=dropout, training=training, grad=requires_grad or grad_output is not None,
                        grad_output=grad_output, dropout_seed=seed, samples=samples)
     if target.log is not None:
