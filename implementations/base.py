@@ -15,6 +15,14 @@ An :class:`Implementation` exposes attention at one or both of two levels:
   module with the constructor options and ``forward`` of
   ``torch.nn.MultiheadAttention`` (bool masks there are **True = blocked**), plus
   ``load_weights(module, params)`` copying a ``spec.mha.MHAParams`` into it.
+* **Flash level** — ``flash(q, k, v, dropout_p=0.0, softmax_scale=None,
+  causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+  deterministic=False, return_attn_probs=False)`` with FlashAttention-2's
+  ``flash_attn_func`` convention: ``q (B, L, N, E)``, ``k (B, S, K, E)``,
+  ``v (B, S, K, Ev)``, causal **lower-right**; returns the output ``(B, L, N, Ev)``,
+  or ``(output, lse (B, N, L), attn_probs or None)`` with ``return_attn_probs``.
+  What it supports is ``Capabilities.flash_features`` (``spec.flash``); its
+  ``Capabilities.causal`` is ``"lower_right"`` (or None: no ``causal=True``).
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim, D model dim.
@@ -32,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "ALL_DTYPES",
+    "ALL_FLASH_FEATURES",
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
     "CAUSAL_ALIGNMENTS",
@@ -65,6 +74,16 @@ ALL_MHA_FEATURES = frozenset(
         "average_weights",   # average_attn_weights=False returns per-head weights
         "dropout",           # dropout>0 constructor option, train/eval modes
         "cross_attention",   # query, key, value may differ (without it: self-attention only)
+    }
+)
+
+#: Optional features of a flash-level implementation (``flash_attn_func`` arguments).
+ALL_FLASH_FEATURES = frozenset(
+    {
+        "window",   # window_size=(left, right) other than (-1, -1)
+        "softcap",  # softcap > 0
+        "alibi",    # alibi_slopes (N,) or (B, N)
+        "lse",      # return_attn_probs=True returns (output, lse, ...)
     }
 )
 
@@ -103,6 +122,8 @@ class Capabilities:
     #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
     jit: bool = False
     mha_features: frozenset[str] = ALL_MHA_FEATURES
+    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``).
+    flash_features: frozenset[str] = ALL_FLASH_FEATURES
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -132,6 +153,13 @@ class Capabilities:
                 f"mha_features has unknown entries "
                 f"{sorted(set(self.mha_features) - ALL_MHA_FEATURES)}; known: "
                 f"{sorted(ALL_MHA_FEATURES)}"
+            )
+
+        if not set(self.flash_features) <= ALL_FLASH_FEATURES:
+            raise ImplementationError(
+                f"flash_features has unknown entries "
+                f"{sorted(set(self.flash_features) - ALL_FLASH_FEATURES)}; known: "
+                f"{sorted(ALL_FLASH_FEATURES)}"
             )
 
     def replace(self, **changes: Any) -> "Capabilities":
@@ -218,6 +246,9 @@ class Implementation:
     mha: MHAFactory | None = None
     load_weights: WeightLoader | None = None
     mha_capabilities: Capabilities | None = None  # defaults to ``capabilities``
+    #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
+    flash: SDPACallable | None = None
+    flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
     version: str = "0"
     description: str = ""
     #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
@@ -229,9 +260,10 @@ class Implementation:
     listed: bool = True
 
     def __post_init__(self) -> None:
-        if self.unavailable_reason is None and self.sdpa is None and self.mha is None:
+        if self.unavailable_reason is None and self.sdpa is None and self.mha is None \
+                and self.flash is None:
             raise ImplementationError(
-                f"Implementation(name={self.name!r}) exposes neither sdpa= nor mha=; "
+                f"Implementation(name={self.name!r}) exposes none of sdpa=, mha=, flash=; "
                 "give at least one callable"
             )
         if self.mha is not None and self.load_weights is None:
@@ -245,9 +277,11 @@ class Implementation:
         return self.unavailable_reason is None
 
     def caps(self, level: str) -> Capabilities:
-        """Capabilities at ``level`` (``"sdpa"`` or ``"mha"``)."""
+        """Capabilities at ``level`` (``"sdpa"``, ``"mha"`` or ``"flash"``)."""
         if level == "mha" and self.mha_capabilities is not None:
             return self.mha_capabilities
+        if level == "flash" and self.flash_capabilities is not None:
+            return self.flash_capabilities
         return self.capabilities
 
     def not_supported_reasons(self, case: Mapping[str, Any]) -> list[str]:
@@ -267,6 +301,8 @@ class Implementation:
             return [f"{self.name} has no SDPA-level callable"]
         if level == "mha" and self.mha is None:
             return [f"{self.name} has no MHA-level module"]
+        if level == "flash" and self.flash is None:
+            return [f"{self.name} has no flash-level (flash_attn_func) callable"]
         c = self.caps(level)
         if "device" in case and case["device"] not in c.devices:
             reasons.append(f"device={case['device']!r} not in declared devices {c.devices}")
@@ -306,4 +342,7 @@ class Implementation:
         missing = set(case.get("mha_features", ())) - set(c.mha_features)
         if level == "mha" and missing:
             reasons.append(f"MHA features not supported: {sorted(missing)}")
+        missing = set(case.get("flash_features", ())) - set(c.flash_features)
+        if level == "flash" and missing:
+            reasons.append(f"flash features not supported: {sorted(missing)}")
         return reasons
