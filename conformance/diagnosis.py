@@ -167,6 +167,8 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     case = record.failing_case
     if case is None:
         return _unknown("no shrunk case was kept")
+    if target.level not in ("sdpa", "mha"):
+        return _unknown(f"spec.variants has no {target.level}-level variants")
     example = _EXAMPLE.get()
     calls = list(example.calls) if example is not None and example.case is case else []
     if not calls:

@@ -22,12 +22,16 @@ __all__ = ["ExpectedFailureLedger", "entry_errors", "attributes_of_level"]
 
 
 def attributes_of_level(level: str | None) -> frozenset[str]:
-    """The case attributes a ``match`` may name at ``level`` (None: either level)."""
+    """The case attributes a ``match`` may name at ``level`` (None: any level)."""
     if level == "sdpa":
         return SDPA_ATTRIBUTES
     if level == "mha":
         return MHA_ATTRIBUTES
-    return SDPA_ATTRIBUTES | MHA_ATTRIBUTES
+    from conformance.flash_calls import FLASH_ATTRIBUTES
+
+    if level == "flash":
+        return FLASH_ATTRIBUTES
+    return SDPA_ATTRIBUTES | MHA_ATTRIBUTES | FLASH_ATTRIBUTES
 
 
 class ExpectedFailureLedger:

@@ -94,6 +94,10 @@ def _meta_of(case: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             "notes": list(case.notes),
         }
         return meta, arrays
+    if getattr(case, "level", None) == "flash":
+        from conformance.flash_calls import case_meta
+
+        return case_meta(case)
     raise TypeError(f"cannot save a case of type {type(case).__name__}")
 
 
@@ -109,8 +113,12 @@ def _case_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
             regime=meta["regime"],
             notes=tuple(meta["notes"]),
         )
+    if meta["kind"] == "flash":
+        from conformance.flash_calls import case_from_meta
+
+        return case_from_meta(meta, arrays)
     if meta["kind"] != "mha":
-        raise ValueError(f"kind={meta['kind']!r}, but should be 'sdpa' or 'mha'")
+        raise ValueError(f"kind={meta['kind']!r}, but should be 'sdpa', 'mha' or 'flash'")
     from spec import MHAParams
 
     params = {k[len("params__"):]: v for k, v in arrays.items() if k.startswith("params__")}
@@ -145,8 +153,15 @@ def _call_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
     own = {k[len(_CALL):]: v for k, v in arrays.items() if k.startswith(_CALL)}
     grad_output = own.pop("grad_output", None)
     case = _case_from(meta["case"], own)
-    cls = SDPACallSpec if meta["case"]["kind"] == "sdpa" else MHACallSpec
-    return cls(case, grad_output=grad_output, **meta["arguments"])
+    return _call_class(meta["case"]["kind"])(case, grad_output=grad_output, **meta["arguments"])
+
+
+def _call_class(kind: str) -> type:
+    if kind == "flash":
+        from conformance.flash_calls import FlashCallSpec
+
+        return FlashCallSpec
+    return SDPACallSpec if kind == "sdpa" else MHACallSpec
 
 
 def save_case(case: Any, path: Path, *, call: Any = None, **extra_meta: Any) -> Path:
@@ -177,8 +192,8 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.nd
         raise ValueError("no such file") from None
     except Exception as err:  # noqa: BLE001 - zipfile.BadZipFile, EOFError, OSError, ...
         raise ValueError(f"not a readable .npz file ({type(err).__name__}: {err})") from None
-    if not isinstance(meta, dict) or meta.get("kind") not in ("sdpa", "mha"):
-        raise ValueError("its metadata has no kind 'sdpa' or 'mha'")
+    if not isinstance(meta, dict) or meta.get("kind") not in ("sdpa", "mha", "flash"):
+        raise ValueError("its metadata has no kind 'sdpa', 'mha' or 'flash'")
     return meta, arrays
 
 
@@ -198,7 +213,7 @@ def load_call(path: str | os.PathLike[str]) -> Any:
     meta, arrays = _read(path)
     if "call" not in meta:
         case, _ = load_case(path)
-        return (SDPACallSpec if isinstance(case, SDPACase) else MHACallSpec)(case)
+        return _plain_call(case)
     try:
         return _call_from(meta["call"], arrays)
     except (KeyError, TypeError, ValueError) as err:
@@ -236,6 +251,8 @@ def validate_saved(case: Any, meta: dict[str, Any], properties: Any) -> None:
                                  f"{LAYOUTS}, causal None, 'upper_left' or 'lower_right'")
             spec.sdpa(case.query, case.key, case.value, attend_mask=case.attend_mask,
                       additive_mask=case.additive_mask, causal=case.causal, scale=case.scale)
+        elif level == "flash":
+            spec.flash_attention(case.query, case.key, case.value, **case.options())
         else:
             spec.mha_forward(case.params, case.query, case.key, case.value,
                              key_padding_mask=case.key_padding_mask, attn_mask=case.attn_mask,
@@ -334,6 +351,12 @@ def reproducer(call: Any, impl: str, path: Path | None, options: dict[str, str])
     ``options``: the ``--impl`` and ``--impl-option`` values). Small calls are
     spelled out as literals; larger ones are loaded from ``path``."""
     resolve = f"resolve({impl!r}" + (f", {options!r})" if options else ")")
+    if call.level == "flash":  # loaded from the saved file, never spelled out
+        return "\n".join(["from conformance.failures import load_call",
+                          "from conformance.flash_calls import show_flash_call",
+                          "from implementations.registry import resolve", "",
+                          f"call = load_call({str(path)!r})  # {call.case.describe()}",
+                          f"show_flash_call({resolve}, call)"]) + "\n"
     sdpa = isinstance(call, SDPACallSpec)
     show = "show_sdpa_call" if sdpa else "show_mha_call"
     spec_name = "SDPACallSpec" if sdpa else "MHACallSpec"
@@ -375,7 +398,7 @@ def _counterexample(case: Any) -> dict[str, Any]:
 
 
 def _plain_call(case: Any) -> Any:
-    return (SDPACallSpec if isinstance(case, SDPACase) else MHACallSpec)(case)
+    return _call_class(getattr(case, "level", "sdpa" if isinstance(case, SDPACase) else "mha"))(case)
 
 
 def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bool | None]:
