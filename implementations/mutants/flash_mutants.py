@@ -118,7 +118,7 @@ class _FlashBackward(torch.autograd.Function):
         N, K = q.shape[2], k.shape[2]
         group = N // K
         with torch.no_grad():
-            _, L, _, E = q.shape
+            E = q.shape[3]
             scale = 1.0 / math.sqrt(E) if o["softmax_scale"] is None else o["softmax_scale"]
             query = q.transpose(1, 2)
             key = k.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -245,7 +245,7 @@ FLASH_MUTANTS = [
     _mutant("flash_backward_no_row_term", BackwardWithoutRowTerm,
             "the backward drops D = rowsum(dO * O): dS = P * dP instead of P * (dP - D)",
             "kernel bug: the preprocessing pass of FlashAttention's backward (D) left out",
-            _case(S=2, grad=True), _case(S=1, grad=True), "flash_gradient_agreement"),
+            _case(S=2, grad=True), _case(S=2), "flash_gradient_agreement"),
     _mutant("flash_window_left_off_by_one", WindowLeftOffByOne,
             "the sliding window keeps keys j > p_i - left instead of j >= p_i - left",
             "hand-written pitfall: an off-by-one in the window's left edge",
