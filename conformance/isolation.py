@@ -105,9 +105,10 @@ def state_dir() -> Path:
 
 def _case_classes() -> dict[str, type]:
     from conformance.cases import MHACase, SDPACase
+    from conformance.flash_calls import FlashCase
     from spec import MHAParams
 
-    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams}
+    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams, "FlashCase": FlashCase}
 
 
 def _json_default(value: Any) -> Any:
@@ -234,7 +235,7 @@ def _caps_from_json(data: dict[str, Any]) -> Capabilities:
         if f.name not in data:
             continue
         value = data[f.name]
-        if f.name in ("mask_kinds", "mha_features"):
+        if f.name in ("mask_kinds", "mha_features", "flash_features"):
             value = frozenset(value)
         elif isinstance(value, list):
             value = tuple(value)
@@ -258,12 +259,14 @@ def _describe(impl: Implementation) -> dict[str, Any]:
         "mha": impl.mha is not None,
         "capabilities": _caps_to_json(impl.capabilities),
         "mha_capabilities": None if impl.mha_capabilities is None else _caps_to_json(impl.mha_capabilities),
+        "flash": impl.flash is not None,
+        "flash_capabilities": None if impl.flash_capabilities is None else _caps_to_json(impl.flash_capabilities),
         "expected_failures": [dataclasses.asdict(e) | {"match": dict(e.match)} for e in impl.expected_failures],
         # An Implementation subclass may say more than its capabilities do.
         "skip_reasons": {
             _skip_key(level, device, dtype): impl.not_supported_reasons(
                 {"level": level, "device": device, "dtype": dtype})
-            for level in ("sdpa", "mha") for device in ("cpu", "cuda") for dtype in ALL_DTYPES
+            for level in ("sdpa", "mha", "flash") for device in ("cpu", "cuda") for dtype in ALL_DTYPES
         },
     }
 
@@ -305,6 +308,9 @@ class IsolatedImplementation(Implementation):
             mha=_OnlyInTheWorker("mha") if data["mha"] else None,
             load_weights=_OnlyInTheWorker("load_weights") if data["mha"] else None,
             mha_capabilities=None if data["mha_capabilities"] is None else _caps_from_json(data["mha_capabilities"]),
+            flash=_OnlyInTheWorker("flash") if data.get("flash") else None,
+            flash_capabilities=(None if data.get("flash_capabilities") is None
+                                else _caps_from_json(data["flash_capabilities"])),
             version=data["version"],
             description=data["description"],
             expected_failures=tuple(ExpectedFailure(**e) for e in data["expected_failures"]),
