@@ -167,7 +167,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     case = record.failing_case
     if case is None:
         return _unknown("no shrunk case was kept")
-    if target.level not in ("sdpa", "mha"):
+    if target.level not in ("sdpa", "mha"):  # conformance.levels: no spec.variants there yet
         return _unknown(f"spec.variants has no {target.level}-level variants")
     example = _EXAMPLE.get()
     calls = list(example.calls) if example is not None and example.case is case else []

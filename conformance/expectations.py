@@ -27,11 +27,13 @@ def attributes_of_level(level: str | None) -> frozenset[str]:
         return SDPA_ATTRIBUTES
     if level == "mha":
         return MHA_ATTRIBUTES
-    from conformance.flash_calls import FLASH_ATTRIBUTES
+    from conformance import levels
 
-    if level == "flash":
-        return FLASH_ATTRIBUTES
-    return SDPA_ATTRIBUTES | MHA_ATTRIBUTES | FLASH_ATTRIBUTES
+    if level in levels.LEVEL_MODULES:
+        return levels.module(level).ATTRIBUTES
+    if level is not None:
+        return frozenset()
+    return SDPA_ATTRIBUTES.union(MHA_ATTRIBUTES, *(levels.module(n).ATTRIBUTES for n in levels.LEVEL_MODULES))
 
 
 class ExpectedFailureLedger:

@@ -41,7 +41,11 @@ from conformance.tensors import dtype_of, to_numpy
 from spec.emulate import _rounder, round_to
 
 __all__ = [
+    "ATTRIBUTES",
     "FLASH_ATTRIBUTES",
+    "SHOW",
+    "CallSpec",
+    "Case",
     "FlashCall",
     "FlashCallSpec",
     "FlashCase",
@@ -56,10 +60,12 @@ __all__ = [
     "expect_flash_raises",
     "flash_inputs",
     "oracle",
+    "report_call",
     "report_flash_call",
     "run_flash",
     "run_flash_call",
     "show_flash_call",
+    "validate",
 ]
 
 #: Attributes of a flash-level call (``FlashCase.attrs()`` and what the call adds:
@@ -606,3 +612,19 @@ def show_flash_call(impl: Any, call: FlashCallSpec) -> CallReport:
     report = report_flash_call(impl, call)
     print(report.text())
     return report
+
+
+def validate(case: FlashCase) -> None:
+    """ValueError (``spec.SpecError``) when the spec calls ``case`` invalid."""
+    for name in ("query", "key", "value"):
+        if np.ndim(getattr(case, name)) != 4:
+            raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 4-D")
+    spec.flash_attention(case.query, case.key, case.value, **case.options())
+
+
+# The level's entries of conformance.levels (what the shared machinery reads).
+Case = FlashCase
+CallSpec = FlashCallSpec
+ATTRIBUTES = FLASH_ATTRIBUTES
+report_call = report_flash_call
+SHOW = "show_flash_call"

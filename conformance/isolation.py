@@ -65,6 +65,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from conformance.levels import LEVEL_MODULES
 from implementations.base import (
     ALL_DTYPES,
     Capabilities,
@@ -104,11 +105,12 @@ def state_dir() -> Path:
 
 
 def _case_classes() -> dict[str, type]:
+    from conformance import levels
     from conformance.cases import MHACase, SDPACase
-    from conformance.flash_calls import FlashCase
     from spec import MHAParams
 
-    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams, "FlashCase": FlashCase}
+    extra = {cls.__name__: cls for cls in (levels.module(n).Case for n in levels.LEVEL_MODULES)}
+    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams, **extra}
 
 
 def _json_default(value: Any) -> Any:
@@ -235,12 +237,16 @@ def _caps_from_json(data: dict[str, Any]) -> Capabilities:
         if f.name not in data:
             continue
         value = data[f.name]
-        if f.name in ("mask_kinds", "mha_features", "flash_features"):
+        if f.name in ("mask_kinds", "mha_features") or f.name.endswith("_features"):
             value = frozenset(value)
         elif isinstance(value, list):
             value = tuple(value)
         values[f.name] = value
     return Capabilities(**values)
+
+
+#: The levels of ``conformance.levels`` (each an Implementation field and its capabilities).
+_LEVELS = tuple(LEVEL_MODULES)
 
 
 def _skip_key(level: str, device: str, dtype: str) -> str:
@@ -259,14 +265,17 @@ def _describe(impl: Implementation) -> dict[str, Any]:
         "mha": impl.mha is not None,
         "capabilities": _caps_to_json(impl.capabilities),
         "mha_capabilities": None if impl.mha_capabilities is None else _caps_to_json(impl.mha_capabilities),
-        "flash": impl.flash is not None,
-        "flash_capabilities": None if impl.flash_capabilities is None else _caps_to_json(impl.flash_capabilities),
+        # conformance.levels: each level's callable (present or not) and its capabilities.
+        "levels": {level: {"present": getattr(impl, level) is not None,
+                           "capabilities": None if getattr(impl, f"{level}_capabilities") is None
+                           else _caps_to_json(getattr(impl, f"{level}_capabilities"))}
+                   for level in _LEVELS},
         "expected_failures": [dataclasses.asdict(e) | {"match": dict(e.match)} for e in impl.expected_failures],
         # An Implementation subclass may say more than its capabilities do.
         "skip_reasons": {
             _skip_key(level, device, dtype): impl.not_supported_reasons(
                 {"level": level, "device": device, "dtype": dtype})
-            for level in ("sdpa", "mha", "flash") for device in ("cpu", "cuda") for dtype in ALL_DTYPES
+            for level in ("sdpa", "mha", *_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
         },
     }
 
@@ -308,9 +317,10 @@ class IsolatedImplementation(Implementation):
             mha=_OnlyInTheWorker("mha") if data["mha"] else None,
             load_weights=_OnlyInTheWorker("load_weights") if data["mha"] else None,
             mha_capabilities=None if data["mha_capabilities"] is None else _caps_from_json(data["mha_capabilities"]),
-            flash=_OnlyInTheWorker("flash") if data.get("flash") else None,
-            flash_capabilities=(None if data.get("flash_capabilities") is None
-                                else _caps_from_json(data["flash_capabilities"])),
+            **{level: _OnlyInTheWorker(level) if entry["present"] else None
+               for level, entry in data.get("levels", {}).items()},
+            **{f"{level}_capabilities": None if entry["capabilities"] is None else _caps_from_json(entry["capabilities"])
+               for level, entry in data.get("levels", {}).items()},
             version=data["version"],
             description=data["description"],
             expected_failures=tuple(ExpectedFailure(**e) for e in data["expected_failures"]),

@@ -638,11 +638,12 @@ def first_failing_call(impl: Any, calls: Sequence[Any], *, invoke: Invoke = _dir
     """The first of ``calls`` (as a property made them) whose result alone shows a
     failure when made again, with its report; None when none does (the property
     compares calls with each other, or the implementation is not deterministic)."""
-    from conformance.flash_calls import report_flash_call
+    from conformance import levels
 
-    reports = {"sdpa": report_sdpa_call, "mha": report_mha_call, "flash": report_flash_call}
     for call in calls:
-        report = reports[call.level](impl, call, invoke=invoke)
+        report_call = {"sdpa": report_sdpa_call, "mha": report_mha_call}.get(call.level)
+        report_call = report_call or levels.module(call.level).report_call
+        report = report_call(impl, call, invoke=invoke)
         if report.shows_failure:
             return call, report
     return None

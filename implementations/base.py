@@ -277,12 +277,10 @@ class Implementation:
         return self.unavailable_reason is None
 
     def caps(self, level: str) -> Capabilities:
-        """Capabilities at ``level`` (``"sdpa"``, ``"mha"`` or ``"flash"``)."""
-        if level == "mha" and self.mha_capabilities is not None:
-            return self.mha_capabilities
-        if level == "flash" and self.flash_capabilities is not None:
-            return self.flash_capabilities
-        return self.capabilities
+        """Capabilities at ``level`` (``"sdpa"``, ``"mha"``, ``"flash"``): the field
+        ``<level>_capabilities`` when set, else ``capabilities``."""
+        specific = getattr(self, f"{level}_capabilities", None)
+        return specific if specific is not None else self.capabilities
 
     def not_supported_reasons(self, case: Mapping[str, Any]) -> list[str]:
         """Readable reasons why ``case`` is outside this implementation's claims.
@@ -301,8 +299,8 @@ class Implementation:
             return [f"{self.name} has no SDPA-level callable"]
         if level == "mha" and self.mha is None:
             return [f"{self.name} has no MHA-level module"]
-        if level == "flash" and self.flash is None:
-            return [f"{self.name} has no flash-level (flash_attn_func) callable"]
+        if level not in ("sdpa", "mha") and getattr(self, level, None) is None:
+            return [f"{self.name} has no {level}-level callable"]
         c = self.caps(level)
         if "device" in case and case["device"] not in c.devices:
             reasons.append(f"device={case['device']!r} not in declared devices {c.devices}")
