@@ -176,7 +176,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         dtypes=dtypes or ("float32",),
         mask_kinds=frozenset({"none"}),
         causal=causal,
-        fully_masked="zero",
+        fully_masked=_probe_fully_masked(probe, fn, qkv) if causal else "zero",
         different_v_dim=runs("Ev != E", lambda: fn(*qkv(Ev=3))),
         gqa=runs("GQA", lambda: fn(*qkv(N=2, K=1))),
         dropout=False,
@@ -193,6 +193,24 @@ def _is_tensor(out: Any, shape: tuple[int, ...]) -> bool:
     import torch
 
     return isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.device.type == "cpu"
+
+
+def _probe_fully_masked(probe: _Prober, fn, qkv) -> str:
+    """The output of a row attending no key (causal with L = 3 > S = 1 empties rows 0 and 1):
+    zero (FlashAttention's), nan, or unspecified."""
+    import torch
+
+    q, k, v = qkv(L=3, S=1)
+    try:
+        got = _output_of(probe.call("a row attending no key", lambda: fn(q, k, v, causal=True)))
+    except CallRaised:
+        return "unspecified"
+    if not _is_tensor(got, (1, 3, 2, 4)):
+        return "unspecified"
+    rows = got.detach()[:, :2]
+    if torch.isnan(rows).all():
+        return "nan"
+    return "zero" if torch.equal(rows, torch.zeros_like(rows)) else "unspecified"
 
 
 def _probe_lse(probe: _Prober, fn, q, k, v) -> bool:
