@@ -28,7 +28,10 @@ from typing import Any, Callable
 from implementations.base import Implementation, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
-from implementations.registry.flash_recognition import is_flash_signature, recognise_flash
+from implementations.registry.flash_recognition import (
+    is_flash_signature,
+    recognise_flash,
+)
 from implementations.registry.probing import (
     DEFAULT_PROBE_TIMEOUT,
     build_limit,
