@@ -269,8 +269,15 @@ def first_failing_call(impl: Any, calls: Sequence[Any], *, invoke: Invoke = call
     """The first of ``calls`` (as a property made them) whose result alone shows a
     failure when made again, with its report; None when none does (the property
     compares calls with each other, or the implementation is not deterministic)."""
+    from conformance import levels
+
     for call in calls:
-        report = (report_sdpa_call if call.level == "sdpa" else report_mha_call)(impl, call, invoke=invoke)
+        report_call = {"sdpa": report_sdpa_call, "mha": report_mha_call}.get(call.level)
+        if report_call is None and call.level in levels.LEVEL_MODULES:
+            report_call = levels.module(call.level).report_call
+        if report_call is None:  # a level without a replay path (varlen, kvcache)
+            continue
+        report = report_call(impl, call, invoke=invoke)
         if report.shows_failure:
             return call, report
     return None

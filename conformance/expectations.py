@@ -22,12 +22,18 @@ __all__ = ["ExpectedFailureLedger", "entry_errors", "attributes_of_level"]
 
 
 def attributes_of_level(level: str | None) -> frozenset[str]:
-    """The case attributes a ``match`` may name at ``level`` (None: either level)."""
+    """The case attributes a ``match`` may name at ``level`` (None: any level)."""
     if level == "sdpa":
         return SDPA_ATTRIBUTES
     if level == "mha":
         return MHA_ATTRIBUTES
-    return SDPA_ATTRIBUTES | MHA_ATTRIBUTES
+    from conformance import levels
+
+    if level in levels.LEVEL_MODULES:
+        return levels.module(level).ATTRIBUTES
+    if level is not None:
+        return frozenset()
+    return SDPA_ATTRIBUTES.union(MHA_ATTRIBUTES, *(levels.module(n).ATTRIBUTES for n in levels.LEVEL_MODULES))
 
 
 class ExpectedFailureLedger:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance import levels
 from conformance.cases import LAYOUTS, MHACase, SDPACase
 from conformance.replay import MHACallSpec, SDPACallSpec, first_failing_call
 
@@ -36,6 +37,8 @@ FAILURE_DIR = Path(os.environ.get("ATTENTION_CONFORMANCE_FAILURES", ".conformanc
 _SDPA_ARRAYS = ("query", "key", "value", "attend_mask", "additive_mask")
 _MHA_ARRAYS = ("query", "key", "value", "key_padding_mask", "attn_mask")
 _MHA_FLAGS = ("is_causal", "need_weights", "average_attn_weights", "batch_first", "unbatched", "dtype", "device")
+#: What a saved file's ``kind`` may be: a level.
+_KINDS = ("sdpa", "mha", *levels.LEVEL_MODULES)
 #: Prefix of the called case's arrays in a saved file (the drawn case's have none).
 _CALL = "call__"
 #: A call whose arrays hold at most this many numbers is spelled out in the reproducer.
@@ -94,6 +97,8 @@ def _meta_of(case: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             "notes": list(case.notes),
         }
         return meta, arrays
+    if levels.level_of(case):
+        return levels.module(levels.level_of(case)).case_meta(case)
     raise TypeError(f"cannot save a case of type {type(case).__name__}")
 
 
@@ -109,8 +114,10 @@ def _case_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
             regime=meta["regime"],
             notes=tuple(meta["notes"]),
         )
+    if meta["kind"] in levels.LEVEL_MODULES:
+        return levels.module(meta["kind"]).case_from_meta(meta, arrays)
     if meta["kind"] != "mha":
-        raise ValueError(f"kind={meta['kind']!r}, but should be 'sdpa' or 'mha'")
+        raise ValueError(f"kind={meta['kind']!r}, but should be one of {_KINDS}")
     from spec import MHAParams
 
     params = {k[len("params__"):]: v for k, v in arrays.items() if k.startswith("params__")}
@@ -145,8 +152,13 @@ def _call_from(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
     own = {k[len(_CALL):]: v for k, v in arrays.items() if k.startswith(_CALL)}
     grad_output = own.pop("grad_output", None)
     case = _case_from(meta["case"], own)
-    cls = SDPACallSpec if meta["case"]["kind"] == "sdpa" else MHACallSpec
-    return cls(case, grad_output=grad_output, **meta["arguments"])
+    return _call_class(meta["case"]["kind"])(case, grad_output=grad_output, **meta["arguments"])
+
+
+def _call_class(kind: str) -> type:
+    if kind in levels.LEVEL_MODULES:
+        return levels.module(kind).CallSpec
+    return SDPACallSpec if kind == "sdpa" else MHACallSpec
 
 
 def save_case(case: Any, path: Path, *, call: Any = None, **extra_meta: Any) -> Path:
@@ -177,8 +189,8 @@ def _read(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.nd
         raise ValueError("no such file") from None
     except Exception as err:  # noqa: BLE001 - zipfile.BadZipFile, EOFError, OSError, ...
         raise ValueError(f"not a readable .npz file ({type(err).__name__}: {err})") from None
-    if not isinstance(meta, dict) or meta.get("kind") not in ("sdpa", "mha"):
-        raise ValueError("its metadata has no kind 'sdpa' or 'mha'")
+    if not isinstance(meta, dict) or meta.get("kind") not in _KINDS:
+        raise ValueError(f"its metadata has no kind of {_KINDS}")
     return meta, arrays
 
 
@@ -198,7 +210,7 @@ def load_call(path: str | os.PathLike[str]) -> Any:
     meta, arrays = _read(path)
     if "call" not in meta:
         case, _ = load_case(path)
-        return (SDPACallSpec if isinstance(case, SDPACase) else MHACallSpec)(case)
+        return _plain_call(case)
     try:
         return _call_from(meta["call"], arrays)
     except (KeyError, TypeError, ValueError) as err:
@@ -236,6 +248,8 @@ def validate_saved(case: Any, meta: dict[str, Any], properties: Any) -> None:
                                  f"{LAYOUTS}, causal None, 'upper_left' or 'lower_right'")
             spec.sdpa(case.query, case.key, case.value, attend_mask=case.attend_mask,
                       additive_mask=case.additive_mask, causal=case.causal, scale=case.scale)
+        elif level in levels.LEVEL_MODULES:
+            levels.module(level).validate(case)
         else:
             spec.mha_forward(case.params, case.query, case.key, case.value,
                              key_padding_mask=case.key_padding_mask, attn_mask=case.attn_mask,
@@ -334,6 +348,13 @@ def reproducer(call: Any, impl: str, path: Path | None, options: dict[str, str])
     ``options``: the ``--impl`` and ``--impl-option`` values). Small calls are
     spelled out as literals; larger ones are loaded from ``path``."""
     resolve = f"resolve({impl!r}" + (f", {options!r})" if options else ")")
+    if call.level in levels.LEVEL_MODULES:  # loaded from the saved file, never spelled out
+        show = levels.module(call.level).SHOW
+        return "\n".join(["from conformance.failures import load_call",
+                          f"from {levels.LEVEL_MODULES[call.level]} import {show}",
+                          "from implementations.registry import resolve", "",
+                          f"call = load_call({str(path)!r})  # {call.case.describe()}",
+                          f"{show}({resolve}, call)"]) + "\n"
     sdpa = isinstance(call, SDPACallSpec)
     show = "show_sdpa_call" if sdpa else "show_mha_call"
     spec_name = "SDPACallSpec" if sdpa else "MHACallSpec"
@@ -375,7 +396,7 @@ def _counterexample(case: Any) -> dict[str, Any]:
 
 
 def _plain_call(case: Any) -> Any:
-    return (SDPACallSpec if isinstance(case, SDPACase) else MHACallSpec)(case)
+    return _call_class(levels.level_of(case) or ("sdpa" if isinstance(case, SDPACase) else "mha"))(case)
 
 
 def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bool | None]:
@@ -435,7 +456,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
     record.message = str(exc).strip()[:4000]
     if case is None:
         return
-    if not isinstance(case, (SDPACase, MHACase)):  # varlen / kvcache cases: not saved yet
+    if not isinstance(case, (SDPACase, MHACase)) and not levels.level_of(case):  # varlen / kvcache: not saved yet
         _annotate_unsaved(exc, property_id, target, record, impl, options)
         return
     record.counterexample = _counterexample(case)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.levels import LEVEL_MODULES
 from implementations.base import (
     ALL_DTYPES,
     VARLEN_LEVELS,
@@ -52,11 +53,13 @@ CALL_CLOCK = struct.Struct("<d")
 
 def _case_classes() -> dict[str, type]:
     from conformance.cases import MHACase, SDPACase
+    from conformance import levels
     from conformance.varlen_calls import KVCacheCase, VarlenCase
     from spec import MHAParams
 
+    extra = {cls.__name__: cls for cls in (levels.module(n).Case for n in levels.LEVEL_MODULES)}
     return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams,
-            "VarlenCase": VarlenCase, "KVCacheCase": KVCacheCase}
+            "VarlenCase": VarlenCase, "KVCacheCase": KVCacheCase, **extra}
 
 
 def _json_default(value: Any) -> Any:
@@ -183,12 +186,16 @@ def _caps_from_json(data: dict[str, Any]) -> Capabilities:
         if f.name not in data:
             continue
         value = data[f.name]
-        if f.name in ("mask_kinds", "mha_features"):
+        if f.name in ("mask_kinds", "mha_features") or f.name.endswith("_features"):
             value = frozenset(value)
         elif isinstance(value, list):
             value = tuple(value)
         values[f.name] = value
     return Capabilities(**values)
+
+
+#: The levels of ``conformance.levels`` (each an Implementation field and its capabilities).
+_LEVELS = tuple(LEVEL_MODULES)
 
 
 def _skip_key(level: str, device: str, dtype: str) -> str:
@@ -208,12 +215,17 @@ def describe_implementation(impl: Implementation) -> dict[str, Any]:
         **{level: getattr(impl, level) is not None for level in VARLEN_LEVELS},
         "capabilities": _caps_to_json(impl.capabilities),
         "mha_capabilities": None if impl.mha_capabilities is None else _caps_to_json(impl.mha_capabilities),
+        # conformance.levels: each level's callable (present or not) and its capabilities.
+        "levels": {level: {"present": getattr(impl, level) is not None,
+                           "capabilities": None if getattr(impl, f"{level}_capabilities") is None
+                           else _caps_to_json(getattr(impl, f"{level}_capabilities"))}
+                   for level in _LEVELS},
         "expected_failures": [dataclasses.asdict(e) | {"match": dict(e.match)} for e in impl.expected_failures],
         # An Implementation subclass may say more than its capabilities do.
         "skip_reasons": {
             _skip_key(level, device, dtype): impl.not_supported_reasons(
                 {"level": level, "device": device, "dtype": dtype})
-            for level in ("sdpa", "mha", *VARLEN_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
+            for level in ("sdpa", "mha", *VARLEN_LEVELS, *_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
         },
     }
 
@@ -256,6 +268,10 @@ class IsolatedImplementation(Implementation):
             load_weights=_OnlyInTheWorker("load_weights") if data["mha"] else None,
             **{level: _OnlyInTheWorker(level) if data.get(level) else None for level in VARLEN_LEVELS},
             mha_capabilities=None if data["mha_capabilities"] is None else _caps_from_json(data["mha_capabilities"]),
+            **{level: _OnlyInTheWorker(level) if entry["present"] else None
+               for level, entry in data.get("levels", {}).items()},
+            **{f"{level}_capabilities": None if entry["capabilities"] is None else _caps_from_json(entry["capabilities"])
+               for level, entry in data.get("levels", {}).items()},
             version=data["version"],
             description=data["description"],
             expected_failures=tuple(ExpectedFailure(**e) for e in data["expected_failures"]),

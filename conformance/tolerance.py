@@ -44,6 +44,7 @@ __all__ = [
     "tolerance_for",
     "sdpa_allowed",
     "grad_allowed",
+    "lse_allowed",
     "spread_over_head",
     "MHA_TOLERANCES",
     "MHATolerance",
@@ -120,6 +121,14 @@ def sdpa_allowed(
     # demanding exactness below what the dtype can represent.
     tiny = {"float64": 2.2e-308, "float32": 1.2e-38, "float16": 6.1e-5, "bfloat16": 1.2e-38}[dtype]
     return tol.k * naive_error + tol.floor * eps * np.maximum(magnitude, tiny)
+
+
+def lse_allowed(dtype: str, naive_error: float, score_size: np.ndarray, *, tf32: bool = False) -> np.ndarray:
+    """Elementwise allowed error of a log-sum-exp (FlashAttention's ``softmax_lse``):
+    k × the naive same-precision LSE error plus the rounding floor at the row's largest
+    |score| (``score_size``, per row), the size a score's own rounding error scales with."""
+    tol, eps = tolerance_for(dtype, tf32=tf32)
+    return tol.k * naive_error + tol.floor * eps * (1.0 + score_size)
 
 
 #: Smallest positive subnormal of each dtype: gradients below a few of these

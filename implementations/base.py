@@ -26,6 +26,14 @@ An :class:`Implementation` exposes attention at one or both of two levels:
   E|Ev)`` or pages ``(num_pages, page_size, K, E|Ev)`` with ``block_table (B,
   max_pages)``; new k/v are written into the caches in place. Returns ``(B, L, N, Ev)``
   (``spec.kvcache``).
+* **Flash level** — ``flash(q, k, v, dropout_p=0.0, softmax_scale=None,
+  causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+  deterministic=False, return_attn_probs=False)`` with FlashAttention-2's
+  ``flash_attn_func`` convention: ``q (B, L, N, E)``, ``k (B, S, K, E)``,
+  ``v (B, S, K, Ev)``, causal **lower-right**; returns the output ``(B, L, N, Ev)``,
+  or ``(output, lse (B, N, L), attn_probs or None)`` with ``return_attn_probs``.
+  What it supports is ``Capabilities.flash_features`` (``spec.flash``); its
+  ``Capabilities.causal`` is ``"lower_right"`` (or None: no ``causal=True``).
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim, D model dim.
@@ -43,6 +51,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "ALL_DTYPES",
+    "ALL_FLASH_FEATURES",
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
     "RENAMED_MHA_FEATURES",
@@ -114,6 +123,16 @@ def check_mha_feature_names(names: Any, where: str = "mha_features") -> None:
 #: The levels whose callable is an ``Implementation`` field of the same name.
 VARLEN_LEVELS = ("varlen", "kvcache")
 
+#: Optional features of a flash-level implementation (``flash_attn_func`` arguments).
+ALL_FLASH_FEATURES = frozenset(
+    {
+        "window",   # window_size=(left, right) other than (-1, -1)
+        "softcap",  # softcap > 0
+        "alibi",    # alibi_slopes (N,) or (B, N)
+        "lse",      # return_attn_probs=True returns (output, lse, ...)
+    }
+)
+
 
 class ImplementationError(ValueError):
     """An implementation is misdeclared or cannot be resolved/loaded."""
@@ -168,6 +187,8 @@ class Capabilities:
     # -- kv-cache level features (``conformance/test_varlen.py`` consumes them) --
     kv_paged: bool = True            # block_table= (paged cache) honoured: paged_equivalence
     kv_append: bool = True           # new k=/v= written at cache_seqlens: kvcache_equivalence
+    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``).
+    flash_features: frozenset[str] = ALL_FLASH_FEATURES
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -194,6 +215,13 @@ class Capabilities:
                 f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
             )
         check_mha_feature_names(self.mha_features)
+
+        if not set(self.flash_features) <= ALL_FLASH_FEATURES:
+            raise ImplementationError(
+                f"flash_features has unknown entries "
+                f"{sorted(set(self.flash_features) - ALL_FLASH_FEATURES)}; known: "
+                f"{sorted(ALL_FLASH_FEATURES)}"
+            )
 
     def replace(self, **changes: Any) -> "Capabilities":
         return dataclasses.replace(self, **changes)
@@ -332,6 +360,12 @@ class Implementation:
     # -- varlen / kv-cache levels (see the module docstring) --
     varlen: Callable[..., Any] | None = None
     kvcache: Callable[..., Any] | None = None
+    #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
+    flash: SDPACallable | None = None
+    flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
+    #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
+    flash: SDPACallable | None = None
+    flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
     version: str = "0"
     description: str = ""
     #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
@@ -344,9 +378,9 @@ class Implementation:
 
     def __post_init__(self) -> None:
         if self.unavailable_reason is None and all(
-                fn is None for fn in (self.sdpa, self.mha, self.varlen, self.kvcache)):
+                fn is None for fn in (self.sdpa, self.mha, self.flash, self.varlen, self.kvcache)):
             raise ImplementationError(
-                f"Implementation(name={self.name!r}) exposes none of sdpa=, mha=, varlen=, "
+                f"Implementation(name={self.name!r}) exposes none of sdpa=, mha=, flash=, varlen=, "
                 "kvcache=; give at least one callable"
             )
         if self.mha is not None and self.load_weights is None:
@@ -360,10 +394,10 @@ class Implementation:
         return self.unavailable_reason is None
 
     def caps(self, level: str) -> Capabilities:
-        """Capabilities at ``level`` (``"sdpa"`` or ``"mha"``)."""
-        if level == "mha" and self.mha_capabilities is not None:
-            return self.mha_capabilities
-        return self.capabilities
+        """Capabilities at ``level`` (``"sdpa"``, ``"mha"``, ``"flash"``): the field
+        ``<level>_capabilities`` when set, else ``capabilities``."""
+        specific = getattr(self, f"{level}_capabilities", None)
+        return specific if specific is not None else self.capabilities
 
     def not_supported_reasons(self, case: Mapping[str, Any]) -> list[str]:
         """Readable reasons why ``case`` is outside this implementation's claims.
@@ -382,7 +416,7 @@ class Implementation:
             return [f"{self.name} has no SDPA-level callable"]
         if level == "mha" and self.mha is None:
             return [f"{self.name} has no MHA-level module"]
-        if level in VARLEN_LEVELS and getattr(self, level) is None:
+        if level not in ("sdpa", "mha") and getattr(self, level, None) is None:
             return [f"{self.name} has no {level}-level callable"]
         c = self.caps(level)
         if "device" in case and case["device"] not in c.devices:
@@ -431,4 +465,7 @@ class Implementation:
         missing = set(case.get("mha_features", ())) - set(c.mha_features)
         if level == "mha" and missing:
             reasons.append(f"MHA features not supported: {sorted(missing)}")
+        missing = set(case.get("flash_features", ())) - set(c.flash_features)
+        if level == "flash" and missing:
+            reasons.append(f"flash features not supported: {sorted(missing)}")
         return reasons

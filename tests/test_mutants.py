@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Correct built-ins (registry names) and the zoo's own correct bases (module:attr).
-CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "triton", "jax", "varlen-reference"] + [
+CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref", "triton", "jax", "varlen-reference"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ]
 TIMEOUT_S = 1800

@@ -24,6 +24,7 @@ BUILTINS: dict[str, str] = {
     "sdpa-cudnn": "implementations.builtins.torch_sdpa:make_backend",
     "torch-mha": "implementations.builtins.torch_mha:make_implementation",
     "flex": "implementations.builtins.flex:make_implementation",
+    "flash-ref": "implementations.builtins.flash_reference:make_implementation",
     "triton": "implementations.builtins.triton_attention:make_implementation",
     "jax": "implementations.builtins.jax_attention:make_implementation",
     # varlen / kv-cache levels

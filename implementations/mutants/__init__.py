@@ -17,12 +17,14 @@ Modules: :mod:`.sdpa_mutants`, :mod:`.tiled_mutants`, :mod:`.mha_mutants`,
 :mod:`.property_mutants` (one mutant for each property no other mutant names, so
 every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
 modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
-(bugs that live at one (L, S) size); :mod:`.varlen_mutants` (packed-sequence and
-KV-cache bugs, at the varlen and kvcache levels).
+(bugs that live at one (L, S) size); :mod:`.flash_mutants` (``flash_attn_func`` with
+one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-sequence
+and KV-cache bugs, at the varlen and kvcache levels).
 """
 
 from __future__ import annotations
 
+from implementations.mutants.flash_mutants import FLASH_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
 from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
@@ -38,5 +40,5 @@ __all__ = ["MUTANTS", "Mutant"]
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
-              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *VARLEN_MUTANTS)
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS)
 }

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from implementations.base import (
     ALL_DTYPES,
+    ALL_FLASH_FEATURES,
     ALL_MASK_KINDS,
     ALL_MHA_FEATURES,
     CAUSAL_ALIGNMENTS,
@@ -110,6 +111,10 @@ def _parse_mha_features(text: str) -> frozenset[str]:
     return frozenset(() if text.strip().lower() == "none" else _parse_list(ALL_MHA_FEATURES)(text))
 
 
+def _parse_flash_features(text: str) -> frozenset[str]:
+    return frozenset(() if text.strip().lower() == "none" else _parse_list(ALL_FLASH_FEATURES)(text))
+
+
 def _option_parsers() -> dict[str, Callable[[str], Any]]:
     """Capabilities field -> parser of its ``--impl-option`` text (every bool field too)."""
     parsers: dict[str, Callable[[str], Any]] = {
@@ -120,6 +125,7 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "fully_masked": _parse_fully_masked,
         "batch_dims": _parse_batch_dims,
         "mha_features": _parse_mha_features,
+        "flash_features": _parse_flash_features,
         "max_head_dim": _parse_optional_int,
         "max_seq_len": _parse_optional_int,
         "min_head_dim": _parse_optional_int,
@@ -158,6 +164,8 @@ def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implement
     try:
         caps = overridden(impl.capabilities)
         mha_caps = overridden(impl.mha_capabilities) if impl.mha_capabilities else None
+        flash_caps = overridden(impl.flash_capabilities) if impl.flash_capabilities else None
     except ImplementationError as exc:
         raise ImplementationError(f"--impl-option values {dict(options)} are inconsistent: {exc}") from exc
-    return dataclasses.replace(impl, capabilities=caps, mha_capabilities=mha_caps)
+    return dataclasses.replace(impl, capabilities=caps, mha_capabilities=mha_caps,
+                               flash_capabilities=flash_caps)

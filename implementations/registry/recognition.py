@@ -11,6 +11,8 @@ Accepted, in this order:
   max_seqlen_q, max_seqlen_k, ...)`` (varlen level) or ``flash_attn_with_kvcache(q,
   k_cache, v_cache, ...)`` (kvcache level), called as is, capabilities read from the
   signature;
+* a function with FlashAttention's ``flash_attn_func`` signature (``q, k, v`` first;
+  :mod:`.flash_recognition`), certified at the flash level;
 * a class that is a drop-in for ``torch.nn.MultiheadAttention`` (constructor
   ``embed_dim, num_heads, ...`` and ``forward(query, key, value, key_padding_mask,
   need_weights, attn_mask, average_attn_weights, is_causal)``; weights are loaded by
@@ -30,6 +32,10 @@ from typing import Any, Callable
 from implementations.base import Capabilities, Implementation, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
+from implementations.registry.flash_recognition import (
+    is_flash_signature,
+    recognise_flash,
+)
 from implementations.registry.probing import (
     DEFAULT_PROBE_TIMEOUT,
     build_limit,
@@ -62,8 +68,9 @@ KVCACHE_PARAMETERS = ("q", "k_cache", "v_cache")
 #: What an object found by ``--impl`` may be, for error messages.
 ACCEPTED_OBJECTS = (
     "an Implementation (or a zero-argument callable returning one), a function "
-    "with torch.nn.functional.scaled_dot_product_attention's signature, or a drop-in class for "
-    "torch.nn.MultiheadAttention (or FlashAttention's flash_attn_varlen_func / flash_attn_with_kvcache)"
+    "with torch.nn.functional.scaled_dot_product_attention's or flash_attn_func's signature, or a "
+    "drop-in class for torch.nn.MultiheadAttention (or FlashAttention's flash_attn_varlen_func / "
+    "flash_attn_with_kvcache)"
 )
 
 
@@ -87,6 +94,9 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         return _recognise_varlen(obj, varlen_level, names, name=name, origin=origin)
     if names[:3] == ["query", "key", "value"]:
         return _recognise_sdpa(obj, parameters, name=name, origin=origin, timeout=timeout)
+    if is_flash_signature(names):
+        return recognise_flash(obj, parameters, name=name, origin=origin, version=_version_of(obj),
+                               timeout=timeout)
     required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not required:
         return _call_builder(obj, origin, timeout)
@@ -94,7 +104,7 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         f"{origin} has the signature {getattr(obj, '__name__', 'f')}({', '.join(names)}), which "
         "is not torch.nn.functional.scaled_dot_product_attention's "
         f"({', '.join(SDPA_PARAMETERS)}): the first three parameters must be named query, key, "
-        "value; or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
+        "value (or q, k, v for flash_attn_func's signature); or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
     )
 
 

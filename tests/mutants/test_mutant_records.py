@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from implementations.mutants._base import (
     load_mha_weights,
 )
 from implementations.mutants.cases import case_attrs, mha_call, sdpa_call
+from implementations.mutants.flash_mutants import FLASH_CAPABILITIES
 
 #: The suite's property ids, from the registry (every conformance/test_*.py imported).
 PROPERTY_IDS = frozenset(registered_properties())
@@ -214,8 +216,41 @@ def _mha_grads(run, call):
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
 
 
+def _flash_agrees(implementation: Implementation, case: dict) -> bool:
+    """Does the flash-level ``implementation`` agree with ``spec.flash`` on ``case`` (output,
+    and the LSE with ``lse``, the gradients with ``grad``)? Vocabulary: sizes, ``causal``,
+    ``window`` [left, right], ``softcap``, ``alibi`` (slopes per head), ``lse``, ``grad``."""
+    import spec
+
+    g = torch.Generator().manual_seed(0)
+    B, N, K, L, S, E, Ev = (case[d] for d in SIZES)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64)
+               for shape in ((B, L, N, E), (B, S, K, E), (B, S, K, Ev)))
+    options = {"causal": bool(case.get("causal")), "window": tuple(case.get("window", (-1, -1))),
+               "softcap": float(case.get("softcap", 0.0)),
+               "alibi_slopes": None if case.get("alibi") is None else np.array(case["alibi"], dtype=float)}
+    kwargs = {"causal": options["causal"], "window_size": options["window"], "softcap": options["softcap"],
+              "alibi_slopes": None if options["alibi_slopes"] is None else torch.tensor(case["alibi"])}
+    want = spec.flash_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, **options)
+    inputs = [t.clone().requires_grad_(bool(case.get("grad"))) for t in (q, k, v)]
+    got = implementation.flash(*inputs, return_attn_probs=bool(case.get("lse")), **kwargs)
+    out = got[0] if case.get("lse") else got
+    if not np.allclose(out.detach().numpy(), want.output, atol=1e-9):
+        return False
+    if case.get("lse") and not np.allclose(got[1].detach().numpy(), want.lse, atol=1e-9):
+        return False
+    if case.get("grad"):
+        upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        expected = spec.flash_attention_vjp(q.numpy(), k.numpy(), v.numpy(), upstream.numpy(), **options)
+        return all(np.allclose(a.numpy(), b, atol=1e-9) for a, b in zip(grads, expected, strict=True))
+    return True
+
+
 def _agrees(mutant: Mutant, case: dict) -> bool:
     implementation = mutant.build()
+    if mutant.level == "flash":
+        return _flash_agrees(implementation, case)
     if mutant.level == "mha":
         return _mha_agrees(implementation, case)
     return _sdpa_agrees(implementation.sdpa, case)
@@ -230,7 +265,7 @@ def test_zoo_size_and_coverage():
     missing = set(range(1, 16)) - rows
     assert not missing, f"docs/KNOWN_BUGS.md rows without a mutant: {sorted(missing)}"
     assert REQUIRED <= set(MUTANTS), f"missing mutants: {sorted(REQUIRED - set(MUTANTS))}"
-    assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha", "varlen", "kvcache"}
+    assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha", "flash", "varlen", "kvcache"}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -245,6 +280,8 @@ def test_record_is_complete(name):
     assert mutant.expected_property in PROPERTY_IDS | PENDING_PROPERTY_IDS, (
         f"expected_property={mutant.expected_property!r}")
     assert mutant.expected_property.startswith("mha_") == (mutant.level == "mha")
+    info = registered_properties().get(mutant.expected_property)
+    assert info is None or info.level == mutant.level, f"{mutant.expected_property} is {info.level}-level"
     if mutant.expected_cause is not None:                # a spec.variants variant of the mutant's level
         assert mutant.expected_cause in V.VARIANTS, f"expected_cause={mutant.expected_cause!r}"
         assert V.VARIANTS[mutant.expected_cause].level == mutant.level
@@ -255,7 +292,9 @@ def test_record_is_complete(name):
     assert isinstance(implementation, Implementation)
     assert implementation.name == f"mutant:{name}"
     assert implementation.listed is False
-    if mutant.level == "sdpa":
+    if mutant.level == "flash":
+        assert implementation.flash is not None and implementation.sdpa is None and implementation.mha is None
+    elif mutant.level == "sdpa":
         assert implementation.sdpa is not None and implementation.mha is None
     else:
         assert implementation.mha is not None and implementation.load_weights is not None
@@ -276,7 +315,7 @@ def test_capabilities_are_the_bases(name):
     """Honest claims: a mutant declares what its base supports, bug included."""
     mutant = MUTANTS[name]
     caps = mutant.build().capabilities
-    base = SDPA_CAPABILITIES if mutant.level == "sdpa" else MHA_CAPABILITIES
+    base = {"sdpa": SDPA_CAPABILITIES, "mha": MHA_CAPABILITIES, "flash": FLASH_CAPABILITIES}[mutant.level]
     if name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
         from implementations.builtins.triton_attention import make_implementation
 

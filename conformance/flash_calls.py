@@ -1,0 +1,635 @@
+"""The flash level: a ``flash_attn_func`` call as a case, calling it, and what ``spec.flash`` says.
+
+A :class:`FlashCase` is one call of FlashAttention's ``flash_attn_func`` in its layout:
+query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), with ``causal`` (lower-right),
+``window`` (left, right), ``softcap`` and ``alibi_slopes`` (N,) or (B, N). A
+:class:`FlashCallSpec` is the call as made (with or without the LSE, with an upstream
+gradient); :func:`run_flash` makes it through ``runner.call_guarded`` and logs it, like
+``calls.run_sdpa``. The tolerance is the SDPA rule (``conformance.tolerance``): k × the
+error of a naive same-precision computation of the very same case
+(:func:`emulate_flash`, rounding after every operation as ``spec.emulate_sdpa`` does,
+soft-capping included) plus a rounding floor at the magnitude of what the output sums.
+
+Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
+E q/k head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance import tolerance
+from conformance.calls import assert_returned_tensor, grad_magnitudes
+from conformance.cases import SDPACase, _scale_sign
+from conformance.compare import (
+    Comparison,
+    PropertyFailure,
+    assert_contract,
+    compare_values,
+    fail,
+)
+from conformance.helpers import case_rng
+from conformance.replay import CallReport, Invoke
+from conformance.runner import ImplementationRaised, Target, call_guarded
+from conformance.tensors import dtype_of, to_numpy
+from spec.emulate import _rounder, round_to
+
+__all__ = [
+    "ATTRIBUTES",
+    "FLASH_ATTRIBUTES",
+    "SHOW",
+    "CallSpec",
+    "Case",
+    "FlashCall",
+    "FlashCallSpec",
+    "FlashCase",
+    "allowed_lse",
+    "allowed_output",
+    "case_from_meta",
+    "case_meta",
+    "check_gradients",
+    "check_lse",
+    "check_output",
+    "emulate_flash",
+    "expect_flash_raises",
+    "flash_inputs",
+    "oracle",
+    "report_call",
+    "report_flash_call",
+    "run_flash",
+    "run_flash_call",
+    "show_flash_call",
+    "validate",
+]
+
+def _direct(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` as is (a reproducer's way; the runner passes ``runner.call_guarded``)."""
+    return fn(*args, **kwargs)
+
+
+#: Attributes of a flash-level call (``FlashCase.attrs()`` and what the call adds:
+#: ``grad``, ``lse``): the keys an expected failure's ``match`` may use at this level.
+FLASH_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "causal", "scale", "scale_sign", "regime", "B", "N", "K", "L",
+    "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows", "window", "window_left",
+    "window_right", "softcap", "alibi", "flash_features", "grad", "lse",
+})
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class FlashCase:
+    """One ``flash_attn_func`` call (values exactly representable in ``dtype``).
+
+    ``causal``: FlashAttention's flag (lower-right, i.e. ``right = 0``); ``window``
+    (left, right), -1 = unbounded; ``softcap`` 0 = off; ``alibi_slopes`` float64 (N,) or
+    (B, N), handed over as float32 (FlashAttention's), so stored float32-exact.
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None
+    scale: float | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+    regime: str = "normal"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
+
+    @property
+    def level(self) -> str:
+        return "flash"
+
+    @property
+    def B(self) -> int:
+        return int(self.query.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.query.shape[1])
+
+    @property
+    def N(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def E(self) -> int:
+        return int(self.query.shape[3])
+
+    @property
+    def S(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def K(self) -> int:
+        return int(self.key.shape[2])
+
+    @property
+    def Ev(self) -> int:
+        return int(self.value.shape[3])
+
+    def sizes(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in ("B", "N", "K", "L", "S", "E", "Ev")}
+
+    def options(self) -> dict[str, Any]:
+        """The ``spec.flash_attention`` keyword arguments of this case."""
+        return {"causal": self.causal, "window": self.window, "softcap": self.softcap,
+                "alibi_slopes": self.alibi_slopes, "scale": self.scale}
+
+    def features(self) -> set[str]:
+        """The ``Capabilities.flash_features`` this case uses (lse is the call's)."""
+        used = set()
+        if self.window != (-1, -1):
+            used.add("window")
+        if self.softcap:
+            used.add("softcap")
+        if self.alibi_slopes is not None:
+            used.add("alibi")
+        return used
+
+    def empty_rows(self) -> np.ndarray:
+        """Bool (L,): query rows that attend no key (window, causal, S = 0)."""
+        return ~spec.window_mask(self.L, self.S, self.window, causal=self.causal).any(axis=-1)
+
+    def attrs(self, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "level": "flash", "device": self.device, "dtype": self.dtype,
+            "causal": "lower_right" if self.causal else None,
+            "scale": self.scale, "scale_sign": _scale_sign(self.scale), "regime": self.regime,
+            **self.sizes(),
+            "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
+            "fully_masked_rows": bool(self.empty_rows().any()),
+            "window": self.window != (-1, -1), "window_left": self.window[0], "window_right": self.window[1],
+            "softcap": self.softcap, "alibi": self.alibi_slopes is not None,
+            "flash_features": self.features(),
+        }
+        out.update(extra)
+        return out
+
+    def replace(self, **changes: Any) -> FlashCase:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return FlashCase(**values)
+
+    def __repr__(self) -> str:
+        return f"FlashCase({self.describe()})"
+
+    def describe(self) -> str:
+        sizes = " ".join(f"{k}={v}" for k, v in self.sizes().items())
+        slopes = None if self.alibi_slopes is None else f"{tuple(self.alibi_slopes.shape)}"
+        return (f"{sizes} dtype={self.dtype} device={self.device} causal={self.causal} "
+                f"window={self.window} softcap={self.softcap!r} alibi_slopes={slopes} "
+                f"scale={self.scale!r} regime={self.regime}")
+
+    def heads_first(self) -> SDPACase:
+        """The same problem as an SDPA case, heads first, window/causal as an attend mask and
+        ALiBi as an additive mask (not valid with soft-capping)."""
+        attend = spec.window_mask(self.L, self.S, self.window, causal=self.causal)
+        bias = None if self.alibi_slopes is None else spec.alibi_bias(self.L, self.S, self.alibi_slopes)
+        t = (0, 2, 1, 3)
+        additive = None
+        if bias is not None:
+            additive = np.where(attend, bias, -np.inf)
+        return SDPACase(self.query.transpose(t), self.key.transpose(t), self.value.transpose(t),
+                        attend_mask=None if additive is not None else attend, additive_mask=additive,
+                        scale=self.scale, dtype=self.dtype, device=self.device)
+
+
+# --------------------------------------------------------------------------- calls
+
+
+@dataclass(frozen=True, eq=False)
+class FlashCallSpec:
+    """One call of ``impl.flash``, exactly as made: the case, whether the LSE was asked
+    for (``return_attn_probs=True``), and the upstream gradient backpropagated after."""
+
+    case: FlashCase
+    lse: bool = False
+    grad_output: np.ndarray | None = None
+
+    @property
+    def level(self) -> str:
+        return "flash"
+
+    @property
+    def grad(self) -> bool:
+        return self.grad_output is not None
+
+    @property
+    def called_case(self) -> FlashCase:
+        return self.case
+
+    @property
+    def passed_case(self) -> FlashCase:
+        return self.case
+
+    def attrs(self) -> dict[str, Any]:
+        return self.case.attrs(grad=self.grad, lse=self.lse)
+
+    def keyword_arguments(self) -> dict[str, Any]:
+        """What is passed besides q, k, v (tensors as placeholders): the options that
+        differ from flash_attn_func's defaults, and softmax_scale and causal always."""
+        c = self.case
+        kwargs: dict[str, Any] = {"softmax_scale": c.scale, "causal": c.causal}
+        if c.window != (-1, -1):
+            kwargs["window_size"] = c.window
+        if c.softcap:
+            kwargs["softcap"] = c.softcap
+        if c.alibi_slopes is not None:
+            kwargs["alibi_slopes"] = "<float32 tensor>"
+        if self.lse:
+            kwargs["return_attn_probs"] = True
+        return kwargs
+
+    def arguments(self) -> str:
+        text = ", ".join(f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}"
+                         for k, v in self.keyword_arguments().items())
+        if self.grad:
+            text += "; backward with a seeded upstream gradient"
+        return text
+
+    def describe(self) -> str:
+        return f"{self.case.describe()}; {self.arguments()}"
+
+    def same_as(self, case: Any) -> bool:
+        return self.case is case and not self.grad and not self.lse
+
+
+def flash_inputs(case: FlashCase, *, requires_grad: bool = False) -> dict[str, Any]:
+    """Contiguous tensors of the case (q, k, v in its dtype, slopes float32) on its device."""
+    import torch
+
+    dtype = dtype_of(case.dtype)
+
+    def tensor(a: np.ndarray) -> Any:
+        t = torch.tensor(np.ascontiguousarray(a), dtype=dtype, device=case.device)
+        return t.requires_grad_(True) if requires_grad else t
+
+    slopes = None
+    if case.alibi_slopes is not None:
+        slopes = torch.tensor(case.alibi_slopes, dtype=torch.float32, device=case.device)
+    return {"q": tensor(case.query), "k": tensor(case.key), "v": tensor(case.value), "alibi_slopes": slopes}
+
+
+@dataclass
+class FlashOutcome:
+    tensor: Any  # the output tensor
+    lse: Any  # the LSE tensor (None unless asked for)
+    inputs: dict[str, Any]  # the tensors handed over (.grad filled after backward)
+
+
+def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = _direct,
+                   inputs: dict[str, Any] | None = None, check_output: bool = True) -> FlashOutcome:
+    """Make ``call`` on ``impl.flash`` (through ``invoke``); with ``check_output``, check
+    that the output (and the LSE when asked for) came back, and backpropagate."""
+    __tracebackhide__ = True
+    import torch
+
+    case = call.case
+    tensors = inputs if inputs is not None else flash_inputs(case, requires_grad=call.grad)
+    kwargs = call.keyword_arguments()
+    if "alibi_slopes" in kwargs:
+        kwargs["alibi_slopes"] = tensors["alibi_slopes"]
+
+    def forward() -> Any:
+        return impl.flash(tensors["q"], tensors["k"], tensors["v"], **kwargs)
+
+    result = invoke(forward)
+    lse = None
+    if call.lse and check_output:
+        if not isinstance(result, (tuple, list)) or len(result) < 2:
+            fail(f"return_attn_probs=True returned {type(result).__name__}, but should return "
+                 "(output, softmax_lse, ...) as flash_attn_func does")
+        out, lse = result[0], result[1]
+    else:
+        out = result[0] if isinstance(result, (tuple, list)) and call.lse else result
+    if check_output:
+        if not isinstance(out, torch.Tensor):
+            fail(f"output type={type(out).__name__}, but should be torch.Tensor")
+        shape = (case.B, case.L, case.N, case.Ev)
+        if tuple(out.shape) != shape:
+            fail(f"output shape={tuple(out.shape)}, but should be {shape} (B, L, N, Ev)")
+        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (case.B, case.N, case.L)):
+            fail(f"softmax_lse shape={tuple(getattr(lse, 'shape', ()))}, but should be "
+                 f"{(case.B, case.N, case.L)} (B, N, L)")
+    if call.grad_output is not None:
+        g = torch.from_numpy(call.grad_output).to(dtype_of(case.dtype)).to(out.device)
+        invoke(out.backward, g)
+    return FlashOutcome(out, lse, tensors)
+
+
+@dataclass
+class FlashCall:
+    output: np.ndarray  # float64 copy of the output
+    lse: np.ndarray | None  # float64 copy of the LSE (+inf mapped to -inf), when asked for
+    tensor: Any
+    inputs: dict[str, Any]
+    spec: FlashCallSpec
+    lse_dtype: str | None = None  # the dtype the LSE came back in ("float32", ...)
+
+
+def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
+              grad_output: np.ndarray | None = None) -> FlashCall:
+    """Call ``target.impl.flash`` on ``case`` through ``runner.call_guarded`` and log the call."""
+    __tracebackhide__ = True
+    call = FlashCallSpec(case, lse=lse, grad_output=grad_output)
+    if target.log is not None:
+        target.log.calls.append(call)
+    outcome = run_flash_call(target.impl, call, invoke=partial(call_guarded, target))
+    assert_returned_tensor("output", outcome.tensor, device=case.device)
+    lse_values = None
+    if outcome.lse is not None:
+        lse_values = to_numpy(outcome.lse)
+        # FlashAttention-2 writes +inf for a row attending no key; the spec says -inf.
+        lse_values = np.where(np.isposinf(lse_values), -np.inf, lse_values)
+    lse_dtype = None if outcome.lse is None else str(outcome.lse.dtype).removeprefix("torch.")
+    return FlashCall(to_numpy(outcome.tensor), lse_values, outcome.tensor, outcome.inputs, call, lse_dtype)
+
+
+def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:
+    """``case`` is invalid per the spec: the call must raise."""
+    __tracebackhide__ = True
+    call = FlashCallSpec(case)
+    if target.log is not None:
+        target.log.calls.append(call)
+    try:
+        outcome = run_flash_call(target.impl, call, invoke=partial(call_guarded, target), check_output=False)
+    except ImplementationRaised:
+        return
+    fail(f"{what}: returned {type(outcome.tensor).__name__}, but should raise an error "
+         "(the input is invalid per the spec)")
+
+
+# --------------------------------------------------------------------------- the oracle and the bounds
+
+
+def oracle(case: FlashCase, **overrides: Any) -> spec.FlashResult:
+    """``spec.flash_attention`` on the stored values, with the LSE (policy zero)."""
+    options = dict(case.options(), **overrides)
+    return spec.flash_attention(case.query, case.key, case.value, return_lse=True, **options)
+
+
+def _forward(case: FlashCase) -> Any:
+    """The oracle's intermediate steps (heads first): logits, weights, LSE, empty rows."""
+    from spec import flash as spec_flash
+
+    problem = spec_flash.prepare(case.query, case.key, case.value, **case.options())
+    return problem, spec_flash.attend(problem)
+
+
+def emulate_flash(case: FlashCase) -> tuple[np.ndarray, np.ndarray]:
+    """(output (B, L, N, Ev), lse (B, N, L)) of a naive same-precision ``flash_attn_func``:
+    every operation rounded to the case's dtype, float32 accumulation for 16-bit dtypes
+    (``spec.emulate``'s rule), soft-capping and the ALiBi bias as rounded steps."""
+    problem, _ = _forward(case)
+    if case.dtype == "float64":
+        ref = oracle(case)
+        return ref.output, ref.lse
+    store, accumulate = _rounder(case.dtype)
+    q, k, v = store(problem.query), store(problem.key), store(problem.value)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        s = store(accumulate(problem.scale) * store(q @ np.swapaxes(k, -1, -2)))
+        if problem.softcap:
+            c = accumulate(problem.softcap)
+            s = store(c * store(np.tanh(store(s / c))))
+        if problem.bias is not None:
+            s = store(s + store(problem.bias))
+        s = np.where(problem.allowed, s, accumulate(-np.inf))
+        empty = ~problem.allowed.any(axis=-1, keepdims=True)
+        row_max = np.where(empty, accumulate(0), s.max(axis=-1, keepdims=True))
+        e = np.exp(s - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = store(e / np.where(empty, accumulate(1), total))
+        output = store(weights @ v)
+        lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, accumulate(1), total)))
+    return output.astype(np.float64).transpose(0, 2, 1, 3), lse[..., 0].astype(np.float64)
+
+
+def _naive_errors(case: FlashCase, ref: spec.FlashResult) -> tuple[float, float]:
+    """Largest error of the naive same-precision output and LSE (rows attending a key)."""
+    if case.dtype == "float64":
+        return 0.0, 0.0
+    out, lse = emulate_flash(case)
+    rows = ~case.empty_rows()
+    with np.errstate(invalid="ignore"):  # -inf - -inf in rows attending no key (not selected)
+        out_err = np.abs(out - ref.output)[:, rows]
+        lse_err = np.abs(lse - ref.lse)[:, :, rows]
+
+    def worst(a: np.ndarray) -> float:
+        finite = a[np.isfinite(a)]
+        return float(finite.max()) if finite.size else 0.0
+
+    return worst(out_err), worst(lse_err)
+
+
+def _score_sizes(case: FlashCase, problem: Any, forward: Any) -> np.ndarray:
+    """(B, N, L, 1): the largest |scale|·Σ|q||k| + |bias| over the keys each row attends
+    (what a computed score's rounding error is proportional to)."""
+    size = abs(problem.scale) * (np.abs(problem.query) @ np.swapaxes(np.abs(problem.key), -1, -2))
+    if problem.softcap:
+        size = np.minimum(size, problem.softcap)
+    if problem.bias is not None:
+        size = size + np.abs(problem.bias)
+    attended = np.broadcast_to(problem.allowed, size.shape) & (forward.weights > 0)
+    return np.where(attended, size, 0.0).max(axis=-1, keepdims=True)
+
+
+def allowed_output(target: Target, case: FlashCase, ref: spec.FlashResult | None = None) -> np.ndarray:
+    """Elementwise allowed error of the output (B, L, N, Ev): ``tolerance.sdpa_allowed``."""
+    ref = ref if ref is not None else oracle(case)
+    problem, forward = _forward(case)
+    magnitude = forward.weights @ np.abs(problem.value)                      # (B, N, L, Ev)
+    naive, _ = _naive_errors(case, ref)
+    allowed = tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
+                                     logit_scale=_score_sizes(case, problem, forward))
+    return allowed.transpose(0, 2, 1, 3)
+
+
+#: Unit roundoff order of the dtypes, to tell whether a returned LSE is stored coarser.
+_PRECISION = {"float64": 3, "float32": 2, "bfloat16": 0, "float16": 1}
+
+
+def allowed_lse(target: Target, case: FlashCase, ref: spec.FlashResult | None = None, *,
+                stored: str | None = None) -> np.ndarray:
+    """Elementwise allowed error of the LSE (B, N, L): ``tolerance.lse_allowed``; an LSE
+    returned in a coarser dtype ``stored`` than the case's (FlashAttention-2 returns it in
+    float32 for every input dtype) is allowed that dtype's rounding too."""
+    ref = ref if ref is not None else oracle(case)
+    problem, forward = _forward(case)
+    _, naive = _naive_errors(case, ref)
+    size = _score_sizes(case, problem, forward)[..., 0]
+    allowed = tolerance.lse_allowed(case.dtype, naive, size, tf32=target.tf32)
+    if stored in _PRECISION and _PRECISION[stored] < _PRECISION[case.dtype]:
+        allowed = np.maximum(allowed, tolerance.lse_allowed(stored, naive, size))
+    return allowed
+
+
+def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: str = "output",
+                 ref: spec.FlashResult | None = None) -> Comparison:
+    """The output against ``spec.flash_attention`` under the tolerance rule; rows attending
+    no key follow the declared policy (zero: exactly 0, nan: NaN)."""
+    __tracebackhide__ = True
+    ref = ref if ref is not None else oracle(case)
+    rows = ~case.empty_rows()                                                 # (L,)
+    where = rows[None, :, None, None]
+    comparison = compare_values(what, actual, ref.output, allowed_output(target, case, ref), where=where)
+    dead = actual[:, ~rows]
+    policy = target.caps.fully_masked
+    if dead.size and policy == "zero" and not (dead == 0).all():
+        fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
+             "(declared fully_masked='zero', FlashAttention's)")
+    if dead.size and policy == "nan" and not np.isnan(dead).all():
+        fail(f"{what} of rows attending no key should be NaN (declared fully_masked='nan')")
+    return comparison
+
+
+def check_lse(target: Target, case: FlashCase, lse: np.ndarray, *,
+              ref: spec.FlashResult | None = None, stored: str | None = None) -> Comparison:
+    """The LSE (B, N, L) against the oracle's natural-log LSE; -inf (FlashAttention-2's +inf
+    is mapped to it) in rows attending no key."""
+    __tracebackhide__ = True
+    ref = ref if ref is not None else oracle(case)
+    with np.errstate(invalid="ignore"):  # -inf against -inf
+        return compare_values("softmax_lse", lse, ref.lse, allowed_lse(target, case, ref, stored=stored))
+
+
+def check_gradients(target: Target, case: FlashCase) -> float:
+    """dq, dk, dv of a seeded upstream gradient against ``spec.flash_attention_vjp``, within
+    ``tolerance.grad_allowed`` (magnitudes of ``calls.grad_magnitudes`` on the heads-first
+    problem; soft-capping's derivative is at most 1); the worst error/allowed ratio."""
+    __tracebackhide__ = True
+    rng = case_rng(case, "grad")
+    grad_out = round_to(rng.standard_normal((case.B, case.L, case.N, case.Ev)), case.dtype)
+    call = run_flash(target, case, grad_output=grad_out)
+    return compare_gradients(target, call.spec, call.inputs)
+
+
+def compare_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any]) -> float:
+    __tracebackhide__ = True
+    case, grad_out = call.case, call.grad_output
+    grads = spec.flash_attention_vjp(case.query, case.key, case.value, grad_out, **case.options())
+    problem, forward = _forward(case)
+    t = (0, 2, 1, 3)
+    view = SDPACase(problem.query, case.key.transpose(t), case.value.transpose(t), scale=problem.scale)
+    bounds = grad_magnitudes(view, SimpleNamespace(weights=forward.weights), grad_out.transpose(t))
+    finite = forward.logits[np.isfinite(forward.logits)]
+    logit_range = float(np.abs(finite).max()) if finite.size else 0.0
+    if problem.bias is not None:
+        logit_range += float(np.abs(problem.bias).max())
+    worst = 0.0
+    for what, name, expected in (("dq", "q", grads.dquery), ("dk", "k", grads.dkey), ("dv", "v", grads.dvalue)):
+        grad = tensors[name].grad
+        if grad is None:
+            fail(f"{what} is None, but should be a gradient (autograd is declared)")
+        bound = bounds[{"dq": "dquery", "dk": "dkey", "dv": "dvalue"}[what]].transpose(t)
+        allowed = tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
+        worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
+    return worst
+
+
+def assert_output_contract(target: Target, case: FlashCase, call: FlashCall) -> None:
+    __tracebackhide__ = True
+    assert_contract("output", call.tensor, shape=(case.B, case.L, case.N, case.Ev),
+                    dtype=dtype_of(case.dtype), device=target.device)
+
+
+# --------------------------------------------------------------------------- saving and reproducing
+
+
+_ARRAYS = ("query", "key", "value", "alibi_slopes")
+
+
+def case_meta(case: FlashCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a flash case for ``conformance.failures`` (kind ``"flash"``)."""
+    arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS if getattr(case, n) is not None}
+    meta = {"kind": "flash", "causal": case.causal, "window": list(case.window), "softcap": case.softcap,
+            "scale": case.scale, "dtype": case.dtype, "device": case.device, "regime": case.regime,
+            "notes": list(case.notes)}
+    return meta, arrays
+
+
+def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> FlashCase:
+    return FlashCase(**{n: arrays.get(n) for n in _ARRAYS}, causal=bool(meta["causal"]),
+                     window=tuple(meta["window"]), softcap=float(meta["softcap"]), scale=meta["scale"],
+                     dtype=meta["dtype"], device=meta["device"], regime=meta["regime"],
+                     notes=tuple(meta["notes"]))
+
+
+def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = _direct) -> CallReport:
+    """Make ``call`` and compare its output (and LSE, gradients) with ``spec.flash``."""
+    case = call.case
+    target = Target(impl, "flash", case.dtype, case.device)
+    report = CallReport(call, [f"call: impl.flash(q, k, v, {call.arguments()})",
+                               f"case as called: {case.describe()}"])
+    try:
+        ref = oracle(case)
+    except (spec.SpecError, ValueError) as err:
+        report.lines.append(f"the spec calls this input invalid: {str(err).strip().splitlines()[0]}")
+        try:
+            run_flash_call(impl, call, invoke=invoke, check_output=False)
+        except Exception as exc:  # noqa: BLE001 - raising is right here
+            report.lines.append(f"raised, as it should: {type(exc).__name__}: {exc}")
+        else:
+            report.finding("returned a result, but should raise an error (the input is invalid per the spec)")
+        return report
+    try:
+        outcome = run_flash_call(impl, call, invoke=invoke)
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+        return report
+    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
+        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
+        return report
+    report.lines.append(f"oracle: spec.flash_attention({', '.join(f'{k}={v!r}' for k, v in case.options().items() if k != 'alibi_slopes')}, ...)")
+    checks = [lambda: check_output(target, case, to_numpy(outcome.tensor), ref=ref)]
+    if outcome.lse is not None:
+        lse = to_numpy(outcome.lse)
+        stored = str(outcome.lse.dtype).removeprefix("torch.")
+        checks.append(lambda: check_lse(target, case, np.where(np.isposinf(lse), -np.inf, lse), ref=ref,
+                                        stored=stored))
+    if call.grad:
+        checks.append(lambda: compare_gradients(target, call, outcome.inputs))
+    for check in checks:
+        try:
+            check()
+        except PropertyFailure as exc:
+            report.finding(str(exc))
+    out = to_numpy(outcome.tensor)
+    diff = np.abs(out - ref.output)[np.isfinite(out) & np.isfinite(ref.output)]
+    report.max_difference = float(diff.max()) if diff.size else 0.0
+    report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
+    return report
+
+
+def show_flash_call(impl: Any, call: FlashCallSpec) -> CallReport:
+    """Make ``call`` in this interpreter and print how it differs from ``spec.flash``."""
+    report = report_flash_call(impl, call)
+    print(report.text())
+    return report
+
+
+def validate(case: FlashCase) -> None:
+    """ValueError (``spec.SpecError``) when the spec calls ``case`` invalid."""
+    for name in ("query", "key", "value"):
+        if np.ndim(getattr(case, name)) != 4:
+            raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 4-D")
+    spec.flash_attention(case.query, case.key, case.value, **case.options())
+
+
+# The level's entries of conformance.levels (what the shared machinery reads).
+Case = FlashCase
+CallSpec = FlashCallSpec
+ATTRIBUTES = FLASH_ATTRIBUTES
+report_call = report_flash_call
+SHOW = "show_flash_call"

@@ -1,0 +1,132 @@
+"""Hypothesis strategies for flash-level cases (``conformance.flash_calls.FlashCase``).
+
+Sizes and values are the SDPA strategies' (``sizes.draw_sizes``, ``values.sdpa_values``),
+drawn heads first and handed over in FlashAttention's layout. The features are drawn
+where they matter:
+
+* ``window`` sides at and around their edges: -1 (unbounded), 0, 1, a random width,
+  S - 1, S, S + 1 and L + S (wider than every row reaches), each side on its own;
+* ``softcap`` relative to the case's largest |scaled logit| m: far below it (m / 20:
+  every logit saturates), near it (m / 2, m), above it (2 m) and far above (20 m: the
+  cap changes almost nothing), and Gemma-2's 50;
+* ALiBi slopes per head: the standard geometric ``2^(-8 (h + 1) / N)``, random reals of
+  either sign, one zero slope, per head (N,) or per batch item and head (B, N); exact in
+  float32, the dtype FlashAttention reads them in.
+
+Simplest first everywhere, so a failing case shrinks toward no feature and small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from conformance.flash_calls import FlashCase
+from conformance.strategies._drawing import draw_seed, named_strategy, weighted
+from conformance.strategies.sizes import draw_sizes, size_bounds
+from conformance.strategies.values import _draw_scale, _scale_kind_choices, sdpa_values
+from implementations.base import Capabilities
+
+__all__ = ["FLASH_REGIMES", "alibi_slopes", "flash_cases", "softcaps", "window_sides"]
+
+#: Value regimes drawn at the flash level (``values.REGIMES``), simplest first.
+FLASH_REGIMES = ("normal", "large_logits", "near_ties", "wide_range", "ascending")
+#: Gemma-2's attention logit soft-cap.
+GEMMA_SOFTCAP = 50.0
+
+
+def window_sides(draw: st.DrawFn, L: int, S: int) -> int:
+    """One window side: -1, 0, 1, a random width, S - 1, S, S + 1 or L + S."""
+    kind = weighted(draw, [("unbounded", 3), ("zero", 3), ("one", 3), ("random", 3), ("S-1", 2),
+                           ("S", 2), ("S+1", 1), ("L+S", 1)])
+    if kind == "random":
+        return draw(st.integers(0, max(L, S)))
+    return {"unbounded": -1, "zero": 0, "one": 1, "S-1": max(S - 1, 0), "S": S, "S+1": S + 1,
+            "L+S": L + S}[kind]
+
+
+def _window(draw: st.DrawFn, L: int, S: int) -> tuple[int, int]:
+    """A window with at least one bounded side ((-1, -1) is no window)."""
+    left, right = window_sides(draw, L, S), window_sides(draw, L, S)
+    if (left, right) == (-1, -1):
+        right = draw(st.integers(0, max(L, S)))
+    return left, right
+
+
+def softcaps(draw: st.DrawFn, max_logit: float) -> float:
+    """A soft-cap relative to the largest |scaled logit| (exact in float32, > 0)."""
+    m = max(max_logit, 1e-3)
+    kind = weighted(draw, [("near", 3), ("far_below", 3), ("half", 2), ("above", 2), ("far_above", 1),
+                           ("gemma", 1)])
+    value = {"near": m, "far_below": m / 20, "half": m / 2, "above": 2 * m, "far_above": 20 * m,
+             "gemma": GEMMA_SOFTCAP}[kind]
+    return float(np.float32(value))
+
+
+def alibi_slopes(draw: st.DrawFn, rng: np.random.Generator, B: int, N: int) -> np.ndarray:
+    """Slopes (N,) or (B, N), exact in float32: geometric, random of either sign, with a zero."""
+    per_batch = weighted(draw, [(False, 3), (True, 1)])
+    shape = (B, N) if per_batch else (N,)
+    kind = weighted(draw, [("geometric", 3), ("random", 3), ("with_zero", 1)])
+    if kind == "geometric":
+        slopes = np.broadcast_to(2.0 ** (-8.0 * (np.arange(N) + 1) / N), shape).copy()
+    else:
+        slopes = rng.uniform(-1.0, 1.0, shape)
+        if kind == "with_zero":
+            slopes[..., 0] = 0.0
+    return slopes.astype(np.float32).astype(np.float64)
+
+
+def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                window: bool | None = False, softcap: bool | None = False, alibi: bool | None = False,
+                causal: bool | None = None, regimes: Sequence[str] | None = None,
+                scale_kinds: Sequence[str] | bool = True, min_S: int = 1, max_L: int | None = 33,
+                max_S: int | None = 33, max_heads: int = 4, gqa: bool | None = None,
+                split: bool = False) -> st.SearchStrategy[FlashCase]:
+    """Flash-level cases within ``caps``. Each feature: True (always), False (never),
+    None (drawn, half the time, when ``caps.flash_features`` has it). ``causal`` likewise
+    (needs ``caps.causal == "lower_right"``). ``split``: S >= 2 (the case is split in two
+    key sets)."""
+    arguments = dict(locals())
+    features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi"})
+    can_causal = caps is None or caps.causal == "lower_right"
+    bounds = size_bounds(caps, min_batch=1, max_batch=2, min_heads=1, max_heads=max_heads, gqa=gqa,
+                         min_L=1, max_L=max_L, min_S=max(min_S, 2 if split else 1), max_S=max_S,
+                         min_head_dim=None, max_head_dim=16, different_v_dim=None,
+                         default_max_length=33, default_max_head_dim=16)
+    kinds = _scale_kind_choices(scale_kinds, caps)
+    regime_choices = list(regimes or FLASH_REGIMES)
+
+    def use(draw: st.DrawFn, wanted: bool | None, available: bool) -> bool:
+        if wanted is None:
+            return available and draw(st.booleans())
+        return bool(wanted) and available
+
+    def draw_case(draw: st.DrawFn) -> FlashCase:
+        sizes = draw_sizes(draw, bounds)
+        regime = weighted(draw, [(r, 4 if i == 0 else 1) for i, r in enumerate(regime_choices)])
+        scale = _draw_scale(draw, kinds, dtype)
+        rng = draw_seed(draw)
+        q, k, v = sdpa_values(rng, sizes, regime, dtype, scale, ())
+        t = (0, 2, 1, 3)
+        L, S, B, N = sizes["L"], sizes["S"], sizes["B"], sizes["N"]
+        case = FlashCase(q.transpose(t).copy(), k.transpose(t).copy(), v.transpose(t).copy(),
+                         scale=scale, dtype=dtype, device=device, regime=regime)
+        changes: dict[str, Any] = {}
+        if use(draw, causal, can_causal):
+            changes["causal"] = True
+        if use(draw, window, "window" in features):
+            changes["window"] = _window(draw, L, S)
+        if use(draw, softcap, "softcap" in features):
+            s = case.scale if case.scale is not None else 1 / math.sqrt(sizes["E"])
+            logits = s * (q @ np.swapaxes(np.repeat(k, N // sizes["K"], axis=1), -1, -2))
+            changes["softcap"] = softcaps(draw, float(np.abs(logits).max()) if logits.size else 1.0)
+        if use(draw, alibi, "alibi" in features):
+            changes["alibi_slopes"] = alibi_slopes(draw, rng, B, N)
+        return case.replace(**changes) if changes else case
+
+    return named_strategy(flash_cases, arguments, draw_case)

@@ -1,0 +1,234 @@
+"""Flash level (spec.flash): FlashAttention's ``flash_attn_func`` against the float64
+oracle, feature by feature: forward and gradients, the sliding window, soft-capping,
+ALiBi, the log-sum-exp, and the merge of two key splits by their LSEs.
+
+Each property calls the implementation through ``conformance.flash_calls`` (guarded,
+logged, reproducible) and compares under the SDPA tolerance rule: k × the error of a
+naive same-precision computation of the same case plus a rounding floor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.compare import compare_values
+from conformance.flash_calls import (
+    FlashCase,
+    allowed_lse,
+    allowed_output,
+    assert_output_contract,
+    check_gradients,
+    check_lse,
+    check_output,
+    oracle,
+    run_flash,
+)
+from conformance.helpers import skip_unless
+from conformance.runner import Target, conformance_property
+from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
+from spec.emulate import round_to
+
+
+def _cases(target: Target, **kwargs: Any) -> Any:
+    return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+
+
+def _directed(target: Target, *, window: bool | None = False, softcap: bool | None = False,
+              alibi: bool | None = False, split: bool = False, **_: Any) -> list[FlashCase]:
+    """The smallest case of each bug class the strategy could draw: L = 1 < S and L > S
+    (lower-right alignment: rows emptied by causal or a window), GQA, Ev != E, and the
+    feature at its edges (window sides 0 and S, a cap far below the logits, ALiBi with
+    L != S and slopes of both signs)."""
+    caps, dtype, device = target.caps, target.dtype, target.device
+    rng = np.random.default_rng(13)
+    causal_ok = caps.causal == "lower_right"
+    shapes = [(1, 2, 2, 1, 3, 2, 2), (1, 2, 1, 4, 2, 2, 3), (1, 1, 1, 3, 5, 3, 3)]
+    if not caps.gqa:
+        shapes = [(B, N, N, L, S, E, Ev) for B, N, _, L, S, E, Ev in shapes]
+    if not caps.different_v_dim:
+        shapes = [(B, N, K, L, S, E, E) for B, N, K, L, S, E, _ in shapes]
+    out = []
+    for B, N, K, L, S, E, Ev in shapes:
+        q, k, v = (round_to(rng.standard_normal(s), dtype)
+                   for s in ((B, L, N, E), (B, S, K, E), (B, S, K, Ev)))
+        base = FlashCase(q, k, v, dtype=dtype, device=device, notes=("directed",))
+        variants = []
+        if window:
+            variants += [{"window": (0, 0)}, {"window": (1, S), "causal": causal_ok}, {"window": (S, 0)}]
+        elif softcap:
+            logits = np.abs(q).max() * np.abs(k).max() * E / np.sqrt(E)
+            variants += [{"softcap": float(np.float32(max(logits, 1e-3) / 20))},
+                         {"softcap": GEMMA_SOFTCAP, "causal": causal_ok}]
+        elif alibi:
+            slopes = np.array([0.5, -0.25, 1.0, 0.125][:N], dtype=np.float32).astype(np.float64)
+            variants += [{"alibi_slopes": slopes}, {"alibi_slopes": slopes, "causal": causal_ok}]
+        else:
+            variants += [{}, {"causal": causal_ok}]
+        for changes in variants:
+            if split and S < 2:
+                continue
+            if "window" not in caps.flash_features and "window" in changes:
+                continue
+            out.append(base.replace(**changes))
+    return out
+
+
+def _grads_too(target: Target) -> bool:
+    return target.caps.autograd and target.dtype in ("float64", "float32")
+
+
+@conformance_property(
+    "flash_forward_agreement", level="flash", section="spec.flash_attention",
+    cases=lambda t: _cases(t),
+    directed=lambda t: _directed(t),
+    examples_factor=2.0,
+)
+def test_flash_forward_agreement(target: Target, case: FlashCase) -> float:
+    """The output (B, L, N, Ev) equals spec.flash_attention (causal lower-right, GQA, Ev != E)
+    within k × the naive same-precision error plus a rounding floor; rows attending no key
+    (causal with L > S) follow the declared policy."""
+    call = run_flash(target, case)
+    assert_output_contract(target, case, call)
+    return check_output(target, case, call.output).ratio
+
+
+@conformance_property(
+    "flash_gradient_agreement", level="flash", section="spec.flash_attention_vjp",
+    cases=lambda t: _cases(t),
+    directed=lambda t: _directed(t),
+    requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
+    examples_factor=0.5,
+)
+def test_flash_gradient_agreement(target: Target, case: FlashCase) -> float:
+    """dq, dk, dv of a seeded upstream gradient equal spec.flash_attention_vjp (dk, dv summed
+    over each GQA group; rows attending no key get 0) within the gradient rounding floor."""
+    return check_gradients(target, case)
+
+
+@conformance_property(
+    "window_equivalence", level="flash", section="spec.flash (window_mask)",
+    cases=lambda t: _cases(t, window=True),
+    directed=lambda t: _directed(t, window=True),
+    requires=lambda t: skip_unless("window" in t.caps.flash_features, "window not declared"),
+)
+def test_window_equivalence(target: Target, case: FlashCase) -> float:
+    """window_size=(left, right) (causal: right = 0) equals spec.sdpa with the explicit band
+    mask spec.window_mask (query i attends key j iff p_i - left <= j <= p_i + right,
+    p_i = i + S - L); through the same function, causal=True equals window (left, 0), and a
+    side of L + S or more equals that side unbounded (-1); gradients (float64/32) equal the VJP."""
+    heads_first = case.heads_first()
+    masked = spec.sdpa(heads_first.query, heads_first.key, heads_first.value,
+                       attend_mask=heads_first.attend_mask, scale=case.scale).output.transpose(0, 2, 1, 3)
+    call = run_flash(target, case)
+    rows = ~case.empty_rows()
+    where = rows[None, :, None, None]
+    ratio = compare_values("output with window_size", call.output, masked,
+                           allowed_output(target, case), where=where).ratio
+    ratio = max(ratio, check_output(target, case, call.output).ratio)
+    left, right = case.window
+    if case.causal:
+        same = case.replace(causal=False, window=(left, 0))
+        ratio = max(ratio, check_output(target, same, run_flash(target, same).output,
+                                        what=f"output with causal=False, window_size={same.window}").ratio)
+    wide = case.L + case.S
+    widened = case.replace(window=(wide if left == -1 else left, right if right >= 0 or case.causal else wide))
+    if widened.window != case.window:
+        ratio = max(ratio, check_output(target, widened, run_flash(target, widened).output,
+                                        what=f"output with window_size={widened.window} (a side >= L + S "
+                                             "is unbounded)").ratio)
+    if _grads_too(target):
+        ratio = max(ratio, check_gradients(target, case))
+    return ratio
+
+
+@conformance_property(
+    "softcap_agreement", level="flash", section="spec.flash (softcap)",
+    cases=lambda t: _cases(t, softcap=True),
+    directed=lambda t: _directed(t, softcap=True),
+    requires=lambda t: skip_unless("softcap" in t.caps.flash_features, "softcap not declared"),
+)
+def test_softcap_agreement(target: Target, case: FlashCase) -> float:
+    """With softcap=c the scaled logits s become c·tanh(s / c) before bias and masks: the
+    output equals spec.flash_attention for caps far below, near and far above the logits;
+    gradients (float64/32, through 1 - tanh²(s / c)) equal spec.flash_attention_vjp."""
+    call = run_flash(target, case)
+    ratio = check_output(target, case, call.output).ratio
+    if _grads_too(target):
+        ratio = max(ratio, check_gradients(target, case))
+    return ratio
+
+
+@conformance_property(
+    "alibi_equivalence", level="flash", section="spec.flash (alibi_bias)",
+    cases=lambda t: _cases(t, alibi=True),
+    directed=lambda t: _directed(t, alibi=True),
+    requires=lambda t: skip_unless("alibi" in t.caps.flash_features, "alibi not declared"),
+)
+def test_alibi_equivalence(target: Target, case: FlashCase) -> float:
+    """alibi_slopes (N,) or (B, N) equal their additive bias -slope_h·|p_i - j| (p_i = i + S - L)
+    added to the scaled scores: the output equals spec.sdpa with spec.alibi_bias as the
+    additive mask; gradients (float64/32) equal the VJP (the bias is a constant)."""
+    heads_first = case.heads_first()
+    biased = spec.sdpa(heads_first.query, heads_first.key, heads_first.value,
+                       additive_mask=heads_first.additive_mask, scale=case.scale).output.transpose(0, 2, 1, 3)
+    call = run_flash(target, case)
+    where = ~case.empty_rows()[None, :, None, None]
+    ratio = compare_values("output with alibi_slopes", call.output, biased, allowed_output(target, case),
+                           where=where).ratio
+    ratio = max(ratio, check_output(target, case, call.output).ratio)
+    if _grads_too(target):
+        ratio = max(ratio, check_gradients(target, case))
+    return ratio
+
+
+@conformance_property(
+    "lse_agreement", level="flash", section="spec.flash (LSE)",
+    cases=lambda t: _cases(t, window=None, softcap=None, alibi=None),
+    directed=lambda t: _directed(t),
+    requires=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+)
+def test_lse_agreement(target: Target, case: FlashCase) -> float:
+    """return_attn_probs=True returns (output, softmax_lse (B, N, L), ...): the LSE equals the
+    oracle's natural-log log Σ_j exp(score_ij) over the attended keys (capped, biased scores)
+    within k × the naive same-precision error plus a floor at the row's largest score (and the
+rounding of the dtype it is returned in: FlashAttention-2's is float32); -inf
+    (FlashAttention-2's +inf is read as -inf) in rows attending no key; the output is the oracle's."""
+    call = run_flash(target, case, lse=True)
+    ratio = check_output(target, case, call.output).ratio
+    return max(ratio, check_lse(target, case, call.lse, stored=call.lse_dtype).ratio)
+
+
+@conformance_property(
+    "split_merge", level="flash", section="spec.merge_partials",
+    cases=lambda t: _cases(t, causal=False, softcap=None, split=True),
+    directed=lambda t: _directed(t, split=True),
+    requires=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+)
+def test_split_merge(target: Target, case: FlashCase) -> float:
+    """Attention over keys [0, t) and [t, S) (t drawn from the case), merged with their LSEs
+    by spec.merge_partials (lse = log(e^lse1 + e^lse2), out = Σ e^(lse_i - lse)·out_i), equals
+    attention over all S keys: output and LSE (no causal, window or ALiBi: they depend on S)."""
+    case = case.replace(causal=False, window=(-1, -1), alibi_slopes=None)
+    t = 1 + int(np.abs(case.key).sum() * 1e3) % (case.S - 1)
+    parts = [case.replace(key=case.key[:, :t], value=case.value[:, :t]),
+             case.replace(key=case.key[:, t:], value=case.value[:, t:])]
+    calls = [run_flash(target, part, lse=True) for part in parts]
+    merged = spec.merge_partials(calls[0].output, calls[0].lse, calls[1].output, calls[1].lse)
+    ref = oracle(case)
+    refs = [oracle(part) for part in parts]
+    # An output error e_i and an LSE error d_i of part i move the merged output by about
+    # w_i·e_i + w_i·|out_i|·(d_1 + d_2), w_i = exp(lse_i - lse) its share of the mass.
+    shares = [np.exp(r.lse - ref.lse).transpose(0, 2, 1)[..., None] for r in refs]   # (B, L, N, 1)
+    stored = [c.lse_dtype for c in calls]
+    lse_err = sum(allowed_lse(target, p, r, stored=d) for p, r, d in zip(parts, refs, stored, strict=True))
+    lse_err = lse_err.transpose(0, 2, 1)[..., None]
+    allowed = sum(w * (allowed_output(target, p, r) + np.abs(r.output) * lse_err)
+                  for w, p, r in zip(shares, parts, refs, strict=True))
+    ratio = compare_values(f"merged output of key splits [0, {t}) and [{t}, {case.S})", merged.output,
+                           ref.output, allowed).ratio
+    lse_allowed = sum(np.exp(r.lse - ref.lse) * allowed_lse(target, p, r, stored=d)
+                      for p, r, d in zip(parts, refs, stored, strict=True))
+    return max(ratio, compare_values("merged softmax_lse", merged.lse, ref.lse, lse_allowed).ratio)

@@ -1,0 +1,269 @@
+"""Flash-level mutants: ``flash_attn_func`` with one step wrong, one per flash property.
+
+:class:`FlashBase` is a correct ``flash_attn_func`` in plain PyTorch whose steps
+(logits, soft-cap, ALiBi bias, window, LSE) are methods; each mutant overrides one.
+:class:`ManualBackwardFlash` is the same forward with FlashAttention's backward written
+out (recompute P, ``D = rowsum(dO ⊙ O)``, ``dS = P ⊙ (dP − D)``) instead of autograd. Both
+declare :data:`FLASH_CAPABILITIES`, honest about everything but their bug; the records
+are at the bottom (``level="flash"``; ``smallest_case`` adds ``causal``, ``window``,
+``softcap``, ``alibi`` (slopes list), ``lse`` (compare the LSE) and ``grad``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from implementations.base import Capabilities, Implementation
+from implementations.mutants.record import Mutant
+
+__all__ = ["FLASH_CAPABILITIES", "FLASH_MUTANTS", "FlashBase", "ManualBackwardFlash", "flash_implementation"]
+
+FLASH_CAPABILITIES = Capabilities(
+    devices=("cpu",),
+    dtypes=("float64", "float32"),
+    mask_kinds=frozenset({"none"}),
+    causal="lower_right",
+    fully_masked="zero",
+    dropout=False,
+    mask_grad=False,
+)
+
+
+class FlashBase:
+    """A correct ``flash_attn_func`` (float64/float32), one overridable method per step."""
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+        """Scaled logits (B, N, L, S), soft-capped when ``softcap > 0``."""
+        s = scale * (q @ k.transpose(-1, -2))
+        return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+    def positions(self, L: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Aligned query positions p_i = i + S - L (L, 1) and key indices (1, S)."""
+        return torch.arange(L, device=device)[:, None] + (S - L), torch.arange(S, device=device)[None, :]
+
+    def bias(self, slopes: torch.Tensor, L: int, S: int, device: torch.device) -> torch.Tensor:
+        """ALiBi: -slope_h · |p_i - j|, (1 or B, N, L, S)."""
+        position, keys = self.positions(L, S, device)
+        return -slopes[..., None, None] * (position - keys).abs()
+
+    def allowed(self, L: int, S: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+        """Window (L, S): p_i - left <= j <= p_i + right, -1 = unbounded."""
+        position, keys = self.positions(L, S, device)
+        allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+        if left >= 0:
+            allowed &= keys >= position - left
+        if right >= 0:
+            allowed &= keys <= position + right
+        return allowed
+
+    def log_sum_exp(self, row_max: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        return row_max + torch.log(total)
+
+    def scores(self, q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
+        """(B, N, L, S) scores (blocked = -inf) and the query/kv heads, heads first."""
+        _, L, N, E = q.shape
+        S, K = k.shape[1], k.shape[2]
+        if N % K:
+            raise ValueError(f"N={N} query heads must be a multiple of K={K} kv heads")
+        scale = 1.0 / math.sqrt(E) if softmax_scale is None else softmax_scale
+        query = q.transpose(1, 2)
+        key = k.transpose(1, 2).repeat_interleave(N // K, dim=1)
+        s = self.logits(query, key, scale, softcap)
+        if alibi_slopes is not None:
+            s = s + self.bias(alibi_slopes.to(s.dtype).reshape(-1, N), L, S, q.device)
+        left, right = window_size
+        allowed = self.allowed(L, S, left, 0 if causal else right, q.device)
+        return s.masked_fill(~allowed, float("-inf")), scale
+
+    def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        if dropout_p:
+            raise NotImplementedError("no dropout")
+        N, K = q.shape[2], k.shape[2]
+        s, _ = self.scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        value = v.transpose(1, 2).repeat_interleave(N // K, dim=1)
+        row_max = s.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        e = torch.exp(s - row_max)
+        total = e.sum(dim=-1, keepdim=True)
+        empty = total == 0
+        safe_total = torch.where(empty, torch.ones_like(total), total)
+        out = self.attend(e / safe_total, value).transpose(1, 2)
+        if not return_attn_probs:
+            return out
+        lse = torch.where(empty, torch.full_like(total, float("-inf")), self.log_sum_exp(row_max, safe_total))
+        return out, lse[..., 0], None
+
+    def attend(self, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return weights @ value
+
+
+class _FlashBackward(torch.autograd.Function):
+    """FlashAttention's backward by hand (``with_row_term=False``: the bug below)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, base, options, with_row_term):
+        with torch.no_grad():
+            out = FlashBase.__call__(base, q, k, v, **options)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.base, ctx.options, ctx.with_row_term = base, options, with_row_term
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        o = ctx.options
+        N, K = q.shape[2], k.shape[2]
+        group = N // K
+        with torch.no_grad():
+            E = q.shape[3]
+            scale = 1.0 / math.sqrt(E) if o["softmax_scale"] is None else o["softmax_scale"]
+            query = q.transpose(1, 2)
+            key = k.transpose(1, 2).repeat_interleave(group, dim=1)
+            value = v.transpose(1, 2).repeat_interleave(group, dim=1)
+            raw = scale * (query @ key.transpose(-1, -2))
+            s, _ = ctx.base.scores(q, k, o["softmax_scale"], o["causal"], o["window_size"], o["softcap"],
+                                   o["alibi_slopes"])
+            p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+            do = grad_out.transpose(1, 2)
+            dv = p.transpose(-1, -2) @ do
+            dp = do @ value.transpose(-1, -2)
+            row = (do * out.transpose(1, 2)).sum(-1, keepdim=True) if ctx.with_row_term else 0.0
+            ds = p * (dp - row)
+            if o["softcap"] > 0:
+                ds = ds * (1 - torch.tanh(raw / o["softcap"]) ** 2)
+            dq = scale * ds @ key
+            dk = scale * ds.transpose(-1, -2) @ query
+
+            def fold(x):  # (B, N, S, X) -> (B, S, K, X), summed over each GQA group
+                B, _, S, X = x.shape
+                return x.reshape(B, K, group, S, X).sum(2).transpose(1, 2)
+
+        return dq.transpose(1, 2), fold(dk), fold(dv), None, None, None
+
+
+class ManualBackwardFlash(FlashBase):
+    """:class:`FlashBase` forward with a hand-written backward."""
+
+    with_row_term = True
+
+    def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        options = {"softmax_scale": softmax_scale, "causal": causal, "window_size": tuple(window_size),
+                   "softcap": softcap, "alibi_slopes": alibi_slopes}
+        if return_attn_probs or dropout_p:
+            return FlashBase.__call__(self, q, k, v, dropout_p, return_attn_probs=return_attn_probs, **options)
+        return _FlashBackward.apply(q, k, v, self, options, self.with_row_term)
+
+
+def flash_implementation(name: str, attention: FlashBase, description: str) -> Implementation:
+    return Implementation(name=f"mutant:{name}", capabilities=FLASH_CAPABILITIES, flash=attention,
+                          description=description, listed=False)
+
+
+# --------------------------------------------------------------------------- the mutants
+
+
+class CausalTopLeft(FlashBase):
+    """A right side of 0 (causal=True) aligns top-left (key j <= i), not bottom-right (j <= i + S - L)."""
+
+    def allowed(self, L, S, left, right, device):
+        allowed = super().allowed(L, S, left, right, device)
+        if right == 0:  # the causal side, read top-left
+            allowed = super().allowed(L, S, left, -1, device) & (
+                torch.arange(S, device=device)[None, :] <= torch.arange(L, device=device)[:, None])
+        return allowed
+
+
+class BackwardWithoutRowTerm(ManualBackwardFlash):
+    """The backward computes dS = P ⊙ dP, dropping D = rowsum(dO ⊙ O) (dS = P ⊙ (dP − D))."""
+
+    with_row_term = False
+
+
+class WindowLeftOffByOne(FlashBase):
+    """The window's left side keeps keys j > p_i - left: one key short of left (strict <)."""
+
+    def allowed(self, L, S, left, right, device):
+        allowed = super().allowed(L, S, left, right, device)
+        if left >= 0:
+            position, keys = self.positions(L, S, device)
+            allowed &= keys > position - left
+        return allowed
+
+
+class SoftcapBeforeScale(FlashBase):
+    """Soft-caps the raw q·k and scales afterwards: scale·c·tanh(q·k / c), not c·tanh(scale·q·k / c)."""
+
+    def logits(self, q, k, scale, softcap):
+        raw = q @ k.transpose(-1, -2)
+        return scale * (softcap * torch.tanh(raw / softcap) if softcap > 0 else raw)
+
+
+class AlibiTopLeft(FlashBase):
+    """ALiBi distance |i - j| (top-left) instead of |i + S - L - j|: wrong whenever L != S."""
+
+    def bias(self, slopes, L, S, device):
+        distance = (torch.arange(L, device=device)[:, None] - torch.arange(S, device=device)[None, :]).abs()
+        return -slopes[..., None, None] * distance
+
+
+class LseUncapped(FlashBase):
+    """The LSE is of the scores before soft-capping (written out before the cap is applied)."""
+
+    def __call__(self, q, k, v, *args, softcap=0.0, return_attn_probs=False, **kwargs):
+        result = super().__call__(q, k, v, *args, softcap=softcap, return_attn_probs=return_attn_probs, **kwargs)
+        if not return_attn_probs or not softcap:
+            return result
+        _, lse, _ = super().__call__(q, k, v, *args, softcap=0.0, return_attn_probs=True, **kwargs)
+        return result[0], lse, None
+
+
+class LseLog2(FlashBase):
+    """The LSE is returned in base-2 units (log2 Σ 2^(s·log2 e), an exp2 kernel's bookkeeping)."""
+
+    def log_sum_exp(self, row_max, total):
+        return (row_max + torch.log(total)) / math.log(2.0)
+
+
+def _case(**changes):
+    return {"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1, **changes}
+
+
+def _mutant(name, cls, bug, origin, smallest, safe, prop):
+    return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest, expected_property=prop,
+                  build=lambda: flash_implementation(name, cls(), bug), level="flash", safe_case=safe)
+
+
+FLASH_MUTANTS = [
+    _mutant("flash_causal_top_left", CausalTopLeft,
+            "flash_attn_func's causal=True aligns the triangle top-left (key j <= i) instead of bottom-right",
+            "real code: flash-attn < 2.1 aligned causal top-left; 2.1 moved it to the bottom-right corner",
+            _case(L=1, S=2, causal=True), _case(L=2, S=2, causal=True), "flash_forward_agreement"),
+    _mutant("flash_backward_no_row_term", BackwardWithoutRowTerm,
+            "the backward drops D = rowsum(dO * O): dS = P * dP instead of P * (dP - D)",
+            "kernel bug: the preprocessing pass of FlashAttention's backward (D) left out",
+            _case(S=2, grad=True), _case(S=2), "flash_gradient_agreement"),
+    _mutant("flash_window_left_off_by_one", WindowLeftOffByOne,
+            "the sliding window keeps keys j > p_i - left instead of j >= p_i - left",
+            "hand-written pitfall: an off-by-one in the window's left edge",
+            _case(L=2, S=2, window=[1, 0]), _case(L=2, S=2, window=[-1, 0]), "window_equivalence"),
+    _mutant("flash_softcap_before_scale", SoftcapBeforeScale,
+            "soft-capping is applied to the raw q·k and the scale after it: scale·c·tanh(q·k/c)",
+            "hand-written pitfall: softcap and softmax_scale applied in the wrong order",
+            _case(S=2, E=4, softcap=0.5), _case(S=2, E=1, softcap=0.5), "softcap_agreement"),
+    _mutant("flash_alibi_top_left", AlibiTopLeft,
+            "the ALiBi distance is |i - j| (top-left) instead of |i + S - L - j| (bottom-right)",
+            "hand-written pitfall: ALiBi aligned to PyTorch's top-left convention",
+            _case(L=1, S=2, alibi=[1.0]), _case(L=2, S=2, alibi=[1.0]), "alibi_equivalence"),
+    _mutant("flash_lse_uncapped", LseUncapped,
+            "the returned LSE is of the logits before soft-capping",
+            "hand-written pitfall: the LSE buffer written from the uncapped scores",
+            _case(S=2, E=2, softcap=0.1, lse=True), _case(S=2, E=2, lse=True), "lse_agreement"),
+    _mutant("flash_lse_log2", LseLog2,
+            "the returned LSE is in base-2 units (the exp2 kernel's log2 sum), not natural log",
+            "kernel bug: Triton/FlashAttention-3 style kernels keep the LSE in log2 units internally",
+            _case(S=2, lse=True), None, "split_merge"),
+]
