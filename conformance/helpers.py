@@ -89,13 +89,13 @@ def attend_matrix(case: SDPACase) -> np.ndarray:
 
 
 def skip_unless(condition: bool, reason: str) -> str | None:
-    """For ``conformance_property(requires=...)``: None (run) when ``condition``
+    """For ``conformance_property(skip_reason=...)``: None (run) when ``condition``
     holds, else ``reason`` (the skip reason)."""
     return None if condition else reason
 
 
 def needs_separate_values(target: Target) -> str | None:
-    """For ``requires=`` of a property that calls the implementation with values other
+    """For ``skip_reason=`` of a property that calls the implementation with values other
     than its keys (V = identity, V changed alone, fresh keys and values): the skip
     reason when the target declares ``shared_kv`` (key is value), else None."""
     return skip_unless(not target.caps.shared_kv, "calls with value != key, but shared_kv "

@@ -298,14 +298,14 @@ def conformance_property(
     level: str,
     section: str,
     cases: Callable[[Target], Any],
-    requires: Callable[[Target], str | None] | None = None,
+    skip_reason: Callable[[Target], str | None] | None = None,
     examples_factor: float = 1.0,
     directed: Callable[[Target], list[Any]] | None = None,
 ) -> Callable[[Callable[[Target, Any], float | None]], Callable[..., None]]:
     """Register ``check`` as property ``property_id`` and return its pytest test.
 
     ``section`` names what the property checks as ``spec.<name> (detail)``;
-    ``requires(target)`` returns a skip reason when the target cannot have the
+    ``skip_reason(target)`` returns a skip reason when the target cannot have the
     property checked (e.g. no autograd declared, see ``helpers.skip_unless``);
     ``examples_factor`` scales the profile's ``max_examples``; ``cases(target)`` returns the
     Hypothesis strategy of cases; ``directed(target)`` returns explicit cases
@@ -331,8 +331,8 @@ def conformance_property(
                 record.outcome = "skipped"
                 pytest.skip(f"{property_id} is an {level}-level property")
             reasons = _target_skip_reasons(target, level)
-            if requires is not None and not reasons:
-                reason = requires(target)
+            if skip_reason is not None and not reasons:
+                reason = skip_reason(target)
                 reasons = [reason] if reason else []
             if reasons:
                 record.outcome = "skipped"

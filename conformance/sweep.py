@@ -98,11 +98,11 @@ def sweep_property(
     section: str,
     check: Callable[[Target, Any], float | None],
     budget_s: float,
-    requires: Callable[[Target], str | None] | None = None,
+    skip_reason: Callable[[Target], str | None] | None = None,
 ) -> Callable[[Callable[[Target, Sweep], None]], Callable[..., None]]:
     """Register ``run(target, sweep)`` as property ``property_id`` and return its pytest test.
 
-    ``section``, ``requires``: as for ``conformance_property``; ``check(target, case)``
+    ``section``, ``skip_reason``: as for ``conformance_property``; ``check(target, case)``
     re-checks one case (``--replay``); ``budget_s``: the seconds a sweep may spend per
     target before it stops (the certificate records how many sizes it visited).
     """
@@ -120,8 +120,8 @@ def sweep_property(
                 record.outcome = "skipped"
                 pytest.skip(f"{property_id} is an {level}-level property")
             reasons = _target_skip_reasons(target, level)
-            if requires is not None and not reasons:
-                reason = requires(target)
+            if skip_reason is not None and not reasons:
+                reason = skip_reason(target)
                 reasons = [reason] if reason else []
             if reasons:
                 record.outcome = "skipped"

@@ -99,7 +99,7 @@ def test_flash_forward_agreement(target: Target, case: FlashCase) -> float:
     "flash_gradient_agreement", level="flash", section="spec.flash_attention_vjp",
     cases=lambda t: _cases(t),
     directed=lambda t: _directed(t),
-    requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
+    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )
 def test_flash_gradient_agreement(target: Target, case: FlashCase) -> float:
@@ -112,7 +112,7 @@ def test_flash_gradient_agreement(target: Target, case: FlashCase) -> float:
     "window_equivalence", level="flash", section="spec.flash (window_mask)",
     cases=lambda t: _cases(t, window=True),
     directed=lambda t: _directed(t, window=True),
-    requires=lambda t: skip_unless("window" in t.caps.flash_features, "window not declared"),
+    skip_reason=lambda t: skip_unless("window" in t.caps.flash_features, "window not declared"),
 )
 def test_window_equivalence(target: Target, case: FlashCase) -> float:
     """window_size=(left, right) (causal: right = 0) equals spec.sdpa with the explicit band
@@ -148,7 +148,7 @@ def test_window_equivalence(target: Target, case: FlashCase) -> float:
     "softcap_agreement", level="flash", section="spec.flash (softcap)",
     cases=lambda t: _cases(t, softcap=True),
     directed=lambda t: _directed(t, softcap=True),
-    requires=lambda t: skip_unless("softcap" in t.caps.flash_features, "softcap not declared"),
+    skip_reason=lambda t: skip_unless("softcap" in t.caps.flash_features, "softcap not declared"),
 )
 def test_softcap_agreement(target: Target, case: FlashCase) -> float:
     """With softcap=c the scaled logits s become c·tanh(s / c) before bias and masks: the
@@ -165,7 +165,7 @@ def test_softcap_agreement(target: Target, case: FlashCase) -> float:
     "alibi_equivalence", level="flash", section="spec.flash (alibi_bias)",
     cases=lambda t: _cases(t, alibi=True),
     directed=lambda t: _directed(t, alibi=True),
-    requires=lambda t: skip_unless("alibi" in t.caps.flash_features, "alibi not declared"),
+    skip_reason=lambda t: skip_unless("alibi" in t.caps.flash_features, "alibi not declared"),
 )
 def test_alibi_equivalence(target: Target, case: FlashCase) -> float:
     """alibi_slopes (N,) or (B, N) equal their additive bias -slope_h·|p_i - j| (p_i = i + S - L)
@@ -188,7 +188,7 @@ def test_alibi_equivalence(target: Target, case: FlashCase) -> float:
     "lse_agreement", level="flash", section="spec.flash (LSE)",
     cases=lambda t: _cases(t, window=None, softcap=None, alibi=None),
     directed=lambda t: _directed(t),
-    requires=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
 )
 def test_lse_agreement(target: Target, case: FlashCase) -> float:
     """return_attn_probs=True returns (output, softmax_lse (B, N, L), ...): the LSE equals the
@@ -205,7 +205,7 @@ rounding of the dtype it is returned in: FlashAttention-2's is float32); -inf
     "split_merge", level="flash", section="spec.merge_partials",
     cases=lambda t: _cases(t, causal=False, softcap=None, split=True),
     directed=lambda t: _directed(t, split=True),
-    requires=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
 )
 def test_split_merge(target: Target, case: FlashCase) -> float:
     """Attention over keys [0, t) and [t, S) (t drawn from the case), merged with their LSEs

@@ -49,7 +49,7 @@ def test_mha_agreement(target: Target, case: MHACase) -> float:
     "mha_fully_masked_rows", level="mha", section="spec.mha_forward (fully_masked)",
     cases=lambda t: mha_cases_for(t, fully_masked=True),
     directed=lambda t: mha_directed_for(t, fully_masked=True),
-    requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
+    skip_reason=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
 def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
@@ -74,7 +74,7 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
     "mha_gradients", level="mha", section="spec.mha_forward (derivative)",
     cases=lambda t: mha_cases_for(t, fully_masked=False),
     directed=lambda t: mha_directed_for(t, fully_masked=False),
-    requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared")
+    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (finite differences)"),
     examples_factor=0.5,
 )
@@ -92,7 +92,7 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
     "mha_need_weights_equivalence", level="mha", section="spec.mha_forward (need_weights)",
     cases=lambda t: mha_cases_for(t),
     directed=lambda t: mha_directed_for(t),
-    requires=lambda t: skip_unless(has_feature(t, "need_weights"), "need_weights not declared"),
+    skip_reason=lambda t: skip_unless(has_feature(t, "need_weights"), "need_weights not declared"),
 )
 def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
     """need_weights=True and need_weights=False give the same output (different
@@ -111,7 +111,7 @@ def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
     "mha_averaged_weights", level="mha", section="spec.mha_forward (average_attn_weights)",
     cases=lambda t: mha_cases_for(t, need_weights=True),
     directed=lambda t: mha_directed_for(t, need_weights=True),
-    requires=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "per_head_weights"),
+    skip_reason=lambda t: skip_unless(has_feature(t, "need_weights") and has_feature(t, "per_head_weights"),
                                    "per-head weights not declared"),
 )
 def test_mha_averaged_weights(target: Target, case: MHACase) -> float:
@@ -163,7 +163,7 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
                                   features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     directed=lambda t: mha_directed_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                                      features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
-    requires=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
+    skip_reason=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,
 )
@@ -198,7 +198,7 @@ def _causal_hint_missing(target: Target) -> str | None:
     "mha_causal_flag_equivalence", level="mha", section="spec.mha_forward (is_causal)",
     cases=lambda t: mha_cases_for(t, is_causal=True),
     directed=lambda t: mha_directed_for(t, is_causal=True),
-    requires=lambda t: _causal_hint_missing(t),
+    skip_reason=lambda t: _causal_hint_missing(t),
 )
 def test_mha_causal_flag_equivalence(target: Target, case: MHACase) -> float:
     """is_causal=True with the causal attn_mask equals the attn_mask alone, for
@@ -223,7 +223,7 @@ def _as_float(mask: np.ndarray | None) -> np.ndarray | None:
     "mha_mask_conventions", level="mha", section="spec.masks (MHA convention: True = blocked)",
     cases=lambda t: mha_cases_for(t, mask_kinds=("bool",)),
     directed=lambda t: mha_directed_for(t, mask_kinds=("bool",)),
-    requires=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
+    skip_reason=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
                                    "no masks declared"),
 )
 def test_mha_mask_conventions(target: Target, case: MHACase) -> float:

@@ -47,7 +47,7 @@ def test_forward_agreement(target: Target, case: SDPACase) -> float:
     "gradient_agreement", level="sdpa", section="spec.sdpa_vjp",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=False),
     directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=False),
-    requires=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
+    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )
 def test_gradient_agreement(target: Target, case: SDPACase) -> float:
@@ -60,7 +60,7 @@ def test_gradient_agreement(target: Target, case: SDPACase) -> float:
     "fully_masked_rows", level="sdpa", section="spec.sdpa (fully_masked policy)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
     directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=True, causal_dead_rows=True),
-    requires=lambda t: skip_unless(
+    skip_reason=lambda t: skip_unless(
         bool({"bool", "additive"} & set(t.caps.mask_kinds))
         or (t.caps.causal == "lower_right" and not t.caps.self_attention_lengths),
         "no mask declared, and no lower-right causal flag with L > S (self_attention_lengths: "
@@ -135,7 +135,7 @@ def test_invalid_inputs_raise(target: Target, case: SDPACase) -> None:
                               regimes=("normal",), fully_masked=False),
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                                  regimes=("normal",), fully_masked=False),
-    requires=lambda t: skip_unless(t.dtype == "float16", "only float16 has a range that q·kᵀ can "
+    skip_reason=lambda t: skip_unless(t.dtype == "float16", "only float16 has a range that q·kᵀ can "
                                    "overflow while the scaled logits stay representable")
     or skip_unless(t.caps.custom_scale, "needs an explicit scale") or needs_separate_values(t),
     examples_factor=0.5,

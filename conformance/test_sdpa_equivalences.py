@@ -29,7 +29,7 @@ from spec.emulate import round_to
     "bool_additive_equivalence", level="sdpa", section="spec.masks (to_additive)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("bool",)),
-    requires=lambda t: skip_unless({"bool", "additive"} <= set(t.caps.mask_kinds),
+    skip_reason=lambda t: skip_unless({"bool", "additive"} <= set(t.caps.mask_kinds),
                                    "needs both bool and additive masks"),
 )
 def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
@@ -52,7 +52,7 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",),
                                  causal=(t.caps.causal,),
                                  length_relations=("L=S", "L=1<S", "1<L<S", "L>S")),
-    requires=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared" + "".join(
+    skip_reason=lambda t: skip_unless(t.caps.causal is not None, "no causal flag declared" + "".join(
         f" (probe: {note.split(': ', 1)[-1].split(';')[0]})" for note in t.caps.probe_notes
         if note.startswith("causal:"))),
 )
@@ -80,7 +80,7 @@ def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     "gqa_equivalence", level="sdpa", section="spec.sdpa (GQA, repeat_interleave)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), gqa=True),
     directed=lambda t: directed_for(t, layouts=("contiguous",), gqa=True),
-    requires=lambda t: skip_unless(t.caps.gqa, "GQA not declared"),
+    skip_reason=lambda t: skip_unless(t.caps.gqa, "GQA not declared"),
 )
 def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     """K < N kv heads with enable_gqa equals repeating each kv head N/K times in
@@ -99,7 +99,7 @@ def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     "layout_independence", level="sdpa", section="docs/DESIGN.md#memory-layout",
     cases=lambda t: cases_for(t, layouts=("transposed", "stride0", "poisoned")),
     directed=lambda t: directed_for(t, layouts=("transposed", "stride0", "poisoned")),
-    requires=lambda t: skip_unless(t.caps.non_contiguous, "only contiguous inputs declared"),
+    skip_reason=lambda t: skip_unless(t.caps.non_contiguous, "only contiguous inputs declared"),
 )
 def test_layout_independence(target: Target, case: SDPACase) -> float:
     """Non-contiguous, stride-0 and transposed inputs, and slices of buffers
@@ -120,7 +120,7 @@ DROPOUT_SAMPLES = 1024
     "dropout_expectation", level="sdpa", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
-    requires=lambda t: skip_unless(t.caps.dropout, "dropout not declared")
+    skip_reason=lambda t: skip_unless(t.caps.dropout, "dropout not declared")
     or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)")
     or needs_separate_values(t),
     examples_factor=0.2,

@@ -46,7 +46,7 @@ def _probe_directed(t: Target, **kw):
 
 @conformance_property(
     "weights_are_distributions", level="sdpa", section="spec.sdpa (weights)",
-    cases=lambda t: _probe_cases(t), directed=lambda t: _probe_directed(t), requires=_probe_ok,
+    cases=lambda t: _probe_cases(t), directed=lambda t: _probe_directed(t), skip_reason=_probe_ok,
 )
 def test_weights_are_distributions(target: Target, case: SDPACase) -> float:
     """Weights (observed with V = identity) are non-negative and each row sums to 1."""
@@ -79,7 +79,7 @@ def _padded(case: SDPACase, rng: np.random.Generator, target: Target) -> SDPACas
                               min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
     directed=lambda t: directed_for(t, layouts=("contiguous",), mask_kinds=("none",), causal=(None,),
                                  min_S=2, max_S=min(t.caps.max_head_dim or 64, 64)),
-    requires=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared")
+    skip_reason=lambda t: skip_unless(bool({"bool", "additive"} & set(t.caps.mask_kinds)), "no masks declared")
     or needs_separate_values(t),
 )
 def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
@@ -157,7 +157,7 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
     "shift_invariance", level="sdpa", section="spec.sdpa (softmax shift)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
     directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "tiny")),
-    requires=needs_separate_values,
+    skip_reason=needs_separate_values,
 )
 def test_shift_invariance(target: Target, case: SDPACase) -> float:
     """Adding a vector to every key, or a constant to a row of an additive mask,
@@ -194,7 +194,7 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
                               scale_kinds=("positive", "tiny", "negative", "zero")),
     directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range"),
                                  scale_kinds=("positive", "tiny", "negative", "zero")),
-    requires=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
+    skip_reason=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
 )
 def test_temperature(target: Target, case: SDPACase) -> float:
     """c·q with scale s gives the same output as q with scale c·s (c a power of
@@ -212,7 +212,7 @@ def test_temperature(target: Target, case: SDPACase) -> float:
     "value_linearity", level="sdpa", section="spec.sdpa (linear in V)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
-    requires=needs_separate_values,
+    skip_reason=needs_separate_values,
 )
 def test_value_linearity(target: Target, case: SDPACase) -> float:
     """The output is linear in V: out(2V) = 2·out(V) and out(V1 + V2) = out(V1) + out(V2)."""
@@ -276,7 +276,7 @@ def _stack(a: np.ndarray | None, b: np.ndarray | None, axis: int, full_ndim: int
     "batch_independence", level="sdpa", section="spec.sdpa (batch items are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
-    requires=needs_separate_values,
+    skip_reason=needs_separate_values,
 )
 def test_batch_independence(target: Target, case: SDPACase) -> float:
     """Each batch item's output is what that item alone gives (with a second,
@@ -310,7 +310,7 @@ def test_batch_independence(target: Target, case: SDPACase) -> float:
     "head_independence", level="sdpa", section="spec.sdpa (heads are independent)",
     cases=lambda t: cases_for(t, layouts=("contiguous",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",)),
-    requires=needs_separate_values,
+    skip_reason=needs_separate_values,
 )
 def test_head_independence(target: Target, case: SDPACase) -> float:
     """Each head's output is what that head alone gives (with a second group of
@@ -354,7 +354,7 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
 @conformance_property(
     "scaling_variance", level="sdpa", section="spec.sdpa (default scale 1/sqrt(E))",
     cases=lambda t: st.integers(0, 2**32 - 1).map(lambda seed: _variance_case(t, seed)),
-    requires=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
+    skip_reason=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
                                    "needs E or Ev = 64 and S = 64") or needs_separate_values(t),
     examples_factor=0.25,
 )

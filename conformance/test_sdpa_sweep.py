@@ -213,7 +213,7 @@ def _oracle(pool: _Pool, layouts: list[_Layout], L: int, S: int) -> dict[_Layout
 @sweep_property(
     "small_sizes_sweep", level="sdpa", section="spec.sdpa (every L, S in 1..33)",
     check=_check_case, budget_s=BUDGET_S,
-    requires=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared")
+    skip_reason=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared")
     or needs_separate_values(t),
 )
 def test_small_sizes_sweep(target: Target, sweep: Sweep) -> None:

@@ -109,7 +109,7 @@ def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
 
 @conformance_property("paged_equivalence", level="kvcache", section="spec.kvcache_attention (block_table)",
                       cases=lambda t: _kvcache(t, paged=True), directed=lambda t: _kvcache_directed(t, paged=True),
-                      requires=lambda t: skip_unless(t.caps.kv_paged, "paged cache (kv_paged) not declared"))
+                      skip_reason=lambda t: skip_unless(t.caps.kv_paged, "paged cache (kv_paged) not declared"))
 def test_paged_equivalence(target: Target, case: KVCacheCase) -> float:
     """A paged cache is the contiguous one re-indexed: for any block table (pages
     shuffled, spare pages in between, page sizes that do and do not divide the lengths)
