@@ -119,8 +119,6 @@ def reproduced(tmp_path_factory, restore_profile):
 @pytest.mark.slow
 @pytest.mark.parametrize("prop", sorted(PROPERTIES))
 def test_every_property_reproducer_shows_the_failure_in_a_fresh_interpreter(reproduced, prop):
-    if PROPERTIES[prop].level in ("varlen", "kvcache"):
-        pytest.xfail("varlen/kvcache failures carry a rerun line, not a pasteable reproducer (open, issue 13)")
     results, outputs = reproduced
     result = results[prop]
     assert result is not None, f"{killer(prop)} was not killed by {prop} under ci"
