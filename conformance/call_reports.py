@@ -275,7 +275,7 @@ def first_failing_call(impl: Any, calls: Sequence[Any], *, invoke: Invoke = call
         report_call = {"sdpa": report_sdpa_call, "mha": report_mha_call}.get(call.level)
         if report_call is None and call.level in levels.LEVEL_MODULES:
             report_call = levels.module(call.level).report_call
-        if report_call is None:  # a level without a replay path (varlen, kvcache)
+        if report_call is None:  # not a call spec of a known level
             continue
         report = report_call(impl, call, invoke=invoke)
         if report.shows_failure:

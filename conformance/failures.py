@@ -429,22 +429,6 @@ def _section(property_id: str) -> str:
     return info.section if info is not None else ""
 
 
-def _annotate_unsaved(exc: BaseException, property_id: str, target: Any, record: Any, impl: str,
-                      options: dict[str, str]) -> None:
-    """A case of another level (``conformance.varlen_calls``): its attributes and a rerun line
-    (no .npz, no replay: those know SDPA and MHA cases only)."""
-    case = record.failing_case
-    record.counterexample = _counterexample(case)
-    option_args = "".join(f" --impl-option {k}={v}" for k, v in options.items())
-    record.reproducer = (f"pytest conformance --impl={impl}{option_args} --hypothesis-profile=ci "
-                         f"-k 'test_{property_id} and {target.id}'")
-    section = _section(property_id)
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"\nproperty {property_id}{f' ({section})' if section else ''} failed for implementation "
-                     f"{impl} on {target.level}/{target.dtype}/{target.device}\nshrunk case: {case.describe()}\n"
-                     f"rerun (the failure is in Hypothesis' database): {record.reproducer}")
-
-
 def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
              impl_spec: str, options: dict[str, str]) -> None:
     """Save the shrunk failing case and the call the property made on it, and
@@ -455,9 +439,6 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
     impl = impl_spec or target.impl.name
     record.message = str(exc).strip()[:4000]
     if case is None:
-        return
-    if not isinstance(case, (SDPACase, MHACase)) and not levels.level_of(case):  # varlen / kvcache: not saved yet
-        _annotate_unsaved(exc, property_id, target, record, impl, options)
         return
     record.counterexample = _counterexample(case)
     call, shows = _failing_call(exc, target, record)

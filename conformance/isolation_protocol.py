@@ -26,7 +26,6 @@ import numpy as np
 from conformance.levels import LEVEL_MODULES
 from implementations.base import (
     ALL_DTYPES,
-    VARLEN_LEVELS,
     Capabilities,
     ExpectedFailure,
     Implementation,
@@ -52,14 +51,12 @@ CALL_CLOCK = struct.Struct("<d")
 
 
 def _case_classes() -> dict[str, type]:
-    from conformance.cases import MHACase, SDPACase
     from conformance import levels
-    from conformance.varlen_calls import KVCacheCase, VarlenCase
+    from conformance.cases import MHACase, SDPACase
     from spec import MHAParams
 
     extra = {cls.__name__: cls for cls in (levels.module(n).Case for n in levels.LEVEL_MODULES)}
-    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams,
-            "VarlenCase": VarlenCase, "KVCacheCase": KVCacheCase, **extra}
+    return {"SDPACase": SDPACase, "MHACase": MHACase, "MHAParams": MHAParams, **extra}
 
 
 def _json_default(value: Any) -> Any:
@@ -196,6 +193,8 @@ def _caps_from_json(data: dict[str, Any]) -> Capabilities:
 
 #: The levels of ``conformance.levels`` (each an Implementation field and its capabilities).
 _LEVELS = tuple(LEVEL_MODULES)
+#: The fields of an Implementation (a level's own capabilities field is optional).
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Implementation))
 
 
 def _skip_key(level: str, device: str, dtype: str) -> str:
@@ -212,12 +211,12 @@ def describe_implementation(impl: Implementation) -> dict[str, Any]:
         "listed": impl.listed,
         "sdpa": impl.sdpa is not None,
         "mha": impl.mha is not None,
-        **{level: getattr(impl, level) is not None for level in VARLEN_LEVELS},
         "capabilities": _caps_to_json(impl.capabilities),
         "mha_capabilities": None if impl.mha_capabilities is None else _caps_to_json(impl.mha_capabilities),
-        # conformance.levels: each level's callable (present or not) and its capabilities.
+        # conformance.levels: each level's callable (present or not) and its own capabilities
+        # (a field <level>_capabilities where the level has one, as flash does).
         "levels": {level: {"present": getattr(impl, level) is not None,
-                           "capabilities": None if getattr(impl, f"{level}_capabilities") is None
+                           "capabilities": None if getattr(impl, f"{level}_capabilities", None) is None
                            else _caps_to_json(getattr(impl, f"{level}_capabilities"))}
                    for level in _LEVELS},
         "expected_failures": [dataclasses.asdict(e) | {"match": dict(e.match)} for e in impl.expected_failures],
@@ -225,7 +224,7 @@ def describe_implementation(impl: Implementation) -> dict[str, Any]:
         "skip_reasons": {
             _skip_key(level, device, dtype): impl.not_supported_reasons(
                 {"level": level, "device": device, "dtype": dtype})
-            for level in ("sdpa", "mha", *VARLEN_LEVELS, *_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
+            for level in ("sdpa", "mha", *_LEVELS) for device in ("cpu", "cuda") for dtype in ALL_DTYPES
         },
     }
 
@@ -266,12 +265,11 @@ class IsolatedImplementation(Implementation):
             sdpa=_OnlyInTheWorker("sdpa") if data["sdpa"] else None,
             mha=_OnlyInTheWorker("mha") if data["mha"] else None,
             load_weights=_OnlyInTheWorker("load_weights") if data["mha"] else None,
-            **{level: _OnlyInTheWorker(level) if data.get(level) else None for level in VARLEN_LEVELS},
             mha_capabilities=None if data["mha_capabilities"] is None else _caps_from_json(data["mha_capabilities"]),
             **{level: _OnlyInTheWorker(level) if entry["present"] else None
                for level, entry in data.get("levels", {}).items()},
             **{f"{level}_capabilities": None if entry["capabilities"] is None else _caps_from_json(entry["capabilities"])
-               for level, entry in data.get("levels", {}).items()},
+               for level, entry in data.get("levels", {}).items() if f"{level}_capabilities" in _FIELDS},
             version=data["version"],
             description=data["description"],
             expected_failures=tuple(ExpectedFailure(**e) for e in data["expected_failures"]),

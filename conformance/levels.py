@@ -1,7 +1,8 @@
 """Levels beyond SDPA and MHA, and the call-layer module of each.
 
 ``LEVEL_MODULES[level]`` names the module that makes calls at that level (the flash
-level's is ``conformance.flash_calls``). It provides:
+level's is ``conformance.flash_calls``; the varlen and kvcache levels' are
+``conformance.varlen_calls`` and ``conformance.kvcache_calls``). It provides:
 
 * ``Case``: a frozen dataclass of float64 arrays with ``level``, ``dtype``, ``device``,
   ``attrs()``, ``describe()`` and ``replace()``; ``ATTRIBUTES``: what ``attrs()`` and the
@@ -17,7 +18,9 @@ level's is ``conformance.flash_calls``). It provides:
 The shared machinery (``failures``, ``replay``, ``expectations``, ``isolation``,
 ``diagnosis``) reads this table, so a new level is one entry here plus its module,
 its strategies and its ``conformance/test_<level>.py``. The implementation's callable
-at the level is ``Implementation.<level>`` with ``Implementation.<level>_capabilities``.
+at the level is ``Implementation.<level>`` with its capabilities ``Implementation.caps(level)``
+(``Implementation.<level>_capabilities`` where that field exists, as ``flash_capabilities``
+does, else ``capabilities``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ __all__ = ["LEVEL_MODULES", "level_of", "module"]
 
 LEVEL_MODULES: dict[str, str] = {
     "flash": "conformance.flash_calls",
+    "varlen": "conformance.varlen_calls",
+    "kvcache": "conformance.kvcache_calls",
 }
 
 

@@ -2,7 +2,8 @@
 
 The varlen level is FlashAttention's ``flash_attn_varlen_func``; the kvcache level its
 ``flash_attn_with_kvcache`` (``implementations.base``). How a case is called and bounded
-is in ``conformance.varlen_calls``; the cases come from ``conformance.strategies.varlen``.
+is in ``conformance.varlen_calls`` and ``conformance.kvcache_calls``; the cases come from
+``conformance.strategies.varlen``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ from conformance.strategies.varlen import (
     varlen_cases,
     varlen_directed,
 )
-from conformance.varlen_calls import (
+from conformance.kvcache_calls import (
     KVCacheCase,
-    VarlenCase,
     assert_same_cache,
     check_kvcache_against_oracle,
-    check_varlen_against_oracle,
-    compare_pair,
     kvcache_bounds,
     run_kvcache,
+)
+from conformance.varlen_calls import (
+    VarlenCase,
+    check_varlen_against_oracle,
+    compare_pair,
     run_varlen,
     varlen_bounds,
 )

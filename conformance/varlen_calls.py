@@ -1,12 +1,14 @@
-"""Packed variable-length and KV-cache calls: the cases, the calls, and what the oracle says.
+"""Packed variable-length calls: the cases, the calls, and what the oracle says.
 
-The varlen and kvcache levels (``implementations.base``) take FlashAttention's
-``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` conventions; the oracle is
-``spec.varlen_attention`` / ``spec.kvcache_attention``. Every call goes through
-``runner.call_guarded``. The error bound is the SDPA rule (``conformance.tolerance``,
-computed by ``conformance.calls``) applied sequence by sequence: each sequence of a
-packed batch, and each row of a cache, is one SDPA problem of its own (B = 1, the
-sequence's own L and S, FlashAttention's bottom-right causal).
+The varlen level (``implementations.base``) takes FlashAttention's
+``flash_attn_varlen_func`` convention; the oracle is ``spec.varlen_attention``. Every
+call goes through ``runner.call_guarded`` (:func:`run_varlen`, logged as a
+:class:`VarlenCallSpec`, made by :func:`run_varlen_call`: the same code a failure's
+reproducer runs through :func:`show_varlen_call`). The error bound is the SDPA rule
+(``conformance.tolerance``, computed by ``conformance.calls``) applied sequence by
+sequence: each sequence of a packed batch is one SDPA problem of its own (B = 1, the
+sequence's own L and S, FlashAttention's bottom-right causal). The kvcache level's
+calls (``conformance.kvcache_calls``) use the same per-sequence rule from here.
 
 Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim, T packed total length.
@@ -15,6 +17,7 @@ E q/k head dim, Ev value head dim, T packed total length.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -23,23 +26,38 @@ import spec
 from conformance import calls
 from conformance.calls import assert_returned_tensor
 from conformance.cases import SDPACase
-from conformance.compare import compare_values, fail
+from conformance.compare import PropertyFailure, compare_values, fail
+from conformance.replay import CallReport
 from conformance.runner import Target, call_guarded
 from conformance.tensors import dtype_of, to_numpy
 
 __all__ = [
-    "KVCacheCall",
-    "KVCacheCase",
+    "ATTRIBUTES",
+    "SHOW",
+    "VARLEN_ATTRIBUTES",
+    "CallSpec",
+    "Case",
+    "VarlenCallSpec",
     "VarlenCase",
-    "assert_same_cache",
-    "check_kvcache_against_oracle",
+    "case_from_meta",
+    "case_meta",
     "check_varlen_against_oracle",
     "compare_pair",
-    "kvcache_bounds",
-    "run_kvcache",
+    "report_call",
+    "report_varlen_call",
     "run_varlen",
+    "run_varlen_call",
+    "show_varlen_call",
+    "validate",
     "varlen_bounds",
 ]
+
+#: Attributes of a varlen-level call (``VarlenCase.attrs()``; the call adds none): the
+#: keys an expected failure's ``match`` may use at this level.
+VARLEN_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
+    "gqa", "different_v_dim",
+})
 
 
 def _scale_sign(scale: float | None) -> str:
@@ -68,6 +86,10 @@ class VarlenCase:
     scale: float | None = None
     dtype: str = "float64"
     device: str = "cpu"
+
+    @property
+    def level(self) -> str:
+        return "varlen"
 
     @property
     def B(self) -> int:
@@ -128,100 +150,6 @@ class VarlenCase:
         return f"VarlenCase({self.describe()})"
 
 
-@dataclass(frozen=True, eq=False, repr=False)
-class KVCacheCase:
-    """One decoding step: query (B, L, N, E) against the logical caches k_cache (B, S_cache,
-    K, E), v_cache (B, S_cache, K, Ev) of which ``cache_seqlens[b]`` rows are valid; the new
-    keys ``k_new`` (B, S_new, K, E) / ``v_new`` are appended first (None: no append).
-
-    ``page_size`` (None: contiguous only) divides S_cache; paged, the caches are handed over
-    as pages (num_pages, page_size, K, E|Ev): logical page j of sequence b is physical page
-    ``page_order[b * max_pages + j]`` (``len(page_order) = num_pages >= B * max_pages``; the
-    spare pages hold ``spare``-seeded garbage), and ``block_table[b, j]`` says so."""
-
-    query: np.ndarray
-    k_cache: np.ndarray
-    v_cache: np.ndarray
-    cache_seqlens: tuple[int, ...]
-    k_new: np.ndarray | None = None
-    v_new: np.ndarray | None = None
-    causal: bool = False
-    scale: float | None = None
-    page_size: int | None = None
-    page_order: tuple[int, ...] | None = None
-    dtype: str = "float64"
-    device: str = "cpu"
-
-    @property
-    def B(self) -> int:
-        return int(self.query.shape[0])
-
-    @property
-    def L(self) -> int:
-        return int(self.query.shape[1])
-
-    @property
-    def N(self) -> int:
-        return int(self.query.shape[2])
-
-    @property
-    def K(self) -> int:
-        return int(self.k_cache.shape[2])
-
-    @property
-    def E(self) -> int:
-        return int(self.query.shape[3])
-
-    @property
-    def Ev(self) -> int:
-        return int(self.v_cache.shape[3])
-
-    @property
-    def S_cache(self) -> int:
-        return int(self.k_cache.shape[1])
-
-    @property
-    def S_new(self) -> int:
-        return 0 if self.k_new is None else int(self.k_new.shape[1])
-
-    @property
-    def paged(self) -> bool:
-        return self.page_size is not None
-
-    def valid_lengths(self) -> list[int]:
-        """S_b = cache_seqlens[b] + S_new: the keys sequence b attends."""
-        return [n + self.S_new for n in self.cache_seqlens]
-
-    def oracle(self) -> spec.KVCacheResult:
-        """``spec.kvcache_attention`` on the logical (contiguous) caches."""
-        return spec.kvcache_attention(self.query, self.k_cache, self.v_cache,
-                                      cache_seqlens=np.array(self.cache_seqlens), k=self.k_new,
-                                      v=self.v_new, causal=self.causal, scale=self.scale)
-
-    def attrs(self, **extra: Any) -> dict[str, Any]:
-        out = {"level": "kvcache", "device": self.device, "dtype": self.dtype,
-               "causal": "lower_right" if self.causal else None, "scale": self.scale,
-               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
-               "L": self.L, "S": max(self.valid_lengths()), "E": self.E, "Ev": self.Ev,
-               "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
-               "kv_paged": self.paged, "kv_append": self.k_new is not None}
-        out.update(extra)
-        return out
-
-    def replace(self, **changes: Any) -> KVCacheCase:
-        return _replace(self, **changes)
-
-    def describe(self) -> str:
-        pages = (f" page_size={self.page_size} page_order={list(self.page_order or ())}"
-                 if self.paged else "")
-        return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
-                f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
-                f"{pages} causal={self.causal} scale={self.scale} dtype={self.dtype} device={self.device}")
-
-    def __repr__(self) -> str:
-        return f"KVCacheCase({self.describe()})"
-
-
 # -- the tolerance rule, sequence by sequence ------------------------------------------
 
 
@@ -259,19 +187,6 @@ def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndar
     return expected, allowed, live
 
 
-def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(expected (B, L, N, Ev) = ``spec.kvcache_attention``, allowed, live rows (B, L, N, 1))."""
-    ref = case.oracle()
-    shape = (case.B, case.L, case.N, case.Ev)
-    expected, allowed = np.zeros(shape), np.zeros(shape)
-    live = np.zeros((*shape[:3], 1), dtype=bool)
-    for b, S_b in enumerate(case.valid_lengths()):
-        expected[b], allowed[b], live[b] = _sequence_bounds(
-            target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device)
-    return expected, allowed, live
-
-
 def _compared_rows(target: Target, live: np.ndarray) -> np.ndarray | None:
     """Rows to compare: all of them under the ``zero`` policy (FlashAttention's: a row
     with no key gives 0), only the live ones otherwise (``fully_masked`` declares the rest)."""
@@ -293,13 +208,6 @@ def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.nda
                           where=_compared_rows(target, live)).ratio
 
 
-def check_kvcache_against_oracle(target: Target, case: KVCacheCase, output: np.ndarray) -> float:
-    __tracebackhide__ = True
-    expected, allowed, live = kvcache_bounds(target, case)
-    return compare_values("kv-cache output", output, expected, allowed,
-                          where=_compared_rows(target, live)).ratio
-
-
 # -- calling the implementation ------------------------------------------------------------
 
 
@@ -315,87 +223,161 @@ def _int32(values: Any, device: str) -> Any:
     return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
 
 
-def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
-    """``target.impl.varlen`` on ``case`` (FlashAttention's arguments); the output (T_q, N, Ev)."""
+def _direct(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` as is (a reproducer's way; the runner passes ``runner.call_guarded``)."""
+    return fn(*args, **kwargs)
+
+
+def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: str) -> None:
+    """What came back is a tensor on the case's device, of ``shape`` and the input dtype."""
     __tracebackhide__ = True
+    assert_returned_tensor("output", out, device=case.device, shape=shape, dims=dims)
+    if out.dtype != dtype_of(case.dtype):
+        fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenCallSpec:
+    """One call of ``impl.varlen`` exactly as made: the case (FlashAttention's arguments
+    follow from it; ``grad_output`` is always None at this level)."""
+
+    case: VarlenCase
+    grad_output: np.ndarray | None = None
+
+    @property
+    def level(self) -> str:
+        return "varlen"
+
+    def attrs(self) -> dict[str, Any]:
+        return self.case.attrs()
+
+    def arguments(self) -> str:
+        lengths = self.case.lengths() or [(0, 0)]
+        return (f"cu_seqlens_q={list(self.case.cu_seqlens_q)}, cu_seqlens_k={list(self.case.cu_seqlens_k)}, "
+                f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
+                f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}")
+
+    def describe(self) -> str:
+        return f"{self.case.describe()}; {self.arguments()}"
+
+    def same_as(self, case: Any) -> bool:
+        return self.case is case
+
+
+def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = _direct, check_output: bool = True) -> Any:
+    """Make ``call`` on ``impl.varlen`` (through ``invoke``): fresh tensors of the case,
+    FlashAttention's arguments; with ``check_output``, check what came back. The tensor."""
+    __tracebackhide__ = True
+    case = call.case
     lengths = case.lengths() or [(0, 0)]
-    out = call_guarded(
-        target, target.impl.varlen,
+    out = invoke(
+        impl.varlen,
         _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
         _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
         max(L for L, _ in lengths), max(S for _, S in lengths),
         softmax_scale=case.scale, causal=case.causal,
     )
-    assert_returned_tensor("output", out, device=case.device, shape=(case.query.shape[0], case.N, case.Ev),
-                           dims="(T_q, N, Ev)")
-    if out.dtype != dtype_of(case.dtype):
-        fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
-    return to_numpy(out)
+    if check_output:
+        _output_shape_and_dtype(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
+    return out
 
 
-@dataclass
-class KVCacheCall:
-    output: np.ndarray   # (B, L, N, Ev), float64 copy
-    k_cache: np.ndarray  # the key cache after the call, in the logical layout (B, S_cache, K, E)
-    v_cache: np.ndarray  # (B, S_cache, K, Ev)
-
-
-def _pages(case: KVCacheCase, cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The logical cache (B, S_cache, K, X) as pages (num_pages, page_size, K, X) and the
-    block table (B, max_pages); spare pages hold integers up to ±30 (exact in every dtype),
-    seeded by the page count and size, so a read from one shows."""
-    B, S_cache, K, X = cache.shape
-    size = case.page_size
-    max_pages = S_cache // size
-    order = np.asarray(case.page_order, dtype=np.int64)
-    table = order[:B * max_pages].reshape(B, max_pages)
-    rng = np.random.default_rng(len(order) * 7919 + size)
-    pages = np.round(rng.standard_normal((len(order), size, K, X)) * 8, 0)   # exact in every dtype
-    pages[table.reshape(-1)] = cache.reshape(B * max_pages, size, K, X)
-    return pages, table
-
-
-def _unpage(pages: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Pages (num_pages, page_size, K, X) -> the logical cache (B, max_pages·page_size, K, X)."""
-    return spec.gather_pages(pages, table)
-
-
-def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None) -> KVCacheCall:
-    """``target.impl.kvcache`` on ``case`` (paged when the case has pages, unless ``paged``
-    says otherwise); the output and the caches after the call (FlashAttention writes the
-    new keys and values into them in place), read back in the logical layout."""
+def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
+    """``target.impl.varlen`` on ``case`` through ``runner.call_guarded``, the call logged;
+    the output (T_q, N, Ev)."""
     __tracebackhide__ = True
-    paged = case.paged if paged is None else paged
-    if paged:
-        k_pages, table = _pages(case, case.k_cache)
-        v_pages, _ = _pages(case, case.v_cache)
-        k_cache, v_cache, block_table = _tensor(k_pages, case), _tensor(v_pages, case), _int32(table, case.device)
+    call = VarlenCallSpec(case)
+    if target.log is not None:
+        target.log.calls.append(call)
+    return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
+
+
+# -- saving and reproducing ------------------------------------------------------------------
+
+
+_ARRAYS = ("query", "key", "value")
+
+
+def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a varlen case for ``conformance.failures`` (kind ``"varlen"``)."""
+    meta = {"kind": "varlen", "cu_seqlens_q": [int(n) for n in case.cu_seqlens_q],
+            "cu_seqlens_k": [int(n) for n in case.cu_seqlens_k], "causal": bool(case.causal),
+            "scale": case.scale, "dtype": case.dtype, "device": case.device}
+    return meta, {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
+
+
+def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> VarlenCase:
+    return VarlenCase(**{n: arrays[n] for n in _ARRAYS}, cu_seqlens_q=tuple(int(n) for n in meta["cu_seqlens_q"]),
+                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
+                      scale=meta["scale"], dtype=meta["dtype"], device=meta["device"])
+
+
+def validate(case: VarlenCase) -> None:
+    """ValueError (``spec.SpecError``) when the spec calls ``case`` invalid."""
+    for name in _ARRAYS:
+        if np.ndim(getattr(case, name)) != 3:
+            raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 3-D (T, heads, dim)")
+    spec.varlen_attention(case.query, case.key, case.value, case.cu_seqlens_q, case.cu_seqlens_k,
+                          causal=case.causal, scale=case.scale)
+
+
+def _called_invalid(report: CallReport, err: Exception, run: Any) -> CallReport:
+    """The spec calls the input invalid: the call must raise."""
+    report.lines.append(f"the spec calls this input invalid: {str(err).strip().splitlines()[0]}")
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - raising is right here
+        report.lines.append(f"raised, as it should: {type(exc).__name__}: {exc}")
     else:
-        k_cache, v_cache, block_table = _tensor(case.k_cache, case), _tensor(case.v_cache, case), None
-    new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
-    out = call_guarded(
-        target, target.impl.kvcache, _tensor(case.query, case), k_cache, v_cache, **new,
-        cache_seqlens=_int32(case.cache_seqlens, case.device), block_table=block_table,
-        softmax_scale=case.scale, causal=case.causal,
-    )
-    assert_returned_tensor("output", out, device=case.device, shape=(case.B, case.L, case.N, case.Ev),
-                           dims="(B, L, N, Ev)")
-    if out.dtype != dtype_of(case.dtype):
-        fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
-    k_after, v_after = to_numpy(k_cache), to_numpy(v_cache)
-    if paged:
-        k_after, v_after = _unpage(k_after, table), _unpage(v_after, table)
-    return KVCacheCall(to_numpy(out), k_after, v_after)
+        report.finding("returned a result, but should raise an error (the input is invalid per the spec)")
+    return report
 
 
-def assert_same_cache(what: str, actual: np.ndarray, expected: np.ndarray, valid: list[int]) -> None:
-    """The first ``valid[b]`` rows of each sequence's cache hold exactly the expected values
-    (copies of stored values: no rounding is allowed)."""
-    __tracebackhide__ = True
-    for b, S_b in enumerate(valid):
-        differ = actual[b, :S_b] != expected[b, :S_b]
-        if differ.any():
-            t, *rest = (int(i) for i in np.argwhere(differ)[0])
-            fail(f"{what}[{b}, {t}, {', '.join(map(str, rest))}]={actual[b, t][tuple(rest)]!r}, but should be "
-                 f"{expected[b, t][tuple(rest)]!r}: row t={t} of sequence {b} (cache_seqlens + S_new = {S_b} "
-                 "valid rows after the append)")
+def _difference(report: CallReport, actual: np.ndarray, expected: np.ndarray) -> None:
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(actual - expected)[np.isfinite(actual) & np.isfinite(expected)]
+    report.max_difference = float(diff.max()) if diff.size else 0.0
+    report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
+
+
+def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = _direct) -> CallReport:
+    """Make ``call`` and compare its output with ``spec.varlen_attention``, sequence by sequence."""
+    case = call.case
+    target = Target(impl, "varlen", case.dtype, case.device)
+    report = CallReport(call, [f"call: impl.varlen(q, k, v, {call.arguments()})",
+                               f"case as called: {case.describe()}"])
+    try:
+        validate(case)
+    except ValueError as err:  # spec.SpecError included
+        return _called_invalid(report, err, lambda: run_varlen_call(impl, call, invoke=invoke, check_output=False))
+    try:
+        out = to_numpy(run_varlen_call(impl, call, invoke=invoke))
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+        return report
+    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
+        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
+        return report
+    report.lines.append(f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}), "
+                        "tolerance rule per sequence")
+    try:
+        check_varlen_against_oracle(target, case, out)
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+    _difference(report, out, varlen_bounds(target, case)[0])
+    return report
+
+
+def show_varlen_call(impl: Any, call: VarlenCallSpec) -> CallReport:
+    """Make ``call`` in this interpreter and print how it differs from ``spec.varlen_attention``."""
+    report = report_varlen_call(impl, call)
+    print(report.text())
+    return report
+
+
+# The level's entries of conformance.levels (what the shared machinery reads).
+Case = VarlenCase
+CallSpec = VarlenCallSpec
+ATTRIBUTES = VARLEN_ATTRIBUTES
+report_call = report_varlen_call
+SHOW = "show_varlen_call"

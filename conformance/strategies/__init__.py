@@ -16,7 +16,7 @@ Modules, one job each:
 * :mod:`.mha`: whole MHA cases (``mha_cases``);
 * :mod:`.varlen`: packed variable-length batches and KV-cache decoding steps
   (``varlen_cases``, ``kvcache_cases``; imported from there, not re-exported here:
-  their case types live in ``conformance.varlen_calls``);
+  their case types live in ``conformance.varlen_calls`` and ``conformance.kvcache_calls``);
 * ``_validation`` / ``_drawing``: argument checks, weighted draws, seeds, reprs.
 
 How the strategies draw:

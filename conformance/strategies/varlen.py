@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
-from conformance.varlen_calls import KVCacheCase, VarlenCase
+from conformance.kvcache_calls import KVCacheCase
+from conformance.varlen_calls import VarlenCase
 from implementations.base import Capabilities
 from spec.emulate import round_to
 

@@ -63,6 +63,17 @@ def test_entry_errors_name_the_typo_and_the_valid_choices():
                                                                     "dropout_p": 0.5})], properties)
 
 
+def test_entry_errors_check_match_keys_at_the_varlen_and_kvcache_levels():
+    properties = registered_properties()
+    [error] = entry_errors([ExpectedFailure("paged_equivalence", "typo", {"kv_pagd": True})], properties)
+    assert "match key 'kv_pagd'" in error and "of level kvcache" in error and "did you mean 'kv_paged'" in error
+    [error] = entry_errors([ExpectedFailure("varlen_agreement", "kvcache only", {"kv_append": True})], properties)
+    assert "match key 'kv_append'" in error and "of level varlen" in error
+    assert not entry_errors([ExpectedFailure("kvcache_equivalence", "x", {"kv_append": False, "gqa": True}),
+                             ExpectedFailure("varlen_equivalence", "x", {"causal": "lower_right", "B": 2})],
+                            properties)
+
+
 def test_every_builtin_expected_failures_file_is_valid():
     properties = registered_properties()
     for name in ("sdpa", "sdpa-flash", "torch-mha"):
@@ -101,6 +112,23 @@ def test_called_attributes_say_grad_dropout_and_training_for_real():
     trained, with_grad = (call.attrs() for call in target.log.calls)
     assert (trained["training"], trained["dropout_p"], trained["grad"]) == (True, 0.25, False)
     assert (with_grad["training"], with_grad["grad"]) == (False, True)
+
+
+def test_kvcache_call_attributes_say_whether_the_call_was_paged():
+    """paged_equivalence calls a paged case twice: paged and contiguous; each call's
+    kv_paged is how it handed the caches over, not what the case has."""
+    from conformance.kvcache_calls import KVCacheCase, run_kvcache
+
+    rng = np.random.default_rng(0)
+    case = KVCacheCase(rng.standard_normal((1, 1, 1, 1)), rng.standard_normal((1, 2, 1, 1)),
+                       rng.standard_normal((1, 2, 1, 1)), cache_seqlens=(1,), k_new=rng.standard_normal((1, 1, 1, 1)),
+                       v_new=rng.standard_normal((1, 1, 1, 1)), page_size=1, page_order=(2, 0, 1))
+    target = Target(resolve("varlen-reference"), "kvcache", "float64", "cpu", log=CallLog())
+    run_kvcache(target, case, paged=True)
+    run_kvcache(target, case, paged=False)
+    paged, contiguous = (call.attrs() for call in target.log.calls)
+    assert (paged["kv_paged"], contiguous["kv_paged"]) == (True, False)
+    assert paged["kv_append"] is contiguous["kv_append"] is True
 
 
 def test_expected_failure_is_matched_against_the_called_case(pytester, tmp_path, restore_hypothesis_profile):

@@ -21,7 +21,7 @@ import conformance
 from conformance import failures
 from conformance.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
 from conformance.mha_calls import upstream_gradient
-from conformance.replay import MHACallSpec, SDPACallSpec, report_sdpa_call
+from conformance.replay import CallLog, MHACallSpec, SDPACallSpec, report_sdpa_call
 from conformance.runner import Target, registered_properties
 from implementations.mutants import MUTANTS
 from implementations.mutants._base import (
@@ -29,6 +29,7 @@ from implementations.mutants._base import (
     NaiveSDPA,
     sdpa_implementation,
 )
+from implementations.registry import resolve
 
 pytest_plugins = ["pytester"]
 
@@ -119,8 +120,6 @@ def reproduced(tmp_path_factory, restore_profile):
 @pytest.mark.slow
 @pytest.mark.parametrize("prop", sorted(PROPERTIES))
 def test_every_property_reproducer_shows_the_failure_in_a_fresh_interpreter(reproduced, prop):
-    if PROPERTIES[prop].level in ("varlen", "kvcache"):
-        pytest.xfail("varlen/kvcache failures carry a rerun line, not a pasteable reproducer (open, issue 13)")
     results, outputs = reproduced
     result = results[prop]
     assert result is not None, f"{killer(prop)} was not killed by {prop} under ci"
@@ -229,6 +228,74 @@ def test_saved_call_round_trips_with_self_attention_identity(tmp_path):
     assert np.array_equal(back.grad_output, call.grad_output) and back.dropout_seed == 12
 
 
+def _kvcache_case():
+    from conformance.kvcache_calls import KVCacheCase
+
+    rng = np.random.default_rng(5)
+    return KVCacheCase(rng.standard_normal((2, 1, 2, 3)), rng.standard_normal((2, 4, 1, 3)),
+                       rng.standard_normal((2, 4, 1, 2)), cache_seqlens=(1, 2), k_new=rng.standard_normal((2, 2, 1, 3)),
+                       v_new=rng.standard_normal((2, 2, 1, 2)), causal=True, scale=0.5, page_size=2,
+                       page_order=(3, 0, 4, 1, 2))
+
+
+def test_kvcache_call_leaves_the_case_as_it_was_and_round_trips(tmp_path):
+    """The call writes the new keys into the caches in place: into fresh tensors, so the
+    case (what a failure saves, what --replay and the reproducer start from) keeps the
+    caches as they were before it; the saved call is the one made (contiguous here)."""
+    from conformance.kvcache_calls import (
+        KVCacheCallSpec,
+        report_kvcache_call,
+        run_kvcache,
+    )
+
+    case = _kvcache_case()
+    before = case.k_cache.copy(), case.v_cache.copy()
+    target = Target(resolve("varlen-reference"), "kvcache", "float64", "cpu", log=CallLog())
+    after = run_kvcache(target, case, paged=False)
+    assert not np.array_equal(after.k_cache, before[0])  # the call appended, in place
+    assert np.array_equal(case.k_cache, before[0]) and np.array_equal(case.v_cache, before[1])
+    [call] = target.log.calls
+    path = failures.save_case(case, tmp_path / "kv.npz", call=call, property="kvcache_agreement",
+                              target="kvcache-float64-cpu")
+    loaded, meta = failures.load_case(path)
+    assert meta["kind"] == "kvcache" and loaded.describe() == case.describe()
+    failures.validate_saved(loaded, meta, registered_properties())
+    back = failures.load_call(path)
+    assert isinstance(back, KVCacheCallSpec) and back.paged is False and back.attrs() == call.attrs()
+    for name in ("query", "k_cache", "v_cache", "k_new", "v_new"):
+        assert np.array_equal(getattr(back.case, name), getattr(case, name)), name
+    assert not report_kvcache_call(target.impl, back).shows_failure
+    assert report_kvcache_call(resolve("mutant:kvcache_append_at_start"), back).shows_failure
+
+
+def test_replay_of_a_saved_kvcache_case_reruns_its_property(pytester, tmp_path, restore_profile):
+    path = failures.save_case(_kvcache_case(), tmp_path / "kv.npz", property="kvcache_equivalence",
+                              target="kvcache-float64-cpu")
+    result = conformance_run(pytester, "--impl=mutant:kvcache_append_at_start", f"--replay={path}")
+    out = result.stdout.str()
+    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert "show_kvcache_call(resolve('mutant:kvcache_append_at_start'), call)" in out
+    assert "k_cache after the call" in out
+    assert conformance_run(pytester, "--impl=varlen-reference", f"--replay={path}").ret == 0
+
+
+def test_varlen_call_round_trips_and_a_bad_saved_case_is_refused(tmp_path):
+    from conformance.varlen_calls import VarlenCallSpec, VarlenCase
+
+    rng = np.random.default_rng(6)
+    case = VarlenCase(rng.standard_normal((3, 2, 2)), rng.standard_normal((4, 1, 2)), rng.standard_normal((4, 1, 1)),
+                      cu_seqlens_q=(0, 0, 3), cu_seqlens_k=(0, 1, 4), causal=True)
+    call = VarlenCallSpec(case)
+    path = failures.save_case(case, tmp_path / "v.npz", call=call, property="varlen_agreement",
+                              target="varlen-float64-cpu")
+    back = failures.load_call(path)
+    assert back.describe() == call.describe() and np.array_equal(back.case.value, case.value)
+    loaded, meta = failures.load_case(path)
+    failures.validate_saved(loaded, meta, registered_properties())
+    with pytest.raises(ValueError, match="not a valid varlen case"):
+        failures.validate_saved(loaded.replace(cu_seqlens_k=(0, 1, 5)), meta, registered_properties())
+
+
 # -- seeds: the same in every process ---------------------------------------------
 
 
@@ -281,6 +348,13 @@ def test_call_attributes_are_the_declared_ones_and_set_for_real():
     assert set(mha.attrs()) == MHA_ATTRIBUTES
     attrs = mha.attrs()
     assert (attrs["grad"], attrs["dropout_p"], attrs["training"], attrs["self_attention"]) == (True, 0.5, True, True)
+    from conformance.kvcache_calls import KVCACHE_ATTRIBUTES, KVCacheCallSpec
+    from conformance.varlen_calls import VARLEN_ATTRIBUTES, VarlenCallSpec, VarlenCase
+
+    varlen = VarlenCase(*(rng.standard_normal((2, 1, 2)) for _ in range(3)), cu_seqlens_q=(0, 2), cu_seqlens_k=(0, 2))
+    assert set(VarlenCallSpec(varlen).attrs()) == VARLEN_ATTRIBUTES
+    kv = KVCacheCallSpec(_kvcache_case(), paged=False)
+    assert set(kv.attrs()) == KVCACHE_ATTRIBUTES and kv.attrs()["kv_paged"] is False
 
 
 # -- --replay validation ---------------------------------------------------------------
