@@ -363,9 +363,6 @@ class Implementation:
     #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
     flash: SDPACallable | None = None
     flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
-    #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
-    flash: SDPACallable | None = None
-    flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
     version: str = "0"
     description: str = ""
     #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
