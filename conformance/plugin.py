@@ -156,7 +156,10 @@ def pytest_configure(config: pytest.Config) -> None:
     properties = registered_properties()
     labels = _labels(specs) if len(specs) > 1 else [""]
     for spec, label in zip(specs, labels, strict=True):
-        session.add(_subject(config, spec, label, options, timeout, properties))
+        subject = _subject(config, spec, label, options, timeout, properties)
+        if len(specs) > 1 and subject.isolation is not None:
+            subject.isolation.close()  # started again on its first check: one worker at a time
+        session.add(subject)
     if config.getoption("device") in ("cuda", "all"):
         from conformance.devices import pin_cuda_device
 
@@ -381,6 +384,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("target", targets, ids=[t.test_id for t in targets])
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A run of several implementations goes one implementation after the other (in
+    --impl order), each through the properties in their usual order."""
+    session = session_of(config)
+    if session is None or not session.compares:
+        return
+    order = {label: rank for rank, label in enumerate(session.subjects)}
+    items.sort(key=lambda item: order.get(_label_of(item) or "", -1))
+
+
+def _label_of(item: pytest.Item) -> str | None:
+    target = getattr(getattr(item, "callspec", None), "params", {}).get("target")
+    return getattr(target, "label", None)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     session = session_of(config)
     if session is None or session.impl is None:
@@ -484,6 +502,16 @@ class _ResultCollector:
         isolation.mark_running(subject.impl_spec if subject else self.session.impl_spec, item.nodeid)
         if subject is not None and self.session.exitfirst and subject.stopped_by:
             pytest.skip(f"--impl-exitfirst: {subject.impl_spec} already failed {subject.stopped_by}")
+
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After an implementation's last test, its isolated worker (if any) stops."""
+        if not self.session.compares:
+            return
+        label = _label_of(item)
+        subject = self.session.subjects.get(label or "")
+        if subject is not None and subject.isolation is not None and (
+                nextitem is None or _label_of(nextitem) != label):
+            subject.isolation.close()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed and self.session.exitfirst:

@@ -12,12 +12,19 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conformance import certificate, isolation, merge
-from conformance.plugin import _NODE_ID, _ResultCollector, _impl_specs, _labels
-from conformance.session import Session, Subject
+from conformance.plugin import (
+    _NODE_ID,
+    _impl_specs,
+    _labels,
+    _ResultCollector,
+    pytest_collection_modifyitems,
+)
+from conformance.session import SESSION_KEY, Session, Subject
 from implementations.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +89,22 @@ def test_node_ids_name_the_implementation(test_id, label):
     m = _NODE_ID.search(f"conformance/test_x.py::{test_id}")
     assert m is not None and m["label"] == label
     assert m["level"] in ("sdpa", "mha") and m["dtype"].startswith(("float", "bfloat"))
+
+
+def test_tests_go_one_implementation_after_the_other_in_impl_order():
+    session = Session(profile="ci", started=0.0)
+    for spec in ("zeta", "alpha"):
+        session.add(Subject(spec, impl=None, label=spec))  # type: ignore[arg-type]
+    config = SimpleNamespace(stash=pytest.Stash())
+    config.stash[SESSION_KEY] = session
+
+    def item(prop, label):
+        return SimpleNamespace(name=f"{prop}-{label}",
+                               callspec=SimpleNamespace(params={"target": SimpleNamespace(label=label)}))
+
+    items = [item(p, label) for p in ("forward", "temperature") for label in ("alpha", "zeta")]
+    pytest_collection_modifyitems(config, items)
+    assert [i.name for i in items] == ["forward-zeta", "temperature-zeta", "forward-alpha", "temperature-alpha"]
 
 
 def test_a_crashed_test_is_charged_to_its_own_implementation(tmp_path, monkeypatch):
