@@ -13,6 +13,13 @@ and the shrunk counterexample's sizes next to the documented smallest case. The
     python benchmarks/mutation_score.py --jobs 2 --only gqa_tile,tiled_no_rescale
     python benchmarks/mutation_score.py --json score.json
     python benchmarks/mutation_score.py --expected-only  # only each mutant's expected property
+    python benchmarks/mutation_score.py --in-process     # the whole zoo in one pytest process
+
+``--in-process`` certifies every selected mutant in one pytest process
+(``--impl=mutant:a,mutant:b,... --impl-exitfirst``, with ``--expected-only`` a ``-k``
+term per mutant for its expected property) and reads each one's certificate from the
+comparison JSON: start-up is paid once; ``wall s`` is then the seconds inside the
+mutant's own tests, and the last line gives the process's wall time.
 
 Exit status: 0 when every selected mutant is killed, 1 otherwise.
 """
@@ -37,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from implementations.mutants import MUTANTS, Mutant  # noqa: E402
 
-__all__ = ["Score", "score_mutant", "main"]
+__all__ = ["Score", "score_mutant", "score_zoo_in_process", "main"]
 
 SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
 #: pytest's exit status when nothing was selected.
@@ -92,7 +99,7 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_onl
         ]
         if expected_only:
             cmd += ["-k", f"test_{mutant.expected_property}"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+        env = _clean_env()
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
@@ -109,12 +116,67 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_onl
             score.note = score.note or f"no report (exit code {score.exit_code})"
             return score
         data = json.loads(json_path.read_text())
+    _read_results(score, data.get("results", []), killed_by_exit=score.exit_code != 0)
+    return score
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without the outer pytest's or Hypothesis' settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+
+
+def expected_keyword(mutants: list[Mutant]) -> str:
+    """A ``-k`` expression selecting each mutant's expected property for that mutant
+    alone (test ids of a run of several implementations start with ``mutant:NAME-``)."""
+    return " or ".join(f"test_{m.expected_property}[mutant:{m.name}-" for m in mutants)
+
+
+def score_zoo_in_process(mutants: list[Mutant], profile: str, timeout_s: float, *,
+                         expected_only: bool = False) -> tuple[list[Score], float, int | None]:
+    """Run the suite on every mutant in one pytest process; (scores, process wall
+    seconds, exit code). A mutant's ``wall_seconds`` is the time inside its tests."""
+    with tempfile.TemporaryDirectory(prefix="mutant-zoo-") as workdir:
+        report = Path(workdir) / "zoo"
+        cmd = [
+            sys.executable, "-m", "pytest", str(ROOT / "conformance"),
+            "--impl=" + ",".join(f"mutant:{m.name}" for m in mutants), f"--hypothesis-profile={profile}",
+            "--impl-exitfirst", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report),
+        ]
+        if expected_only:
+            cmd += ["-k", expected_keyword(mutants)]
+        env = dict(_clean_env(), ATTENTION_CONFORMANCE_FAILURES=str(Path(workdir) / "failures"))
+        start = time.perf_counter()
+        code = None
+        try:
+            code = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            pass
+        wall = time.perf_counter() - start
+        json_path = report.with_suffix(".json")
+        data = json.loads(json_path.read_text()) if json_path.exists() else {"certificates": []}
+    certificates = {c["implementation"]["spec"]: c for c in data["certificates"]}
+    scores = []
+    for mutant in mutants:
+        score = Score(mutant.name, mutant.expected_property, documented_sizes(mutant), exit_code=code)
+        cert = certificates.get(f"mutant:{mutant.name}")
+        if cert is None:
+            score.note = f"no certificate (exit code {code}{', timed out' if code is None else ''})"
+        else:
+            _read_results(score, cert["results"], killed_by_exit=code != 0)
+            score.wall_seconds = sum(r.get("seconds") or 0.0 for r in cert["results"])
+        scores.append(score)
+    return scores, wall, code
+
+
+def _read_results(score: Score, results: list[dict[str, Any]], *, killed_by_exit: bool) -> None:
+    """Fill ``score`` from a certificate's results: the first failure is the kill."""
     score.results = [{k: r.get(k) for k in ("property", "level", "dtype", "outcome", "examples", "seconds")}
-                     for r in data.get("results", [])]
-    failed = [r for r in data.get("results", []) if r.get("outcome") == "failed"]
+                     for r in results]
+    failed = [r for r in results if r.get("outcome") == "failed"]
     if failed:
         first = failed[0]
-        score.killed = score.exit_code != 0
+        score.killed = killed_by_exit
         score.property = first.get("property")
         score.level, score.dtype = first.get("level"), first.get("dtype")
         score.examples = first.get("examples")
@@ -122,10 +184,9 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_onl
         score.counterexample = first.get("counterexample")
         score.minimal = is_minimal(score.documented, score.counterexample)
     else:
-        errors = [r for r in data.get("results", []) if r.get("outcome") == "error"]
+        errors = [r for r in results if r.get("outcome") == "error"]
         if errors:
             score.note = f"error in {errors[0].get('property')}: {str(errors[0].get('message', ''))[:80]}"
-    return score
 
 
 def _sizes(sizes: dict[str, Any] | None) -> str:
@@ -188,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the scores as JSON")
     parser.add_argument("--expected-only", action="store_true",
                         help="run only each mutant's expected_property (does that property alone kill it?)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="certify every selected mutant in one pytest process (start-up paid once)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or sorted(MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
@@ -202,10 +265,19 @@ def main(argv: list[str] | None = None) -> int:
               f"({score.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
         return score
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        scores = list(pool.map(run, names))
+    start = time.perf_counter()
+    if args.in_process:
+        scores, wall, code = score_zoo_in_process([MUTANTS[n] for n in names], args.profile, args.timeout,
+                                                  expected_only=args.expected_only)
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            scores = list(pool.map(run, names))
+        wall, code = time.perf_counter() - start, None
     print_table(scores)
     print(summary(scores))
+    how = ("one pytest process" + (f", exit code {code}" if code is not None else ", timed out")
+           if args.in_process else f"a pytest process per mutant, {args.jobs} at a time")
+    print(f"zoo wall seconds: {wall:.1f} ({len(names)} mutants, {how})")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(s) for s in scores], indent=2))
     return 0 if all(s.killed for s in scores) else 1

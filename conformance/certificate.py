@@ -7,6 +7,12 @@ plugin gathers them, from every xdist worker, and calls :func:`certificate`;
 :func:`terminal_lines`, :func:`markdown` and :func:`write` render it.
 
 A table cell reads ``outcome worst-ratio (examples)``: ``PASS 0.02 (20)``.
+
+A run of several implementations (``--impl=sdpa,sdpa-math``) gives a **comparison**
+(:func:`comparison`): each implementation's certificate, as a run of it alone writes
+it, and their matrix, a row per property and a column per (implementation, device,
+dtype), built and rendered by ``conformance.merge``. :func:`title`,
+:func:`terminal_lines`, :func:`markdown` and :func:`write` take either.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ __all__ = [
     "OUTCOME_SYMBOLS",
     "implementation_entry",
     "certificate",
+    "comparison",
     "cell",
     "render_table",
     "details",
@@ -93,6 +100,37 @@ def certificate(*, implementation: dict[str, Any], environment: dict[str, Any], 
         "results": sorted(results, key=lambda r: (r["level"], r["property"], r["device"], r["dtype"])),
         "causes": diagnosis.cause_groups(results),
     }
+
+
+def comparison(*, certificates: list[dict[str, Any]], environment: dict[str, Any], profile: str,
+               seconds: float) -> dict[str, Any]:
+    """The comparison of several implementations certified in one run: ``comparison``
+    (their ``--impl`` specs, in order), the run's environment, profile and seconds,
+    ``certificates`` (one per implementation, made by :func:`certificate`) and
+    ``matrix`` (``conformance.merge.to_json``)."""
+    from conformance import merge
+
+    specs = [c["implementation"]["spec"] for c in certificates]
+    return {
+        "comparison": specs,
+        "environment": environment,
+        "profile": profile,
+        "seconds": round(seconds, 2),
+        "certificates": certificates,
+        "matrix": merge.to_json(merge.merge(certificates, names=specs, order=specs)),
+    }
+
+
+def _is_comparison(cert: dict[str, Any]) -> bool:
+    return "comparison" in cert
+
+
+def _matrix_lines(cert: dict[str, Any], *, markdown: bool) -> list[str]:
+    from conformance import merge
+
+    certificates = cert["certificates"]
+    merged = merge.merge(certificates, names=cert["comparison"], order=cert["comparison"])
+    return merge.render_table(merged, markdown=markdown)
 
 
 def cell(result: dict[str, Any]) -> str:
@@ -202,25 +240,36 @@ def summary(cert: dict[str, Any]) -> str:
     return "summary: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
 
 
+def _named(impl: dict[str, Any]) -> str:
+    return f"{impl['spec']} ({impl['name']} {impl['version']})"
+
+
 def title(cert: dict[str, Any]) -> str:
-    impl = cert["implementation"]
-    return f"attention-conformance certificate: {impl['spec']} ({impl['name']} {impl['version']})"
+    if _is_comparison(cert):
+        return (f"attention-conformance certificate: {len(cert['comparison'])} implementations "
+                f"compared ({', '.join(cert['comparison'])})")
+    return f"attention-conformance certificate: {_named(cert['implementation'])}"
 
 
 def terminal_lines(cert: dict[str, Any]) -> list[str]:
-    """What the terminal shows under the title (the table is one multi-line entry)."""
-    return [
-        f"profile={cert['profile']} torch={cert['environment']['torch']} "
-        f"cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run",
-        render_table(cert),
-        *details(cert),
-        *diagnosis.cause_lines(cert),
-        summary(cert),
-    ]
+    """What the terminal shows under the title (the table is one multi-line entry).
+    A comparison: the matrix, then each implementation's details and summary under a
+    ``-- spec (name version) --`` line, then one summary line per implementation."""
+    head = (f"profile={cert['profile']} torch={cert['environment']['torch']} "
+            f"cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run")
+    if not _is_comparison(cert):
+        return [head, render_table(cert), *details(cert), *diagnosis.cause_lines(cert), summary(cert)]
+    lines = [head, "\n".join(_matrix_lines(cert, markdown=False))]
+    for one in cert["certificates"]:
+        lines += [f"-- {_named(one['implementation'])} --", *details(one), *diagnosis.cause_lines(one)]
+    lines += [f"{one['implementation']['spec']}: {summary(one)}" for one in cert["certificates"]]
+    return lines
 
 
 def markdown(cert: dict[str, Any]) -> str:
     """The certificate as a Markdown page (``PATH.md``)."""
+    if _is_comparison(cert):
+        return _comparison_markdown(cert)
     impl = cert["implementation"]
     md = [f"# attention-conformance certificate: `{impl['spec']}`", "",
           f"- implementation: {impl['name']} {impl['version']}",
@@ -230,6 +279,22 @@ def markdown(cert: dict[str, Any]) -> str:
           render_table(cert, markdown=True), ""]
     md += [f"- {line}" for line in details(cert)]
     md += diagnosis.cause_markdown(cert)
+    return "\n".join(md) + "\n"
+
+
+def _comparison_markdown(cert: dict[str, Any]) -> str:
+    """A comparison as a Markdown page: the matrix, then a section per implementation."""
+    md = [f"# attention-conformance certificate: {len(cert['comparison'])} implementations compared", "",
+          "- implementations: " + ", ".join(f"`{c['implementation']['spec']}` ({c['implementation']['name']} "
+                                             f"{c['implementation']['version']})" for c in cert["certificates"]),
+          f"- profile: {cert['profile']}; torch {cert['environment']['torch']}; "
+          f"devices {cert['environment']['devices']}",
+          "- cell: outcome, worst error/allowed ratio, examples", "",
+          *_matrix_lines(cert, markdown=True)]
+    for one in cert["certificates"]:
+        md += ["", f"## `{one['implementation']['spec']}`", "", f"- {summary(one)}"]
+        md += [f"- {line}" for line in details(one)]
+        md += [line.replace("## ", "### ", 1) for line in diagnosis.cause_markdown(one)]
     return "\n".join(md) + "\n"
 
 

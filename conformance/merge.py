@@ -2,7 +2,9 @@
 
     python -m conformance.merge cert1.json cert2.json ... [--output PATH]
 
-Each input is a certificate JSON as ``--conformance-report`` writes it. The result
+Each input is a certificate JSON as ``--conformance-report`` writes it (a run of
+several implementations, ``--impl=a,b``, writes a comparison: each of its
+certificates is an input of its own). The result
 is one table, a row per property (and level), a column per (implementation,
 device, dtype), printed as Markdown, or written to ``PATH.md`` and ``PATH.json``
 with ``--output PATH``.
@@ -42,9 +44,11 @@ __all__ = [
     "Result",
     "check_certificate",
     "load_certificate",
+    "load_certificates",
     "main",
     "merge",
     "render_markdown",
+    "render_table",
     "to_json",
 ]
 
@@ -133,6 +137,26 @@ def load_certificate(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def load_certificates(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """The certificates in a JSON file, each with a name for the report: the one
+    certificate of a run of one implementation (named ``path``), or each of a
+    comparison's (``--impl=a,b``: ``path[a]``, ``path[b]``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CertificateError(f"{path}: cannot read a certificate ({exc})") from None
+    if isinstance(data, Mapping) and isinstance(data.get("comparison"), list):
+        inner = data.get("certificates")
+        if not isinstance(inner, list):
+            raise CertificateError(f"{path}: a comparison without a 'certificates' list")
+        for index, cert in enumerate(inner):
+            check_certificate(cert, f"{path}: certificates[{index}]")
+        return [(f"{path}[{_implementation(cert)}]", cert) for cert in inner]
+    check_certificate(data, str(path))
+    return [(str(path), data)]
+
+
 def check_certificate(data: Any, where: str) -> None:
     """Raise :class:`CertificateError` unless ``data`` looks like a certificate."""
     if not isinstance(data, Mapping) or not isinstance(data.get("results"), list):
@@ -161,8 +185,11 @@ def _device(cert: Mapping[str, Any], result: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- merging
 
 
-def merge(certificates: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> Merged:
-    """Merge certificate dicts (``names``: where each came from, for the report)."""
+def merge(certificates: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None, *,
+          order: Sequence[str] | None = None) -> Merged:
+    """Merge certificate dicts (``names``: where each came from, for the report).
+    Columns go by implementation in alphabetical order, or in ``order`` (implementation
+    specs; others after them), then device, then dtype."""
     names = list(names) if names is not None else [f"certificate {i + 1}" for i in range(len(certificates))]
     cells: dict[tuple[Row, Column], Cell] = {}
     for index, cert in enumerate(certificates):
@@ -172,7 +199,9 @@ def merge(certificates: Sequence[Mapping[str, Any]], names: Sequence[str] | None
             key = ((str(result["level"]), str(result["property"])),
                    (impl, _device(cert, result), str(result["dtype"])))
             _add(cells, key, index, result)
-    columns = sorted({col for _, col in cells}, key=_column_order)
+    ranks = {impl: rank for rank, impl in enumerate(order or ())}
+    columns = sorted({col for _, col in cells},
+                     key=lambda col: (ranks.get(col[0], len(ranks)), *_column_order(col)))
     rows = sorted({row for row, _ in cells})
     summaries = [_summary(cert, name) for cert, name in zip(certificates, names, strict=True)]
     return Merged(summaries, columns, rows, cells)
@@ -218,16 +247,42 @@ def _cell_text(cell: Cell | None) -> str:
     return text
 
 
+def render_table(merged: Merged, *, markdown: bool = True) -> list[str]:
+    """The matrix, a row per (property, level), a column per (implementation, device,
+    dtype): a Markdown table, or (``markdown=False``) aligned text for a terminal, whose
+    first header line names each implementation once, above its ``dtype/device`` columns."""
+    body = [[row[1], row[0], *(_cell_text(merged.cells.get((row, col))) for col in merged.columns)]
+            for row in merged.rows]
+    if markdown:
+        header = ["property", "level"] + [" / ".join(col) for col in merged.columns]
+        return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                + ["| " + " | ".join(cells) + " |" for cells in body])
+    names = ["", ""] + [impl if i == 0 or merged.columns[i - 1][0] != impl else ""
+                        for i, (impl, _, _) in enumerate(merged.columns)]
+    header = ["property", "level"] + [f"{dtype}/{device}" for _, device, dtype in merged.columns]
+    widths = [max(len(x) for x in column) for column in zip(header, *body, strict=True)]
+    # An implementation's name may be wider than its first column: it runs on over the next.
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *body)]
+    return [_spread_names(names, widths), *lines]
+
+
+def _spread_names(names: list[str], widths: list[int]) -> str:
+    """The implementation header line: each name at its first column's start."""
+    line = ""
+    position = 0
+    for name, width in zip(names, widths, strict=True):
+        if name:
+            line = line.ljust(position) + ("" if len(line) <= position else " ") + name
+        position += width + 2
+    return line.rstrip()
+
+
 def render_markdown(merged: Merged) -> str:
     """The matrix, the conflicts and the certificates, as Markdown."""
-    header = ["property", "level"] + [" / ".join(col) for col in merged.columns]
     lines = ["# attention-conformance: merged certificates", "",
              "Cell: outcome, worst error/allowed ratio, examples (summed over certificates).", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in merged.rows:
-        level, prop = row
-        cells = [_cell_text(merged.cells.get((row, col))) for col in merged.columns]
-        lines.append("| " + " | ".join([prop, level, *cells]) + " |")
+             *render_table(merged)]
     conflicts = merged.conflicts
     lines += ["", f"## Conflicts ({len(conflicts)})", ""]
     if not conflicts:
@@ -285,11 +340,12 @@ def main(argv: Iterable[str] | None = None) -> int:
                         help="write PATH.md and PATH.json (default: print the Markdown)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        certificates = [load_certificate(p) for p in args.certificates]
+        named = [pair for p in args.certificates for pair in load_certificates(p)]
     except CertificateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    merged = merge(certificates, names=args.certificates)
+    certificates = [cert for _, cert in named]
+    merged = merge(certificates, names=[name for name, _ in named])
     markdown = render_markdown(merged)
     if args.output:
         base = Path(args.output)

@@ -1,7 +1,9 @@
 """pytest plugin of the conformance runner (loaded by the root ``conftest.py``).
 
 Options (group "attention-conformance"): ``--impl`` (required to run
-``conformance/``; ``--impl=list`` lists the built-ins), ``--impl-option
+``conformance/``; ``--impl=list`` lists the built-ins; several, comma-separated or
+a glob such as ``mutant:*``, are certified side by side), ``--impl-exitfirst``
+(stop certifying an implementation at its first failure), ``--impl-option
 key=value`` (repeatable: override a declared capability), ``--device``
 (cpu, cuda, all), ``--dtype`` (comma-separated subset), ``--conformance-report
 PATH`` (writes PATH.json and PATH.md), ``--replay FILE`` (re-run one saved
@@ -15,6 +17,11 @@ Every test pytest runs has a result on the certificate: one that crashed its
 process (xdist reports it) or errored outside the property's code gets a ``failed``
 or ``error`` result from its report.
 
+A run of several implementations resolves each once and parametrizes every property
+test over each one's targets (ids ``[sdpa-math-sdpa-float32-cpu]``: the implementation's
+label first; a run of one keeps ``[sdpa-float32-cpu]``); its certificate is a comparison
+(``conformance.certificate.comparison``).
+
 The options and what the property tests record live on one
 ``conformance.session.Session`` in ``config.stash``; the records of every
 xdist worker reach the controller's session through the reports, and the
@@ -23,6 +30,7 @@ certificate is built from them by ``conformance.certificate``.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import platform
 import re
@@ -35,7 +43,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from conformance import certificate
-from conformance.session import SESSION_KEY, Session, session_of
+from conformance.session import SESSION_KEY, Session, Subject, session_of
 from implementations.base import ALL_DTYPES, ImplementationError
 
 __all__ = ["PROFILES", "conformance_session"]
@@ -58,7 +66,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attention-conformance", "attention conformance suite")
     group.addoption("--impl", default=None, metavar="NAME",
                     help="implementation to certify: a registered name (see --impl=list), "
-                         "an entry point, module:attr, path/to/file.py:attr or mutant:NAME")
+                         "an entry point, module:attr, path/to/file.py:attr or mutant:NAME; "
+                         "several, comma-separated or as a glob over the registered and mutant "
+                         "names ('mutant:*', 'sdpa*'), are certified side by side in one run")
+    group.addoption("--impl-exitfirst", action="store_true", default=False,
+                    help="stop certifying an implementation at its first failing test (its "
+                         "remaining tests skip, the other implementations go on; -x stops the run)")
     group.addoption("--impl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="override a declared capability, e.g. causal=lower_right, fully_masked=nan")
     group.addoption("--xfail-file", default=None, metavar="PATH",
@@ -133,33 +146,27 @@ def pytest_configure(config: pytest.Config) -> None:
     if impl_spec == "list":
         print(registry.listing(), flush=True)
         pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
+    specs = _impl_specs(impl_spec)
     options = _parse_options(config.getoption("impl_option"))
     timeout = _example_timeout(config)
     session.dtypes = _dtypes(config)
+    session.exitfirst = config.getoption("impl_exitfirst")
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         _check_writable(report_path)
-    session.impl = _with_xfail_file(config, _resolve(config, session, impl_spec, options, timeout))
-    session.impl_spec, session.options = impl_spec, options
-    impl = session.impl
-    from conformance.strategies.shape_budget import shape_budget_for
+    from conformance.runner import registered_properties
 
-    try:
-        session.shape_budget = shape_budget_for(impl.capabilities, config.getoption("shape_budget"))
-    except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
-        raise pytest.UsageError(str(err)) from None
+    properties = registered_properties()
+    labels = _labels(specs) if len(specs) > 1 else [""]
+    for spec, label in zip(specs, labels, strict=True):
+        subject = _subject(config, spec, label, options, timeout, properties)
+        if len(specs) > 1 and subject.isolation is not None:
+            subject.isolation.close()  # started again on its first check: one worker at a time
+        session.add(subject)
     if config.getoption("device") in ("cuda", "all"):
         from conformance.devices import pin_cuda_device
 
         pin_cuda_device(getattr(config, "workerinput", {}).get("workerid"))
-    from conformance.expectations import entry_errors
-    from conformance.runner import registered_properties
-
-    properties = registered_properties()
-    errors = entry_errors(impl.expected_failures, properties)
-    if errors:
-        raise pytest.UsageError(f"--impl={impl_spec}: {len(errors)} invalid expected failure(s): "
-                                + "; ".join(errors))
     replay_path = config.getoption("replay")
     if replay_path:
         from conformance import failures
@@ -185,6 +192,84 @@ def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
         return registry.with_expected_failures(impl, registry.load_expected_failures_file(path))
     except ImplementationError as err:
         raise pytest.UsageError(str(err)) from None
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _impl_specs(raw: str) -> list[str]:
+    """``--impl`` as a list: its comma-separated entries, each glob (``mutant:*``)
+    expanded over the registered names and ``mutant:NAME``, repeats dropped."""
+    specs: list[str] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        if not _GLOB.search(entry):
+            specs.append(entry)
+            continue
+        names = _glob_names()
+        found = [name for name in names if fnmatch.fnmatchcase(name, entry)]
+        if not found:
+            raise pytest.UsageError(
+                f"--impl={raw}: {entry!r} matches no registered name and no mutant:NAME "
+                f"(registered: {', '.join(n for n in names if not n.startswith('mutant:'))}; "
+                "the bug zoo: mutant:*)"
+            )
+        specs += found
+    if not specs:
+        raise pytest.UsageError(f"--impl={raw!r} names no implementation; see `pytest conformance --impl=list`")
+    return list(dict.fromkeys(specs))
+
+
+def _glob_names() -> list[str]:
+    """What an ``--impl`` glob is matched against: the registered names, then the bug zoo's."""
+    from implementations import registry
+
+    names = list(registry.registered())
+    try:
+        from implementations.mutants import MUTANTS
+    except ImportError:
+        return names
+    return names + [f"mutant:{name}" for name in sorted(MUTANTS)]
+
+
+def _labels(specs: list[str]) -> list[str]:
+    """Each implementation's label, the prefix of its test ids: its spec, characters
+    a test id or ``-k`` cannot hold replaced by ``_``, made unique."""
+    labels: list[str] = []
+    for spec in specs:
+        label = base = re.sub(r"[^\w.:+/-]", "_", spec)
+        n = 2
+        while label in labels:
+            label, n = f"{base}_{n}", n + 1
+        labels.append(label)
+    return labels
+
+
+def _subject(config: pytest.Config, spec: str, label: str, options: dict[str, str], timeout: float,
+             properties: Any) -> Subject:
+    """Implementation ``spec`` resolved (here or in an isolated worker), its shape budget
+    and expected failures checked: a usage error names ``--impl=spec``."""
+    from conformance.expectations import entry_errors
+    from conformance.strategies.shape_budget import shape_budget_for
+
+    impl, worker, reason = _resolve(config, spec, options, timeout)
+    impl = _with_xfail_file(config, impl)
+    subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
+    try:
+        subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("shape_budget"))
+    except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
+        _close(worker)
+        raise pytest.UsageError(str(err)) from None
+    errors = entry_errors(impl.expected_failures, properties)
+    if errors:
+        _close(worker)
+        raise pytest.UsageError(f"--impl={spec}: {len(errors)} invalid expected failure(s): "
+                                + "; ".join(errors))
+    return subject
+
+
+def _close(worker: Any) -> None:
+    if worker is not None:
+        worker.close()
 
 
 def _example_timeout(config: pytest.Config) -> float:
@@ -218,28 +303,30 @@ def _check_writable(path: str) -> None:
         ) from None
 
 
-def _resolve(config: pytest.Config, session: Session, impl_spec: str, options: dict[str, str],
-             timeout: float) -> Any:
-    """The implementation, resolved here or, isolated, in a worker process."""
+def _resolve(config: pytest.Config, impl_spec: str, options: dict[str, str],
+             timeout: float) -> tuple[Any, Any, str]:
+    """The implementation, resolved here or, isolated, in a worker process; the
+    worker (None: in-process) and why it is (or is not) isolated."""
     from conformance import isolation
 
-    isolate, session.isolate_reason = isolation.choose(config.getoption("isolate"), impl_spec)
+    isolate, reason = isolation.choose(config.getoption("isolate"), impl_spec)
     isolation.mark_running(impl_spec)  # removed at a clean end, below or in pytest_unconfigure
     try:
-        return _resolve_in(config, session, impl_spec, options, timeout, isolate)
+        impl, worker = _resolve_in(config, impl_spec, options, timeout, isolate)
     except BaseException:
         isolation.forget_running()
         raise
+    return impl, worker, reason
 
 
-def _resolve_in(config: pytest.Config, session: Session, impl_spec: str, options: dict[str, str],
-                timeout: float, isolate: bool) -> Any:
+def _resolve_in(config: pytest.Config, impl_spec: str, options: dict[str, str],
+                timeout: float, isolate: bool) -> tuple[Any, Any]:
     from conformance import isolation
     from implementations import registry
 
     if not isolate:
         try:
-            return registry.resolve(impl_spec, options or None, timeout=timeout)
+            return registry.resolve(impl_spec, options or None, timeout=timeout), None
         except ImplementationError as err:
             raise pytest.UsageError(str(err)) from None
     worker = isolation.Worker(impl_spec, options, timeout)
@@ -260,8 +347,7 @@ def _resolve_in(config: pytest.Config, session: Session, impl_spec: str, options
         raise pytest.UsageError(f"--impl={impl_spec}: resolving it in the isolated worker failed: {err}") from None
     if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
         worker.close()  # the xdist controller runs no test; each xdist worker starts its own
-    session.isolation = worker
-    return impl
+    return impl, worker
 
 
 @pytest.fixture(scope="session")
@@ -286,14 +372,18 @@ def _devices(config: pytest.Config) -> list[str]:
 
 
 def _targets(config: pytest.Config, level: str) -> list[Any]:
+    """Every implementation's targets at ``level``, in --impl order, then device, then dtype."""
     from conformance.runner import Target
 
     session = session_of(config)
-    caps = session.impl.caps(level)
-    dtypes = session.dtypes or list(caps.dtypes) or ["float32"]
     timeout = config.getoption("example_timeout")
-    return [Target(session.impl, level, dtype, device, timeout, session.shape_budget)
-            for device in _devices(config) for dtype in dtypes]
+    targets = []
+    for subject in session.subjects.values():
+        dtypes = session.dtypes or list(subject.impl.caps(level).dtypes) or ["float32"]
+        targets += [Target(subject.impl, level, dtype, device, timeout, subject.shape_budget,
+                           label=subject.label)
+                    for device in _devices(config) for dtype in dtypes]
+    return targets
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -307,7 +397,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
     level = getattr(metafunc.function, "conformance_level", "sdpa")
     targets = _targets(metafunc.config, level)
-    metafunc.parametrize("target", targets, ids=[t.id for t in targets])
+    metafunc.parametrize("target", targets, ids=[t.test_id for t in targets])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A run of several implementations goes one implementation after the other (in
+    --impl order), each through the properties in their usual order."""
+    session = session_of(config)
+    if session is None or not session.compares:
+        return
+    order = {label: rank for rank, label in enumerate(session.subjects)}
+    items.sort(key=lambda item: order.get(_label_of(item) or "", -1))
+
+
+def _label_of(item: pytest.Item) -> str | None:
+    target = getattr(getattr(item, "callspec", None), "params", {}).get("target")
+    return getattr(target, "label", None)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -317,22 +422,33 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
     impl = session.impl
+    if session.compares:
+        first = (f"attention-conformance: {len(session.subjects)} implementations compared: "
+                 f"{', '.join(s.impl_spec for s in session.subjects.values())}")
+    else:
+        first = f"attention-conformance: impl={session.impl_spec} ({impl.name} {impl.version})"
     lines = [
-        f"attention-conformance: impl={session.impl_spec} ({impl.name} {impl.version}) "
-        f"options={session.options or '{}'} profile={session.profile}",
+        f"{first} options={session.options or '{}'} profile={session.profile}",
         f"  devices={_devices(config)} dtypes={session.dtypes or 'declared'} "
         f"torch={torch.__version__} cuda={torch.version.cuda} "
         f"cuda_available={torch.cuda.is_available()} triton={_triton_version()} "
         f"python={platform.python_version()}",
     ]
-    caps = impl.capabilities
-    lines.append(
-        f"  declared: causal={caps.causal} fully_masked={caps.fully_masked_text()} dtypes={caps.dtypes} "
-        f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
-    )
-    lines += [f"  probe note: {note}" for note in caps.probe_notes]
-    isolated = "in a worker process" if session.isolation is not None else "in-process"
-    lines.append(f"  implementation runs {isolated} ({session.isolate_reason})")
+    if session.exitfirst:
+        lines.append("  --impl-exitfirst: an implementation's tests after its first failure skip")
+    for subject in session.subjects.values():
+        indent = "  "
+        if session.compares:
+            lines.append(f"  {subject.label}: {subject.impl.name} {subject.impl.version}")
+            indent = "    "
+        caps = subject.impl.capabilities
+        lines.append(
+            f"{indent}declared: causal={caps.causal} fully_masked={caps.fully_masked_text()} dtypes={caps.dtypes} "
+            f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
+        )
+        lines += [f"{indent}probe note: {note}" for note in caps.probe_notes]
+        isolated = "in a worker process" if subject.isolation is not None else "in-process"
+        lines.append(f"{indent}implementation runs {isolated} ({subject.isolate_reason})")
     return lines
 
 
@@ -367,11 +483,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
         if record.outcome == "xfailed" and report.passed:
             report.outcome = "skipped"
             report.wasxfail = record.xfail_reason
-        report.user_properties.append(("conformance", record.as_dict()))
+        result = record.as_dict()
+        if session.compares:
+            result["implementation"] = item.callspec.params["target"].label  # type: ignore[attr-defined]
+        report.user_properties.append(("conformance", result))
         session.current = None
 
 
-_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?P<level>[a-z]+)-(?P<dtype>\w+)-(?P<device>\w+)\]$")
+#: A property test's node id: ``test_<property>[<label>-<level>-<dtype>-<device>]``,
+#: ``<label>-`` only in a run of several implementations (a label may hold ``-``).
+_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?:(?P<label>.+)-)?(?P<level>sdpa|mha)-(?P<dtype>\w+)"
+                      r"-(?P<device>\w+)\]$")
 
 
 class _ResultCollector:
@@ -384,12 +506,34 @@ class _ResultCollector:
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    def _subject(self, nodeid: str) -> Subject | None:
+        """The implementation a property test's node id names (None: not a property test)."""
+        m = _NODE_ID.search(nodeid)
+        return None if m is None else self.session.subjects.get(m["label"] or "")
+
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         from conformance import isolation
 
-        isolation.mark_running(self.session.impl_spec, item.nodeid)
+        subject = self._subject(item.nodeid)
+        isolation.mark_running(subject.impl_spec if subject else self.session.impl_spec, item.nodeid)
+        if subject is not None and self.session.exitfirst and subject.stopped_by:
+            pytest.skip(f"--impl-exitfirst: {subject.impl_spec} already failed {subject.stopped_by}")
+
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After an implementation's last test, its isolated worker (if any) stops."""
+        if not self.session.compares:
+            return
+        label = _label_of(item)
+        subject = self.session.subjects.get(label or "")
+        if subject is not None and subject.isolation is not None and (
+                nextitem is None or _label_of(nextitem) != label):
+            subject.isolation.close()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed and self.session.exitfirst:
+            subject = self._subject(report.nodeid)
+            if subject is not None and not subject.stopped_by:
+                subject.stopped_by = report.nodeid.rsplit("::", 1)[-1]
         recorded = False
         for key, value in getattr(report, "user_properties", ()):
             if key == "conformance":
@@ -412,7 +556,11 @@ class _ResultCollector:
         if m is None or m["property"] not in registered_properties():
             return None
         record = Record(m["property"], m["level"], m["dtype"], m["device"])
+        subject = self.session.subjects.get(m["label"] or "")
+        spec = subject.impl_spec if subject is not None else self.session.impl_spec
         text = str(getattr(report, "longreprtext", "") or report.longrepr or "").strip()
+        if report.skipped and isinstance(report.longrepr, tuple):  # (path, line, "Skipped: why")
+            text = str(report.longrepr[2])
         if report.skipped:
             record.outcome = "skipped"
             record.reason = text.rsplit("Skipped: ", 1)[-1] if "Skipped: " in text else text
@@ -423,11 +571,14 @@ class _ResultCollector:
                 "the implementation?) before the property could save the case; rerun with "
                 "--isolate=always to run the implementation in a worker process that survives it"
             )
-            isolation.record_crash(self.session.impl_spec, f"a test process died during {report.nodeid}")
+            isolation.record_crash(spec, f"a test process died during {report.nodeid}")
         else:
             record.outcome = "failed" if report.when == "call" else "error"
             record.message = f"{report.when} of the test failed outside the property: " + text[-2000:]
-        return record.as_dict()
+        result = record.as_dict()
+        if self.session.compares:
+            result["implementation"] = m["label"]
+        return result
 
 
 def _environment(config: pytest.Config) -> dict[str, Any]:
@@ -449,13 +600,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     session = session_of(config)
     if session is None or session.impl is None or not session.results:
         return
-    cert = certificate.certificate(
-        implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options),
-        environment=_environment(config),
-        profile=session.profile,
-        seconds=time.time() - session.started,
-        results=session.results,
-    )
+    if session.compares:
+        cert = _comparison(config, session)
+    else:
+        cert = certificate.certificate(
+            implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options),
+            environment=_environment(config),
+            profile=session.profile,
+            seconds=time.time() - session.started,
+            results=session.results,
+        )
     tr = terminalreporter
     tr.write_sep("=", certificate.title(cert))
     for line in certificate.terminal_lines(cert):
@@ -470,12 +624,35 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(f"certificate written to {json_path} and {md_path}")
 
 
+def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
+    """The certificate of a run of several implementations: each one's certificate (its
+    ``seconds``: the time inside its property tests) and their matrix."""
+    environment = _environment(config)
+    by_label: dict[str, list[dict[str, Any]]] = {label: [] for label in session.subjects}
+    for result in session.results:
+        result = dict(result)
+        by_label.setdefault(result.pop("implementation", ""), []).append(result)
+    certificates = [
+        certificate.certificate(
+            implementation=certificate.implementation_entry(s.impl, s.impl_spec, s.options),
+            environment=environment,
+            profile=session.profile,
+            seconds=sum(r.get("seconds") or 0.0 for r in by_label[s.label]),
+            results=by_label[s.label],
+        )
+        for s in session.subjects.values()
+    ]
+    return certificate.comparison(certificates=certificates, environment=environment,
+                                  profile=session.profile, seconds=time.time() - session.started)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     session = session_of(config)
     if session is None or not session.impl_spec:
         return
     from conformance import isolation
 
-    if session.isolation is not None:
-        session.isolation.close()
+    for subject in session.subjects.values() or [session]:
+        if subject.isolation is not None:
+            subject.isolation.close()
     isolation.forget_running()

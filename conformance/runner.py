@@ -55,6 +55,7 @@ __all__ = [
     "registered_properties",
     "registered_checks",
     "call_guarded",
+    "subject_of",
 ]
 
 
@@ -96,6 +97,9 @@ class Target:
     #: Inside an isolated worker: a context manager around each call into the
     #: implementation that tells the pytest process, which enforces ``timeout``.
     watch: Callable[[], ContextManager[Any]] | None = field(default=None, compare=False, repr=False)
+    #: In a run of several implementations, its implementation's label (``Session.subjects``);
+    #: "" in a run of one.
+    label: str = ""
 
     @property
     def caps(self) -> Capabilities:
@@ -104,6 +108,11 @@ class Target:
     @property
     def id(self) -> str:
         return f"{self.level}-{self.dtype}-{self.device}"
+
+    @property
+    def test_id(self) -> str:
+        """The test's parameter id: :attr:`id`, after the implementation's label if any."""
+        return f"{self.label}-{self.id}" if self.label else self.id
 
     @property
     def tf32(self) -> bool:
@@ -225,23 +234,31 @@ def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: A
         ) from exc.error
 
 
+def subject_of(session: Any, target: Target) -> Any:
+    """What the run keeps for ``target``'s implementation (``impl_spec``, ``options``,
+    ``isolation``, ``broken_cases``...): its ``Session.subject`` in a run of several
+    implementations, the session itself (the same fields) in a run of one."""
+    return session.subject(target.label) if target.label else session
+
+
 def _check_example(session: Session, property_id: str, check: Callable[[Target, Any], float | None],
                    target: Target, case: Any) -> float | None:
     """``check(target, case)``, in the isolated worker when there is one; a case that
     already hung or crashed fails fast; a hang or crash ends the search."""
     from conformance import isolation
 
-    digest = isolation.case_digest(case) if session.broken_cases else None
-    if digest in session.broken_cases:
-        cls, where, message = session.broken_cases[digest]
+    owner = subject_of(session, target)
+    digest = isolation.case_digest(case) if owner.broken_cases else None
+    if digest in owner.broken_cases:
+        cls, where, message = owner.broken_cases[digest]
         raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
                   "a case that hangs or crashes is tried once per session)")
     try:
-        if session.isolation is not None:
-            return session.isolation.check(property_id, target, case)
+        if owner.isolation is not None:
+            return owner.isolation.check(property_id, target, case)
         return check(target, case)
     except (ImplementationHung, ImplementationCrashed) as exc:
-        session.broken_cases[digest or isolation.case_digest(case)] = (
+        owner.broken_cases[digest or isolation.case_digest(case)] = (
             type(exc), f"{property_id}[{target.id}]", str(exc))
         raise
 
@@ -377,7 +394,8 @@ def conformance_property(
                     record.worst_ratio = float(ratio)
 
             replay = conformance_session.replay
-            record.isolated = conformance_session.isolation is not None
+            owner = subject_of(conformance_session, target)
+            record.isolated = owner.isolation is not None
             try:
                 if replay is not None:
                     if replay.property != property_id or replay.target_id != target.id:
@@ -407,8 +425,7 @@ def conformance_property(
                 record.expected_failures = ledger.summary()
                 diagnosis.annotate(exc, target, record)
                 failures.annotate(exc, property_id, target, record,
-                                  impl_spec=conformance_session.impl_spec,
-                                  options=conformance_session.options)
+                                  impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was
                     record.message = _group_message(exc)[:4000]
                 if exc is not caught:
@@ -456,8 +473,9 @@ def _database_key(session: Session, property_id: str, target: Target) -> bytes:
     derandomized (ci) seed comes from that function digest, which the key
     leaves alone: ci draws do not depend on it.
     """
-    impl = session.impl_spec or target.impl.name
-    options = ",".join(f"{k}={v}" for k, v in sorted(session.options.items()))
+    owner = subject_of(session, target)
+    impl = owner.impl_spec or target.impl.name
+    options = ",".join(f"{k}={v}" for k, v in sorted(owner.options.items()))
     text = f"attention-conformance|{impl}|{options}|{property_id}|{target.id}"
     return hashlib.sha384(text.encode()).digest()
 

@@ -5,6 +5,14 @@ One :class:`Session` per ``pytest.Config``, stored in ``config.stash`` under
 process (``pytester``, an IDE running tests twice) share nothing. Hooks reach it
 with :func:`session_of`; the property tests through the session-scoped
 ``conformance_session`` fixture of ``conformance.plugin``.
+
+A run may certify several implementations (``--impl=sdpa,sdpa-math``): each is a
+:class:`Subject` in ``Session.subjects``, keyed by its label, the prefix of its test
+ids (``test_forward_agreement[sdpa-math-sdpa-float32-cpu]``). A run of one
+implementation has the one label ``""`` and keeps the plain ids. A subject has the
+fields of the same names as the session's ``impl``, ``impl_spec``, ``options``,
+``isolation``, ``isolate_reason``, ``shape_budget`` and ``broken_cases``, which are the
+first subject's (the only one's, in a run of one).
 """
 
 from __future__ import annotations
@@ -20,7 +28,25 @@ if TYPE_CHECKING:
     from conformance.runner import Record
     from implementations.base import Implementation
 
-__all__ = ["Session", "SESSION_KEY", "session_of"]
+__all__ = ["Session", "SESSION_KEY", "Subject", "session_of"]
+
+
+@dataclass(eq=False)
+class Subject:
+    """One implementation a run certifies, and what the run keeps for it alone."""
+
+    impl_spec: str  # its --impl entry as given (a glob expanded)
+    impl: Implementation
+    label: str = ""  # prefix of its test ids; "" when the run certifies one implementation
+    options: dict[str, str] = field(default_factory=dict)  # --impl-option pairs (every subject's)
+    shape_budget: int | None = None  # --shape-budget (or the jit default), None: no budget
+    isolation: Worker | None = None  # --isolate: the worker process running the implementation
+    isolate_reason: str = ""  # why it is (or is not) isolated, for the report header
+    #: case digest -> (failure class, property[target], message): cases the implementation
+    #: hung or crashed on, failed at once when drawn again (conformance.runner._check_example)
+    broken_cases: dict[str, tuple[type, str, str]] = field(default_factory=dict)
+    #: --impl-exitfirst: the node id of its first failed test, after which the rest skip
+    stopped_by: str = ""
 
 
 @dataclass(eq=False)
@@ -43,6 +69,35 @@ class Session:
     #: hung or crashed on, failed at once when drawn again (conformance.runner._check_example)
     broken_cases: dict[str, tuple[type, str, str]] = field(default_factory=dict)
     recorded: set[str] = field(default_factory=set)  # node ids whose record has been collected
+    #: Every implementation of the run by label, in --impl order (see the module docstring).
+    subjects: dict[str, Subject] = field(default_factory=dict)
+    exitfirst: bool = False  # --impl-exitfirst: stop certifying an implementation at its first failure
+
+    @property
+    def compares(self) -> bool:
+        """Whether the run certifies several implementations side by side."""
+        return len(self.subjects) > 1
+
+    def subject(self, label: str = "") -> Subject:
+        """The implementation whose tests carry ``label`` (a run of one: ``""``).
+
+        A session configured without subjects (a test building one by hand) answers
+        with its own fields."""
+        if label in self.subjects:
+            return self.subjects[label]
+        if not self.subjects and label == "" and self.impl is not None:
+            return Subject(self.impl_spec, self.impl, "", self.options, self.shape_budget,
+                           self.isolation, self.isolate_reason, self.broken_cases)
+        raise KeyError(f"no implementation labelled {label!r} in this run "
+                       f"(labels: {sorted(self.subjects)})")
+
+    def add(self, subject: Subject) -> None:
+        """Add ``subject``; the first one added also fills the session's own fields."""
+        if not self.subjects:
+            self.impl, self.impl_spec, self.options = subject.impl, subject.impl_spec, subject.options
+            self.shape_budget, self.isolation = subject.shape_budget, subject.isolation
+            self.isolate_reason, self.broken_cases = subject.isolate_reason, subject.broken_cases
+        self.subjects[subject.label] = subject
 
 
 SESSION_KEY = pytest.StashKey[Session]()

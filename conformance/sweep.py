@@ -30,6 +30,7 @@ from conformance.runner import (
     Record,
     Target,
     _target_skip_reasons,
+    subject_of,
 )
 from conformance.session import Session
 
@@ -145,9 +146,9 @@ def sweep_property(
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"
                 diagnosis.annotate(exc, target, record)
+                owner = subject_of(conformance_session, target)
                 failures.annotate(exc, property_id, target, record,
-                                  impl_spec=conformance_session.impl_spec,
-                                  options=conformance_session.options)
+                                  impl_spec=owner.impl_spec, options=owner.options)
                 raise
             record.seconds = time.perf_counter() - sweep.started
             stale = sweep.stale_entries()

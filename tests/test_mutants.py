@@ -1,20 +1,24 @@
 """The conformance suite fails every mutant of the bug zoo and passes the correct built-ins.
 
-Each test runs the runner as a subprocess under the ``ci`` profile,
-``pytest conformance --impl=X --hypothesis-profile=ci -x --conformance-report PATH``,
-and reads ``PATH.json`` (docs/CONTRACTS.md). Slow: one subprocess per implementation;
-parallelise with ``pytest tests/test_mutants.py -n 2`` (about 25 minutes on two
-shared cores: ~15 s per mutant and run, up to 5 minutes for a correct implementation).
+Each test runs the runner as a subprocess under the ``ci`` profile with
+``--conformance-report PATH`` and reads ``PATH.json`` (docs/CONTRACTS.md). The zoo is
+certified a chunk of mutants at a time, in one pytest process per chunk
+(``--impl=mutant:a,mutant:b,... --impl-exitfirst``: start-up is paid once, and each
+mutant stops at its own first failure, as ``-x`` stops a run of one), and each mutant's
+certificate is read from the comparison JSON. Slow: a few minutes for the zoo, up to
+5 minutes for a correct implementation; ``-n 2`` runs the chunks side by side.
 
 Every mutant is run twice: with the whole suite (some property must kill it) and
-with its record's ``expected_property`` alone (``-k test_<property>``: that property
-must kill it on its own, so no property is only ever a back-up for another). A
-mutant whose expected property is not a property of the suite fails, naming it.
+with its record's ``expected_property`` alone (a ``-k`` term per mutant,
+``test_<property>[mutant:NAME-``: that property must kill it on its own, so no property
+is only ever a back-up for another). A mutant whose expected property is not a property
+of the suite fails, naming it.
 
 A mutant that survives is a missing strategy or property in the suite, not a reason
 to weaken the mutant: the failure message names the property expected to catch it.
 A correct implementation's certificate also has no diagnosis (no ``causes``); that the
 diagnosis names each mutant's bug is tested in ``tests/diagnosis/``.
+``pytest conformance --impl=mutant:NAME -x`` certifies one mutant alone.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref",
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ]
 TIMEOUT_S = 1800
+#: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them
+#: out); the Triton mutants, minutes each under the interpreter, are a chunk of their own.
+_PLAIN = sorted(name for name in MUTANTS if not name.startswith("triton_"))
+CHUNKS = {f"zoo{i}": _PLAIN[i::3] for i in range(3)} | {
+    "triton": sorted(name for name in MUTANTS if name.startswith("triton_"))}
 
 
 def registered_properties() -> set[str]:
@@ -49,29 +58,33 @@ def registered_properties() -> set[str]:
     return set(registry())
 
 
-def _require_expected_property(name: str) -> None:
-    expected = MUTANTS[name].expected_property
-    if expected not in registered_properties():
-        pytest.fail(f"{name}'s expected property {expected!r} is not a property of the suite")
+def _require_expected_properties(names: list[str]) -> None:
+    known = registered_properties()
+    unknown = [f"{name}'s expected property {MUTANTS[name].expected_property!r}" for name in names
+               if MUTANTS[name].expected_property not in known]
+    if unknown:
+        pytest.fail("not a property of the suite: " + "; ".join(unknown))
 
 
-def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool,
-                    only_property: str | None = None) -> tuple[int, dict, str]:
-    """Run the suite on ``impl`` in ``workdir`` (only one property's test with
-    ``only_property``); (exit code, JSON report, output tail)."""
+def run_conformance(impls: list[str], workdir: Path, *, stop_at_first_failure: bool,
+                    keyword: str | None = None) -> tuple[int, dict, str]:
+    """Run the suite on ``impls`` in ``workdir`` (only the tests ``keyword`` selects, as
+    ``-k``); (exit code, JSON report, output tail). Several implementations give a
+    comparison report; ``stop_at_first_failure`` stops each at its own first failure."""
     report = workdir / "report"
     cmd = [
-        sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={impl}",
+        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--impl=" + ",".join(impls),
         "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider",
         "--conformance-report", str(report),
     ]
     if stop_at_first_failure:
-        cmd.append("-x")
-    if only_property is not None:
-        cmd += ["-k", f"test_{only_property}"]
+        cmd.append("--impl-exitfirst")
+    if keyword is not None:
+        cmd += ["-k", keyword]
     # The outer pytest (maybe an xdist worker) must not leak its settings into the run.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    env["ATTENTION_CONFORMANCE_FAILURES"] = str(workdir / "failures")
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (proc.stdout + proc.stderr)[-4000:]
     json_path = report.with_suffix(".json")
@@ -80,35 +93,63 @@ def run_conformance(impl: str, workdir: Path, *, stop_at_first_failure: bool,
     return proc.returncode, json.loads(json_path.read_text()), output
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_mutant_is_killed(name, tmp_path):
-    mutant = MUTANTS[name]
-    _require_expected_property(name)
-    if name.startswith("triton_"):
-        _require_builtin("triton")
-    code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True)
-    failed = [r for r in report["results"] if r["outcome"] == "failed"]
-    assert code != 0 and failed, (
-        f"mutant {name} survived the ci profile (exit code {code}): {mutant.bug}. "
-        f"Expected {mutant.expected_property} to catch it on {mutant.smallest_case}.\n{output}"
-    )
+def certificates_by_mutant(report: dict, names: list[str]) -> dict[str, dict]:
+    """Each mutant's certificate in a report (a comparison, or one mutant's certificate)."""
+    certificates = report["certificates"] if "comparison" in report else [report]
+    found = {c["implementation"]["spec"].removeprefix("mutant:"): c for c in certificates}
+    missing = sorted(set(names) - set(found))
+    assert not missing, f"no certificate for {missing}"
+    return found
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_expected_property_alone_kills_mutant(name, tmp_path):
-    mutant = MUTANTS[name]
-    _require_expected_property(name)
-    if name.startswith("triton_"):
+def _chunk(chunk: str) -> list[str]:
+    names = CHUNKS[chunk]
+    _require_expected_properties(names)
+    if chunk == "triton":
         _require_builtin("triton")
-    code, report, output = run_conformance(f"mutant:{name}", tmp_path, stop_at_first_failure=True,
-                                           only_property=mutant.expected_property)
-    ran = {r["property"] for r in report["results"]}
-    assert ran == {mutant.expected_property}, f"-k selected {sorted(ran)}"
-    failed = [r for r in report["results"] if r["outcome"] == "failed"]
-    assert code != 0 and failed, (
-        f"{mutant.expected_property} alone does not kill mutant {name} under ci (exit code "
-        f"{code}): {mutant.bug}. Its smallest case is {mutant.smallest_case}.\n{output}"
-    )
+    return names
+
+
+@pytest.mark.parametrize("chunk", sorted(CHUNKS))
+def test_every_mutant_is_killed(chunk, tmp_path):
+    names = _chunk(chunk)
+    code, report, output = run_conformance([f"mutant:{n}" for n in names], tmp_path,
+                                           stop_at_first_failure=True)
+    assert code == 1, f"exit code {code} (1: some test failed, as every mutant must):\n{output}"
+    survivors = []
+    for name, cert in certificates_by_mutant(report, names).items():
+        mutant = MUTANTS[name]
+        failed = [r for r in cert["results"] if r["outcome"] == "failed"]
+        if not failed:
+            errors = [f"{r['property']}[{r['dtype']}]: {r['message'][:200]}"
+                      for r in cert["results"] if r["outcome"] == "error"]
+            survivors.append(f"mutant {name} survived the ci profile: {mutant.bug}. Expected "
+                             f"{mutant.expected_property} to catch it on {mutant.smallest_case}."
+                             + (f" Errors: {errors}" if errors else ""))
+    assert not survivors, "\n".join(survivors) + f"\n{output}"
+
+
+def expected_keyword(names: list[str]) -> str:
+    """``-k`` selecting, for each mutant, its expected property's tests alone."""
+    return " or ".join(f"test_{MUTANTS[n].expected_property}[mutant:{n}-" for n in names)
+
+
+@pytest.mark.parametrize("chunk", sorted(CHUNKS))
+def test_expected_property_alone_kills_each_mutant(chunk, tmp_path):
+    names = _chunk(chunk)
+    code, report, output = run_conformance([f"mutant:{n}" for n in names], tmp_path,
+                                           stop_at_first_failure=True, keyword=expected_keyword(names))
+    assert code == 1, f"exit code {code} (1: some test failed, as every mutant must):\n{output}"
+    problems = []
+    for name, cert in certificates_by_mutant(report, names).items():
+        mutant = MUTANTS[name]
+        ran = {r["property"] for r in cert["results"]}
+        if ran != {mutant.expected_property}:
+            problems.append(f"{name}: -k selected {sorted(ran)}, not {mutant.expected_property} alone")
+        elif not any(r["outcome"] == "failed" for r in cert["results"]):
+            problems.append(f"{mutant.expected_property} alone does not kill mutant {name} under ci: "
+                            f"{mutant.bug}. Its smallest case is {mutant.smallest_case}.")
+    assert not problems, "\n".join(problems) + f"\n{output}"
 
 
 def _require_builtin(name: str) -> None:
@@ -128,7 +169,7 @@ def _require_builtin(name: str) -> None:
 def test_correct_implementation_passes(impl, tmp_path):
     if impl in ("triton", "jax"):
         _require_builtin(impl)
-    code, report, output = run_conformance(impl, tmp_path, stop_at_first_failure=False)
+    code, report, output = run_conformance([impl], tmp_path, stop_at_first_failure=False)
     bad = [
         f"{r['property']}[{r['level']}-{r['dtype']}]: {r['outcome']} {r.get('message', '')[:300]}"
         for r in report["results"] if r["outcome"] in ("failed", "error", "stale-xfail")
