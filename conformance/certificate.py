@@ -255,8 +255,10 @@ def terminal_lines(cert: dict[str, Any]) -> list[str]:
     """What the terminal shows under the title (the table is one multi-line entry).
     A comparison: the matrix, then each implementation's details and summary under a
     ``-- spec (name version) --`` line, then one summary line per implementation."""
+    threads = cert["environment"].get("torch_threads")
     head = (f"profile={cert['profile']} torch={cert['environment']['torch']} "
-            f"cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run")
+            + (f"threads={threads} " if threads else "") +
+            "cell = outcome, worst error/allowed ratio (1 = at tolerance), examples run")
     if not _is_comparison(cert):
         return [head, render_table(cert), *details(cert), *diagnosis.cause_lines(cert), summary(cert)]
     lines = [head, "\n".join(_matrix_lines(cert, markdown=False))]

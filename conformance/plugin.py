@@ -91,6 +91,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--shape-budget", default=None, type=int, metavar="N",
                     help="at most N distinct shapes per property (JIT implementations compile once "
                          "per shape); default 8 when the implementation declares jit; 0: no budget")
+    group.addoption("--torch-threads", default=1, type=int, metavar="N",
+                    help="torch intra-op threads while certifying (default 1: the cases are tiny, "
+                         "and a thread pool costs more than it saves, ten times more on a busy "
+                         "machine); 0 leaves torch's own setting")
     group.addoption("--isolate", default="auto", choices=("auto", "always", "never"),
                     help="run the implementation in a worker process that a crash or hang cannot "
                          "take down (auto: only an implementation an earlier run in this "
@@ -151,6 +155,7 @@ def pytest_configure(config: pytest.Config) -> None:
     timeout = _example_timeout(config)
     session.dtypes = _dtypes(config)
     session.exitfirst = config.getoption("impl_exitfirst")
+    session.torch_threads = _set_torch_threads(config.getoption("torch_threads"))
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         _check_writable(report_path)
@@ -192,6 +197,17 @@ def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
         return registry.with_expected_failures(impl, registry.load_expected_failures_file(path))
     except ImplementationError as err:
         raise pytest.UsageError(str(err)) from None
+def _set_torch_threads(threads: int) -> int:
+    """Set torch's intra-op thread count (``--torch-threads``); the count in effect."""
+    import torch
+
+    if threads < 0:
+        raise pytest.UsageError(f"--torch-threads={threads} must be >= 0 (0 leaves torch's setting)")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -430,7 +446,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [
         f"{first} options={session.options or '{}'} profile={session.profile}",
         f"  devices={_devices(config)} dtypes={session.dtypes or 'declared'} "
-        f"torch={torch.__version__} cuda={torch.version.cuda} "
+        f"torch={torch.__version__} threads={torch.get_num_threads()} cuda={torch.version.cuda} "
         f"cuda_available={torch.cuda.is_available()} triton={_triton_version()} "
         f"python={platform.python_version()}",
     ]
@@ -586,6 +602,7 @@ def _environment(config: pytest.Config) -> dict[str, Any]:
 
     return {
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cuda_device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -72,6 +72,7 @@ class Session:
     #: Every implementation of the run by label, in --impl order (see the module docstring).
     subjects: dict[str, Subject] = field(default_factory=dict)
     exitfirst: bool = False  # --impl-exitfirst: stop certifying an implementation at its first failure
+    torch_threads: int = 0  # torch's intra-op threads while certifying (--torch-threads)
 
     @property
     def compares(self) -> bool:

@@ -81,12 +81,12 @@ def _grads_too(target: Target) -> bool:
 
 
 @conformance_property(
-    "flash_forward_agreement", level="flash", section="spec.flash_attention",
+    "flash_agreement", level="flash", section="spec.flash_attention",
     cases=lambda t: _cases(t),
     directed=lambda t: _directed(t),
     examples_factor=2.0,
 )
-def test_flash_forward_agreement(target: Target, case: FlashCase) -> float:
+def test_flash_agreement(target: Target, case: FlashCase) -> float:
     """The output (B, L, N, Ev) equals spec.flash_attention (causal lower-right, GQA, Ev != E)
     within k × the naive same-precision error plus a rounding floor; rows attending no key
     (causal with L > S) follow the declared policy."""
@@ -96,13 +96,13 @@ def test_flash_forward_agreement(target: Target, case: FlashCase) -> float:
 
 
 @conformance_property(
-    "flash_gradient_agreement", level="flash", section="spec.flash_attention_vjp",
+    "flash_gradients", level="flash", section="spec.flash_attention_vjp",
     cases=lambda t: _cases(t),
     directed=lambda t: _directed(t),
     skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )
-def test_flash_gradient_agreement(target: Target, case: FlashCase) -> float:
+def test_flash_gradients(target: Target, case: FlashCase) -> float:
     """dq, dk, dv of a seeded upstream gradient equal spec.flash_attention_vjp (dk, dv summed
     over each GQA group; rows attending no key get 0) within the gradient rounding floor."""
     return check_gradients(target, case)

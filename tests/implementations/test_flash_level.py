@@ -169,7 +169,7 @@ def test_the_suite_certifies_a_bare_flash_attn_func_file(user_file, tmp_path):
     results = json.loads(report.with_suffix(".json").read_text())["results"]
     outcomes = {(r["property"], r["outcome"]) for r in results}
     assert {("window_equivalence", "passed"), ("lse_agreement", "passed"),
-            ("flash_forward_agreement", "passed"), ("forward_agreement", "skipped")} <= outcomes, outcomes
+            ("flash_agreement", "passed"), ("forward_agreement", "skipped")} <= outcomes, outcomes
 
 
 def _flash_case():

@@ -182,7 +182,7 @@ def test_two_implementations_in_one_run(tmp_path):
     """Ids carry the label; the failing implementation's message, saved file, replay line
     and reproducer name it; the passing one is untouched; one certificate compares them."""
     bad = f"{IMPLS}:ignores_scale"
-    proc = run(f"--impl=spec,{bad}", "--dtype=float64", "-k", "forward_agreement and not flash", "-vv", tmp_path=tmp_path)
+    proc = run(f"--impl=spec,{bad}", "--dtype=float64", "-k", "forward_agreement", "-vv", tmp_path=tmp_path)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     assert "attention-conformance: 2 implementations compared: spec, " + bad in out  # header
@@ -231,7 +231,7 @@ def test_isolation_is_chosen_and_used_per_implementation(tmp_path, monkeypatch):
     crashing, correct = f"{HOSTILE}:exits", f"{HOSTILE}:correct"
     monkeypatch.setenv("ATTENTION_CONFORMANCE_STATE", str(tmp_path / "state"))  # what run() uses
     isolation.record_crash(crashing, "an earlier run")
-    proc = run(f"--impl={crashing},{correct}", "--dtype=float64", "-k", "forward_agreement and not flash", "-v",
+    proc = run(f"--impl={crashing},{correct}", "--dtype=float64", "-k", "forward_agreement", "-v",
                tmp_path=tmp_path)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
