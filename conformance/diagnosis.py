@@ -33,13 +33,15 @@ Everything runs inside a guard: a diagnosis error becomes the line
 ``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
 The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
 each variant's own weights. docs/DIAGNOSIS.md says how to read the result.
+
+The parts: ``diagnosis_observe`` (the calls kept per example), ``diagnosis_ties`` (the
+discriminating cases of step 4) and ``diagnosis_causes`` (the certificate's cause
+table); their public names are importable from here.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from types import SimpleNamespace
@@ -47,6 +49,28 @@ from typing import Any, Callable
 
 import numpy as np
 
+from conformance.diagnosis_causes import (
+    SHOWN,
+    UNKNOWN,
+    _order,  # noqa: F401 - diagnosis._order, as before the split
+    cause_groups,
+    cause_line,
+    cause_lines,
+    cause_markdown,
+)
+from conformance.diagnosis_observe import (
+    _EXAMPLE,
+    _FIRST_FAILURE,
+    _Call,
+    _Example,
+    observe_mha,
+    observe_sdpa,
+    start_example,
+)
+from conformance.diagnosis_ties import (
+    MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
+    _discriminating_calls,
+)
 from spec import variants as V
 
 __all__ = [
@@ -63,10 +87,6 @@ __all__ = [
     "cause_markdown",
 ]
 
-#: The group id of failures that no variant explains.
-UNKNOWN = "unknown"
-#: Matches named on one failure line (the rest are in the record).
-SHOWN = 3
 #: MHA forward arguments a call may override and a problem can describe.
 _MHA_OVERRIDES = frozenset({"need_weights", "average_attn_weights", "is_causal"})
 #: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
@@ -75,73 +95,6 @@ _RANDOM_IN_EVAL = "mha_dropout_in_eval"
 #: looking for that sign (only then; every other diagnosis calls at most once).
 RECALLS = 3
 #: Cases derived from a failing case that the implementation is called on, at most,
-#: to tell apart variants that match the failing case equally (:func:`_separate`).
-MAX_DISCRIMINATING = 2
-
-
-# --------------------------------------------------------------------------- observing calls
-
-
-@dataclass
-class _Call:
-    """One call of the implementation: the case as it received it and what it returned."""
-
-    level: str
-    case: Any
-    output: np.ndarray
-    weights: np.ndarray | None = None
-    dropout_p: float = 0.0
-    overrides: dict[str, Any] = field(default_factory=dict)
-    module: Any = None
-
-
-@dataclass
-class _Example:
-    case: Any
-    record: Any = None
-    calls: list[_Call] = field(default_factory=list)
-
-
-#: The example the runner is checking now and the calls it made. Scratch space of one
-#: example (reset by the runner for every example), so a context variable rather than
-#: session state: it never outlives the next example.
-_EXAMPLE: ContextVar[_Example | None] = ContextVar("conformance_diagnosis_example", default=None)
-#: The first failing example of the property test running now (before Hypothesis shrank
-#: it): it breaks ties between variants that the shrunk case cannot tell apart.
-_FIRST_FAILURE: ContextVar[_Example | None] = ContextVar("conformance_diagnosis_first_failure", default=None)
-
-
-def start_example(case: Any, record: Any = None) -> None:
-    """The runner starts checking ``case`` for ``record``: forget the previous example's
-    calls, unless it was the record's first failing example (then keep that one).
-    Two attribute checks and one allocation: it runs on every example."""
-    previous = _EXAMPLE.get()
-    if record is not None and previous is not None and previous.record is record \
-            and previous.case is record.failing_case:
-        first = _FIRST_FAILURE.get()
-        if first is None or first.record is not record:
-            _FIRST_FAILURE.set(previous)
-    _EXAMPLE.set(_Example(case, record))
-
-
-def observe_sdpa(case: Any, output: np.ndarray, *, dropout_p: float = 0.0) -> None:
-    """``calls.run_sdpa`` called the implementation on ``case`` (as called: causal
-    folded into the mask unless the flag was used) and got ``output`` (float64)."""
-    example = _EXAMPLE.get()
-    if example is not None:
-        example.calls.append(_Call("sdpa", case, output, dropout_p=dropout_p))
-
-
-def observe_mha(case: Any, output: np.ndarray, weights: np.ndarray | None, *, module: Any,
-                overrides: dict[str, Any]) -> None:
-    """``mha_calls.run_mha`` called ``module`` on ``case`` with forward arguments
-    ``overrides`` replaced and got ``output`` and ``weights`` (float64, or None)."""
-    example = _EXAMPLE.get()
-    if example is not None:
-        example.calls.append(_Call("mha", case, output, weights, overrides=dict(overrides), module=module))
-
-
-# --------------------------------------------------------------------------- diagnosing a failure
 
 
 @dataclass(frozen=True)
@@ -327,90 +280,6 @@ def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     return error / size if size > 0 else error
 
 
-# --------------------------------------------------------------------------- discriminating cases
-
-
-def _discriminating_calls(target: Any, call: _Call, tied: list[str]) -> list[tuple[str, _Call]]:
-    """The implementation called on up to :data:`MAX_DISCRIMINATING` cases derived from
-    ``call``'s case on which the ``tied`` variants' outputs differ (most pairs told
-    apart first; the variants are computed, not the implementation, to choose them),
-    as ``(description, observed call)``. Only a deterministic SDPA call, and only cases
-    the target claims (``directed.admitted``); a call that raises is left out."""
-    from conformance.calls import run_sdpa
-    from conformance.directed import admitted
-
-    if call.level != "sdpa" or call.dropout_p > 0:
-        return []
-    apart: set[frozenset[str]] = set()
-    chosen: list[tuple[str, Any]] = []
-    candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
-    while len(chosen) < MAX_DISCRIMINATING and candidates:
-        scored = []
-        for index, (description, case) in enumerate(candidates):
-            groups = V.partition(V.SDPAProblem.from_case(case, fully_masked=target.caps.fully_masked), tied)
-            pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
-            scored.append((len(pairs - apart), -index, description, case, pairs))
-        gained, _, description, case, pairs = max(scored, key=lambda item: item[:2])
-        if not gained:
-            break
-        apart |= pairs
-        chosen.append((description, case))
-        candidates = [(d, c) for d, c in candidates if d != description]
-    if _EXAMPLE.get() is None:
-        start_example(call.case)
-    out = []
-    for description, case in chosen:
-        start = len(_EXAMPLE.get().calls)
-        try:
-            run_sdpa(target, case)
-        except Exception:  # noqa: BLE001, S112 - no output on this case: it tells nothing
-            continue
-        out.append((f"a discriminating case ({description})", _EXAMPLE.get().calls[start]))
-    return out
-
-
-def _derived_cases(case: Any) -> list[tuple[str, Any]]:
-    """Small changes of ``case`` that separate the usual ties: one or two more queries
-    or keys (causal alignments, a one-query shortcut), a key block more (a ragged last
-    block), another explicit scale (a falsy or ignored scale), one more batch item.
-    The new entries are seeded normal values rounded to the dtype; new mask entries
-    attend. Contiguous, so any target that claims the sizes takes them."""
-    from spec.emulate import round_to
-
-    B, L, S = case.B, case.L, case.S
-    sizes = [(B, L + 1, S + 1), (B, L + 1, S + 2), (B, L + 2, S + 1), (B, L + 1, S), (B, L, S + 1),
-             (B, L, S + V.KERNEL_BLOCK), (B, L, S + V.KERNEL_BLOCK + 1), (B + 1, L, S)]
-    rng = np.random.default_rng(zlib.crc32(f"diagnosis/{case.dtype}".encode()))
-
-    def grown(x: np.ndarray | None, new: tuple[int, ...], fill: Any = None) -> np.ndarray | None:
-        """``x`` grown to ``new`` at the end of each axis: new values drawn, or ``fill``
-        for a mask (whose axes of size 1 broadcast and stay)."""
-        if x is None:
-            return None
-        for axis, n in zip(range(-len(new), 0), new, strict=True):
-            if -axis > x.ndim or x.shape[axis] == n or fill is not None and x.shape[axis] == 1:
-                continue
-            shape = list(x.shape)
-            shape[axis] = n - x.shape[axis]
-            extra = round_to(rng.standard_normal(shape), case.dtype) if fill is None else np.full(shape, fill)
-            x = np.concatenate([x, extra.astype(x.dtype)], axis=axis)
-        return x
-
-    out = []
-    for b, l, s in sizes:
-        q = grown(case.query, (b, case.N, l, case.E))
-        k, v = grown(case.key, (b, case.K, s, case.E)), grown(case.value, (b, case.K, s, case.Ev))
-        mask_shape = (b, case.N, l, s)
-        out.append((f"B={b}, L={l}, S={s}", case.replace(
-            query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
-            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
-    default = 1.0 / math.sqrt(case.E)
-    for scale in (None, 1.5 * default):
-        if scale != case.scale:
-            out.append((f"scale={scale!r}", case.replace(scale=scale, layout="contiguous", notes=())))
-    return out
-
-
 # --------------------------------------------------------------------------- problems and bounds
 
 
@@ -532,99 +401,3 @@ def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
                 return random
         return None
     return None
-
-
-# --------------------------------------------------------------------------- the certificate
-
-
-def cause_line(result: dict[str, Any]) -> str | None:
-    """The probable cause of one failed result, for the certificate's failure lines
-    (None for results without a diagnosis)."""
-    if result.get("outcome") != "failed" or "causes" not in result:
-        return None
-    causes = result["causes"] or []
-    if not causes:
-        return f"probable cause: {UNKNOWN}"
-    return "probable cause: " + ", ".join(c["variant"] for c in causes[:SHOWN])
-
-
-def cause_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The failed results grouped by their first-ranked cause (``unknown`` for none),
-    largest group first: variant id, summary, count, properties, dtypes, devices and
-    the range of relative errors (None where the output was not finite)."""
-    from implementations.base import ALL_DTYPES
-
-    groups: dict[str, dict[str, Any]] = {}
-    for r in results:
-        if r.get("outcome") != "failed" or "causes" not in r:
-            continue
-        first = (r["causes"] or [None])[0]
-        variant = first["variant"] if first else UNKNOWN
-        group = groups.setdefault(variant, {
-            "variant": variant,
-            "summary": first["summary"] if first else "no variant of spec.variants explains the output",
-            "count": 0, "properties": set(), "dtypes": set(), "devices": set(), "errors": []})
-        group["count"] += 1
-        group["properties"].add(r["property"])
-        group["dtypes"].add(r["dtype"])
-        group["devices"].add(r["device"])
-        if first and first.get("relative_error") is not None:
-            group["errors"].append(first["relative_error"])
-    out = []
-    for g in groups.values():
-        errors = g.pop("errors")
-        g["properties"] = sorted(g["properties"])
-        g["dtypes"] = sorted(g["dtypes"], key=lambda d: ALL_DTYPES.index(d) if d in ALL_DTYPES else 9)
-        g["devices"] = sorted(g["devices"])
-        g["relative_error"] = [min(errors), max(errors)] if errors else None
-        out.append(g)
-    return sorted(out, key=lambda g: (g["variant"] == UNKNOWN, -g["count"], g["variant"]))
-
-
-def _order(x: float) -> str:
-    """``1e-7``: the power of ten nearest to ``x``."""
-    return "0" if x <= 0 else f"1e{round(math.log10(x))}"
-
-
-def _spread(group: dict[str, Any]) -> str:
-    dtypes = group["dtypes"]
-    parts = [f"{dtypes[0]} only" if len(dtypes) == 1 else ", ".join(dtypes)]
-    if len(group["devices"]) > 1:
-        parts.append("/".join(group["devices"]))
-    if group["relative_error"]:
-        low, high = (_order(x) for x in group["relative_error"])
-        parts.append(f"relative error ~{low}" if low == high else f"relative error {low} to {high}")
-    return "; ".join(parts)
-
-
-def cause_lines(cert: dict[str, Any]) -> list[str]:
-    """The certificate's cause table, one entry per group (empty when nothing failed)::
-
-        probable causes (spec.variants, docs/DIAGNOSIS.md):
-          softmax_float32: 11 failures (float64 only; relative error ~1e-7) — float64 inputs ...
-              forward_agreement, key_permutation, ...
-    """
-    groups = cert.get("causes") or []
-    if not groups:
-        return []
-    lines = ["probable causes (spec.variants, docs/DIAGNOSIS.md):"]
-    for g in groups:
-        n = g["count"]
-        lines.append(f"  {g['variant']}: {n} failure{'s' if n != 1 else ''} ({_spread(g)}) — {g['summary']}")
-        lines.append("      " + ", ".join(g["properties"]))
-    return lines
-
-
-def cause_markdown(cert: dict[str, Any]) -> list[str]:
-    """The cause table as Markdown lines (a heading and a table; empty when nothing failed)."""
-    groups = cert.get("causes") or []
-    if not groups:
-        return []
-    lines = ["", "## Probable causes", "",
-             "Failures grouped by the variant of `spec.variants` their output matches "
-             "(docs/DIAGNOSIS.md).", "",
-             "| cause | failures | spread | properties | what the implementation does |", "|---|---|---|---|---|"]
-    for g in groups:
-        lines.append(f"| `{g['variant']}` | {g['count']} | {_spread(g)} | {', '.join(g['properties'])} | "
-                     f"{g['summary']} |")
-    return lines

@@ -26,15 +26,15 @@ The options and what the property tests record live on one
 ``conformance.session.Session`` in ``config.stash``; the records of every
 xdist worker reach the controller's session through the reports, and the
 certificate is built from them by ``conformance.certificate``.
+
+The hooks are here (pytest finds them in this module); what they call lives by job:
+``conformance.subjects`` reads ``--impl`` and resolves each implementation (isolated or
+not), ``conformance.reporting`` writes the header, the environment and the certificate.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import os
-import platform
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conformance import certificate
+from conformance import reporting, subjects
 from conformance.session import SESSION_KEY, Session, Subject, session_of
-from implementations.base import ALL_DTYPES, ImplementationError
+from implementations.base import ALL_DTYPES
 
 __all__ = ["PROFILES", "conformance_session"]
 
@@ -60,6 +60,8 @@ for _name, _kwargs in PROFILES.items():
     )
 
 _CONFORMANCE_DIR = Path(__file__).resolve().parent
+#: Their names here before ``conformance.subjects`` held them (tests import them from here).
+_impl_specs, _labels = subjects.impl_specs, subjects.labels
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -150,7 +152,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if impl_spec == "list":
         print(registry.listing(), flush=True)
         pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
-    specs = _impl_specs(impl_spec)
+    specs = subjects.impl_specs(impl_spec)
     options = _parse_options(config.getoption("impl_option"))
     timeout = _example_timeout(config)
     session.dtypes = _dtypes(config)
@@ -158,13 +160,13 @@ def pytest_configure(config: pytest.Config) -> None:
     session.torch_threads = _set_torch_threads(config.getoption("torch_threads"))
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
-        _check_writable(report_path)
+        reporting.check_writable(report_path)
     from conformance.runner import registered_properties
 
     properties = registered_properties()
-    labels = _labels(specs) if len(specs) > 1 else [""]
+    labels = subjects.labels(specs) if len(specs) > 1 else [""]
     for spec, label in zip(specs, labels, strict=True):
-        subject = _subject(config, spec, label, options, timeout, properties)
+        subject = subjects.resolve_subject(config, spec, label, options, timeout, properties)
         if len(specs) > 1 and subject.isolation is not None:
             subject.isolation.close()  # started again on its first check: one worker at a time
         session.add(subject)
@@ -185,18 +187,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_ResultCollector(session), "conformance-results")
 
 
-def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
-    """``impl`` with the entries of ``--xfail-file`` added (checked against the
-    properties with the implementation's own, below)."""
-    path = config.getoption("xfail_file")
-    if not path:
-        return impl
-    from implementations import registry
-
-    try:
-        return registry.with_expected_failures(impl, registry.load_expected_failures_file(path))
-    except ImplementationError as err:
-        raise pytest.UsageError(str(err)) from None
 def _set_torch_threads(threads: int) -> int:
     """Set torch's intra-op thread count (``--torch-threads``); the count in effect."""
     import torch
@@ -208,86 +198,6 @@ def _set_torch_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
-_GLOB = re.compile(r"[*?\[]")
-
-
-def _impl_specs(raw: str) -> list[str]:
-    """``--impl`` as a list: its comma-separated entries, each glob (``mutant:*``)
-    expanded over the registered names and ``mutant:NAME``, repeats dropped."""
-    specs: list[str] = []
-    for entry in (e.strip() for e in raw.split(",")):
-        if not entry:
-            continue
-        if not _GLOB.search(entry):
-            specs.append(entry)
-            continue
-        names = _glob_names()
-        found = [name for name in names if fnmatch.fnmatchcase(name, entry)]
-        if not found:
-            raise pytest.UsageError(
-                f"--impl={raw}: {entry!r} matches no registered name and no mutant:NAME "
-                f"(registered: {', '.join(n for n in names if not n.startswith('mutant:'))}; "
-                "the bug zoo: mutant:*)"
-            )
-        specs += found
-    if not specs:
-        raise pytest.UsageError(f"--impl={raw!r} names no implementation; see `pytest conformance --impl=list`")
-    return list(dict.fromkeys(specs))
-
-
-def _glob_names() -> list[str]:
-    """What an ``--impl`` glob is matched against: the registered names, then the bug zoo's."""
-    from implementations import registry
-
-    names = list(registry.registered())
-    try:
-        from implementations.mutants import MUTANTS
-    except ImportError:
-        return names
-    return names + [f"mutant:{name}" for name in sorted(MUTANTS)]
-
-
-def _labels(specs: list[str]) -> list[str]:
-    """Each implementation's label, the prefix of its test ids: its spec, characters
-    a test id or ``-k`` cannot hold replaced by ``_``, made unique."""
-    labels: list[str] = []
-    for spec in specs:
-        label = base = re.sub(r"[^\w.:+/-]", "_", spec)
-        n = 2
-        while label in labels:
-            label, n = f"{base}_{n}", n + 1
-        labels.append(label)
-    return labels
-
-
-def _subject(config: pytest.Config, spec: str, label: str, options: dict[str, str], timeout: float,
-             properties: Any) -> Subject:
-    """Implementation ``spec`` resolved (here or in an isolated worker), its shape budget
-    and expected failures checked: a usage error names ``--impl=spec``."""
-    from conformance.expectations import entry_errors
-    from conformance.strategies.shape_budget import shape_budget_for
-
-    impl, worker, reason = _resolve(config, spec, options, timeout)
-    impl = _with_xfail_file(config, impl)
-    subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
-    try:
-        subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("shape_budget"))
-    except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
-        _close(worker)
-        raise pytest.UsageError(str(err)) from None
-    errors = entry_errors(impl.expected_failures, properties)
-    if errors:
-        _close(worker)
-        raise pytest.UsageError(f"--impl={spec}: {len(errors)} invalid expected failure(s): "
-                                + "; ".join(errors))
-    return subject
-
-
-def _close(worker: Any) -> None:
-    if worker is not None:
-        worker.close()
-
-
 def _example_timeout(config: pytest.Config) -> float:
     timeout = config.getoption("example_timeout")
     if not timeout >= 0:  # negative or NaN
@@ -295,75 +205,6 @@ def _example_timeout(config: pytest.Config) -> float:
             f"--example-timeout={timeout:g} must be >= 0 seconds (0 means no limit)"
         )
     return timeout
-
-
-def _check_writable(path: str) -> None:
-    """Fail now, not after the run, when ``path``.json / .md cannot be written."""
-    base = Path(path)
-    current = base.parent
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-        for current in (Path(f"{base}.json"), Path(f"{base}.md")):
-            if current.is_dir():
-                raise IsADirectoryError(f"{current} is a directory")
-            if current.exists() and not os.access(current, os.W_OK):
-                raise PermissionError(f"{current} is not writable")
-        current = base.parent
-        with tempfile.NamedTemporaryFile(dir=base.parent, prefix=".conformance-report-check-"):
-            pass
-    except OSError as err:
-        raise pytest.UsageError(
-            f"--conformance-report={path}: cannot write the certificate there ({current}: "
-            f"{type(err).__name__}: {err}); give a path in a writable folder, e.g. "
-            "--conformance-report=reports/certificate"
-        ) from None
-
-
-def _resolve(config: pytest.Config, impl_spec: str, options: dict[str, str],
-             timeout: float) -> tuple[Any, Any, str]:
-    """The implementation, resolved here or, isolated, in a worker process; the
-    worker (None: in-process) and why it is (or is not) isolated."""
-    from conformance import isolation
-
-    isolate, reason = isolation.choose(config.getoption("isolate"), impl_spec)
-    isolation.mark_running(impl_spec)  # removed at a clean end, below or in pytest_unconfigure
-    try:
-        impl, worker = _resolve_in(config, impl_spec, options, timeout, isolate)
-    except BaseException:
-        isolation.forget_running()
-        raise
-    return impl, worker, reason
-
-
-def _resolve_in(config: pytest.Config, impl_spec: str, options: dict[str, str],
-                timeout: float, isolate: bool) -> tuple[Any, Any]:
-    from conformance import isolation
-    from implementations import registry
-
-    if not isolate:
-        try:
-            return registry.resolve(impl_spec, options or None, timeout=timeout), None
-        except ImplementationError as err:
-            raise pytest.UsageError(str(err)) from None
-    worker = isolation.Worker(impl_spec, options, timeout)
-    try:
-        impl = worker.start()
-    except ImplementationError as err:
-        raise pytest.UsageError(str(err)) from None
-    except isolation.WorkerDied as died:
-        worker.close()
-        isolation.record_crash(impl_spec, f"{died.how} while resolving")
-        log = f"; its last output:\n{died.log}" if died.log else ""
-        raise pytest.UsageError(
-            f"--impl={impl_spec}: the isolated worker process died while importing and probing "
-            f"the implementation ({died.how}): its code ends the process{log}"
-        ) from None
-    except (isolation.WorkerTimedOut, RuntimeError) as err:
-        worker.close()
-        raise pytest.UsageError(f"--impl={impl_spec}: resolving it in the isolated worker failed: {err}") from None
-    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
-        worker.close()  # the xdist controller runs no test; each xdist worker starts its own
-    return impl, worker
 
 
 @pytest.fixture(scope="session")
@@ -382,11 +223,6 @@ def _selects_conformance(config: pytest.Config) -> bool:
     return False
 
 
-def _devices(config: pytest.Config) -> list[str]:
-    device = config.getoption("device")
-    return ["cpu", "cuda"] if device == "all" else [device]
-
-
 def _targets(config: pytest.Config, level: str) -> list[Any]:
     """Every implementation's targets at ``level``, in --impl order, then device, then dtype."""
     from conformance.runner import Target
@@ -398,7 +234,7 @@ def _targets(config: pytest.Config, level: str) -> list[Any]:
         dtypes = session.dtypes or list(subject.impl.caps(level).dtypes) or ["float32"]
         targets += [Target(subject.impl, level, dtype, device, timeout, subject.shape_budget,
                            label=subject.label)
-                    for device in _devices(config) for dtype in dtypes]
+                    for device in subjects.devices(config) for dtype in dtypes]
     return targets
 
 
@@ -432,49 +268,7 @@ def _label_of(item: pytest.Item) -> str | None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    session = session_of(config)
-    if session is None or session.impl is None:
-        return []
-    import torch
-
-    impl = session.impl
-    if session.compares:
-        first = (f"attention-conformance: {len(session.subjects)} implementations compared: "
-                 f"{', '.join(s.impl_spec for s in session.subjects.values())}")
-    else:
-        first = f"attention-conformance: impl={session.impl_spec} ({impl.name} {impl.version})"
-    lines = [
-        f"{first} options={session.options or '{}'} profile={session.profile}",
-        f"  devices={_devices(config)} dtypes={session.dtypes or 'declared'} "
-        f"torch={torch.__version__} threads={torch.get_num_threads()} cuda={torch.version.cuda} "
-        f"cuda_available={torch.cuda.is_available()} triton={_triton_version()} "
-        f"python={platform.python_version()}",
-    ]
-    if session.exitfirst:
-        lines.append("  --impl-exitfirst: an implementation's tests after its first failure skip")
-    for subject in session.subjects.values():
-        indent = "  "
-        if session.compares:
-            lines.append(f"  {subject.label}: {subject.impl.name} {subject.impl.version}")
-            indent = "    "
-        caps = subject.impl.capabilities
-        lines.append(
-            f"{indent}declared: causal={caps.causal} fully_masked={caps.fully_masked_text()} dtypes={caps.dtypes} "
-            f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
-        )
-        lines += [f"{indent}probe note: {note}" for note in caps.probe_notes]
-        isolated = "in a worker process" if subject.isolation is not None else "in-process"
-        lines.append(f"{indent}implementation runs {isolated} ({subject.isolate_reason})")
-    return lines
-
-
-def _triton_version() -> str:
-    try:
-        import importlib.metadata as md
-
-        return md.version("triton")
-    except Exception:  # noqa: BLE001 - absent is a fine answer
-        return "absent"
+    return reporting.header_lines(config)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -597,70 +391,8 @@ class _ResultCollector:
         return result
 
 
-def _environment(config: pytest.Config) -> dict[str, Any]:
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "triton": _triton_version(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "devices": _devices(config),
-    }
-
-
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    session = session_of(config)
-    if session is None or session.impl is None or not session.results:
-        return
-    if session.compares:
-        cert = _comparison(config, session)
-    else:
-        cert = certificate.certificate(
-            implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options),
-            environment=_environment(config),
-            profile=session.profile,
-            seconds=time.time() - session.started,
-            results=session.results,
-        )
-    tr = terminalreporter
-    tr.write_sep("=", certificate.title(cert))
-    for line in certificate.terminal_lines(cert):
-        tr.write_line(line)
-    path = config.getoption("conformance_report")
-    if path:
-        try:
-            json_path, md_path = certificate.write(cert, path)
-        except OSError as err:
-            tr.write_line(f"certificate NOT written to {path}.json/.md: {type(err).__name__}: {err}", red=True)
-        else:
-            tr.write_line(f"certificate written to {json_path} and {md_path}")
-
-
-def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
-    """The certificate of a run of several implementations: each one's certificate (its
-    ``seconds``: the time inside its property tests) and their matrix."""
-    environment = _environment(config)
-    by_label: dict[str, list[dict[str, Any]]] = {label: [] for label in session.subjects}
-    for result in session.results:
-        result = dict(result)
-        by_label.setdefault(result.pop("implementation", ""), []).append(result)
-    certificates = [
-        certificate.certificate(
-            implementation=certificate.implementation_entry(s.impl, s.impl_spec, s.options),
-            environment=environment,
-            profile=session.profile,
-            seconds=sum(r.get("seconds") or 0.0 for r in by_label[s.label]),
-            results=by_label[s.label],
-        )
-        for s in session.subjects.values()
-    ]
-    return certificate.comparison(certificates=certificates, environment=environment,
-                                  profile=session.profile, seconds=time.time() - session.started)
+    reporting.write_certificate(terminalreporter, config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
