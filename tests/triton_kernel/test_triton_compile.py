@@ -70,6 +70,22 @@ def _all_variants():
                         alignment="lower_right", bwd=True))
     for bug in ("drop_ragged_block", "no_rescale"):
         out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, bug=bug))
+    return out + _flash_variants()
+
+
+def _flash_variants():
+    """The flash level's switches (WINDOW_LEFT, SOFTCAP with libdevice tanh, ALIBI) all on
+    once per dtype with causal; a right-only window with softcap (CAUSAL from the window,
+    no left edge); a left-only window; the planted window bug. FlashAttention's layout
+    (B, L, N, E) with GQA, so the strides are those of a real flash call."""
+    out = [dict(dtype=dtype, E=64, Ev=64, mask="none", causal=True,
+                flash=dict(window=(7, 0), softcap=30.0, alibi=True))
+           for dtype in ALL_DTYPES]
+    out.append(dict(dtype="bfloat16", E=128, Ev=128, mask="none", causal=False,
+                    flash=dict(window=(-1, 5), softcap=1.5)))
+    out.append(dict(dtype="float32", E=32, Ev=32, mask="none", causal=False, flash=dict(window=(9, -1))))
+    out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, flash=dict(window=(3, 3)),
+                    bug="window_left_off_by_one"))
     return out
 
 
@@ -86,7 +102,7 @@ def _core_variants():
         out.append(dict(dtype=dtype, E=16, Ev=256, mask="additive", causal=True))
     for bug in ("drop_ragged_block", "no_rescale"):
         out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, bug=bug))
-    return out
+    return out + _flash_variants()
 
 
 #: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (340 builds); the default core
@@ -99,6 +115,12 @@ VARIANTS = _all_variants() if FULL_MATRIX else _core_variants()
 def _variant_id(v) -> str:
     parts = [v["dtype"], f"E{v['E']}", f"Ev{v['Ev']}", v["mask"], "causal" if v["causal"] else "full"]
     parts += [v[k] for k in ("layout", "alignment", "bug") if k in v]
+    if "flash" in v:
+        flash = v["flash"]
+        parts.append("flash")
+        parts += [f"window{flash['window'][0]}_{flash['window'][1]}"] if "window" in flash else []
+        parts += [f"softcap{flash['softcap']:g}"] if flash.get("softcap") else []
+        parts += ["alibi"] if flash.get("alibi") else []
     return "-".join(parts)
 
 
@@ -107,6 +129,15 @@ def _plan(v):
     dtype = dtype_of(v["dtype"])
     B, N, L, S = 2, 4, 100, 90
     E, Ev = v["E"], v["Ev"]
+    if "flash" in v:  # flash_attn_func's (B, L, N, E) layout, GQA, bottom-right alignment
+        flash = v["flash"]
+        q = torch.randn(B, L, N, E, dtype=dtype).transpose(1, 2)
+        k = torch.randn(B, S, 2, E, dtype=dtype).transpose(1, 2)
+        v_ = torch.randn(B, S, 2, Ev, dtype=dtype).transpose(1, 2)
+        slopes = torch.rand(N) if flash.get("alibi") else None
+        return ta.plan_launch(q, k, v_, None, v["causal"], None, causal_alignment="lower_right",
+                              planted_bug=v.get("bug"), gpu=True, window=flash.get("window", (-1, -1)),
+                              softcap=flash.get("softcap", 0.0), alibi_slopes=slopes)
     if v.get("layout") == "strided":
         K = 2  # GQA: GROUP = 2 is a runtime int, not the constexpr 1
         q = torch.randn(B, N, L, 2 * E, dtype=dtype)[..., ::2]
@@ -178,7 +209,8 @@ def _compile_all(target_name: str) -> dict[str, dict]:
                 ptx = built.asm["ptx"]
                 row.update(ok=True, cubin_bytes=len(built.asm.get("cubin") or b""),
                            shared=built.metadata.shared, tf32="tf32" in ptx, mma="mma" in ptx,
-                           scale_type=signature["scale"], native_dot=constexprs_in["NATIVE_DOT"],
+                           scale_type=signature["scale"], softcap_type=signature.get("softcap"),
+                           native_dot=constexprs_in["NATIVE_DOT"],
                            config=f"{constexprs_in} warps={num_warps} stages={num_stages}")
             except Exception as exc:  # reported per variant by the test
                 row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
@@ -217,6 +249,8 @@ def test_kernel_variant_builds(builds, variant, kernel, target_name):
     if variant["dtype"] == "float32":
         assert not row["tf32"], f"float32 dots must be IEEE, not TF32 {where}"
     assert row["scale_type"] == "fp64", f"scale passed as {row['scale_type']} {where}"
+    if kernel == "fwd":
+        assert row["softcap_type"] == "fp64", f"softcap passed as {row['softcap_type']} {where}"
     if variant["dtype"] in ("float16", "bfloat16"):
         assert row["native_dot"], f"16-bit GPU launches should use native dots {where}"
         assert row["mma"], f"16-bit dots should lower to tensor-core mma {where}"
