@@ -246,12 +246,15 @@ if triton is not None:
         stride_dob, stride_doh, stride_dol, stride_doe,
         stride_dkb, stride_dkh, stride_dks, stride_dke,
         stride_dvb, stride_dvh, stride_dvs, stride_dve,
+        Alibi, stride_ab, stride_ah,
         N, KH, L, S, E, EV, GROUP,
-        scale: tl.float64, causal_offset,
+        scale: tl.float64, causal_offset, window_offset, alibi_offset, softcap: tl.float64,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
         ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        ALIBI: tl.constexpr = False, LIBDEVICE_TANH: tl.constexpr = False,
     ):
         """One program: BLOCK_N keys of one (batch, kv head); dK, dV summed over its GQA group.
 
@@ -267,6 +270,8 @@ if triton is not None:
         else:
             acc_dtype = tl.float32
             scale = tl.cast(scale, tl.float32)
+            if SOFTCAP:
+                softcap = tl.cast(softcap, tl.float32)
 
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
@@ -288,13 +293,19 @@ if triton is not None:
             # query i sees key j iff j <= i + causal_offset: skip query blocks before the first
             lo = tl.maximum(pid_n * BLOCK_N - causal_offset, 0)
             lo = (lo // BLOCK_M) * BLOCK_M
+        hi = L
+        if WINDOW_LEFT:
+            # query i sees key j only if j >= i + window_offset: stop past the last such query
+            hi = tl.maximum(tl.minimum(L, pid_n * BLOCK_N + BLOCK_N - window_offset), 0)
         for g in range(0, GROUP):
             h = kv_h * GROUP + g
             bh = b * N + h
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             m_base = Mask + b * stride_mb + h * stride_mh
-            for start_m in range(lo, L, BLOCK_M):
+            if ALIBI:
+                slope = tl.load(Alibi + b * stride_ab + h * stride_ah).to(acc_dtype)
+            for start_m in range(lo, hi, BLOCK_M):
                 offs_m = start_m + offs_m0
                 row_ok = offs_m < L
                 qT = tl.load(q_base + offs_m[None, :] * stride_ql + offs_e[:, None] * stride_qe,
@@ -307,9 +318,16 @@ if triton is not None:
                 lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
                 delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
                 sT = tl.dot(k, qT, input_precision="ieee", out_dtype=acc_dtype) * scale
+                if SOFTCAP:
+                    tanhT = _tanh(sT / softcap, LIBDEVICE_TANH)
+                    sT = softcap * tanhT
+                if ALIBI:
+                    sT = sT - slope * tl.abs(offs_m[None, :] + alibi_offset - offs_n[:, None]).to(acc_dtype)
                 visible = col_ok[:, None] & row_ok[None, :]
                 if CAUSAL:
                     visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                if WINDOW_LEFT:
+                    visible = visible & (offs_n[:, None] >= offs_m[None, :] + window_offset)
                 if MASK_KIND == 1:
                     attend = tl.load(m_base + offs_m[None, :] * stride_ml + offs_n[:, None] * stride_ms,
                                      mask=visible, other=0)
@@ -326,6 +344,8 @@ if triton is not None:
                     dv = tl.dot(pT, do, dv, input_precision="ieee")
                 dpT = tl.dot(v, tl.trans(do), input_precision="ieee", out_dtype=acc_dtype)
                 dsT = pT * (dpT - delta[None, :])
+                if SOFTCAP:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+                    dsT = dsT * (1.0 - tanhT * tanhT)
                 if NATIVE_DOT:
                     dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
                 else:
@@ -344,12 +364,15 @@ if triton is not None:
         stride_mb, stride_mh, stride_ml, stride_ms,
         stride_dob, stride_doh, stride_dol, stride_doe,
         stride_dqb, stride_dqh, stride_dql, stride_dqe,
+        Alibi, stride_ab, stride_ah,
         N, L, S, E, EV, GROUP,
-        scale: tl.float64, causal_offset,
+        scale: tl.float64, causal_offset, window_offset, alibi_offset, softcap: tl.float64,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
         ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        ALIBI: tl.constexpr = False, LIBDEVICE_TANH: tl.constexpr = False,
     ):
         """One program: BLOCK_M queries of one (batch, head); dQ = scale * sum_j dS_ij k_j."""
         pid_bh = tl.program_id(0)
@@ -362,6 +385,8 @@ if triton is not None:
         else:
             acc_dtype = tl.float32
             scale = tl.cast(scale, tl.float32)
+            if SOFTCAP:
+                softcap = tl.cast(softcap, tl.float32)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
@@ -382,11 +407,17 @@ if triton is not None:
         v_base = V + b * stride_vb + kv_h * stride_vh
         m_base = Mask + b * stride_mb + h * stride_mh
         dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=acc_dtype)
+        if ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h * stride_ah).to(acc_dtype)
 
         hi = S
         if CAUSAL:
             hi = tl.maximum(tl.minimum(S, pid_m * BLOCK_M + BLOCK_M + causal_offset), 0)
-        for start_n in range(0, hi, BLOCK_N):
+        lo = 0
+        if WINDOW_LEFT:
+            lo = tl.maximum(pid_m * BLOCK_M + window_offset, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             col_ok = offs_n < S
             kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke,
@@ -397,9 +428,16 @@ if triton is not None:
                 kT = kT.to(acc_dtype)
                 vT = vT.to(acc_dtype)
             s = tl.dot(q, kT, input_precision="ieee", out_dtype=acc_dtype) * scale
+            if SOFTCAP:
+                tanh_s = _tanh(s / softcap, LIBDEVICE_TANH)
+                s = softcap * tanh_s
+            if ALIBI:
+                s = s - slope * tl.abs(offs_m[:, None] + alibi_offset - offs_n[None, :]).to(acc_dtype)
             visible = row_ok[:, None] & col_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if WINDOW_LEFT:
+                visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_offset)
             if MASK_KIND == 1:
                 attend = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
                                  mask=visible, other=0)
@@ -411,6 +449,8 @@ if triton is not None:
             p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])
             dp = tl.dot(do, vT, input_precision="ieee", out_dtype=acc_dtype)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - tanh_s * tanh_s)
             if NATIVE_DOT:
                 dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
             else:
@@ -419,8 +459,10 @@ if triton is not None:
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dql
                  + offs_e[None, :] * stride_dqe, dq, mask=row_ok[:, None] & (offs_e[None, :] < E))
 
-    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn, do_not_specialize=_SIZE_ARGS + ["KH"])
-    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn, do_not_specialize=_SIZE_ARGS)
+    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn,
+                                       do_not_specialize=_SIZE_ARGS + ["KH", "window_offset", "alibi_offset"])
+    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn,
+                                     do_not_specialize=_SIZE_ARGS + ["window_offset", "alibi_offset"])
 
 
 def _next_pow2(n: int) -> int:
@@ -660,7 +702,10 @@ def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, 
     grid = (B * N, -(-L // cfg.block_m), 1)
     context = dict(q4=q4, k4=k4, v4=v4, mask=mask, m_strides=m_strides, mask_kind=mask_kind,
                    sizes=(B, N, Kh, L, S, E, Ev), scale=float(scale), causal_offset=causal_offset,
-                   causal=bool(is_causal), acc_dtype=acc_dtype, gpu=gpu)
+                   causal=right >= 0, acc_dtype=acc_dtype, gpu=gpu,
+                   alibi=(alibi, *a_strides), flash_tail=[window_offset, offset, float(softcap)],
+                   flash_constexprs={key: constexprs[key] for key in
+                                     ("WINDOW_LEFT", "SOFTCAP", "ALIBI", "LIBDEVICE_TANH")})
     return LaunchPlan(grid, args, constexprs, cfg.num_warps, cfg.num_stages, out,
                       tuple(out_shape), query.dtype, lse, context)
 
@@ -706,17 +751,18 @@ def plan_backward(plan: LaunchPlan, grad_out: torch.Tensor, out: torch.Tensor):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_EV=cfg.block_ev,
         CAUSAL=ctx["causal"], MASK_KIND=ctx["mask_kind"], ACC_F64=acc_dtype == torch.float64,
         NATIVE_DOT=cfg.native_dot and plan.out_dtype in (torch.float16, torch.bfloat16),
+        **ctx["flash_constexprs"],
     )
     q4, k4, v4, mask = ctx["q4"], ctx["k4"], ctx["v4"], ctx["mask"]
     inputs = [*q4.stride(), *k4.stride(), *v4.stride(), *ctx["m_strides"], *do4.stride()]
-    tail = [ctx["scale"], ctx["causal_offset"]]
+    tail = [ctx["scale"], ctx["causal_offset"], *ctx["flash_tail"]]
     dkdv = Launch("dkdv", (B * Kh, -(-S // cfg.block_n), 1),
                   [q4, k4, v4, mask, do4, plan.lse, delta, dk, dv, *inputs,
-                   *dk.stride(), *dv.stride(), N, Kh, L, S, E, Ev, N // Kh, *tail],
+                   *dk.stride(), *dv.stride(), *ctx["alibi"], N, Kh, L, S, E, Ev, N // Kh, *tail],
                   constexprs, cfg.num_warps, cfg.num_stages)
     dq_launch = Launch("dq", (B * N, -(-L // cfg.block_m), 1),
                        [q4, k4, v4, mask, do4, plan.lse, delta, dq, *inputs,
-                        *dq.stride(), N, L, S, E, Ev, N // Kh, *tail],
+                        *dq.stride(), *ctx["alibi"], N, L, S, E, Ev, N // Kh, *tail],
                        constexprs, cfg.num_warps, cfg.num_stages)
     return [dkdv, dq_launch], dq, dk, dv
 
@@ -738,18 +784,20 @@ class _TritonAttentionFunction(torch.autograd.Function):
     """Forward and backward both in Triton kernels; gradients for q, k, v only."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, causal_alignment, planted_bug):
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, causal_alignment, planted_bug,
+                flash_options):
         plan = plan_launch(query, key, value, attn_mask, is_causal, scale,
-                           causal_alignment=causal_alignment, planted_bug=planted_bug)
+                           causal_alignment=causal_alignment, planted_bug=planted_bug, **flash_options)
         out = _run_forward(plan)
         ctx.plan = plan
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.dtype = query.dtype
         ctx.save_for_backward(out)
-        return out
+        ctx.mark_non_differentiable(plan.lse)
+        return out, plan.lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_lse):
         (out,) = ctx.saved_tensors
         q_shape, k_shape, v_shape = ctx.shapes
         launches, dq, dk, dv = plan_backward(ctx.plan, grad_out, out)
@@ -765,7 +813,7 @@ class _TritonAttentionFunction(torch.autograd.Function):
                     dq.zero_()
         grads = (dq.view(q_shape), dk.view(k_shape), dv.view(v_shape))
         grads = tuple(g if g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grads)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _make_sdpa(causal_alignment: str, planted_bug: str | None):
@@ -779,7 +827,7 @@ def _make_sdpa(causal_alignment: str, planted_bug: str | None):
                 "(capabilities.mask_grad=False); pass attn_mask.detach()")
         if grad_enabled and any(t.requires_grad for t in (query, key, value)):
             return _TritonAttentionFunction.apply(query, key, value, attn_mask, is_causal, scale,
-                                                  causal_alignment, planted_bug)
+                                                  causal_alignment, planted_bug, {})[0]
         return _run_forward(plan_launch(query, key, value, attn_mask, is_causal, scale,
                                         causal_alignment=causal_alignment,
                                         planted_bug=planted_bug))
@@ -813,24 +861,29 @@ def _validate_flash(q, k, v, dropout_p, window_size, softcap, alibi_slopes) -> N
 def _make_flash(planted_bug: str | None):
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-        """FlashAttention-2's ``flash_attn_func``, forward only: q (B, L, N, E), k (B, S, K, E),
+        """FlashAttention-2's ``flash_attn_func``, forward and backward (q, k, v): q (B, L, N, E), k (B, S, K, E),
         v (B, S, K, Ev) -> output (B, L, N, Ev); with ``return_attn_probs`` the tuple
         (output, softmax_lse (B, N, L) float32 (float64 for float64), None), +inf in rows
         attending no key, as FlashAttention-2. Causal and window align bottom-right."""
         _validate_flash(q, k, v, dropout_p, window_size, softcap, alibi_slopes)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError(
-                "the triton flash level is forward only (flash_capabilities.autograd=False); "
-                "call it under torch.no_grad() or detach q, k, v")
+        if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("the triton implementation has no gradient w.r.t. alibi_slopes; "
+                                      "pass alibi_slopes.detach()")
+        options = dict(window=tuple(int(side) for side in window_size), softcap=float(softcap),
+                       alibi_slopes=alibi_slopes)
         # (B, L, N, E) -> (B, N, L, E): strided views, the kernel takes any strides
-        plan = plan_launch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, bool(causal),
-                           softmax_scale, causal_alignment="lower_right", planted_bug=planted_bug,
-                           window=tuple(int(side) for side in window_size), softcap=float(softcap),
-                           alibi_slopes=alibi_slopes)
-        out = _run_forward(plan).transpose(1, 2).contiguous()  # (B, L, N, Ev)
+        heads_first = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _TritonAttentionFunction.apply(*heads_first, None, bool(causal), softmax_scale,
+                                                      "lower_right", planted_bug, options)
+        else:
+            plan = plan_launch(*heads_first, None, bool(causal), softmax_scale,
+                               causal_alignment="lower_right", planted_bug=planted_bug, **options)
+            out, lse = _run_forward(plan), plan.lse
+        out = out.transpose(1, 2).contiguous()  # (B, L, N, Ev)
         if not return_attn_probs:
             return out
-        return out, plan.lse, None
+        return out, lse, None
 
     flash_attn_func.__name__ = "triton_flash_attn_func"
     return flash_attn_func
@@ -878,12 +931,11 @@ def make_implementation(*, causal_alignment: str = "upper_left",
     flash_capabilities = capabilities.replace(
         mask_kinds=frozenset({"none"}),
         causal="lower_right",
-        autograd=False,  # the backward kernels know no window, softcap or ALiBi yet
         flash_features=frozenset({"window", "softcap", "alibi", "lse"}),
     )
     mode = "interpreter (CPU)" if interpreting else "compiled (CUDA)"
     description = (f"Triton flash-attention forward + backward, {mode}, causal={causal_alignment}; "
-                   "flash level forward only (window, softcap, ALiBi, LSE)"
+                   "flash level (window, softcap, ALiBi, LSE)"
                    + (f", planted bug {planted_bug!r}" if planted_bug else ""))
     return Implementation(
         name=name,
