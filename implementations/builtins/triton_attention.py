@@ -90,8 +90,9 @@ if triton is not None:
             return libdevice.tanh(x)
         y = -2.0 * tl.abs(x)
         u = tl.exp(y)
-        log_u = tl.log(tl.where((u == 1.0) | (u == 0.0), 0.5, u))
-        m = tl.where(u == 1.0, y, tl.where(u == 0.0, -1.0, (u - 1.0) * y / log_u))
+        saturated = (u - 1.0) == -1.0  # u below half an ulp of 1 (maybe subnormal): m = -1
+        log_u = tl.log(tl.where((u == 1.0) | saturated, 0.5, u))
+        m = tl.where(u == 1.0, y, tl.where(saturated, -1.0, (u - 1.0) * y / log_u))
         t = -m / (2.0 + m)
         return tl.where(x < 0, -t, t)
 
