@@ -1,7 +1,9 @@
 """Triton fused attention (flash-attention style), forward and backward, registered as ``triton``.
 
-``make_implementation()`` returns an SDPA-level
-:class:`~implementations.base.Implementation` with torch SDPA's calling convention.
+``make_implementation()`` returns an :class:`~implementations.base.Implementation`
+with torch SDPA's calling convention (``sdpa``) and FlashAttention-2's
+``flash_attn_func`` (``flash``: sliding window, softcap, ALiBi, LSE output; forward
+and backward).
 It supports bool and additive masks (any broadcastable rank), the causal flag in
 either alignment, GQA, Ev != E, any strides, head dims up to 256, float64 / float32
 (never TF32) / float16 / bfloat16, and gradients w.r.t. q, k, v; not dropout, nor a

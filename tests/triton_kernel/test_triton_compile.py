@@ -19,17 +19,19 @@ The builds run in one subprocess per target (this file run as a script) with
 forward tests, see docs/TRITON.md) cannot compile for a GPU,
 because triton.language's helpers were decorated as interpreted functions.
 
-Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 58 variants, 170 builds per
+Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 65 variants, 187 builds per
 target with the two backward kernels): dtype (float64/32/16, bfloat16) x mask kind
 (none/bool/additive) x causal at E = Ev = 64; every head-dim block size (16..256, and
 E != Ev including the extremes 16/256) with causal + additive mask; a strided/GQA/
 lower-right launch (non-unit last stride and a runtime GROUP change the integer
-specialisation); the two planted forward bugs. Forward, dK/dV and dQ kernels each.
-Default: a core subset (24 variants, 56 builds per target) that still reaches every
+specialisation); the two planted forward bugs; the flash level's window / softcap /
+ALiBi switches in FlashAttention's layout and its planted window bug
+(``_flash_variants``). Forward, dK/dV and dQ kernels each.
+Default: a core subset (31 variants, 73 builds per target) that still reaches every
 constexpr branch, every GPU tile family of the forward and backward configs and the
 head-dim extremes once per dtype. Beyond "it builds", each kernel must fit the
 target's shared memory, float32 must not use TF32, 16-bit dots must reach tensor-core
-mma, and the scale must arrive as f64 (float64 keeps a float64 scale).
+mma, and the scale and softcap must arrive as f64 (float64 keeps a float64 scale).
 """
 
 from __future__ import annotations
@@ -75,13 +77,14 @@ def _all_variants():
 
 def _flash_variants():
     """The flash level's switches (WINDOW_LEFT, SOFTCAP with libdevice tanh, ALIBI) all on
-    once per dtype with causal; a right-only window with softcap (CAUSAL from the window,
-    no left edge); a left-only window; the planted window bug. FlashAttention's layout
-    (B, L, N, E) with GQA, so the strides are those of a real flash call."""
-    out = [dict(dtype=dtype, E=64, Ev=64, mask="none", causal=True,
+    once per dtype with causal, forward and both backward kernels; a right-only window
+    with softcap (CAUSAL from the window, no left edge), also backward; a left-only
+    window; the planted window bug. FlashAttention's layout (B, L, N, E) with GQA, so
+    the strides are those of a real flash call."""
+    out = [dict(dtype=dtype, E=64, Ev=64, mask="none", causal=True, bwd=True,
                 flash=dict(window=(7, 0), softcap=30.0, alibi=True))
            for dtype in ALL_DTYPES]
-    out.append(dict(dtype="bfloat16", E=128, Ev=128, mask="none", causal=False,
+    out.append(dict(dtype="bfloat16", E=128, Ev=128, mask="none", causal=False, bwd=True,
                     flash=dict(window=(-1, 5), softcap=1.5)))
     out.append(dict(dtype="float32", E=32, Ev=32, mask="none", causal=False, flash=dict(window=(9, -1))))
     out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, flash=dict(window=(3, 3)),
@@ -105,8 +108,8 @@ def _core_variants():
     return out + _flash_variants()
 
 
-#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (340 builds); the default core
-#: set (112 builds) reaches every constexpr branch and tile family.
+#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (374 builds); the default core
+#: set (146 builds) reaches every constexpr branch and tile family.
 FULL_MATRIX = os.environ.get("ATTN_TRITON_COMPILE_ALL", "") == "1"
 
 VARIANTS = _all_variants() if FULL_MATRIX else _core_variants()
@@ -249,8 +252,7 @@ def test_kernel_variant_builds(builds, variant, kernel, target_name):
     if variant["dtype"] == "float32":
         assert not row["tf32"], f"float32 dots must be IEEE, not TF32 {where}"
     assert row["scale_type"] == "fp64", f"scale passed as {row['scale_type']} {where}"
-    if kernel == "fwd":
-        assert row["softcap_type"] == "fp64", f"softcap passed as {row['softcap_type']} {where}"
+    assert row["softcap_type"] == "fp64", f"softcap passed as {row['softcap_type']} {where}"
     if variant["dtype"] in ("float16", "bfloat16"):
         assert row["native_dot"], f"16-bit GPU launches should use native dots {where}"
         assert row["mma"], f"16-bit dots should lower to tensor-core mma {where}"

@@ -17,10 +17,10 @@ import implementations.builtins.triton_attention as ta  # (before triton: see it
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from implementations.builtins.flash_reference import flash_attn_func as reference  # noqa: E402
+from implementations.builtins.flash_reference import flash_attn_func as reference
 
 IMPL = ta.make_implementation()
 if not IMPL.available:
