@@ -1,7 +1,9 @@
 """Triton fused attention (flash-attention style), forward and backward, registered as ``triton``.
 
-``make_implementation()`` returns an SDPA-level
-:class:`~implementations.base.Implementation` with torch SDPA's calling convention.
+``make_implementation()`` returns an :class:`~implementations.base.Implementation`
+with torch SDPA's calling convention (``sdpa``) and FlashAttention-2's
+``flash_attn_func`` (``flash``: sliding window, softcap, ALiBi, LSE output; forward
+and backward).
 It supports bool and additive masks (any broadcastable rank), the causal flag in
 either alignment, GQA, Ev != E, any strides, head dims up to 256, float64 / float32
 (never TF32) / float16 / bfloat16, and gradients w.r.t. q, k, v; not dropout, nor a
@@ -32,7 +34,7 @@ from implementations.builtins._torch_common import contiguous_strides
 __all__ = ["PLANTED_BUGS", "Launch", "LaunchPlan", "make_implementation", "plan_backward", "plan_launch"]
 
 #: planted_bug name -> the ``BUG`` constexpr the kernel sees (0: none).
-PLANTED_BUGS = {"drop_ragged_block": 1, "no_rescale": 2, "ignore_strides": 3}
+PLANTED_BUGS = {"drop_ragged_block": 1, "no_rescale": 2, "ignore_strides": 3, "window_left_off_by_one": 4}
 #: Largest head dim (E and Ev) the kernel accepts: BLOCK_E up to 256.
 MAX_HEAD_DIM = 256
 #: ``MASK_KIND`` constexpr values.
@@ -46,9 +48,11 @@ if not torch.cuda.is_available():
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError as exc:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
+    libdevice = None
     _IMPORT_ERROR: str | None = f"triton is not importable ({exc})"
 else:
     _IMPORT_ERROR = None
@@ -78,22 +82,47 @@ def _interpreter_mismatch() -> str | None:
 
 if triton is not None:
 
+    @triton.jit
+    def _tanh(x, LIBDEVICE: tl.constexpr):
+        """tanh to a few ulps: libdevice's on a GPU; the interpreter cannot call libdevice,
+        so there tanh|x| = -m / (2 + m) with m = expm1(-2|x|), and expm1 by Kahan's
+        exact-ratio trick (u - 1) * y / log(u), u = exp(y): no cancellation near 0, where
+        a cap far above the logits puts every argument."""
+        if LIBDEVICE:
+            return libdevice.tanh(x)
+        y = -2.0 * tl.abs(x)
+        u = tl.exp(y)
+        saturated = (u - 1.0) == -1.0  # u below half an ulp of 1 (maybe subnormal): m = -1
+        log_u = tl.log(tl.where((u == 1.0) | saturated, 0.5, u))
+        m = tl.where(u == 1.0, y, tl.where(saturated, -1.0, (u - 1.0) * y / log_u))
+        t = -m / (2.0 + m)
+        return tl.where(x < 0, -t, t)
+
     def _attn_fwd_kernel_fn(
-        Q, K, V, Mask, Out, LSE,
+        Q, K, V, Mask, Out, LSE, Alibi,
         stride_qb, stride_qh, stride_ql, stride_qe,
         stride_kb, stride_kh, stride_ks, stride_ke,
         stride_vb, stride_vh, stride_vs, stride_ve,
         stride_mb, stride_mh, stride_ml, stride_ms,
         stride_ob, stride_oh, stride_ol, stride_oe,
+        stride_ab, stride_ah,
         N, L, S, E, EV, GROUP,
-        scale: tl.float64, causal_offset,
+        scale: tl.float64, causal_offset, window_offset, alibi_offset, softcap: tl.float64,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
         ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
         BUG: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        ALIBI: tl.constexpr = False, LIBDEVICE_TANH: tl.constexpr = False,
     ):
-        """One program: BLOCK_M queries of one (batch, query head); all keys."""
+        """One program: BLOCK_M queries of one (batch, query head); all keys it may see.
+
+        Key j is visible to query i iff j <= i + causal_offset (CAUSAL: the causal
+        diagonal or a window's right edge) and j >= i + window_offset (WINDOW_LEFT).
+        SOFTCAP: s = softcap * tanh(s / softcap) after the scale; ALIBI: the bias
+        -slope_h * |i + alibi_offset - j| after that.
+        """
         # axis 0 (up to 2**31 - 1 programs) takes B*N, which can exceed 65535.
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -108,6 +137,8 @@ if triton is not None:
         else:
             acc_dtype = tl.float32
             scale = tl.cast(scale, tl.float32)
+            if SOFTCAP:
+                softcap = tl.cast(softcap, tl.float32)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
@@ -123,6 +154,11 @@ if triton is not None:
         k_base = K + b * stride_kb + kv_h * stride_kh
         v_base = V + b * stride_vb + kv_h * stride_vh
         m_base = Mask + b * stride_mb + h * stride_mh
+        if ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h * stride_ah).to(acc_dtype)
+        window_lo = window_offset
+        if BUG == 4:  # planted: window_left_off_by_one keeps j > i + window_offset only
+            window_lo = window_offset + 1
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc_dtype)
         l_i = tl.zeros([BLOCK_M], dtype=acc_dtype)
@@ -134,8 +170,13 @@ if triton is not None:
             hi = tl.maximum(tl.minimum(S, pid_m * BLOCK_M + BLOCK_M + causal_offset), 0)
         if BUG == 1:  # planted: drop_ragged_block
             hi = tl.minimum(hi, (S // BLOCK_N) * BLOCK_N)
+        lo = 0
+        if WINDOW_LEFT:
+            # key blocks wholly left of the first query's window are never visible
+            lo = tl.maximum(pid_m * BLOCK_M + window_offset, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
 
-        for start_n in range(0, hi, BLOCK_N):
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             col_ok = offs_n < S
             k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke,
@@ -143,10 +184,17 @@ if triton is not None:
             if not NATIVE_DOT:
                 k = k.to(acc_dtype)
             s = tl.dot(q, k, input_precision="ieee", out_dtype=acc_dtype) * scale
+            if SOFTCAP:
+                s = softcap * _tanh(s / softcap, LIBDEVICE_TANH)
+            if ALIBI:
+                distance = tl.abs(offs_m[:, None] + alibi_offset - offs_n[None, :])
+                s = s - slope * distance.to(acc_dtype)
 
             visible = row_ok[:, None] & col_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if WINDOW_LEFT:
+                visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_lo)
             if MASK_KIND == 1:
                 attend = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
                                  mask=visible, other=0)
@@ -189,7 +237,8 @@ if triton is not None:
     # multiply the compiled variants for little gain. Strides stay specialised (a unit
     # last-dim stride gives vectorised loads).
     _SIZE_ARGS = ["N", "L", "S", "E", "EV", "GROUP", "causal_offset"]
-    _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn, do_not_specialize=_SIZE_ARGS)
+    _attn_fwd_kernel = triton.jit(_attn_fwd_kernel_fn,
+                                  do_not_specialize=_SIZE_ARGS + ["window_offset", "alibi_offset"])
 
     def _attn_bwd_dkdv_kernel_fn(
         Q, K, V, Mask, DO, LSE, Delta, DK, DV,
@@ -200,12 +249,15 @@ if triton is not None:
         stride_dob, stride_doh, stride_dol, stride_doe,
         stride_dkb, stride_dkh, stride_dks, stride_dke,
         stride_dvb, stride_dvh, stride_dvs, stride_dve,
+        Alibi, stride_ab, stride_ah,
         N, KH, L, S, E, EV, GROUP,
-        scale: tl.float64, causal_offset,
+        scale: tl.float64, causal_offset, window_offset, alibi_offset, softcap: tl.float64,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
         ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        ALIBI: tl.constexpr = False, LIBDEVICE_TANH: tl.constexpr = False,
     ):
         """One program: BLOCK_N keys of one (batch, kv head); dK, dV summed over its GQA group.
 
@@ -221,6 +273,8 @@ if triton is not None:
         else:
             acc_dtype = tl.float32
             scale = tl.cast(scale, tl.float32)
+            if SOFTCAP:
+                softcap = tl.cast(softcap, tl.float32)
 
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
@@ -242,13 +296,19 @@ if triton is not None:
             # query i sees key j iff j <= i + causal_offset: skip query blocks before the first
             lo = tl.maximum(pid_n * BLOCK_N - causal_offset, 0)
             lo = (lo // BLOCK_M) * BLOCK_M
+        hi = L
+        if WINDOW_LEFT:
+            # query i sees key j only if j >= i + window_offset: stop past the last such query
+            hi = tl.maximum(tl.minimum(L, pid_n * BLOCK_N + BLOCK_N - window_offset), 0)
         for g in range(0, GROUP):
             h = kv_h * GROUP + g
             bh = b * N + h
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_dob + h * stride_doh
             m_base = Mask + b * stride_mb + h * stride_mh
-            for start_m in range(lo, L, BLOCK_M):
+            if ALIBI:
+                slope = tl.load(Alibi + b * stride_ab + h * stride_ah).to(acc_dtype)
+            for start_m in range(lo, hi, BLOCK_M):
                 offs_m = start_m + offs_m0
                 row_ok = offs_m < L
                 qT = tl.load(q_base + offs_m[None, :] * stride_ql + offs_e[:, None] * stride_qe,
@@ -261,9 +321,16 @@ if triton is not None:
                 lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
                 delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
                 sT = tl.dot(k, qT, input_precision="ieee", out_dtype=acc_dtype) * scale
+                if SOFTCAP:
+                    tanhT = _tanh(sT / softcap, LIBDEVICE_TANH)
+                    sT = softcap * tanhT
+                if ALIBI:
+                    sT = sT - slope * tl.abs(offs_m[None, :] + alibi_offset - offs_n[:, None]).to(acc_dtype)
                 visible = col_ok[:, None] & row_ok[None, :]
                 if CAUSAL:
                     visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                if WINDOW_LEFT:
+                    visible = visible & (offs_n[:, None] >= offs_m[None, :] + window_offset)
                 if MASK_KIND == 1:
                     attend = tl.load(m_base + offs_m[None, :] * stride_ml + offs_n[:, None] * stride_ms,
                                      mask=visible, other=0)
@@ -280,6 +347,8 @@ if triton is not None:
                     dv = tl.dot(pT, do, dv, input_precision="ieee")
                 dpT = tl.dot(v, tl.trans(do), input_precision="ieee", out_dtype=acc_dtype)
                 dsT = pT * (dpT - delta[None, :])
+                if SOFTCAP:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+                    dsT = dsT * (1.0 - tanhT * tanhT)
                 if NATIVE_DOT:
                     dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
                 else:
@@ -298,12 +367,15 @@ if triton is not None:
         stride_mb, stride_mh, stride_ml, stride_ms,
         stride_dob, stride_doh, stride_dol, stride_doe,
         stride_dqb, stride_dqh, stride_dql, stride_dqe,
+        Alibi, stride_ab, stride_ah,
         N, L, S, E, EV, GROUP,
-        scale: tl.float64, causal_offset,
+        scale: tl.float64, causal_offset, window_offset, alibi_offset, softcap: tl.float64,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
         ACC_F64: tl.constexpr, NATIVE_DOT: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        ALIBI: tl.constexpr = False, LIBDEVICE_TANH: tl.constexpr = False,
     ):
         """One program: BLOCK_M queries of one (batch, head); dQ = scale * sum_j dS_ij k_j."""
         pid_bh = tl.program_id(0)
@@ -316,6 +388,8 @@ if triton is not None:
         else:
             acc_dtype = tl.float32
             scale = tl.cast(scale, tl.float32)
+            if SOFTCAP:
+                softcap = tl.cast(softcap, tl.float32)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
@@ -336,11 +410,17 @@ if triton is not None:
         v_base = V + b * stride_vb + kv_h * stride_vh
         m_base = Mask + b * stride_mb + h * stride_mh
         dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=acc_dtype)
+        if ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h * stride_ah).to(acc_dtype)
 
         hi = S
         if CAUSAL:
             hi = tl.maximum(tl.minimum(S, pid_m * BLOCK_M + BLOCK_M + causal_offset), 0)
-        for start_n in range(0, hi, BLOCK_N):
+        lo = 0
+        if WINDOW_LEFT:
+            lo = tl.maximum(pid_m * BLOCK_M + window_offset, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             col_ok = offs_n < S
             kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke,
@@ -351,9 +431,16 @@ if triton is not None:
                 kT = kT.to(acc_dtype)
                 vT = vT.to(acc_dtype)
             s = tl.dot(q, kT, input_precision="ieee", out_dtype=acc_dtype) * scale
+            if SOFTCAP:
+                tanh_s = _tanh(s / softcap, LIBDEVICE_TANH)
+                s = softcap * tanh_s
+            if ALIBI:
+                s = s - slope * tl.abs(offs_m[:, None] + alibi_offset - offs_n[None, :]).to(acc_dtype)
             visible = row_ok[:, None] & col_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if WINDOW_LEFT:
+                visible = visible & (offs_n[None, :] >= offs_m[:, None] + window_offset)
             if MASK_KIND == 1:
                 attend = tl.load(m_base + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms,
                                  mask=visible, other=0)
@@ -365,6 +452,8 @@ if triton is not None:
             p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])
             dp = tl.dot(do, vT, input_precision="ieee", out_dtype=acc_dtype)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - tanh_s * tanh_s)
             if NATIVE_DOT:
                 dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
             else:
@@ -373,8 +462,10 @@ if triton is not None:
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dql
                  + offs_e[None, :] * stride_dqe, dq, mask=row_ok[:, None] & (offs_e[None, :] < E))
 
-    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn, do_not_specialize=_SIZE_ARGS + ["KH"])
-    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn, do_not_specialize=_SIZE_ARGS)
+    _attn_bwd_dkdv_kernel = triton.jit(_attn_bwd_dkdv_kernel_fn,
+                                       do_not_specialize=_SIZE_ARGS + ["KH", "window_offset", "alibi_offset"])
+    _attn_bwd_dq_kernel = triton.jit(_attn_bwd_dq_kernel_fn,
+                                     do_not_specialize=_SIZE_ARGS + ["window_offset", "alibi_offset"])
 
 
 def _next_pow2(n: int) -> int:
@@ -543,12 +634,18 @@ def _validate(query, key, value, attn_mask, dropout_p, enable_gqa) -> None:
 
 def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
                 causal_alignment: str = "upper_left", planted_bug: str | None = None,
-                gpu: bool | None = None) -> LaunchPlan:
+                gpu: bool | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                alibi_slopes: torch.Tensor | None = None) -> LaunchPlan:
     """Validate nothing; turn SDPA arguments into one kernel launch.
 
     ``gpu`` picks the block configuration (default: the tensors' device). The
     compile test calls this with CPU tensors and ``gpu=True`` to get exactly the
     arguments and constexprs a GPU launch would use.
+
+    The flash level's extras (heads-first tensors here): ``window`` (left, right),
+    aligned like ``is_causal`` (query i sits at key i + offset, offset = S - L for
+    lower_right, else 0), -1 unbounded, ``is_causal`` sets right = 0; ``softcap`` > 0
+    caps the scaled logits; ``alibi_slopes`` (N,) or (B, N) adds -slope * |i + offset - j|.
     """
     if gpu is None:
         gpu = query.device.type == "cuda"
@@ -574,30 +671,44 @@ def plan_launch(query, key, value, attn_mask=None, is_causal=False, scale=None, 
 
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
-    causal_offset = 0
-    if is_causal and causal_alignment == "lower_right":
-        causal_offset = S - L
+    offset = S - L if causal_alignment == "lower_right" else 0
+    # a side of L + S or more reaches every key: clamping keeps the offsets int32
+    left, right = (side if side < 0 else min(side, L + S) for side in window)
+    if is_causal:
+        right = 0
+    causal_offset = offset + right if right >= 0 else 0
+    window_offset = offset - left if left >= 0 else 0
+    if alibi_slopes is None:
+        alibi, a_strides = q4, (0, 0)
+    else:
+        alibi = alibi_slopes.reshape(-1, N)  # (1|B, N)
+        a_strides = (alibi.stride(0) if alibi.shape[0] > 1 else 0, alibi.stride(1))
 
     ignore = bug == PLANTED_BUGS["ignore_strides"]
     cfg = kernel_config(query.dtype, E, Ev, gpu=gpu)
     args = [
-        q4, k4, v4, mask, out, lse,
+        q4, k4, v4, mask, out, lse, alibi,
         *_strides(q4, ignore), *_strides(k4, ignore), *_strides(v4, ignore),
-        *m_strides, *out.stride(),
+        *m_strides, *out.stride(), *a_strides,
         N, L, S, E, Ev, N // Kh,
-        float(scale), causal_offset,
+        float(scale), causal_offset, window_offset, offset, float(softcap),
     ]
     constexprs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_EV=cfg.block_ev,
-        CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
+        CAUSAL=right >= 0, MASK_KIND=mask_kind,
         ACC_F64=acc_dtype == torch.float64,
         NATIVE_DOT=cfg.native_dot and query.dtype in (torch.float16, torch.bfloat16),
-        BUG=bug if bug in (1, 2) else 0,
+        BUG=bug if bug in (1, 2, 4) else 0,
+        WINDOW_LEFT=left >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+        LIBDEVICE_TANH=softcap > 0 and gpu,
     )
     grid = (B * N, -(-L // cfg.block_m), 1)
     context = dict(q4=q4, k4=k4, v4=v4, mask=mask, m_strides=m_strides, mask_kind=mask_kind,
                    sizes=(B, N, Kh, L, S, E, Ev), scale=float(scale), causal_offset=causal_offset,
-                   causal=bool(is_causal), acc_dtype=acc_dtype, gpu=gpu)
+                   causal=right >= 0, acc_dtype=acc_dtype, gpu=gpu,
+                   alibi=(alibi, *a_strides), flash_tail=[window_offset, offset, float(softcap)],
+                   flash_constexprs={key: constexprs[key] for key in
+                                     ("WINDOW_LEFT", "SOFTCAP", "ALIBI", "LIBDEVICE_TANH")})
     return LaunchPlan(grid, args, constexprs, cfg.num_warps, cfg.num_stages, out,
                       tuple(out_shape), query.dtype, lse, context)
 
@@ -643,17 +754,18 @@ def plan_backward(plan: LaunchPlan, grad_out: torch.Tensor, out: torch.Tensor):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_E=cfg.block_e, BLOCK_EV=cfg.block_ev,
         CAUSAL=ctx["causal"], MASK_KIND=ctx["mask_kind"], ACC_F64=acc_dtype == torch.float64,
         NATIVE_DOT=cfg.native_dot and plan.out_dtype in (torch.float16, torch.bfloat16),
+        **ctx["flash_constexprs"],
     )
     q4, k4, v4, mask = ctx["q4"], ctx["k4"], ctx["v4"], ctx["mask"]
     inputs = [*q4.stride(), *k4.stride(), *v4.stride(), *ctx["m_strides"], *do4.stride()]
-    tail = [ctx["scale"], ctx["causal_offset"]]
+    tail = [ctx["scale"], ctx["causal_offset"], *ctx["flash_tail"]]
     dkdv = Launch("dkdv", (B * Kh, -(-S // cfg.block_n), 1),
                   [q4, k4, v4, mask, do4, plan.lse, delta, dk, dv, *inputs,
-                   *dk.stride(), *dv.stride(), N, Kh, L, S, E, Ev, N // Kh, *tail],
+                   *dk.stride(), *dv.stride(), *ctx["alibi"], N, Kh, L, S, E, Ev, N // Kh, *tail],
                   constexprs, cfg.num_warps, cfg.num_stages)
     dq_launch = Launch("dq", (B * N, -(-L // cfg.block_m), 1),
                        [q4, k4, v4, mask, do4, plan.lse, delta, dq, *inputs,
-                        *dq.stride(), N, L, S, E, Ev, N // Kh, *tail],
+                        *dq.stride(), *ctx["alibi"], N, L, S, E, Ev, N // Kh, *tail],
                        constexprs, cfg.num_warps, cfg.num_stages)
     return [dkdv, dq_launch], dq, dk, dv
 
@@ -675,18 +787,20 @@ class _TritonAttentionFunction(torch.autograd.Function):
     """Forward and backward both in Triton kernels; gradients for q, k, v only."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, causal_alignment, planted_bug):
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, causal_alignment, planted_bug,
+                flash_options):
         plan = plan_launch(query, key, value, attn_mask, is_causal, scale,
-                           causal_alignment=causal_alignment, planted_bug=planted_bug)
+                           causal_alignment=causal_alignment, planted_bug=planted_bug, **flash_options)
         out = _run_forward(plan)
         ctx.plan = plan
         ctx.shapes = (query.shape, key.shape, value.shape)
         ctx.dtype = query.dtype
         ctx.save_for_backward(out)
-        return out
+        ctx.mark_non_differentiable(plan.lse)
+        return out, plan.lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_lse):
         (out,) = ctx.saved_tensors
         q_shape, k_shape, v_shape = ctx.shapes
         launches, dq, dk, dv = plan_backward(ctx.plan, grad_out, out)
@@ -702,7 +816,7 @@ class _TritonAttentionFunction(torch.autograd.Function):
                     dq.zero_()
         grads = (dq.view(q_shape), dk.view(k_shape), dv.view(v_shape))
         grads = tuple(g if g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grads)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _make_sdpa(causal_alignment: str, planted_bug: str | None):
@@ -716,13 +830,66 @@ def _make_sdpa(causal_alignment: str, planted_bug: str | None):
                 "(capabilities.mask_grad=False); pass attn_mask.detach()")
         if grad_enabled and any(t.requires_grad for t in (query, key, value)):
             return _TritonAttentionFunction.apply(query, key, value, attn_mask, is_causal, scale,
-                                                  causal_alignment, planted_bug)
+                                                  causal_alignment, planted_bug, {})[0]
         return _run_forward(plan_launch(query, key, value, attn_mask, is_causal, scale,
                                         causal_alignment=causal_alignment,
                                         planted_bug=planted_bug))
 
     sdpa.__name__ = "triton_sdpa"
     return sdpa
+
+
+def _validate_flash(q, k, v, dropout_p, window_size, softcap, alibi_slopes) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor: q (B, L, N, E), k (B, S, K, E), "
+                             f"v (B, S, K, Ev); got {getattr(t, 'shape', type(t).__name__)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has batch B={q.shape[0]}, k B={k.shape[0]}; they must be equal")
+    if len(tuple(window_size)) != 2 or any(int(side) != side or side < -1 for side in window_size):
+        raise ValueError(f"window_size={tuple(window_size)}: use (left, right), each an int >= 0, "
+                         "or -1 for unbounded")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap={softcap} must be a finite number >= 0 (0 = off)")
+    _validate(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, dropout_p, True)
+    if alibi_slopes is not None:
+        B, N = q.shape[0], q.shape[2]
+        if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) not in ((N,), (B, N)):
+            raise ValueError(f"alibi_slopes shape={tuple(getattr(alibi_slopes, 'shape', ()))}; "
+                             f"use (N,)=({N},) or (B, N)=({B}, {N})")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+
+
+def _make_flash(planted_bug: str | None):
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        """FlashAttention-2's ``flash_attn_func``, forward and backward (q, k, v): q (B, L, N, E), k (B, S, K, E),
+        v (B, S, K, Ev) -> output (B, L, N, Ev); with ``return_attn_probs`` the tuple
+        (output, softmax_lse (B, N, L) float32 (float64 for float64), None), +inf in rows
+        attending no key, as FlashAttention-2. Causal and window align bottom-right."""
+        _validate_flash(q, k, v, dropout_p, window_size, softcap, alibi_slopes)
+        if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("the triton implementation has no gradient w.r.t. alibi_slopes; "
+                                      "pass alibi_slopes.detach()")
+        options = dict(window=tuple(int(side) for side in window_size), softcap=float(softcap),
+                       alibi_slopes=alibi_slopes)
+        # (B, L, N, E) -> (B, N, L, E): strided views, the kernel takes any strides
+        heads_first = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _TritonAttentionFunction.apply(*heads_first, None, bool(causal), softmax_scale,
+                                                      "lower_right", planted_bug, options)
+        else:
+            plan = plan_launch(*heads_first, None, bool(causal), softmax_scale,
+                               causal_alignment="lower_right", planted_bug=planted_bug, **options)
+            out, lse = _run_forward(plan), plan.lse
+        out = out.transpose(1, 2).contiguous()  # (B, L, N, Ev)
+        if not return_attn_probs:
+            return out
+        return out, lse, None
+
+    flash_attn_func.__name__ = "triton_flash_attn_func"
+    return flash_attn_func
 
 
 def make_implementation(*, causal_alignment: str = "upper_left",
@@ -764,13 +931,21 @@ def make_implementation(*, causal_alignment: str = "upper_left",
         max_head_dim=MAX_HEAD_DIM,
         tf32=False,
     )
+    flash_capabilities = capabilities.replace(
+        mask_kinds=frozenset({"none"}),
+        causal="lower_right",
+        flash_features=frozenset({"window", "softcap", "alibi", "lse"}),
+    )
     mode = "interpreter (CPU)" if interpreting else "compiled (CUDA)"
-    description = (f"Triton flash-attention forward + backward, {mode}, causal={causal_alignment}"
+    description = (f"Triton flash-attention forward + backward, {mode}, causal={causal_alignment}; "
+                   "flash level (window, softcap, ALiBi, LSE)"
                    + (f", planted bug {planted_bug!r}" if planted_bug else ""))
     return Implementation(
         name=name,
         capabilities=capabilities,
         sdpa=_make_sdpa(causal_alignment, planted_bug),
+        flash=_make_flash(planted_bug),
+        flash_capabilities=flash_capabilities,
         version=f"0.1+triton{triton.__version__}",
         description=description,
         listed=planted_bug is None,

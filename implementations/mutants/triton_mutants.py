@@ -1,7 +1,7 @@
 """Kernel bugs planted in the Triton flash-attention kernel itself.
 
 The tiled mutants in :mod:`.tiled_mutants` show the classic kernel bugs in pure
-PyTorch; these plant three of them in the real Triton kernel
+PyTorch; these plant four of them in the real Triton kernel
 (``implementations/builtins/triton_attention.py``, ``planted_bug=``) so the suite is shown
 to catch them where a kernel author would make them. They need triton installed
 (on the CPU the kernel runs under ``TRITON_INTERPRET=1``).
@@ -17,11 +17,13 @@ from implementations.mutants.record import Mutant
 __all__ = ["TRITON_MUTANTS"]
 
 
-def _builder(bug: str, name: str):
+def _builder(bug: str, name: str, level: str = "sdpa"):
     def build() -> Implementation:
         from implementations.builtins.triton_attention import make_implementation
 
         impl = make_implementation(planted_bug=bug)
+        if level == "flash":  # a flash-level mutant exposes the flash callable only
+            impl = dataclasses.replace(impl, sdpa=None)
         return dataclasses.replace(impl, name=f"mutant:{name}", listed=False)
 
     return build
@@ -56,5 +58,15 @@ TRITON_MUTANTS = (
         expected_property="layout_independence",
         build=_builder("ignore_strides", "triton_ignore_strides"),
         safe_case={"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1},
+    ),
+    Mutant(
+        name="triton_window_left_off_by_one",
+        bug="the Triton kernel's sliding window keeps keys j > p_i - left instead of j >= p_i - left",
+        origin="kernel bug (an off-by-one at the window's left edge), planted in the Triton kernel",
+        smallest_case={"B": 1, "N": 1, "K": 1, "L": 2, "S": 2, "E": 1, "Ev": 1, "window": [1, 0]},
+        expected_property="window_equivalence",
+        build=_builder("window_left_off_by_one", "triton_window_left_off_by_one", level="flash"),
+        level="flash",
+        safe_case={"B": 1, "N": 1, "K": 1, "L": 2, "S": 2, "E": 1, "Ev": 1, "window": [-1, 0]},
     ),
 )

@@ -19,17 +19,19 @@ The builds run in one subprocess per target (this file run as a script) with
 forward tests, see docs/TRITON.md) cannot compile for a GPU,
 because triton.language's helpers were decorated as interpreted functions.
 
-Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 58 variants, 170 builds per
+Variants. Full matrix (``ATTN_TRITON_COMPILE_ALL=1``; 65 variants, 187 builds per
 target with the two backward kernels): dtype (float64/32/16, bfloat16) x mask kind
 (none/bool/additive) x causal at E = Ev = 64; every head-dim block size (16..256, and
 E != Ev including the extremes 16/256) with causal + additive mask; a strided/GQA/
 lower-right launch (non-unit last stride and a runtime GROUP change the integer
-specialisation); the two planted forward bugs. Forward, dK/dV and dQ kernels each.
-Default: a core subset (24 variants, 56 builds per target) that still reaches every
+specialisation); the two planted forward bugs; the flash level's window / softcap /
+ALiBi switches in FlashAttention's layout and its planted window bug
+(``_flash_variants``). Forward, dK/dV and dQ kernels each.
+Default: a core subset (31 variants, 73 builds per target) that still reaches every
 constexpr branch, every GPU tile family of the forward and backward configs and the
 head-dim extremes once per dtype. Beyond "it builds", each kernel must fit the
 target's shared memory, float32 must not use TF32, 16-bit dots must reach tensor-core
-mma, and the scale must arrive as f64 (float64 keeps a float64 scale).
+mma, and the scale and softcap must arrive as f64 (float64 keeps a float64 scale).
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def _all_variants():
                         alignment="lower_right", bwd=True))
     for bug in ("drop_ragged_block", "no_rescale"):
         out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, bug=bug))
+    return out + _flash_variants()
+
+
+def _flash_variants():
+    """The flash level's switches (WINDOW_LEFT, SOFTCAP with libdevice tanh, ALIBI) all on
+    once per dtype with causal, forward and both backward kernels; a right-only window
+    with softcap (CAUSAL from the window, no left edge), also backward; a left-only
+    window; the planted window bug. FlashAttention's layout (B, L, N, E) with GQA, so
+    the strides are those of a real flash call."""
+    out = [dict(dtype=dtype, E=64, Ev=64, mask="none", causal=True, bwd=True,
+                flash=dict(window=(7, 0), softcap=30.0, alibi=True))
+           for dtype in ALL_DTYPES]
+    out.append(dict(dtype="bfloat16", E=128, Ev=128, mask="none", causal=False, bwd=True,
+                    flash=dict(window=(-1, 5), softcap=1.5)))
+    out.append(dict(dtype="float32", E=32, Ev=32, mask="none", causal=False, flash=dict(window=(9, -1))))
+    out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, flash=dict(window=(3, 3)),
+                    bug="window_left_off_by_one"))
     return out
 
 
@@ -86,11 +105,11 @@ def _core_variants():
         out.append(dict(dtype=dtype, E=16, Ev=256, mask="additive", causal=True))
     for bug in ("drop_ragged_block", "no_rescale"):
         out.append(dict(dtype="float16", E=64, Ev=64, mask="none", causal=False, bug=bug))
-    return out
+    return out + _flash_variants()
 
 
-#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (340 builds); the default core
-#: set (112 builds) reaches every constexpr branch and tile family.
+#: ATTN_TRITON_COMPILE_ALL=1 compiles the full matrix (374 builds); the default core
+#: set (146 builds) reaches every constexpr branch and tile family.
 FULL_MATRIX = os.environ.get("ATTN_TRITON_COMPILE_ALL", "") == "1"
 
 VARIANTS = _all_variants() if FULL_MATRIX else _core_variants()
@@ -99,6 +118,12 @@ VARIANTS = _all_variants() if FULL_MATRIX else _core_variants()
 def _variant_id(v) -> str:
     parts = [v["dtype"], f"E{v['E']}", f"Ev{v['Ev']}", v["mask"], "causal" if v["causal"] else "full"]
     parts += [v[k] for k in ("layout", "alignment", "bug") if k in v]
+    if "flash" in v:
+        flash = v["flash"]
+        parts.append("flash")
+        parts += [f"window{flash['window'][0]}_{flash['window'][1]}"] if "window" in flash else []
+        parts += [f"softcap{flash['softcap']:g}"] if flash.get("softcap") else []
+        parts += ["alibi"] if flash.get("alibi") else []
     return "-".join(parts)
 
 
@@ -107,6 +132,15 @@ def _plan(v):
     dtype = dtype_of(v["dtype"])
     B, N, L, S = 2, 4, 100, 90
     E, Ev = v["E"], v["Ev"]
+    if "flash" in v:  # flash_attn_func's (B, L, N, E) layout, GQA, bottom-right alignment
+        flash = v["flash"]
+        q = torch.randn(B, L, N, E, dtype=dtype).transpose(1, 2)
+        k = torch.randn(B, S, 2, E, dtype=dtype).transpose(1, 2)
+        v_ = torch.randn(B, S, 2, Ev, dtype=dtype).transpose(1, 2)
+        slopes = torch.rand(N) if flash.get("alibi") else None
+        return ta.plan_launch(q, k, v_, None, v["causal"], None, causal_alignment="lower_right",
+                              planted_bug=v.get("bug"), gpu=True, window=flash.get("window", (-1, -1)),
+                              softcap=flash.get("softcap", 0.0), alibi_slopes=slopes)
     if v.get("layout") == "strided":
         K = 2  # GQA: GROUP = 2 is a runtime int, not the constexpr 1
         q = torch.randn(B, N, L, 2 * E, dtype=dtype)[..., ::2]
@@ -178,7 +212,8 @@ def _compile_all(target_name: str) -> dict[str, dict]:
                 ptx = built.asm["ptx"]
                 row.update(ok=True, cubin_bytes=len(built.asm.get("cubin") or b""),
                            shared=built.metadata.shared, tf32="tf32" in ptx, mma="mma" in ptx,
-                           scale_type=signature["scale"], native_dot=constexprs_in["NATIVE_DOT"],
+                           scale_type=signature["scale"], softcap_type=signature.get("softcap"),
+                           native_dot=constexprs_in["NATIVE_DOT"],
                            config=f"{constexprs_in} warps={num_warps} stages={num_stages}")
             except Exception as exc:  # reported per variant by the test
                 row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
@@ -217,6 +252,7 @@ def test_kernel_variant_builds(builds, variant, kernel, target_name):
     if variant["dtype"] == "float32":
         assert not row["tf32"], f"float32 dots must be IEEE, not TF32 {where}"
     assert row["scale_type"] == "fp64", f"scale passed as {row['scale_type']} {where}"
+    assert row["softcap_type"] == "fp64", f"softcap passed as {row['softcap_type']} {where}"
     if variant["dtype"] in ("float16", "bfloat16"):
         assert row["native_dot"], f"16-bit GPU launches should use native dots {where}"
         assert row["mma"], f"16-bit dots should lower to tensor-core mma {where}"
