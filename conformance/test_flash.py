@@ -50,6 +50,8 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
         shapes = [(B, N, N, L, S, E, Ev) for B, N, _, L, S, E, Ev in shapes]
     if not caps.different_v_dim:
         shapes = [(B, N, K, L, S, E, E) for B, N, K, L, S, E, _ in shapes]
+    if caps.self_attention_lengths:  # L == S only (e.g. derived from such an SDPA)
+        shapes = [(B, N, K, max(L, S), max(L, S), E, Ev) for B, N, K, L, S, E, Ev in shapes]
     out = []
     for B, N, K, L, S, E, Ev in shapes:
         q, k, v = (round_to(rng.standard_normal(s), dtype)

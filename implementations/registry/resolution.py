@@ -108,7 +108,14 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     capability_options = {k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION}
     if capability_options:
         impl = apply_options(impl, capability_options)
+    elif derived and spec in registered():
+        return _builtin_with_derived_flash(spec)  # a built-in stays one object per process
     return derive_flash(impl) if derived else impl
+
+
+@functools.cache
+def _builtin_with_derived_flash(name: str) -> Implementation:
+    return derive_flash(_build_builtin(name))
 
 
 def _resolve(spec: str, timeout: float | None) -> Implementation:
