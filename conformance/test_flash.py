@@ -33,7 +33,8 @@ from spec.emulate import round_to
 
 
 def _cases(target: Target, **kwargs: Any) -> Any:
-    return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps,
+                       shape_budget=target.shape_budget, **kwargs)
 
 
 def _directed(target: Target, *, window: bool | None = False, softcap: bool | None = False,

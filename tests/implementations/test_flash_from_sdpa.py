@@ -202,3 +202,22 @@ def test_a_mask_bug_fails_at_the_derived_level_and_is_reproduced(tmp_path):
     assert "FAILS: output values mismatch" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     off = failures.reproducer(call, "sdpa", path, {"derived_flash": "false"})
     assert "'derived_flash': 'false'" in off  # the options travel with the reproducer
+
+
+def test_flash_cases_keep_to_a_shape_budget():
+    """A JIT implementation's derived flash level (jax) draws its sizes from the run's shape
+    budget, as its SDPA level does: at most that many shapes, one with L > S among them."""
+    from hypothesis import HealthCheck, given, settings
+
+    from conformance.strategies.flash import flash_cases
+
+    shapes = set()
+
+    @settings(max_examples=60, database=None, suppress_health_check=list(HealthCheck), deadline=None)
+    @given(flash_cases(caps=registry.resolve("sdpa").caps("flash"), shape_budget=3, causal=None))
+    def collect(case):
+        shapes.add(tuple(case.sizes().values()))
+
+    collect()
+    assert 2 <= len(shapes) <= 3
+    assert any(L > S for _, _, _, L, S, _, _ in shapes), shapes
