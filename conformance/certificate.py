@@ -81,6 +81,8 @@ def implementation_entry(impl: Implementation, spec: str, options: dict[str, str
         "options": options,
         "capabilities": _capabilities(impl.capabilities),
         "mha_capabilities": _capabilities(impl.caps("mha")),
+        # None without a flash level; a derived one says so in its probe notes.
+        "flash_capabilities": _capabilities(impl.caps("flash")) if impl.flash is not None else None,
         "expected_failures": [
             {"property": e.property, "match": dict(e.match), "reason": e.reason, "reference": e.reference}
             for e in impl.expected_failures
@@ -177,6 +179,9 @@ def details(cert: dict[str, Any]) -> list[str]:
         + _input_declarations(caps)
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
+    flash = cert["implementation"].get("flash_capabilities") or {}
+    # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
+    lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]
     seen: set[str] = set()
     for r in cert["results"]:
         tag = f"{r['property']}[{r['level']}-{r['dtype']}-{r['device']}]"

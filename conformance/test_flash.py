@@ -33,7 +33,8 @@ from spec.emulate import round_to
 
 
 def _cases(target: Target, **kwargs: Any) -> Any:
-    return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+    return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps,
+                       shape_budget=target.shape_budget, **kwargs)
 
 
 def _directed(target: Target, *, window: bool | None = False, softcap: bool | None = False,
@@ -50,6 +51,8 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
         shapes = [(B, N, N, L, S, E, Ev) for B, N, _, L, S, E, Ev in shapes]
     if not caps.different_v_dim:
         shapes = [(B, N, K, L, S, E, E) for B, N, K, L, S, E, _ in shapes]
+    if caps.self_attention_lengths:  # L == S only (e.g. derived from such an SDPA)
+        shapes = [(B, N, K, max(L, S), max(L, S), E, Ev) for B, N, K, L, S, E, Ev in shapes]
     out = []
     for B, N, K, L, S, E, Ev in shapes:
         q, k, v = (round_to(rng.standard_normal(s), dtype)

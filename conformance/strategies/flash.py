@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from conformance.flash_calls import FlashCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
+from conformance.strategies.shape_budget import check_shape_budget, shape_pool
 from conformance.strategies.sizes import draw_sizes, size_bounds
 from conformance.strategies.values import _draw_scale, _scale_kind_choices, sdpa_values
 from implementations.base import Capabilities
@@ -86,11 +87,12 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
                 causal: bool | None = None, regimes: Sequence[str] | None = None,
                 scale_kinds: Sequence[str] | bool = True, min_S: int = 1, max_L: int | None = 33,
                 max_S: int | None = 33, max_heads: int = 4, gqa: bool | None = None,
-                split: bool = False) -> st.SearchStrategy[FlashCase]:
+                split: bool = False, shape_budget: int | None = None) -> st.SearchStrategy[FlashCase]:
     """Flash-level cases within ``caps``. Each feature: True (always), False (never),
     None (drawn, half the time, when ``caps.flash_features`` has it). ``causal`` likewise
     (needs ``caps.causal == "lower_right"``). ``split``: S >= 2 (the case is split in two
-    key sets)."""
+    key sets). ``shape_budget``: sizes from at most this many shapes (JIT implementations,
+    :mod:`conformance.strategies.shape_budget`), one with L > S and one with L <= S among them."""
     arguments = dict(locals())
     features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi"})
     can_causal = caps is None or caps.causal == "lower_right"
@@ -98,6 +100,11 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
                          min_L=1, max_L=max_L, min_S=max(min_S, 2 if split else 1), max_S=max_S,
                          min_head_dim=None, max_head_dim=16, different_v_dim=None,
                          default_max_length=33, default_max_head_dim=16)
+    budget = check_shape_budget(shape_budget)
+    pool = None
+    if budget is not None:
+        relations = ["L<=S"] if bounds.equal_lengths or bounds.max_L <= bounds.min_S else ["L<=S", "L>S"]
+        pool = shape_pool(bounds, budget, [(relation, None) for relation in relations])
     kinds = _scale_kind_choices(scale_kinds, caps)
     regime_choices = list(regimes or FLASH_REGIMES)
 
@@ -107,7 +114,7 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
         return bool(wanted) and available
 
     def draw_case(draw: st.DrawFn) -> FlashCase:
-        sizes = draw_sizes(draw, bounds)
+        sizes = pool.draw(draw, (None, None)) if pool is not None else draw_sizes(draw, bounds)
         regime = weighted(draw, [(r, 4 if i == 0 else 1) for i, r in enumerate(regime_choices)])
         scale = _draw_scale(draw, kinds, dtype)
         rng = draw_seed(draw)

@@ -8,6 +8,7 @@ from implementations.base import (
     Capabilities,
     Implementation,
 )
+from implementations.flash_from_sdpa import derive_flash, is_derived_flash
 from implementations.registry.resolution import registered
 
 __all__ = ["describe", "listing"]
@@ -71,6 +72,13 @@ def describe(impl: Implementation) -> str:
         lines.append(f"  SDPA level: {_caps_line(impl.caps('sdpa'), 'sdpa')}")
     if impl.mha is not None:
         lines.append(f"  MHA level: {_caps_line(impl.caps('mha'), 'mha')}")
+    if impl.flash is not None:
+        c = impl.caps("flash")
+        derived = " (derived from the SDPA level through masks)" if is_derived_flash(impl) else ""
+        lines.append(f"  flash level{derived}: {_caps_line(c, 'sdpa')} "
+                     f"flash_features={','.join(sorted(c.flash_features)) or 'none'}")
+        lines += [f"  flash probe note: {note}" for note in c.probe_notes
+                  if impl.flash_capabilities is not None and note not in impl.capabilities.probe_notes]
     for level in VARLEN_LEVELS:  # varlen / kvcache
         if getattr(impl, level) is not None:
             c = impl.caps(level)
@@ -86,7 +94,8 @@ def describe(impl: Implementation) -> str:
 
 
 def _listing_row(name: str, impl: Implementation) -> tuple[str, ...]:
-    levels = "+".join(lvl for lvl in ("sdpa", "mha", *VARLEN_LEVELS) if getattr(impl, lvl) is not None)
+    levels = "+".join(("derived-flash" if lvl == "flash" and is_derived_flash(impl) else lvl)
+                      for lvl in ("sdpa", "mha", "flash", *VARLEN_LEVELS) if getattr(impl, lvl) is not None)
     c = impl.caps("sdpa" if impl.sdpa is not None else "mha")
     return (
         name, _yes(impl.available), levels or "-", ",".join(c.devices),
@@ -107,10 +116,11 @@ def _inputs_cell(c: Capabilities) -> str:
 
 
 def listing() -> str:
-    """A table of every listed built-in (for ``--impl=list``), unavailable ones with why."""
+    """A table of every listed built-in (for ``--impl=list``), unavailable ones with why;
+    each with the flash level ``resolve`` derives from its SDPA level (``derived-flash``)."""
     rows, notes = [], []
     for name, build in registered().items():
-        impl = build()
+        impl = derive_flash(build())
         if not impl.listed:
             continue
         rows.append(_listing_row(name, impl))
@@ -122,4 +132,7 @@ def listing() -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*_LISTING_HEADER), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*row) for row in rows]
-    return "\n".join(lines + ["", "notes:", *notes])
+    legend = ("derived-flash: flash_attn_func through the SDPA callable (causal and window_size as an "
+              "attend mask, alibi_slopes as an additive mask; no softcap, no LSE), so a failure there is "
+              "an SDPA mask bug; --impl-option derived_flash=false turns it off")
+    return "\n".join(lines + ["", "notes:", *notes, f"  {legend}"])

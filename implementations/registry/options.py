@@ -7,6 +7,10 @@ validated, and a bad key or value raises ImplementationError listing what is val
 ``fully_masked`` also takes a policy per kind of blocking, ``bool:uniform,additive:nan``
 (kinds ``bool``, ``additive``, ``causal``; a bare policy in the list is the default of
 the kinds not named, else ``zero``). ``batch_dims=1`` declares exactly 4-D inputs.
+
+``derived_flash=false`` is not a capability: it turns off the flash level the registry
+derives from an SDPA callable (``implementations.flash_from_sdpa``); read it with
+:func:`derived_flash_wanted`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from implementations.base import (
     renamed_mha_features,
 )
 
-__all__ = ["apply_options"]
+__all__ = ["DERIVED_FLASH_OPTION", "apply_options", "derived_flash_wanted"]
+
+#: The option that turns the derived flash level off (``derived_flash=false``).
+DERIVED_FLASH_OPTION = "derived_flash"
 
 
 def _parse_bool(text: str) -> bool:
@@ -139,16 +146,33 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
 _OPTION_PARSERS = _option_parsers()
 
 
+def derived_flash_wanted(options: Mapping[str, str] | None) -> bool:
+    """Whether ``options`` leave the derived flash level on (``derived_flash``, default true)."""
+    text = (options or {}).get(DERIVED_FLASH_OPTION)
+    if text is None:
+        return True
+    try:
+        return _parse_bool(str(text))
+    except ValueError as exc:
+        raise ImplementationError(
+            f"--impl-option {DERIVED_FLASH_OPTION}={text}: bad value; expected {exc} (false turns "
+            "off the flash level derived from the SDPA callable)"
+        ) from None
+
+
 def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implementation:
     """``impl`` with capabilities overridden by ``--impl-option key=value`` pairs
     (applied at both levels)."""
     changes: dict[str, Any] = {}
+    derived_flash_wanted(options)  # checked here, applied by the registry's resolve
     for key_name, text in options.items():
+        if key_name == DERIVED_FLASH_OPTION:
+            continue
         parser = _OPTION_PARSERS.get(key_name)
         if parser is None:
             raise ImplementationError(
                 f"--impl-option {key_name}={text}: unknown option {key_name!r}; valid options are "
-                f"{', '.join(sorted(_OPTION_PARSERS))}"
+                f"{', '.join(sorted([*_OPTION_PARSERS, DERIVED_FLASH_OPTION]))}"
             )
         try:
             changes[key_name] = parser(str(text))

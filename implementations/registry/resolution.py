@@ -10,6 +10,12 @@
 4. ``package.module:attr``;
 5. ``path/to/file.py:attr``.
 
+Then ``--impl-option`` values override the capabilities, and an implementation with an
+SDPA callable but no flash callable of its own gets a flash level derived from the SDPA
+callable through masks (:mod:`implementations.flash_from_sdpa`), its capabilities derived
+from the SDPA capabilities as overridden (``derived_flash=false`` turns it off). An
+implementation's own flash level is never replaced.
+
 What an entry point or ``attr`` is turned into is :mod:`.recognition`'s job. Importing
 a user's module, file or entry point runs its code: that goes through
 :func:`implementations.guard.guarded_call` like every other call into it (a timeout;
@@ -30,10 +36,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from implementations.base import Implementation, ImplementationError
+from implementations.flash_from_sdpa import derive_flash
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.expected_failures import load_expected_failures
-from implementations.registry.options import apply_options
+from implementations.registry.options import (
+    DERIVED_FLASH_OPTION,
+    apply_options,
+    derived_flash_wanted,
+)
 from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
 
@@ -85,13 +96,26 @@ def registered() -> dict[str, Callable[[], Implementation]]:
 def resolve(spec: str, options: Mapping[str, str] | None = None, *,
             timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Implementation:
     """The implementation ``spec`` names (see the module docstring), with ``options``
-    overriding its capabilities. Importing, building and probing a user's code is
-    limited to ``timeout`` seconds a call (``0``/``None``: no limit)."""
+    overriding its capabilities and, unless ``options`` has ``derived_flash=false``, a
+    flash level derived from its SDPA callable where it has none of its own. Importing,
+    building and probing a user's code is limited to ``timeout`` seconds a call
+    (``0``/``None``: no limit)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
+    derived = derived_flash_wanted(options)
     impl = _resolve(spec, timeout)
-    return apply_options(impl, options) if options else impl
+    capability_options = {k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION}
+    if capability_options:
+        impl = apply_options(impl, capability_options)
+    elif derived and spec in registered():
+        return _builtin_with_derived_flash(spec)  # a built-in stays one object per process
+    return derive_flash(impl) if derived else impl
+
+
+@functools.cache
+def _builtin_with_derived_flash(name: str) -> Implementation:
+    return derive_flash(_build_builtin(name))
 
 
 def _resolve(spec: str, timeout: float | None) -> Implementation:

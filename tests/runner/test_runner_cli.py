@@ -117,7 +117,7 @@ def test_hang_is_a_failed_property_after_the_timeout(tmp_path):
 
 
 def test_expected_failure_and_stale_entry_on_the_certificate(tmp_path):
-    proc = run(f"--impl={IMPLS}:known_scale_bug", "--dtype=float64", "-k", "forward_agreement",
+    proc = run(f"--impl={IMPLS}:known_scale_bug", "--dtype=float64", "-k", "forward_agreement and not flash",
                f"--conformance-report={tmp_path}/cert", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
     [r] = report(tmp_path)["results"]

@@ -76,7 +76,7 @@ def test_two_in_process_sessions_share_no_state(pytester, tmp_path, restore_hypo
     assert first.ret == 0 and first.parseoutcomes()["passed"] == 1, first.stdout.str()[-2000:]
 
     second = pytester.runpytest_inprocess(*common, "--impl=sdpa-math", "--dtype=float64",
-                                          "-k", "forward_agreement",
+                                          "-k", "forward_agreement and not flash",
                                           f"--conformance-report={tmp_path / 'second'}")
     assert second.ret == 0, second.stdout.str()[-2000:]
     cert = json.loads((tmp_path / "second.json").read_text())
