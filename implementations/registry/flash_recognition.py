@@ -45,9 +45,15 @@ _DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_s
              "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False}
 
 
-def is_flash_signature(names: list[str]) -> bool:
-    """Whether parameter names ``names`` start as ``flash_attn_func``'s do (q, k, v)."""
-    return names[:3] == ["q", "k", "v"]
+def is_flash_signature(parameters: list[inspect.Parameter]) -> bool:
+    """Whether ``parameters`` are ``flash_attn_func``'s: q, k, v first, then only names of
+    its own (at least one, so that a bare ``f(q, k, v)``, whose layout could be either,
+    is not taken for it), ``*args``/``**kwargs`` aside. A function such as
+    ``attention(q, k, v, mask=None)`` is not: it has a parameter flash_attn_func lacks."""
+    if [p.name for p in parameters[:3]] != ["q", "k", "v"]:
+        return False
+    rest = [p.name for p in parameters[3:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return bool(rest) and all(name in FLASH_PARAMETERS for name in rest)
 
 
 def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str,

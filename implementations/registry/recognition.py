@@ -94,7 +94,7 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         return _recognise_varlen(obj, varlen_level, names, name=name, origin=origin)
     if names[:3] == ["query", "key", "value"]:
         return _recognise_sdpa(obj, parameters, name=name, origin=origin, timeout=timeout)
-    if is_flash_signature(names):
+    if is_flash_signature(parameters):
         return recognise_flash(obj, parameters, name=name, origin=origin, version=_version_of(obj),
                                timeout=timeout)
     required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

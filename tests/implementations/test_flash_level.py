@@ -162,7 +162,7 @@ def test_the_suite_certifies_a_bare_flash_attn_func_file(user_file, tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={user_file}:flash_attn_func",
            "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--dtype=float64",
-           "-k", "window_equivalence or lse_agreement or forward_agreement",
+           "-k", "window_equivalence or lse_agreement or flash_agreement or forward_agreement",
            "--conformance-report", str(report)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
