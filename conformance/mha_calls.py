@@ -10,6 +10,8 @@ in ``conformance.tolerance``. Its SDPA twin is ``conformance.calls``.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -278,7 +280,10 @@ def check_dropout_mean(target: Target, case: MHACase, output: np.ndarray, dropou
     if np.isnan(output[~dead]).any():
         fail(f"train-mode output has NaN with dropout={dropout} in rows that have attendable keys")
     expected, weights = oracle(case, need_weights=True, average_attn_weights=False)
-    mean = output.mean(axis=1, keepdims=True)  # (L, 1, D)
+    # Correctly rounded sums: numpy's mean along a strided axis adds sequentially, an
+    # error of up to samples * eps (2e-14 in float64 at M = 2048) that a near-deterministic
+    # case's bound (c ~ 0) does not allow.
+    mean = np.apply_along_axis(math.fsum, 1, output)[:, None, :] / samples  # (L, 1, D)
     c = attended_magnitude(case, weights) / (1 - dropout)  # (L, D)
     rounding = mha_bounds.allowed_error(case, tf32=target.tf32).output[:, 0]  # (L, D)
     bound = tolerance.mha_dropout_allowed(c, samples, mean.size, rounding)
