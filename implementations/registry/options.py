@@ -146,11 +146,13 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
 _OPTION_PARSERS = _option_parsers()
 
 
-def derived_flash_wanted(options: Mapping[str, str] | None) -> bool:
-    """Whether ``options`` leave the derived flash level on (``derived_flash``, default true)."""
+def derived_flash_wanted(options: Mapping[str, str] | None) -> bool | None:
+    """What ``options`` say of the derived flash level (``derived_flash``): True, False,
+    or None when not given (the registry then derives it unless the implementation
+    declares ``jit``: one more level of shapes to compile doubles a JIT run)."""
     text = (options or {}).get(DERIVED_FLASH_OPTION)
     if text is None:
-        return True
+        return None
     try:
         return _parse_bool(str(text))
     except ValueError as exc:

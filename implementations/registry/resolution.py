@@ -103,8 +103,9 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     if not isinstance(spec, str) or not spec.strip():
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
-    derived = derived_flash_wanted(options)
+    wanted = derived_flash_wanted(options)
     impl = _resolve(spec, timeout)
+    derived = wanted if wanted is not None else not impl.capabilities.jit
     capability_options = {k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION}
     if capability_options:
         impl = apply_options(impl, capability_options)

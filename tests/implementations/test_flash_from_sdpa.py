@@ -221,3 +221,12 @@ def test_flash_cases_keep_to_a_shape_budget():
     collect()
     assert 2 <= len(shapes) <= 3
     assert any(L > S for _, _, _, L, S, _, _ in shapes), shapes
+
+
+def test_a_jit_implementation_gets_no_derived_level_unless_asked():
+    pytest.importorskip("jax")
+    from implementations.registry import resolve
+
+    assert resolve("jax").capabilities.jit
+    assert resolve("jax").flash is None  # one more level of shapes would double a JIT run
+    assert resolve("jax", {"derived_flash": "true"}).flash is not None
