@@ -75,7 +75,7 @@ def test_every_directed_case_is_claimed_by_the_target_and_drawable_by_the_proper
                 assert caps.custom_scale or case.scale is None, where
                 assert case.mask_kind in caps.mask_kinds, where
                 assert max(case.L, case.S) <= (caps.max_seq_len or 65), where
-            else:
+            elif info.level == "mha":
                 assert isinstance(case, MHACase), where
                 assert case.mha_features() - {"dropout"} <= set(caps.mha_features) | {"need_weights"}, where
             if arguments is not None:  # the strategy's own arguments (not the directed ones)
