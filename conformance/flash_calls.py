@@ -25,6 +25,7 @@ import numpy as np
 
 import spec
 from conformance import tolerance
+from conformance.call_specs import call_directly
 from conformance.calls import assert_returned_tensor, grad_magnitudes
 from conformance.cases import SDPACase
 from conformance.compare import (
@@ -69,9 +70,6 @@ __all__ = [
     "validate",
 ]
 
-def _direct(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` as is (a reproducer's way; the runner passes ``runner.call_guarded``)."""
-    return fn(*args, **kwargs)
 
 
 
@@ -159,7 +157,7 @@ class FlashOutcome:
     inputs: dict[str, Any]  # the tensors handed over (.grad filled after backward)
 
 
-def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = _direct,
+def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_directly,
                    inputs: dict[str, Any] | None = None, check_output: bool = True) -> FlashOutcome:
     """Make ``call`` on ``impl.flash`` (through ``invoke``); with ``check_output``, check
     that the output (and the LSE when asked for) came back, and backpropagate."""
@@ -436,7 +434,7 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Flash
                      notes=tuple(meta["notes"]))
 
 
-def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = _direct) -> CallReport:
+def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_directly) -> CallReport:
     """Make ``call`` and compare its output (and LSE, gradients) with ``spec.flash``."""
     case = call.case
     target = Target(impl, "flash", case.dtype, case.device)

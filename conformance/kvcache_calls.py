@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import spec
+from conformance.call_specs import call_directly
 from conformance.compare import PropertyFailure, compare_values, fail
 from conformance.replay import CallReport
 from conformance.runner import Target, call_guarded
@@ -31,7 +32,6 @@ from conformance.varlen_calls import (
     _called_invalid,
     _compared_rows,
     _difference,
-    _direct,
     _int32,
     _output_shape_and_dtype,
     _replace,
@@ -257,7 +257,7 @@ class KVCacheCallSpec:
         return self.case is case and self.paged == case.paged
 
 
-def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = _direct,
+def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_directly,
                      check_output: bool = True) -> KVCacheCall:
     """Make ``call`` on ``impl.kvcache`` (through ``invoke``) on fresh tensors of the case
     (the caches as pages when ``call.paged``); the output and the caches after the call
@@ -351,7 +351,7 @@ def validate(case: KVCacheCase) -> None:
     case.oracle()
 
 
-def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = _direct) -> CallReport:
+def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_directly) -> CallReport:
     """Make ``call`` and compare its output with ``spec.kvcache_attention`` and the caches
     after it (the new keys and values written in place at ``cache_seqlens``) with the
     spec's updated caches, exactly."""

@@ -24,6 +24,7 @@ import numpy as np
 
 import spec
 from conformance import calls
+from conformance.call_specs import call_directly
 from conformance.calls import assert_returned_tensor
 from conformance.cases import SDPACase
 from conformance.compare import PropertyFailure, compare_values, fail
@@ -223,9 +224,6 @@ def _int32(values: Any, device: str) -> Any:
     return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
 
 
-def _direct(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` as is (a reproducer's way; the runner passes ``runner.call_guarded``)."""
-    return fn(*args, **kwargs)
 
 
 def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: str) -> None:
@@ -264,7 +262,7 @@ class VarlenCallSpec:
         return self.case is case
 
 
-def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = _direct, check_output: bool = True) -> Any:
+def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
     """Make ``call`` on ``impl.varlen`` (through ``invoke``): fresh tensors of the case,
     FlashAttention's arguments; with ``check_output``, check what came back. The tensor."""
     __tracebackhide__ = True
@@ -340,7 +338,7 @@ def _difference(report: CallReport, actual: np.ndarray, expected: np.ndarray) ->
     report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
 
 
-def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = _direct) -> CallReport:
+def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly) -> CallReport:
     """Make ``call`` and compare its output with ``spec.varlen_attention``, sequence by sequence."""
     case = call.case
     target = Target(impl, "varlen", case.dtype, case.device)
