@@ -10,9 +10,11 @@ clash with their own ``--device``. So this module does nothing unless the run as
 for the suite (:func:`suite_requested`): ``--impl`` or ``--impl-option`` on the
 command line (or in ``addopts``), or a test path inside the installed
 ``conformance`` package, or ``--pyargs conformance[.module]``. Then it registers
-``conformance.plugin`` under that module name, before any conftest.py is read, so
-a checkout's root ``conftest.py`` naming the same plugin in ``pytest_plugins``
-finds it registered and does not load it twice.
+``conformance.plugin`` under that module name once the initial conftest.py files are
+read: a checkout's root ``conftest.py`` naming the same plugin in ``pytest_plugins``
+has loaded it already (``import_plugin`` does not load it twice), and where a
+project's conftest.py registers a plain name the suite also uses (``--device``), the
+suite keeps that option only as ``--conformance-device``.
 
 ``pytest -p no:attention_conformance`` switches this module off.
 """
@@ -56,10 +58,13 @@ def suite_requested(args: Sequence[str], invocation_dir: Path | str = ".") -> bo
     return False
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
-                                  args: list[str]) -> None:
-    if not suite_requested(args, early_config.invocation_params.dir):
-        return
-    # import_plugin registers the module under its name and skips one already registered.
-    early_config.pluginmanager.import_plugin(PLUGIN)
+                                  args: list[str]):
+    # After the initial conftest.py files: options they register (a project's own
+    # --device) are seen by the plugin, which then keeps only --conformance-device.
+    result = yield
+    if suite_requested(args, early_config.invocation_params.dir):
+        # import_plugin registers the module under its name and skips one already registered.
+        early_config.pluginmanager.import_plugin(PLUGIN)
+    return result

@@ -64,8 +64,31 @@ _CONFORMANCE_DIR = Path(__file__).resolve().parent
 _impl_specs, _labels = subjects.impl_specs, subjects.labels
 
 
+#: Options whose plain names are common in other projects' conftest.py files: each is
+#: also registered as ``--conformance-<name>``, and only under that name when the plain
+#: one is already taken (by a conftest.py loaded before this plugin, or another plugin).
+NAMESPACED_OPTIONS = ("--xfail-file", "--device", "--dtype", "--replay", "--example-timeout",
+                      "--shape-budget", "--torch-threads", "--isolate")
+
+
+def _registered_names(parser: pytest.Parser) -> set[str]:
+    """Option strings other plugins and conftest files have registered so far."""
+    groups = [getattr(parser, "_anonymous", None), *getattr(parser, "_groups", [])]
+    return {name for group in groups if group is not None
+            for option in group.options for name in option.names()}
+
+
+def _add(group, taken: set[str], name: str, **attrs) -> None:
+    """``--NAME`` and ``--conformance-NAME`` (only the latter where ``--NAME`` is taken),
+    read as ``config.getoption("conformance_NAME")`` (a dest of its own: a project's
+    ``--NAME`` keeps its value)."""
+    names = [n for n in (name, "--conformance-" + name[2:]) if n not in taken]
+    group.addoption(*names, dest="conformance_" + name[2:].replace("-", "_"), **attrs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attention-conformance", "attention conformance suite")
+    taken = _registered_names(parser)
     group.addoption("--impl", default=None, metavar="NAME",
                     help="implementation to certify: a registered name (see --impl=list), "
                          "an entry point, module:attr, path/to/file.py:attr or mutant:NAME; "
@@ -76,28 +99,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "remaining tests skip, the other implementations go on; -x stops the run)")
     group.addoption("--impl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="override a declared capability, e.g. causal=lower_right, fully_masked=nan")
-    group.addoption("--xfail-file", default=None, metavar="PATH",
+    _add(group, taken, "--xfail-file", default=None, metavar="PATH",
                     help="expected failures of the implementation (TOML, the schema of "
                          "implementations/xfail/*.toml), added to any it declares")
-    group.addoption("--device", default="cpu", choices=("cpu", "cuda", "all"),
+    _add(group, taken, "--device", default="cpu", choices=("cpu", "cuda", "all"),
                     help="device(s) to certify on (cuda is skipped with a reason when absent)")
-    group.addoption("--dtype", default=None, metavar="DTYPES",
+    _add(group, taken, "--dtype", default=None, metavar="DTYPES",
                     help="comma-separated subset of float64,float32,float16,bfloat16 "
                          "(default: what the implementation declares)")
     group.addoption("--conformance-report", default=None, metavar="PATH",
                     help="write the certificate to PATH.json and PATH.md")
-    group.addoption("--replay", default=None, metavar="FILE",
+    _add(group, taken, "--replay", default=None, metavar="FILE",
                     help="re-run the one failing case saved in FILE (.npz)")
-    group.addoption("--example-timeout", default=60.0, type=float, metavar="SECONDS",
+    _add(group, taken, "--example-timeout", default=60.0, type=float, metavar="SECONDS",
                     help="fail a property when one call takes longer than this (0: no limit)")
-    group.addoption("--shape-budget", default=None, type=int, metavar="N",
+    _add(group, taken, "--shape-budget", default=None, type=int, metavar="N",
                     help="at most N distinct shapes per property (JIT implementations compile once "
                          "per shape); default 8 when the implementation declares jit; 0: no budget")
-    group.addoption("--torch-threads", default=1, type=int, metavar="N",
+    _add(group, taken, "--torch-threads", default=1, type=int, metavar="N",
                     help="torch intra-op threads while certifying (default 1: the cases are tiny, "
                          "and a thread pool costs more than it saves, ten times more on a busy "
                          "machine); 0 leaves torch's own setting")
-    group.addoption("--isolate", default="auto", choices=("auto", "always", "never"),
+    _add(group, taken, "--isolate", default="auto", choices=("auto", "always", "never"),
                     help="run the implementation in a worker process that a crash or hang cannot "
                          "take down (auto: only an implementation an earlier run in this "
                          "checkout saw crash; it costs ~5 s to start and a few ms an example)")
@@ -116,7 +139,7 @@ def _parse_options(raw: list[str]) -> dict[str, str]:
 
 
 def _dtypes(config: pytest.Config) -> list[str] | None:
-    raw = config.getoption("dtype")
+    raw = config.getoption("conformance_dtype")
     if raw is None:
         return None
     dtypes = [d.strip() for d in raw.split(",") if d.strip()]
@@ -157,7 +180,7 @@ def pytest_configure(config: pytest.Config) -> None:
     timeout = _example_timeout(config)
     session.dtypes = _dtypes(config)
     session.exitfirst = config.getoption("impl_exitfirst")
-    session.torch_threads = _set_torch_threads(config.getoption("torch_threads"))
+    session.torch_threads = _set_torch_threads(config.getoption("conformance_torch_threads"))
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         reporting.check_writable(report_path)
@@ -170,11 +193,11 @@ def pytest_configure(config: pytest.Config) -> None:
         if len(specs) > 1 and subject.isolation is not None:
             subject.isolation.close()  # started again on its first check: one worker at a time
         session.add(subject)
-    if config.getoption("device") in ("cuda", "all"):
+    if config.getoption("conformance_device") in ("cuda", "all"):
         from conformance.devices import pin_cuda_device
 
         pin_cuda_device(getattr(config, "workerinput", {}).get("workerid"))
-    replay_path = config.getoption("replay")
+    replay_path = config.getoption("conformance_replay")
     if replay_path:
         from conformance import failures
 
@@ -199,7 +222,7 @@ def _set_torch_threads(threads: int) -> int:
 
 
 def _example_timeout(config: pytest.Config) -> float:
-    timeout = config.getoption("example_timeout")
+    timeout = config.getoption("conformance_example_timeout")
     if not timeout >= 0:  # negative or NaN
         raise pytest.UsageError(
             f"--example-timeout={timeout:g} must be >= 0 seconds (0 means no limit)"
@@ -228,7 +251,7 @@ def _targets(config: pytest.Config, level: str) -> list[Any]:
     from conformance.runner import Target
 
     session = session_of(config)
-    timeout = config.getoption("example_timeout")
+    timeout = config.getoption("conformance_example_timeout")
     targets = []
     for subject in session.subjects.values():
         dtypes = session.dtypes or list(subject.impl.caps(level).dtypes) or ["float32"]

@@ -83,7 +83,7 @@ def resolve_subject(config: pytest.Config, spec: str, label: str, options: dict[
     impl = _with_xfail_file(config, impl)
     subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
     try:
-        subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("shape_budget"))
+        subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("conformance_shape_budget"))
     except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
         _close(worker)
         raise pytest.UsageError(str(err)) from None
@@ -106,7 +106,7 @@ def _resolve(config: pytest.Config, impl_spec: str, options: dict[str, str],
     worker (None: in-process) and why it is (or is not) isolated."""
     from conformance import isolation
 
-    isolate, reason = isolation.choose(config.getoption("isolate"), impl_spec)
+    isolate, reason = isolation.choose(config.getoption("conformance_isolate"), impl_spec)
     isolation.mark_running(impl_spec)  # removed at a clean end, below or in pytest_unconfigure
     try:
         impl, worker = _resolve_in(config, impl_spec, options, timeout, isolate)
@@ -150,7 +150,7 @@ def _resolve_in(config: pytest.Config, impl_spec: str, options: dict[str, str],
 def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
     """``impl`` with the entries of ``--xfail-file`` added (checked against the
     properties with the implementation's own, below)."""
-    path = config.getoption("xfail_file")
+    path = config.getoption("conformance_xfail_file")
     if not path:
         return impl
     from implementations import registry
@@ -162,5 +162,5 @@ def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
 
 
 def devices(config: pytest.Config) -> list[str]:
-    device = config.getoption("device")
+    device = config.getoption("conformance_device")
     return ["cpu", "cuda"] if device == "all" else [device]

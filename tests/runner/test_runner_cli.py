@@ -138,3 +138,37 @@ def test_xdist_collects_every_record(tmp_path):
     passed = int(re.search(r"(\d+) passed", proc.stdout).group(1))
     skipped = int((re.search(r"(\d+) skipped", proc.stdout) or [0, 0])[1])
     assert len(report(tmp_path)["results"]) == passed + skipped
+
+
+def test_a_projects_own_device_and_dtype_options_keep_working_beside_the_suite(tmp_path):
+    """A project whose conftest.py registers --device and --dtype runs the suite from its
+    own directory: those names stay the project's, the suite's are --conformance-device
+    and --conformance-dtype (found through the installed entry point, which loads the
+    plugin after the project's conftest.py)."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "attention_conformance" for ep in entry_points(group="pytest11")):
+        pytest.skip("the package is not installed (no pytest11 entry point): pip install -e .")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text(
+        "def pytest_addoption(parser):\n"
+        "    parser.addoption('--device', default='gpu0')\n"
+        "    parser.addoption('--dtype', default='int8')\n")
+    (project / "test_own.py").write_text(
+        "def test_own(request):\n"
+        "    assert request.config.getoption('--device') == 'npu1'\n"
+        "    assert request.config.getoption('--dtype') == 'int8'\n")
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--hypothesis-profile=ci",
+         "--pyargs", "conformance", "test_own.py", "--impl=spec", "--device=npu1",
+         "--conformance-dtype=float64", "--conformance-device=cpu",
+         "-k", "own or (forward_agreement and not flash)", "-p", "no:randomly"],
+        cwd=project, capture_output=True, text=True, timeout=600, env=env,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"\b2 passed\b", out), out   # the project's test and forward_agreement[float64]
+    assert "forward_agreement" in out and "float32" not in out.split("summary")[0], out
