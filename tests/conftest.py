@@ -1,8 +1,41 @@
-"""The suite's own tests run torch single-threaded, as ``pytest conformance`` does by
-default (``--torch-threads=1``): their tensors are tiny, and under ``pytest -n 2`` on two
-cores an intra-op thread pool per worker costs far more than it saves."""
+"""Settings for the suite's own tests.
+
+Torch runs single-threaded, as ``pytest conformance`` does by default
+(``--torch-threads=1``): the tensors are tiny, and under ``pytest -n 2`` on two cores an
+intra-op thread pool per worker costs far more than it saves.
+
+Under ``pytest -n N`` (``--dist worksteal``, set in pyproject.toml) the long tests go
+first, spread over the workers: worksteal hands worker k the k-th contiguous slice of
+the collection and lets an idle worker take the tail of a busy one's queue, so a long
+test left at the end of one slice would run alone while the other workers wait. The
+measured seconds below (two-core machine, 2026-12-01, ``--durations``) only order the
+tests; a test missing from the table counts as short.
+"""
 
 from __future__ import annotations
+
+import fnmatch
+
+#: Seconds a test took, by node id pattern (first match wins). Only the order matters.
+MEASURED_SECONDS = {
+    "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 100,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 90,
+    "tests/test_mutants.py::test_every_mutant_is_killed[triton*": 125,
+    "tests/test_mutants.py::test_every_mutant_is_killed[*": 110,
+    "tests/test_mutants.py::test_correct_implementation_passes[*": 30,
+    "tests/test_mutants.py::test_expected_property_alone_kills_each_mutant[*": 12,
+    "tests/runner/test_replay.py::test_every_property_reproducer_shows_the_failure*": 95,
+    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[plain*": 35,
+    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[triton]": 8,
+    "tests/diagnosis/test_diagnosis_mutants.py::*": 13,
+    "tests/runner/test_hostile.py::*": 6,
+    "tests/runner/test_declarations.py::*": 6,
+    "tests/runner/test_multiple_impls.py::*": 7,
+    "tests/runner/test_runner_cli.py::*": 5,
+    "tests/runner/test_sweep.py::*": 5,
+    "tests/runner/test_regime_coverage.py::*": 12,
+    "tests/test_installed_plugin.py::*": 6,
+}
 
 
 def pytest_configure(config) -> None:
@@ -11,3 +44,36 @@ def pytest_configure(config) -> None:
     except ImportError:  # tests that need torch skip or fail on their own
         return
     torch.set_num_threads(1)
+
+
+def _seconds(nodeid: str) -> float:
+    for pattern, seconds in MEASURED_SECONDS.items():
+        if fnmatch.fnmatchcase(nodeid, pattern):
+            return seconds
+    return 0.0
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist, deal the long tests out longest first (greedily to the worker with
+    the least so far), each worker's slice starting with its long tests; short tests fill
+    the slices to equal lengths in their collected order. Without xdist: unchanged."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    if workers < 2 or len(items) < workers:
+        return
+    cost = {item.nodeid: _seconds(item.nodeid) for item in items}
+    long_items = sorted((i for i in items if cost[i.nodeid] > 0), key=lambda i: -cost[i.nodeid])
+    short_items = [i for i in items if cost[i.nodeid] == 0]
+    slices: list[list] = [[] for _ in range(workers)]
+    totals = [0.0] * workers
+    for item in long_items:
+        k = min(range(workers), key=lambda w: (totals[w], w))
+        slices[k].append(item)
+        totals[k] += cost[item.nodeid]
+    left = len(items)
+    for k in range(workers):  # the scheduler's slices: worker k gets left // (workers - k)
+        size = left // (workers - k)
+        while len(slices[k]) < size and short_items:
+            slices[k].append(short_items.pop(0))
+        left -= len(slices[k])
+    slices[-1].extend(short_items)
+    items[:] = [item for part in slices for item in part]

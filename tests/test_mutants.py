@@ -6,7 +6,8 @@ certified a chunk of mutants at a time, in one pytest process per chunk
 (``--impl=mutant:a,mutant:b,... --impl-exitfirst``: start-up is paid once, and each
 mutant stops at its own first failure, as ``-x`` stops a run of one), and each mutant's
 certificate is read from the comparison JSON. Slow: a few minutes for the zoo, up to
-5 minutes for a correct implementation; ``-n 2`` runs the chunks side by side.
+5 minutes for a correct implementation (the Triton and JAX built-ins one dtype per
+process); ``-n 2`` runs the chunks side by side.
 
 Every mutant is run twice: with the whole suite (some property must kill it) and
 with its record's ``expected_property`` alone (a ``-k`` term per mutant,
@@ -45,10 +46,14 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref",
 ]
 TIMEOUT_S = 1800
 #: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them
-#: out); the Triton mutants, minutes each under the interpreter, are a chunk of their own.
+#: out); the Triton mutants, minutes each under the interpreter, are two chunks of their own.
 _PLAIN = sorted(name for name in MUTANTS if not name.startswith("triton_"))
-CHUNKS = {f"zoo{i}": _PLAIN[i::3] for i in range(3)} | {
-    "triton": sorted(name for name in MUTANTS if name.startswith("triton_"))}
+_TRITON = sorted(name for name in MUTANTS if name.startswith("triton_"))
+CHUNKS = {f"zoo{i}": _PLAIN[i::3] for i in range(3)} | {f"triton{i}": _TRITON[i::2] for i in range(2)}
+#: Built-ins whose ``ci`` certification takes minutes (the Triton interpreter; JAX's
+#: 16-bit dtypes op by op) are certified one dtype per process, so ``-n 2`` shares them out.
+BY_DTYPE = {"triton": ("float64", "float32", "float16", "bfloat16"),
+            "jax": ("float64", "float32", "float16", "bfloat16")}
 
 
 def registered_properties() -> set[str]:
@@ -67,7 +72,7 @@ def _require_expected_properties(names: list[str]) -> None:
 
 
 def run_conformance(impls: list[str], workdir: Path, *, stop_at_first_failure: bool,
-                    keyword: str | None = None) -> tuple[int, dict, str]:
+                    keyword: str | None = None, dtype: str | None = None) -> tuple[int, dict, str]:
     """Run the suite on ``impls`` in ``workdir`` (only the tests ``keyword`` selects, as
     ``-k``); (exit code, JSON report, output tail). Several implementations give a
     comparison report; ``stop_at_first_failure`` stops each at its own first failure."""
@@ -81,6 +86,8 @@ def run_conformance(impls: list[str], workdir: Path, *, stop_at_first_failure: b
         cmd.append("--impl-exitfirst")
     if keyword is not None:
         cmd += ["-k", keyword]
+    if dtype is not None:
+        cmd.append("--dtype=" + dtype)
     # The outer pytest (maybe an xdist worker) must not leak its settings into the run.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
@@ -105,7 +112,7 @@ def certificates_by_mutant(report: dict, names: list[str]) -> dict[str, dict]:
 def _chunk(chunk: str) -> list[str]:
     names = CHUNKS[chunk]
     _require_expected_properties(names)
-    if chunk == "triton":
+    if chunk.startswith("triton"):
         _require_builtin("triton")
     return names
 
@@ -165,11 +172,12 @@ def _require_builtin(name: str) -> None:
         pytest.skip(f"{name} unavailable: {impl.unavailable_reason}")
 
 
-@pytest.mark.parametrize("impl", CORRECT)
-def test_correct_implementation_passes(impl, tmp_path):
+@pytest.mark.parametrize("impl,dtype", [(impl, dtype) for impl in CORRECT for dtype in BY_DTYPE.get(impl, [None])],
+                         ids=lambda v: v if v is not None else "declared")
+def test_correct_implementation_passes(impl, dtype, tmp_path):
     if impl in ("triton", "jax"):
         _require_builtin(impl)
-    code, report, output = run_conformance([impl], tmp_path, stop_at_first_failure=False)
+    code, report, output = run_conformance([impl], tmp_path, stop_at_first_failure=False, dtype=dtype)
     bad = [
         f"{r['property']}[{r['level']}-{r['dtype']}]: {r['outcome']} {r.get('message', '')[:300]}"
         for r in report["results"] if r["outcome"] in ("failed", "error", "stale-xfail")

@@ -3,8 +3,9 @@ the many failures of one precision bug into one cause.
 
 Each test runs the runner as a subprocess under the ``ci`` profile with
 ``--conformance-report PATH`` in its own folder (parallel-safe: ``-n 2``) and reads
-``PATH.json``. Slow: ~15 s per mutant (the Triton ones ~2 minutes, under the interpreter),
-~70 s for the float32-softmax run. The correct built-ins' certificates having no causes
+``PATH.json``. The mutants run side by side in a few processes
+(``--impl=mutant:a,mutant:b,... --impl-exitfirst``), a minute or two each; ~10 s for
+the float32-softmax run. The correct built-ins' certificates having no causes
 is checked where they already run, in ``tests/test_mutants.py``.
 """
 
@@ -25,6 +26,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ROOT / "tests" / "diagnosis" / "impls_for_diagnosis.py"
 WITH_CAUSE = sorted(name for name, m in MUTANTS.items() if m.expected_cause)
+#: The mutants with a cause in three pytest processes (start-up paid once each; ``-n 2``
+#: shares them out): the Triton ones, under the interpreter, apart.
+_PLAIN = [name for name in WITH_CAUSE if not name.startswith("triton_")]
+CHUNKS = {"plain0": _PLAIN[0::2], "plain1": _PLAIN[1::2],
+          "triton": [name for name in WITH_CAUSE if name.startswith("triton_")]}
 TIMEOUT_S = 1800
 
 
@@ -49,24 +55,43 @@ def certify(impl: str, workdir: Path, *args: str) -> tuple[dict, str]:
     return json.loads(json_path.read_text()), output
 
 
-@pytest.mark.parametrize("name", WITH_CAUSE)
-def test_the_diagnosis_names_the_mutants_bug_first(name, tmp_path):
-    mutant = MUTANTS[name]
-    if name.startswith("triton_"):
+def certificates_by_mutant(report: dict, names: list[str]) -> dict[str, dict]:
+    """Each mutant's certificate in a side-by-side report (or the one certificate)."""
+    certificates = report["certificates"] if "comparison" in report else [report]
+    found = {c["implementation"]["spec"].removeprefix("mutant:"): c for c in certificates}
+    assert set(names) <= set(found), f"no certificate for {sorted(set(names) - set(found))}"
+    return found
+
+
+@pytest.mark.parametrize("chunk", sorted(CHUNKS))
+def test_the_diagnosis_names_the_mutants_bug_first(chunk, tmp_path):
+    """Each mutant of the chunk, certified side by side in one process and each stopped at
+    its own first failure (as ``-x`` stops a run of one), gets its record's cause first."""
+    names = CHUNKS[chunk]
+    if chunk == "triton":
         from implementations.builtins.triton_attention import make_implementation
 
         reason = make_implementation().unavailable_reason
         if reason:
             pytest.skip(f"triton unavailable: {reason}")
-    report, output = certify(f"mutant:{name}", tmp_path, "-x")
-    failed = [r for r in report["results"] if r["outcome"] == "failed"]
-    assert failed, f"mutant {name} survived:\n{output[-4000:]}"
-    named = [c["variant"] for c in failed[0]["causes"]]
-    assert named and named[0] == mutant.expected_cause, (
-        f"{name} ({mutant.bug}) failed {failed[0]['property']}[{failed[0]['dtype']}]; the diagnosis named "
-        f"{named or 'nothing'}, expected {mutant.expected_cause} first\n{output[-4000:]}")
-    assert report["causes"][0]["variant"] == mutant.expected_cause
-    assert f"probable cause: {mutant.expected_cause} — " in output
+    report, output = certify(",".join(f"mutant:{n}" for n in names), tmp_path, "--impl-exitfirst")
+    problems = []
+    for name, cert in certificates_by_mutant(report, names).items():
+        mutant = MUTANTS[name]
+        failed = [r for r in cert["results"] if r["outcome"] == "failed"]
+        if not failed:
+            problems.append(f"mutant {name} survived")
+            continue
+        named = [c["variant"] for c in failed[0]["causes"]]
+        if not named or named[0] != mutant.expected_cause:
+            problems.append(f"{name} ({mutant.bug}) failed {failed[0]['property']}[{failed[0]['dtype']}]; the "
+                            f"diagnosis named {named or 'nothing'}, expected {mutant.expected_cause} first")
+        elif not cert["causes"] or cert["causes"][0]["variant"] != mutant.expected_cause:
+            problems.append(f"{name}: the certificate's causes {cert['causes']} do not start with "
+                            f"{mutant.expected_cause}")
+        elif f"probable cause: {mutant.expected_cause} — " not in output:
+            problems.append(f"{name}: no 'probable cause: {mutant.expected_cause} — ' line in the output")
+    assert not problems, "\n".join(problems) + "\n" + output[-4000:]
 
 
 def test_a_float32_softmax_is_one_cause_covering_every_property_it_fails(tmp_path):
