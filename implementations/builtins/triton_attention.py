@@ -20,6 +20,8 @@ S key length, E q/k head dim, Ev value head dim.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -60,6 +62,27 @@ else:
 
 def _interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+@contextlib.contextmanager
+def _launching():
+    """Around a launch: under the interpreter, no int32 overflow check of each integer
+    add and multiply (a cast to int64, two compares and a device assert per op, about a
+    third of a call's time here). Compiled kernels assert nothing without ``debug``; the
+    index arithmetic is bounded by the tensors' sizes, as on a GPU. Put back afterwards,
+    so another Triton kernel in the process keeps the interpreter's default."""
+    if not _interpreting():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    saved = builder.options
+    builder.options = dataclasses.replace(saved, sanitize_overflow=False)
+    try:
+        yield
+    finally:
+        builder.options = saved
 
 
 def _interpreter_mismatch() -> str | None:
@@ -772,8 +795,9 @@ def plan_backward(plan: LaunchPlan, grad_out: torch.Tensor, out: torch.Tensor):
 
 def _run_forward(plan: LaunchPlan) -> torch.Tensor:
     if plan.out.numel() and plan.grid[1] > 0:
-        _attn_fwd_kernel[plan.grid](*plan.args, **plan.constexprs,
-                                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+        with _launching():
+            _attn_fwd_kernel[plan.grid](*plan.args, **plan.constexprs,
+                                        num_warps=plan.num_warps, num_stages=plan.num_stages)
     elif plan.lse is not None:
         plan.lse.fill_(float("inf"))
     out = plan.out.view(plan.out_shape)
@@ -808,8 +832,9 @@ class _TritonAttentionFunction(torch.autograd.Function):
             for launch in launches:
                 if launch.grid[0] and launch.grid[1]:
                     kernel = globals()[_BACKWARD_KERNELS[launch.kernel]]
-                    kernel[launch.grid](*launch.args, **launch.constexprs,
-                                        num_warps=launch.num_warps, num_stages=launch.num_stages)
+                    with _launching():
+                        kernel[launch.grid](*launch.args, **launch.constexprs,
+                                            num_warps=launch.num_warps, num_stages=launch.num_stages)
                 elif launch.kernel == "dkdv":
                     dk.zero_(); dv.zero_()
                 else:
