@@ -6,8 +6,11 @@
 # 1. pytest conformance --impl={triton,sdpa,torch-mha} --device cuda
 #    --dtype float32,float16,bfloat16 --hypothesis-profile ci
 #    --conformance-report $OUT/cert-<impl>          (-> $OUT/cert-<impl>.json / .md)
+#    Each includes the flash level: triton's own flash_attn_func (window, soft-capping,
+#    ALiBi, LSE, split/merge), the SDPA flash level derived through masks for sdpa.
 # 2. benchmarks/triton_speed.py -> $OUT/triton_speed.md
-# 3. the triton unit tests on CUDA (compiled forward and backward vs float64 reference)
+# 3. the triton unit tests on CUDA (compiled forward, backward and flash features vs the
+#    float64 reference and flash-ref)
 #
 # Budget: under 8 minutes in all. Each step has its own `timeout` (seconds, below);
 # a step that times out is recorded as such and the script goes on. Logs are in $OUT.
@@ -69,7 +72,7 @@ done
 step "triton_speed" "$SPEED_TIMEOUT" python benchmarks/triton_speed.py --out "$OUT/triton_speed.md"
 step "triton_unit_tests" "$UNIT_TIMEOUT" \
     python -m pytest tests/triton_kernel/test_triton_forward.py tests/triton_kernel/test_triton_backward.py \
-        -q -x -p no:cacheprovider
+        tests/triton_kernel/test_triton_flash.py -q -x -p no:cacheprovider
 
 echo "results in $OUT (summary: $SUMMARY)"
 exit "$status"

@@ -18,14 +18,17 @@ import fnmatch
 
 #: Seconds a test took, by node id pattern (first match wins). Only the order matters.
 MEASURED_SECONDS = {
-    "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 100,
-    "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 90,
-    "tests/test_mutants.py::test_every_mutant_is_killed[triton*": 125,
-    "tests/test_mutants.py::test_every_mutant_is_killed[*": 110,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 150,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 145,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 73,
+    "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 80,
+    "tests/test_mutants.py::test_every_mutant_is_killed[triton1]": 150,
+    "tests/test_mutants.py::test_every_mutant_is_killed[triton0]": 75,
+    "tests/test_mutants.py::test_every_mutant_is_killed[*": 145,
     "tests/test_mutants.py::test_correct_implementation_passes[*": 30,
     "tests/test_mutants.py::test_expected_property_alone_kills_each_mutant[*": 12,
-    "tests/runner/test_replay.py::test_every_property_reproducer_shows_the_failure*": 95,
-    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[plain*": 35,
+    "tests/runner/test_replay.py::test_every_property_reproducer_shows_the_failure*": 57,
+    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[plain*": 22,
     "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[triton]": 8,
     "tests/diagnosis/test_diagnosis_mutants.py::*": 13,
     "tests/runner/test_hostile.py::*": 6,

@@ -67,7 +67,7 @@ from hypothesis import given, settings, strategies as st
 
 
 def test_own_option_and_fixture(target, request):
-    assert target == 3 and request.config.getoption("conformance_device") == "cpu"
+    assert target == 3 and request.config.getoption("device") == "cpu"
     assert "conformance.plugin" not in sys.modules
 
 
