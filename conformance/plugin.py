@@ -346,8 +346,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
 
 #: A property test's node id: ``test_<property>[<label>-<level>-<dtype>-<device>]``,
 #: ``<label>-`` only in a run of several implementations (a label may hold ``-``).
-_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?:(?P<label>.+)-)?(?P<level>sdpa|mha)-(?P<dtype>\w+)"
-                      r"-(?P<device>\w+)\]$")
+#: A property test's node id: ``::test_<property>[<label>-]<level>-<dtype>-<device>]``,
+#: every level (a flash, varlen or kvcache test unmatched here escaped --impl-exitfirst
+#: and, crashed or skipped at setup, the certificate).
+_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?:(?P<label>.+)-)?(?P<level>" + "|".join(LEVEL_ORDER)
+                      + r")-(?P<dtype>\w+)-(?P<device>\w+)\]$")
 
 
 class _ResultCollector:

@@ -84,11 +84,15 @@ def test_labels_are_test_id_safe_and_unique():
     ("test_forward_agreement[sdpa-math-sdpa-float32-cpu]", "sdpa-math"),
     ("test_mha_agreement[mutant:mha_no_out_proj-mha-float64-cpu]", "mutant:mha_no_out_proj"),
     ("test_temperature[tests/x.py:f-sdpa-bfloat16-cuda]", "tests/x.py:f"),
+    ("test_window_equivalence[mutant:gqa_tile-flash-float16-cpu]", "mutant:gqa_tile"),
+    ("test_lse_agreement[flash-float32-cpu]", None),
+    ("test_varlen_agreement[varlen-reference-varlen-float64-cpu]", "varlen-reference"),
+    ("test_paged_equivalence[x.py:f-kvcache-bfloat16-cuda]", "x.py:f"),
 ])
 def test_node_ids_name_the_implementation(test_id, label):
     m = _NODE_ID.search(f"conformance/test_x.py::{test_id}")
     assert m is not None and m["label"] == label
-    assert m["level"] in ("sdpa", "mha") and m["dtype"].startswith(("float", "bfloat"))
+    assert m["level"] in test_id and m["dtype"].startswith(("float", "bfloat"))
 
 
 def test_tests_go_one_implementation_after_the_other_in_impl_order():
@@ -105,6 +109,42 @@ def test_tests_go_one_implementation_after_the_other_in_impl_order():
     items = [item(p, label) for p in ("forward", "temperature") for label in ("alpha", "zeta")]
     pytest_collection_modifyitems(config, items)
     assert [i.name for i in items] == ["forward-zeta", "temperature-zeta", "forward-alpha", "temperature-alpha"]
+
+
+def test_each_implementation_goes_level_by_level_sdpa_first():
+    session = Session(profile="ci", started=0.0)
+    for spec in ("zeta", "alpha"):
+        session.add(Subject(spec, impl=None, label=spec))  # type: ignore[arg-type]
+    config = SimpleNamespace(stash=pytest.Stash())
+    config.stash[SESSION_KEY] = session
+
+    def item(prop, level, label):
+        target = SimpleNamespace(label=label, level=level)
+        return SimpleNamespace(name=f"{prop}-{label}", callspec=SimpleNamespace(params={"target": target}))
+
+    items = [item(p, level, label) for p, level in (("flash", "flash"), ("mha", "mha"), ("forward", "sdpa"),
+                                                    ("kvcache", "kvcache"), ("varlen", "varlen"))
+             for label in ("alpha", "zeta")]
+    pytest_collection_modifyitems(config, items)
+    order = ["forward", "mha", "flash", "varlen", "kvcache"]
+    assert [i.name for i in items] == [f"{p}-{label}" for label in ("zeta", "alpha") for p in order]
+
+
+def test_exitfirst_stops_the_derived_flash_level_too(tmp_path):
+    """An SDPA mutant fails at the SDPA level and its derived flash level's tests skip; a
+    flash-level mutant stops at its own first failure."""
+    sdpa_bug, flash_bug = "mutant:bool_mask_inverted", "mutant:flash_lse_log2"
+    proc = run(f"--impl={sdpa_bug},{flash_bug}", "--impl-exitfirst", "--dtype=float64",
+               "-k", "forward_agreement or flash_agreement or lse_agreement or split_merge", tmp_path=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    certs = by_spec(comparison(tmp_path))
+    for spec, level in ((sdpa_bug, "sdpa"), (flash_bug, "flash")):
+        failed = [(r["property"], r["level"]) for r in certs[spec]["results"] if r["outcome"] == "failed"]
+        assert len(failed) == 1 and failed[0][1] == level, (spec, failed)
+        stopped = [r for r in certs[spec]["results"] if (r["reason"] or "").startswith("--impl-exitfirst")]
+        assert stopped, (spec, certs[spec]["results"])
+    flash_rows = [r for r in certs[sdpa_bug]["results"] if r["level"] == "flash"]
+    assert flash_rows and all(r["outcome"] == "skipped" for r in flash_rows), flash_rows
 
 
 def test_a_crashed_test_is_charged_to_its_own_implementation(tmp_path, monkeypatch):
