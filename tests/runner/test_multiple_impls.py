@@ -95,34 +95,31 @@ def test_node_ids_name_the_implementation(test_id, label):
     assert m["level"] in test_id and m["dtype"].startswith(("float", "bfloat"))
 
 
-def test_tests_go_one_implementation_after_the_other_in_impl_order():
+def _config_comparing(*specs: str) -> SimpleNamespace:
+    """A config whose session compares ``specs`` (in that --impl order)."""
     session = Session(profile="ci", started=0.0)
-    for spec in ("zeta", "alpha"):
+    for spec in specs:
         session.add(Subject(spec, impl=None, label=spec))  # type: ignore[arg-type]
     config = SimpleNamespace(stash=pytest.Stash())
     config.stash[SESSION_KEY] = session
+    return config
 
-    def item(prop, label):
-        return SimpleNamespace(name=f"{prop}-{label}",
-                               callspec=SimpleNamespace(params={"target": SimpleNamespace(label=label)}))
 
-    items = [item(p, label) for p in ("forward", "temperature") for label in ("alpha", "zeta")]
+def _item(prop: str, label: str, level: str = "sdpa") -> SimpleNamespace:
+    target = SimpleNamespace(label=label, level=level)
+    return SimpleNamespace(name=f"{prop}-{label}", callspec=SimpleNamespace(params={"target": target}))
+
+
+def test_tests_go_one_implementation_after_the_other_in_impl_order():
+    config = _config_comparing("zeta", "alpha")
+    items = [_item(p, label) for p in ("forward", "temperature") for label in ("alpha", "zeta")]
     pytest_collection_modifyitems(config, items)
     assert [i.name for i in items] == ["forward-zeta", "temperature-zeta", "forward-alpha", "temperature-alpha"]
 
 
 def test_each_implementation_goes_level_by_level_sdpa_first():
-    session = Session(profile="ci", started=0.0)
-    for spec in ("zeta", "alpha"):
-        session.add(Subject(spec, impl=None, label=spec))  # type: ignore[arg-type]
-    config = SimpleNamespace(stash=pytest.Stash())
-    config.stash[SESSION_KEY] = session
-
-    def item(prop, level, label):
-        target = SimpleNamespace(label=label, level=level)
-        return SimpleNamespace(name=f"{prop}-{label}", callspec=SimpleNamespace(params={"target": target}))
-
-    items = [item(p, level, label) for p, level in (("flash", "flash"), ("mha", "mha"), ("forward", "sdpa"),
+    config = _config_comparing("zeta", "alpha")
+    items = [_item(p, label, level) for p, level in (("flash", "flash"), ("mha", "mha"), ("forward", "sdpa"),
                                                     ("kvcache", "kvcache"), ("varlen", "varlen"))
              for label in ("alpha", "zeta")]
     pytest_collection_modifyitems(config, items)
