@@ -39,10 +39,10 @@ def test_causal_with_non_positive_scale_gives_nan(name, scale):
     assert torch.isfinite(impl.sdpa(q, k, v, is_causal=True, scale=0.5)).all()
 
 
-def _grads(impl, query, key, value, grad_out):
+def _grads(impl, query, key, value, grad_out, attn_mask=None):
     """(dq, dv) of ``impl.sdpa`` (default scale) for upstream gradient ``grad_out``."""
     query, key, value = (x.clone().requires_grad_() for x in (query, key, value))
-    impl.sdpa(query, key, value).backward(grad_out)
+    impl.sdpa(query, key, value, attn_mask=attn_mask).backward(grad_out)
     return query.grad.double(), value.grad.double()
 
 
@@ -57,10 +57,10 @@ def _large_logit_heads(dtype, L, S, heads=16):
     return tuple(x.to(dtype) for x in (q, k, v, grad_out))
 
 
-def _wrong_heads(impl, inputs):
+def _wrong_heads(impl, inputs, attn_mask=None):
     """Heads whose dq is not finite or whose dv is off by more than 10% of the MATH backend's."""
-    dq, dv = _grads(impl, *inputs)
-    ref_dq, ref_dv = _grads(registry.resolve("sdpa-math"), *inputs)
+    dq, dv = _grads(impl, *inputs, attn_mask=attn_mask)
+    ref_dq, ref_dv = _grads(registry.resolve("sdpa-math"), *inputs, attn_mask=attn_mask)
     assert torch.isfinite(ref_dq).all() and torch.isfinite(ref_dv).all()
     scale = ref_dv.abs().amax(dim=(2, 3)) + 1.0                          # (1, H)
     wrong = ~torch.isfinite(dq).all(dim=(2, 3)) | ~((dv - ref_dv).abs().amax(dim=(2, 3)) <= 0.1 * scale)
@@ -79,6 +79,27 @@ def test_backward_with_logits_near_1e9_is_wrong(name, dtype, L, S):
     # Which draws go wrong depends on the values: 16 independent heads, at least one.
     assert _wrong_heads(impl, _large_logit_heads(dtype, L, S)) > 0, (
         f"{name} backward now agrees with MATH at {dtype}, L={L}, S={S}: the wide_range "
+        "entries of implementations/xfail are stale")
+
+
+@pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
+@pytest.mark.parametrize("mask", ["additive", "bool"])
+def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask):
+    """The derived flash level (ALiBi as an additive mask, the window as a bool one) calls
+    the same backward: its gradient-checking properties are listed for the same cases."""
+    impl = registry.resolve(name)
+    inputs = _large_logit_heads(torch.float32, 4, 12)
+    attn_mask = (torch.zeros(4, 12, dtype=torch.float32) if mask == "additive"
+                 else torch.ones(4, 12, dtype=torch.bool))
+    for prop in ("flash_gradients", "alibi_equivalence", "window_equivalence"):
+        attrs = {"level": "flash", "regime": "wide_range", "dtype": "float32",
+                 "different_v_dim": False, "L": 4, "S": 12}
+        assert listed(impl, prop, attrs) is not None, prop
+        assert listed(impl, prop, dict(attrs, L=3)) is None, prop
+    assert listed(impl, "flash_gradients", {"level": "flash", "regime": "wide_range", "dtype": "bfloat16",
+                                            "different_v_dim": False, "L": 1, "S": 1}) is not None
+    assert _wrong_heads(impl, inputs, attn_mask) > 0, (
+        f"{name} backward with a {mask} mask now agrees with MATH: the flash-level wide_range "
         "entries of implementations/xfail are stale")
 
 
