@@ -284,7 +284,7 @@ if triton is not None:
     ):
         """One program: BLOCK_N keys of one (batch, kv head); dK, dV summed over its GQA group.
 
-        Works transposed (keys along rows): sT = k @ qT, pT = exp(sT - lse),
+        Works transposed (keys along rows): sT = (q @ kT)ᵀ, pT = exp(sT - lse),
         dV += pT @ dO, dpT = v @ dOT, dsT = pT * (dpT - delta), dK += scale * dsT @ q.
         """
         pid_bk = tl.program_id(0)
@@ -304,12 +304,16 @@ if triton is not None:
         offs_e = tl.arange(0, BLOCK_E)
         offs_ev = tl.arange(0, BLOCK_EV)
         col_ok = offs_n < S
-        k = tl.load(K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_ks
-                    + offs_e[None, :] * stride_ke, mask=col_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        # keys as the forward loads them, (E, keys): the scores are recomputed by the very
+        # dot the forward ran (q @ kT), bit for bit. Transposed (k @ qT) they round
+        # differently, and with |scores| near 1e9 (an ulp of 64 in float32) exp(s - lse)
+        # then overflows to 1e27 or NaN.
+        kT = tl.load(K + b * stride_kb + kv_h * stride_kh + offs_n[None, :] * stride_ks
+                     + offs_e[:, None] * stride_ke, mask=col_ok[None, :] & (offs_e[:, None] < E), other=0.0)
         v = tl.load(V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vs
                     + offs_ev[None, :] * stride_ve, mask=col_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
         if not NATIVE_DOT:
-            k = k.to(acc_dtype)
+            kT = kT.to(acc_dtype)
             v = v.to(acc_dtype)
         dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=acc_dtype)
         dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=acc_dtype)
@@ -334,16 +338,16 @@ if triton is not None:
             for start_m in range(lo, hi, BLOCK_M):
                 offs_m = start_m + offs_m0
                 row_ok = offs_m < L
-                qT = tl.load(q_base + offs_m[None, :] * stride_ql + offs_e[:, None] * stride_qe,
-                             mask=row_ok[None, :] & (offs_e[:, None] < E), other=0.0)
+                q = tl.load(q_base + offs_m[:, None] * stride_ql + offs_e[None, :] * stride_qe,
+                            mask=row_ok[:, None] & (offs_e[None, :] < E), other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_ev[None, :] * stride_doe,
                              mask=row_ok[:, None] & (offs_ev[None, :] < EV), other=0.0)
                 if not NATIVE_DOT:
-                    qT = qT.to(acc_dtype)
+                    q = q.to(acc_dtype)
                     do = do.to(acc_dtype)
                 lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
                 delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
-                sT = tl.dot(k, qT, input_precision="ieee", out_dtype=acc_dtype) * scale
+                sT = tl.trans(tl.dot(q, kT, input_precision="ieee", out_dtype=acc_dtype) * scale)
                 if SOFTCAP:
                     tanhT = _tanh(sT / softcap, LIBDEVICE_TANH)
                     sT = softcap * tanhT
@@ -373,9 +377,9 @@ if triton is not None:
                 if SOFTCAP:  # d(c tanh(s / c)) / ds = 1 - tanh^2
                     dsT = dsT * (1.0 - tanhT * tanhT)
                 if NATIVE_DOT:
-                    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+                    dk = tl.dot(dsT.to(q.dtype), q, dk)
                 else:
-                    dk = tl.dot(dsT, tl.trans(qT), dk, input_precision="ieee")
+                    dk = tl.dot(dsT, q, dk, input_precision="ieee")
         dk = dk * scale
         tl.store(DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dks
                  + offs_e[None, :] * stride_dke, dk, mask=col_ok[:, None] & (offs_e[None, :] < E))
