@@ -7,6 +7,9 @@ implementation, how many runs passed and every property that ever failed (with
 the saved case), then a summary line.
 
     python benchmarks/false_alarms.py --runs 20 --impl spec --impl handwritten --impl sdpa --impl sdpa-math
+
+Exit status: 0 without a false alarm, 1 with one, 2 when a run could not start (no
+certificate written: the measurement stops there).
 """
 
 from __future__ import annotations
@@ -41,8 +44,14 @@ def one_run(impl: str, seed: int, profile: str) -> tuple[int, list[str], float]:
                     failed.append(f"{r['property']}[{r['dtype']}] {r.get('counterexample')} "
                                   f"{(r.get('message') or '').splitlines()[:1]}")
         elif proc.returncode:
-            failed.append("no certificate: " + proc.stdout[-500:] + proc.stderr[-500:])
+            raise RunError(f"pytest exited with {proc.returncode} and wrote no certificate "
+                           f"(the run did not start: not a false alarm):\n{proc.stdout[-800:]}{proc.stderr[-800:]}")
     return proc.returncode, failed, wall
+
+
+class RunError(RuntimeError):
+    """A run that could not certify at all (bad install, usage error): the measurement
+    stops, since every further run would fail the same way."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         walls = []
         for i in range(args.runs):
             seed = args.first_seed + i
-            code, failed, wall = one_run(impl, seed, args.profile)
+            try:
+                code, failed, wall = one_run(impl, seed, args.profile)
+            except RunError as err:
+                print(f"{impl} seed={seed}: {err}", flush=True)
+                return 2
             walls.append(wall)
             if code == 0:
                 passed += 1
