@@ -21,12 +21,13 @@ suite keeps that option only as ``--conformance-device``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-__all__ = ["PLUGIN", "suite_requested"]
+__all__ = ["PLUGIN", "hypothesis_without_assertion_rewriting", "suite_requested"]
 
 #: The module registered when the suite is asked for (and its plugin name).
 PLUGIN = "conformance.plugin"
@@ -58,13 +59,42 @@ def suite_requested(args: Sequence[str], invocation_dir: Path | str = ".") -> bo
     return False
 
 
+#: Hypothesis' modules: pytest marks them for assertion rewriting because Hypothesis ships
+#: a pytest plugin, and rewriting them compiles each from source in every run where no
+#: rewritten bytecode can be cached (PYTHONDONTWRITEBYTECODE=1, read-only site-packages,
+#: as in many containers): about 90 modules, 0.4-0.7 s of every run's start-up on two cores
+#: (``benchmarks/time_to_kill.py``). The suite needs no rewritten assert inside Hypothesis.
+_NOT_REWRITTEN = ("hypothesis", "_hypothesis_globals")
+
+
+def hypothesis_without_assertion_rewriting(config: pytest.Config) -> bool:
+    """Take Hypothesis' modules off pytest's assertion-rewriting list, before any is
+    imported; True when done. Reaches into pytest's import hook (``rewrite_hook``,
+    ``_must_rewrite``), so anything unexpected there leaves it as it was."""
+    if "hypothesis" in sys.modules:
+        return False
+    hook = getattr(config.pluginmanager, "rewrite_hook", None)
+    marked = getattr(hook, "_must_rewrite", None)
+    if not isinstance(marked, set):
+        return False
+    marked.difference_update(_NOT_REWRITTEN)
+    cache = getattr(hook, "_marked_for_rewrite_cache", None)
+    if isinstance(cache, dict):
+        for name in [n for n in cache if n.split(".", 1)[0] in _NOT_REWRITTEN]:
+            del cache[name]
+    return True
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
                                   args: list[str]):
+    requested = suite_requested(args, early_config.invocation_params.dir)
+    if requested:
+        hypothesis_without_assertion_rewriting(early_config)
     # After the initial conftest.py files: options they register (a project's own
     # --device) are seen by the plugin, which then keeps only --conformance-device.
     result = yield
-    if suite_requested(args, early_config.invocation_params.dir):
+    if requested:
         # import_plugin registers the module under its name and skips one already registered.
         early_config.pluginmanager.import_plugin(PLUGIN)
     return result

@@ -43,6 +43,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from conformance import reporting, subjects
+from conformance.ordering import property_rank
 from conformance.session import SESSION_KEY, Session, Subject, session_of
 from implementations.base import ALL_DTYPES
 
@@ -286,19 +287,23 @@ LEVEL_ORDER = {"sdpa": 0, "mha": 1, "flash": 2, "varlen": 3, "kvcache": 4}
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each implementation's properties level by level (:data:`LEVEL_ORDER`), each level's
-    in their usual order; a run of several implementations goes one implementation after
-    the other (in --impl order). Other tests keep their place among the first level's."""
+    in the measured order of kill power per second (``conformance.ordering``); a run of
+    several implementations goes one implementation after the other (in --impl order).
+    Other tests keep their place, before the first level's properties."""
     session = session_of(config)
     if session is None:
         return
     order = {label: rank for rank, label in enumerate(session.subjects)} if session.compares else {}
     position = {id(item): index for index, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, int, int]:
+    def key(item: pytest.Item) -> tuple[int, int, int, int]:
         target = _target_of(item)
         impl_rank = order.get(getattr(target, "label", "") or "", -1) if order else 0
-        level_rank = LEVEL_ORDER.get(getattr(target, "level", ""), 0)
-        return impl_rank, level_rank, position[id(item)]
+        level = getattr(target, "level", "")
+        level_rank = LEVEL_ORDER.get(level, 0)
+        prop = getattr(getattr(item, "function", None), "conformance_property", None)
+        prop_rank = property_rank(level, prop) if prop is not None and level else -1
+        return impl_rank, level_rank, prop_rank, position[id(item)]
 
     items.sort(key=key)
 

@@ -21,28 +21,50 @@ from ._sdpa import Problem, prepare
 
 __all__ = ["EMULATED_DTYPES", "emulate_sdpa", "round_arrays_to", "round_to"]
 
-#: dtype name -> (storage dtype, accumulation dtype)
+#: dtype name -> (storage dtype, accumulation dtype); bfloat16 has no NumPy dtype: its
+#: values are float32 ones rounded by :func:`_to_bfloat16`.
 EMULATED_DTYPES: dict[str, tuple[Any, Any]] = {
     "float64": (np.float64, np.float64),
     "float32": (np.float32, np.float32),
     "float16": (np.float16, np.float32),
-    "bfloat16": (None, np.float32),   # ml_dtypes.bfloat16, imported lazily
+    "bfloat16": (None, np.float32),
 }
 
 
-def _storage_dtype(dtype: str) -> Any:
-    if dtype == "bfloat16":
-        import ml_dtypes
+def _to_bfloat16(values: Any) -> np.ndarray:
+    """``values`` rounded to bfloat16 (round-to-nearest-even, from float64 in one
+    rounding, as ml_dtypes converts), as a float32 array: NaN stays NaN, a value past the
+    largest finite bfloat16 becomes ±inf, subnormals keep 2⁻¹³³ steps. NumPy bit
+    operations, so nothing is imported for it."""
+    x = np.asarray(values, dtype=np.float64)
+    bits = x.view(np.uint64)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        # normal range: keep the top 7 of float64's 52 mantissa bits, ties to even
+        kept = (bits + np.uint64((1 << 44) - 1) + ((bits >> np.uint64(45)) & np.uint64(1))) \
+            & np.uint64(~((1 << 45) - 1) & 0xFFFFFFFFFFFFFFFF)
+        out = kept.view(np.float64)
+        out = np.where(np.abs(x) < _BF16_MIN_NORMAL, np.round(x * 2.0**133) * 2.0**-133, out)
+        out = np.where(np.abs(out) > _BF16_MAX, np.copysign(np.inf, x), out)
+        out = np.where(np.isnan(x), x, out)
+        return out.astype(np.float32)
 
-        return ml_dtypes.bfloat16
-    return EMULATED_DTYPES[dtype][0]
+
+_BF16_MIN_NORMAL = 2.0**-126
+_BF16_MAX = (2 - 2.0**-7) * 2.0**127
+
+
+def _store(values: Any, dtype: str) -> np.ndarray:
+    """``values`` rounded to ``dtype``, in ``dtype`` (float32 holding bfloat16 values)."""
+    if dtype == "bfloat16":
+        return _to_bfloat16(values)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return np.asarray(values).astype(EMULATED_DTYPES[dtype][0])
 
 
 def round_to(values: Any, dtype: str) -> np.ndarray:
     """Round float values to ``dtype`` (round-to-nearest-even) and return them as float64."""
     _checks.check_choice("dtype", dtype, tuple(EMULATED_DTYPES))
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        return np.asarray(values, dtype=np.float64).astype(_storage_dtype(dtype)).astype(np.float64)
+    return _store(np.asarray(values, dtype=np.float64), dtype).astype(np.float64)
 
 
 def round_arrays_to(record: Any, dtype: str) -> Any:
@@ -55,11 +77,10 @@ def round_arrays_to(record: Any, dtype: str) -> Any:
 
 def _rounder(dtype: str) -> tuple[Callable[[np.ndarray], np.ndarray], Any]:
     """``store(x)``: round x to dtype, hand it back in the accumulation dtype."""
-    storage, accumulate = _storage_dtype(dtype), EMULATED_DTYPES[dtype][1]
+    accumulate = EMULATED_DTYPES[dtype][1]
 
     def store(x: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            return np.asarray(x).astype(storage).astype(accumulate)
+        return _store(x, dtype).astype(accumulate)
 
     return store, accumulate
 

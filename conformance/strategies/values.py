@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
@@ -37,6 +36,9 @@ _FLOAT16_DOT_LIMIT = 2.0e4
 #: Target max |scale · q·k| of the "large_logits" regime, per dtype.
 _LARGE_LOGITS = {"float16": 1.5e4, "bfloat16": 1.0e5, "float32": 1.0e5, "float64": 1.0e6}
 #: Magnitude of the "tiny" regime, per dtype (products stay normal numbers).
+#: Machine epsilon of each stored dtype (float64 cases use float32's: near ties that a
+#: float32 computation still tells apart); numbers, so ml_dtypes is not imported for them.
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
 _TINY = {"float16": 2.0**-6, "bfloat16": 2.0**-30, "float32": 2.0**-30, "float64": 2.0**-100}
 #: Spread (powers of two) of the "wide_range" regime across rows and batch items.
 _WIDE_EXPONENT = {"float16": 3, "bfloat16": 8, "float32": 8, "float64": 12}
@@ -164,8 +166,7 @@ def _regime_values(rng: np.random.Generator, sizes: dict[str, int], regime: str,
     value = rng.standard_normal((B, K, S, Ev))
     if regime == "near_ties":
         base = key[:, :, :1, :]                                      # (B, K, 1, E)
-        eps = np.finfo(np.float32).eps if dtype == "float64" else ml_dtypes.finfo(dtype).eps
-        key = base + rng.standard_normal(key.shape) * 4 * float(eps) * np.abs(base)
+        key = base + rng.standard_normal(key.shape) * 4 * _EPS.get(dtype, _EPS["float32"]) * np.abs(base)
     elif regime == "tiny":
         query, key, value = (x * _TINY[dtype] for x in (query, key, value))
     elif regime == "constant_rows":

@@ -288,3 +288,36 @@ def test_round_arrays_to_rounds_every_array_field_and_nothing_else(dtype):
             assert not np.array_equal(after, before), f"{f.name} was not rounded to {dtype}"
         else:
             assert after == before, f"{f.name}={after!r}, but should be left as {before!r}"
+
+
+def _bfloat16_edge_values() -> np.ndarray:
+    """Random magnitudes over bfloat16's whole range and past it, every float32 bit
+    pattern class, float64 values just off a bfloat16 halfway point (where rounding
+    through float32 first would round twice), subnormals, overflow, NaN and signed zeros."""
+    with np.errstate(all="ignore"):   # NaN bit patterns among the float32 ones
+        return _edge_values(np.random.default_rng(0))
+
+
+def _edge_values(rng: np.random.Generator) -> np.ndarray:
+    halves = ((rng.integers(0, 2**16, 20000).astype(np.uint32) << 16) | 0x8000).view(np.float32).astype(np.float64)
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, (2 - 2.0**-7) * 2.0**127, 3.39e38,
+                        -3.39e38, (2 - 2.0**-8) * 2.0**127, (2 - 2.0**-8) * 2.0**127 * (1 - 2.0**-50),
+                        2.0**-134, 1.5 * 2.0**-133, 2.5 * 2.0**-133, -2.0**-134 * 1.0000001, 1e-300,
+                        -1e-300, 1e300, -1e300])
+    return np.concatenate([
+        rng.standard_normal(20000) * 10.0 ** rng.integers(-45, 40, 20000),
+        rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32).astype(np.float64),
+        rng.integers(0, 2**64 - 1, 20000, dtype=np.uint64).view(np.float64),
+        halves, halves * (1 + 2.0**-40), halves * (1 - 2.0**-40), special,
+    ])
+
+
+def test_bfloat16_rounding_is_ml_dtypes_bit_for_bit():
+    # round_to rounds to bfloat16 in NumPy bit operations (no ml_dtypes import on the
+    # runner's start-up path); it must be the very rounding ml_dtypes' cast does.
+    x = _bfloat16_edge_values()
+    with np.errstate(all="ignore"):
+        expected = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    got = round_to(x, "bfloat16")
+    same = ((got == expected) & (np.signbit(got) == np.signbit(expected))) | (np.isnan(got) & np.isnan(expected))
+    assert same.all(), f"{(~same).sum()} values differ, e.g. {x[~same][:3]} -> {got[~same][:3]}, not {expected[~same][:3]}"

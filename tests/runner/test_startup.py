@@ -1,0 +1,98 @@
+"""What a run of the suite loads before its first example, and in which order it
+certifies the properties (issue: bugs caught per second).
+
+Each start-up test runs pytest in a fresh interpreter (what is imported, and how, is
+per process) and prints what it finds there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance import ordering
+from conformance.plugin import LEVEL_ORDER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PROBE = """\
+import json, sys
+import pytest
+code = pytest.main([{conformance!r}, "--impl=spec", "--co", "-q", "-p", "no:cacheprovider"])
+loader = type(getattr(sys.modules.get("hypothesis"), "__loader__", None)).__name__
+print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader,
+                              "ml_dtypes": "ml_dtypes" in sys.modules}}))
+"""
+
+
+def _probe(tmp_path: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(conformance=str(ROOT / "conformance"))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, f"no probe line (exit code {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.name == "attention_conformance" for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="the package is not installed: its pytest11 "
+                    "entry point (conformance/activation.py) is what switches the rewriting off")
+def test_hypothesis_is_imported_without_assertion_rewriting(tmp_path):
+    # pytest would compile each of Hypothesis' modules from source in every run that
+    # cannot cache rewritten bytecode; the suite takes them off the rewrite list.
+    found = _probe(tmp_path)
+    assert found["code"] == 0
+    assert found["hypothesis_loader"] == "SourceFileLoader", found
+
+
+def test_collection_does_not_import_ml_dtypes(tmp_path):
+    # ml_dtypes costs a second of start-up on two cores; the strategies and the bfloat16
+    # rounding of the spec do without it.
+    found = _probe(tmp_path)
+    assert found["code"] == 0
+    assert found["ml_dtypes"] is False, found
+
+
+def test_property_order_file_lists_each_levels_properties_once():
+    from conformance.runner import registered_properties
+
+    data = json.loads(ordering.ORDER_FILE.read_text())
+    known = {(p.level, p.id) for p in registered_properties().values()}
+    assert set(data["levels"]) <= set(LEVEL_ORDER)
+    for level, props in data["levels"].items():
+        assert len(props) == len(set(props)), f"{level}: a property listed twice"
+        unknown = [p for p in props if (level, p) not in known]
+        assert not unknown, f"{level}: {unknown} are not properties of that level"
+        missing = sorted(p for lv, p in known if lv == level and p not in props)
+        assert not missing, (f"{level}: {missing} are not in {ordering.ORDER_FILE.name}; "
+                             "re-run benchmarks/kill_matrix.py --write")
+
+
+def test_unlisted_property_goes_after_the_listed_ones(monkeypatch, tmp_path):
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps({"levels": {"sdpa": ["b", "a"]}}))
+    monkeypatch.setattr(ordering, "ORDER_FILE", order)
+    ordering._ranks.cache_clear()
+    try:
+        assert [ordering.property_rank("sdpa", p) for p in ("b", "a", "new")] == [0, 1, 2]
+        assert ordering.property_rank("mha", "x") == 0
+    finally:
+        ordering._ranks.cache_clear()
+
+
+def test_unreadable_order_file_keeps_collection_order(monkeypatch, tmp_path):
+    broken = tmp_path / "order.json"
+    broken.write_text("{not json")
+    monkeypatch.setattr(ordering, "ORDER_FILE", broken)
+    ordering._ranks.cache_clear()
+    try:
+        assert ordering.property_rank("sdpa", "forward_agreement") == 0
+    finally:
+        ordering._ranks.cache_clear()
