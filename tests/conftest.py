@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import fnmatch
 
+import pytest
+
 #: Seconds a test took, by node id pattern (first match wins). Only the order matters.
 MEASURED_SECONDS = {
     "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 150,
@@ -47,6 +49,25 @@ def pytest_configure(config) -> None:
     except ImportError:  # tests that need torch skip or fail on their own
         return
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def large_logit_heads():
+    """``make(dtype, L, S, heads=16, seed=0)``: q, k, v, grad_out of ``heads`` independent
+    heads, E = 2 (scale 1/sqrt(2), not a power of two) and |logits| up to about 5e9 (the
+    wide_range regime at its edge), drawn in float64 from ``seed``, then cast to ``dtype``:
+    the inputs on which backward passes that recompute the scores lose them."""
+    import torch
+
+    def make(dtype, L: int, S: int, heads: int = 16, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, heads, L, 2, generator=g, dtype=torch.float64) * 2**15
+        k = torch.randn(1, heads, S, 2, generator=g, dtype=torch.float64) * 2**15
+        v = torch.randn(1, heads, S, 2, generator=g, dtype=torch.float64)
+        grad_out = torch.randn(1, heads, L, 2, generator=g, dtype=torch.float64)
+        return tuple(x.to(dtype) for x in (q, k, v, grad_out))
+
+    return make
 
 
 def _seconds(nodeid: str) -> float:

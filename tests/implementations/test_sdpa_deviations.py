@@ -46,17 +46,6 @@ def _grads(impl, query, key, value, grad_out, attn_mask=None):
     return query.grad.double(), value.grad.double()
 
 
-def _large_logit_heads(dtype, L, S, heads=16):
-    """q, k, v, grad_out with ``heads`` independent heads, E = 2 (scale 1/sqrt(2), not a
-    power of two) and |logits| up to about 5e9 (the wide_range regime at its edge)."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, heads, L, 2, generator=g, dtype=torch.float64) * 2**15
-    k = torch.randn(1, heads, S, 2, generator=g, dtype=torch.float64) * 2**15
-    v = torch.randn(1, heads, S, 2, generator=g, dtype=torch.float64)
-    grad_out = torch.randn(1, heads, L, 2, generator=g, dtype=torch.float64)
-    return tuple(x.to(dtype) for x in (q, k, v, grad_out))
-
-
 def _wrong_heads(impl, inputs, attn_mask=None):
     """Heads whose dq is not finite or whose dv is off by more than 10% of the MATH backend's."""
     dq, dv = _grads(impl, *inputs, attn_mask=attn_mask)
@@ -69,7 +58,7 @@ def _wrong_heads(impl, inputs, attn_mask=None):
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
 @pytest.mark.parametrize("dtype, L, S", [(torch.bfloat16, 1, 1), (torch.float32, 4, 12)])
-def test_backward_with_logits_near_1e9_is_wrong(name, dtype, L, S):
+def test_backward_with_logits_near_1e9_is_wrong(name, dtype, L, S, large_logit_heads):
     impl = registry.resolve(name)
     attrs = {"regime": "wide_range", "dtype": str(dtype).removeprefix("torch."),
              "different_v_dim": False, "L": L, "S": S}
@@ -77,18 +66,18 @@ def test_backward_with_logits_near_1e9_is_wrong(name, dtype, L, S):
     if dtype == torch.float32:
         assert listed(impl, "fully_masked_rows", attrs) is not None
     # Which draws go wrong depends on the values: 16 independent heads, at least one.
-    assert _wrong_heads(impl, _large_logit_heads(dtype, L, S)) > 0, (
+    assert _wrong_heads(impl, large_logit_heads(dtype, L, S)) > 0, (
         f"{name} backward now agrees with MATH at {dtype}, L={L}, S={S}: the wide_range "
         "entries of implementations/xfail are stale")
 
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
 @pytest.mark.parametrize("mask", ["additive", "bool"])
-def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask):
+def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask, large_logit_heads):
     """The derived flash level (ALiBi as an additive mask, the window as a bool one) calls
     the same backward: its gradient-checking properties are listed for the same cases."""
     impl = registry.resolve(name)
-    inputs = _large_logit_heads(torch.float32, 4, 12)
+    inputs = large_logit_heads(torch.float32, 4, 12)
     attn_mask = (torch.zeros(4, 12, dtype=torch.float32) if mask == "additive"
                  else torch.ones(4, 12, dtype=torch.bool))
     for prop in ("flash_gradients", "alibi_equivalence", "window_equivalence"):
@@ -102,11 +91,11 @@ def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask):
 
 
 @pytest.mark.parametrize("L, S", [(3, 12), (4, 11)])
-def test_float32_backward_with_logits_near_1e9_is_right_below_the_listed_sizes(L, S):
+def test_float32_backward_with_logits_near_1e9_is_right_below_the_listed_sizes(L, S, large_logit_heads):
     impl = registry.resolve("sdpa")
     attrs = {"regime": "wide_range", "dtype": "float32", "different_v_dim": False, "L": L, "S": S}
     assert listed(impl, "gradient_agreement", attrs) is None
-    assert _wrong_heads(impl, _large_logit_heads(torch.float32, L, S)) == 0
+    assert _wrong_heads(impl, large_logit_heads(torch.float32, L, S)) == 0
 
 
 def test_entries_do_not_cover_positive_or_default_scales():

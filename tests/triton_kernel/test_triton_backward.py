@@ -156,7 +156,7 @@ def test_gradients_3d_inputs():
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_gradients_with_scores_near_1e9_are_finite_and_agree_with_math(seed):
+def test_gradients_with_scores_near_1e9_are_finite_and_agree_with_math(seed, large_logit_heads):
     """|scores| near 1e9 (the wide_range regime): an ulp of 64 in float32, so the backward
     must recompute the forward's scores bit for bit (recomputed by a transposed dot they
     rounded differently and exp(s - lse) overflowed: dK and dV NaN or inf at L = 4,
@@ -164,17 +164,12 @@ def test_gradients_with_scores_near_1e9_are_finite_and_agree_with_math(seed):
     forward's weights); each head's gradients within 10% of its largest value (+1)."""
     from implementations import registry
 
-    gen = torch.Generator().manual_seed(seed)
-    heads, L, S = 16, 4, 12
-    q, k = (torch.randn(1, heads, n, 2, generator=gen, dtype=torch.float64) * 2**15 for n in (L, S))
-    v = torch.randn(1, heads, S, 2, generator=gen, dtype=torch.float64)
-    grad_out = torch.randn(1, heads, L, 2, generator=gen, dtype=torch.float64)
-    inputs = [t.float() for t in (q, k, v)]
+    *inputs, grad_out = large_logit_heads(torch.float32, 4, 12, seed=seed)
 
     def grads(impl):
         leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in inputs]
         out = impl.sdpa(*leaves)
-        return [g.double().cpu() for g in torch.autograd.grad(out, leaves, grad_out.float().to(DEVICE))]
+        return [g.double().cpu() for g in torch.autograd.grad(out, leaves, grad_out.to(DEVICE))]
 
     got, want = grads(IMPL), grads(registry.resolve("sdpa-math"))
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
