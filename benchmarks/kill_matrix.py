@@ -8,14 +8,17 @@ Certifies every selected mutant of the bug zoo with every property (no ``-x``, n
 at its first failure (``-x``) pays for every property ordered before the failing one.
 
 From the two it orders each level's properties greedily by kill power per second: next
-comes the property that kills the most mutants not yet killed by an earlier property (or
-an earlier level) per second of its cost; once every mutant is killed, the rest follow
-cheapest first. The order is written to ``conformance/property_order.json``, which
+comes (after ``--first``, the agreement properties: see :data:`FIRST`) the property that kills the most mutants not yet killed by an earlier property (or
+an earlier level) per second of its cost (the greedy rule for the least total time to
+each mutant's first failure); once every mutant is killed, the rest follow by all the
+mutants they kill per second (the best guess for bugs outside the zoo, and for
+implementations on which an earlier property is skipped). The order is written to ``conformance/property_order.json``, which
 ``pytest_collection_modifyitems`` reads (``conformance/ordering.py``); the kill matrix
 and the order, with each property's kills and seconds, are printed.
 
-    python benchmarks/kill_matrix.py --jobs 2 --write
+    python benchmarks/kill_matrix.py --jobs 2 --write --raw kill-matrix.json
     python benchmarks/kill_matrix.py --only gqa_tile,scale_ignored     # print only
+    python benchmarks/kill_matrix.py --from kill-matrix.json --write   # order again, no run
 
 The Triton mutants are left out by default (``--with-triton``): the interpreter makes
 their runs long, and the Triton kernel's properties are the same as every SDPA
@@ -58,6 +61,13 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate], **{PROFILES["ci"]!r})
 """
 FAILED = ("failed", "error")
+#: Placed first in their level whatever their kill power: the first failure is the one a
+#: user reads and the diagnosis explains, and the diagnosis reads an agreement property's
+#: failure best (the whole output on the failing case, compared with spec.variants).
+#: Measured: with dropout_expectation and fully_masked_rows first (the plain greedy
+#: order), the diagnosis named 15 of the zoo's 29 diagnosable mutants wrongly or not at all
+#: (tests/diagnosis/test_diagnosis_mutants.py).
+FIRST = ("forward_agreement", "mha_agreement")
 
 
 def _certify(impls: list[str], profile: str, workdir: Path, timeout_s: float) -> tuple[dict, float]:
@@ -109,23 +119,33 @@ def costs_of(certificates: list[dict]) -> dict[tuple[str, str], float]:
 
 
 def greedy_order(kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, str], float],
-                 properties: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Each level's properties, most new kills per second first (levels in LEVEL_ORDER,
-    a mutant killed at an earlier level no longer counted), then the rest cheapest first."""
+                 properties: dict[str, set[str]], first: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Each level's properties: those named in ``first`` (in that order), then most new
+    kills per second (levels in LEVEL_ORDER, a mutant killed at an earlier level or by an
+    earlier property no longer counted), then the rest by all their kills per second
+    (cheapest first among equals)."""
     floor = 0.01  # seconds: a property that measured 0 s still costs its set-up
     alive = set(kills)
     order: dict[str, list[str]] = {}
+
+    def cost(level: str, prop: str) -> float:
+        return max(costs.get((level, prop), 0.0), floor)
+
+    def total(level: str, prop: str) -> int:
+        return sum(1 for m in kills if (level, prop) in kills[m])
+
     for level in sorted(properties, key=lambda lv: LEVEL_ORDER.get(lv, len(LEVEL_ORDER))):
-        left = set(properties[level])
-        chosen: list[str] = []
+        chosen = [p for p in first if p in properties[level]]
+        left = set(properties[level]) - set(chosen)
+        for prop in chosen:
+            alive -= {m for m in alive if (level, prop) in kills[m]}
         while left:
             def power(prop: str) -> tuple[float, float, str]:
                 new = sum(1 for m in alive if (level, prop) in kills[m])
-                cost = max(costs.get((level, prop), 0.0), floor)
-                return (new / cost, -cost, prop)
+                return (new / cost(level, prop), -cost(level, prop), prop)
             best = max(left, key=power)
             if power(best)[0] == 0:
-                chosen += sorted(left, key=lambda p: (max(costs.get((level, p), 0.0), floor), p))
+                chosen += sorted(left, key=lambda p: (-total(level, p) / cost(level, p), cost(level, p), p))
                 break
             chosen.append(best)
             left.remove(best)
@@ -134,16 +154,79 @@ def greedy_order(kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, 
     return order
 
 
+def save_raw(path: Path, kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, str], float],
+             properties: dict[str, set[str]], correct: list[str]) -> None:
+    """The measurement itself, so that an order can be derived again without a run."""
+    path.write_text(json.dumps({
+        "kills": {m: sorted(f"{lv}:{p}" for lv, p in ks) for m, ks in sorted(kills.items())},
+        "costs": {f"{lv}:{p}": round(c, 4) for (lv, p), c in sorted(costs.items())},
+        "properties": {lv: sorted(ps) for lv, ps in properties.items()},
+        "costs_from": correct,
+    }, indent=1) + "\n")
+
+
+def load_raw(path: Path) -> tuple[dict[str, set[tuple[str, str]]], dict[tuple[str, str], float],
+                                  dict[str, set[str]], list[str]]:
+    data = json.loads(path.read_text())
+
+    def pair(key: str) -> tuple[str, str]:
+        level, prop = key.split(":", 1)
+        return level, prop
+
+    return ({m: {pair(k) for k in ks} for m, ks in data["kills"].items()},
+            {pair(k): float(c) for k, c in data["costs"].items()},
+            {lv: set(ps) for lv, ps in data["properties"].items()}, list(data.get("costs_from", [])))
+
+
+def _measure(names: list[str], correct: list[str], jobs_at_once: int, timeout_s: float,
+             walls: dict[str, float]) -> tuple[dict[str, set[tuple[str, str]]],
+                                               dict[tuple[str, str], float], dict[str, set[str]]]:
+    """Run the mutants (every property, no shrinking) and the correct built-ins (``ci``);
+    (kills per mutant, cost per property, each level's properties)."""
+    with tempfile.TemporaryDirectory(prefix="kill-matrix-") as tmp:
+        jobs = [(f"mutants{i}", [f"mutant:{n}" for n in chunk], PROFILE)
+                for i, chunk in enumerate(_chunks(names, jobs_at_once))]
+        jobs += [(f"correct-{c}", [c], "ci") for c in correct]
+
+        def run(job: tuple[str, list[str], str]) -> tuple[dict, float]:
+            workdir = Path(tmp) / job[0]
+            workdir.mkdir()
+            return _certify(job[1], job[2], workdir, timeout_s)
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
+            results = list(pool.map(run, jobs))
+    certificates: dict[str, dict] = {}
+    for job, (certs, wall) in zip(jobs, results, strict=True):
+        certificates.update(certs)
+        walls[job[0]] = wall
+    kills = {n: kills_of(certificates[f"mutant:{n}"]) for n in names if f"mutant:{n}" in certificates}
+    correct_certs = [certificates[c] for c in correct if c in certificates]
+    bad = [f"{c}: {r['property']}[{r['level']}-{r['dtype']}] {r['outcome']}" for c in correct
+           for r in certificates.get(c, {}).get("results", []) if r.get("outcome") in FAILED]
+    if bad:
+        raise SystemExit("a correct built-in failed, its costs are not a passing run's: " + "; ".join(bad))
+    properties: dict[str, set[str]] = {}
+    for cert in [*correct_certs, *(certificates[f"mutant:{n}"] for n in kills)]:
+        for r in cert["results"]:
+            properties.setdefault(r["level"], set()).add(r["property"])
+    return kills, costs_of(correct_certs), properties
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
     parser.add_argument("--with-triton", action="store_true", help="also the Triton mutants")
-    parser.add_argument("--correct", default="sdpa,handwritten,torch-mha",
+    parser.add_argument("--correct", default="sdpa,handwritten,torch-mha,flash-ref,varlen-reference",
                         help="the correct built-ins whose certificates give the costs")
+    parser.add_argument("--first", default=",".join(FIRST),
+                        help="properties placed first in their level, before the greedy order")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest process")
     parser.add_argument("--write", action="store_true", help=f"write the order to {ORDER_FILE.relative_to(ROOT)}")
     parser.add_argument("--output", default=None, metavar="PATH", help="also write the report to PATH")
+    parser.add_argument("--raw", default=None, metavar="PATH", help="also write the kill matrix and costs (JSON)")
+    parser.add_argument("--from", dest="from_raw", default=None, metavar="PATH",
+                        help="order from a kill matrix written by --raw instead of running")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or sorted(
         n for n in MUTANTS if args.with_triton or not n.startswith("triton_"))
@@ -152,41 +235,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only names unknown mutants {unknown}; known: {', '.join(sorted(MUTANTS))}")
     correct = [c.strip() for c in args.correct.split(",") if c.strip()]
 
-    with tempfile.TemporaryDirectory(prefix="kill-matrix-") as tmp:
-        jobs = [(f"mutants{i}", [f"mutant:{n}" for n in chunk], PROFILE)
-                for i, chunk in enumerate(_chunks(names, args.jobs))]
-        jobs += [(f"correct-{c}", [c], "ci") for c in correct]
-
-        def run(job: tuple[str, list[str], str]) -> tuple[dict, float]:
-            workdir = Path(tmp) / job[0]
-            workdir.mkdir()
-            return _certify(job[1], job[2], workdir, args.timeout)
-
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            results = list(pool.map(run, jobs))
-    certificates: dict[str, dict] = {}
-    walls = {}
-    for job, (certs, wall) in zip(jobs, results, strict=True):
-        certificates.update(certs)
-        walls[job[0]] = wall
-
-    kills = {n: kills_of(certificates[f"mutant:{n}"]) for n in names if f"mutant:{n}" in certificates}
-    correct_certs = [certificates[c] for c in correct if c in certificates]
-    bad = [f"{c}: {r['property']}[{r['level']}-{r['dtype']}] {r['outcome']}" for c in correct
-           for r in certificates.get(c, {}).get("results", []) if r.get("outcome") in FAILED]
-    if bad:
-        raise SystemExit("a correct built-in failed, its costs are not a passing run's: " + "; ".join(bad))
-    costs = costs_of(correct_certs)
-    properties: dict[str, set[str]] = {}
-    for cert in [*correct_certs, *(certificates[f"mutant:{n}"] for n in kills)]:
-        for r in cert["results"]:
-            properties.setdefault(r["level"], set()).add(r["property"])
-    order = greedy_order(kills, costs, properties)
+    walls: dict[str, float] = {}
+    if args.from_raw:
+        kills, costs, properties, correct = load_raw(Path(args.from_raw))
+        kills = {n: kills[n] for n in names if n in kills}
+    else:
+        kills, costs, properties = _measure(names, correct, args.jobs, args.timeout, walls)
+    if args.raw:
+        save_raw(Path(args.raw), kills, costs, properties, correct)
+    first = tuple(p.strip() for p in args.first.split(",") if p.strip())
+    order = greedy_order(kills, costs, properties, first)
 
     lines = [f"$ python benchmarks/kill_matrix.py {' '.join(argv if argv is not None else sys.argv[1:])}",
              f"{len(kills)} mutants, every property, profile ci without shrinking; costs: "
              f"{', '.join(correct)} under ci (seconds of a passing property, all dtypes)",
-             "wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()), ""]
+             ("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())) if walls
+             else f"from {args.from_raw}", ""]
     survivors = sorted(n for n in names if not kills.get(n))
     for level, props in order.items():
         lines.append(f"level {level}: {'property':32} {'kills':>5} {'new':>4} {'cost s':>7}")
