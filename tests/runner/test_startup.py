@@ -96,3 +96,42 @@ def test_unreadable_order_file_keeps_collection_order(monkeypatch, tmp_path):
         assert ordering.property_rank("sdpa", "forward_agreement") == 0
     finally:
         ordering._ranks.cache_clear()
+
+
+def test_property_order_is_the_one_its_kill_matrix_gives():
+    # The order is data measured by benchmarks/kill_matrix.py; its raw kill matrix and costs
+    # are kept next to the other results, so the order can be derived again from them.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kill_matrix
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    data = json.loads(ordering.ORDER_FILE.read_text())
+    raw = sorted((ROOT / "benchmarks" / "results").glob("kill-matrix-*.json"))[-1]
+    kills, costs, properties, _ = kill_matrix.load_raw(raw)
+    assert kill_matrix.greedy_order(kills, costs, properties, kill_matrix.FIRST) == data["levels"], (
+        f"{ordering.ORDER_FILE.name} is not the order {raw.name} gives: "
+        "python benchmarks/kill_matrix.py --from that file --write")
+    for level in data["levels"]:
+        for prop in kill_matrix.FIRST:
+            if prop in data["levels"][level]:
+                assert data["levels"][level][0] == prop, f"{level}: the agreement property {prop} goes first"
+
+
+def test_greedy_order_puts_most_new_kills_per_second_first():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kill_matrix
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    S = "sdpa"
+    kills = {"m1": {(S, "slow_all")}, "m2": {(S, "slow_all"), (S, "cheap")}, "m3": {(S, "slow_all"), (S, "cheap")},
+             "m4": {(S, "slow_all"), (S, "rare")}, "m5": {(S, "agree")}}
+    costs = {(S, "slow_all"): 10.0, (S, "cheap"): 0.5, (S, "rare"): 1.0, (S, "none"): 0.1, (S, "agree"): 3.0}
+    props = {S: {"slow_all", "cheap", "rare", "none", "agree"}}
+    # cheap: 2 new / 0.5 s; rare: 1 / 1 s; agree: 1 / 3 s; slow_all: the last (m1) / 10 s;
+    # none kills nothing: last
+    assert kill_matrix.greedy_order(kills, costs, props)[S] == ["cheap", "rare", "agree", "slow_all", "none"]
+    # a property named first goes first, and what it kills no longer counts as new:
+    # m5 is left for agree; then the rest by all their kills per second (cheap 4/s, rare 1/s)
+    assert kill_matrix.greedy_order(kills, costs, props, ("slow_all",))[S] == ["slow_all", "agree", "cheap", "rare", "none"]
