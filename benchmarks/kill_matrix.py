@@ -38,7 +38,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -140,11 +139,8 @@ def greedy_order(kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, 
         for prop in chosen:
             alive -= {m for m in alive if (level, prop) in kills[m]}
         while left:
-            def power(prop: str) -> tuple[float, float, str]:
-                new = sum(1 for m in alive if (level, prop) in kills[m])
-                return (new / cost(level, prop), -cost(level, prop), prop)
-            best = max(left, key=power)
-            if power(best)[0] == 0:
+            best = max(left, key=lambda p, lv=level, now=frozenset(alive): _power(kills, now, lv, p, cost(lv, p)))
+            if _power(kills, alive, level, best, cost(level, best))[0] == 0:
                 chosen += sorted(left, key=lambda p: (-total(level, p) / cost(level, p), cost(level, p), p))
                 break
             chosen.append(best)
@@ -152,6 +148,13 @@ def greedy_order(kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, 
             alive -= {m for m in alive if (level, best) in kills[m]}
         order[level] = chosen
     return order
+
+
+def _power(kills: dict[str, set[tuple[str, str]]], alive: set[str] | frozenset[str], level: str,
+           prop: str, cost: float) -> tuple[float, float, str]:
+    """New kills per second of ``prop`` (then cheaper, then by name, for a stable order)."""
+    new = sum(1 for m in alive if (level, prop) in kills[m])
+    return (new / cost, -cost, prop)
 
 
 def save_raw(path: Path, kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, str], float],
