@@ -34,6 +34,8 @@ not), ``conformance.reporting`` writes the header, the environment and the certi
 
 from __future__ import annotations
 
+import gc
+import os
 import re
 import time
 from pathlib import Path
@@ -158,6 +160,10 @@ def _dtypes(config: pytest.Config) -> list[str] | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _FROZEN
+    if _FROZEN:  # an earlier run in this process froze the heap as it ended (_freeze_heap)
+        gc.unfreeze()
+        _FROZEN = False
     profile = config.getoption("hypothesis_profile", None) or "dev"
     if profile in PROFILES:
         settings.load_profile(profile)
@@ -457,3 +463,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if subject.isolation is not None:
             subject.isolation.close()
     isolation.forget_running()
+    _freeze_heap()
+
+
+def _freeze_heap() -> None:
+    """pytest's clean-up after ``pytest_unconfigure`` runs a full garbage collection five
+    times over everything torch, NumPy and Hypothesis allocated (to surface exceptions
+    raised in ``__del__``): half a second of a run that kills a mutant in three (two
+    cores, benchmarks/time_to_kill.py). The certificate is written by then, so the heap
+    is frozen (those collections skip it). Not in a run nested in another pytest's test
+    (pytester); a later run in the same process unfreezes it first (pytest_configure)."""
+    global _FROZEN
+    if os.environ.get("PYTEST_CURRENT_TEST"):
+        return
+    gc.freeze()
+    _FROZEN = True
+
+
+_FROZEN = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,18 +22,20 @@ from conformance.plugin import LEVEL_ORDER
 ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """\
-import json, sys
+import gc, json, sys
 import pytest
 code = pytest.main([{conformance!r}, "--impl=spec", "--co", "-q", "-p", "no:cacheprovider"])
 loader = type(getattr(sys.modules.get("hypothesis"), "__loader__", None)).__name__
 print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader,
-                              "ml_dtypes": "ml_dtypes" in sys.modules}}))
+                              "ml_dtypes": "ml_dtypes" in sys.modules, "frozen": gc.get_freeze_count()}}))
 """
 
 
 def _probe(tmp_path: Path) -> dict:
+    # a run of its own, as from a shell: without the outer pytest's settings
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(conformance=str(ROOT / "conformance"))],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"no probe line (exit code {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
     return json.loads(lines[-1][len("PROBE "):])
@@ -58,6 +61,25 @@ def test_collection_does_not_import_ml_dtypes(tmp_path):
     found = _probe(tmp_path)
     assert found["code"] == 0
     assert found["ml_dtypes"] is False, found
+
+
+def test_heap_is_frozen_before_pytests_final_collections(tmp_path):
+    # pytest ends with five full garbage collections; the suite freezes the heap first, so
+    # that they do not walk every object torch, NumPy and Hypothesis allocated.
+    found = _probe(tmp_path)
+    assert found["code"] == 0
+    assert found["frozen"] > 10_000, found
+
+
+def test_heap_is_not_frozen_by_a_run_nested_in_a_test(monkeypatch):
+    import gc
+
+    from conformance import plugin
+
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "outer")
+    before = gc.get_freeze_count()
+    plugin._freeze_heap()
+    assert gc.get_freeze_count() == before and not plugin._FROZEN
 
 
 def test_property_order_file_lists_each_levels_properties_once():
