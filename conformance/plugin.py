@@ -37,6 +37,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -471,13 +472,29 @@ def _freeze_heap() -> None:
     times over everything torch, NumPy and Hypothesis allocated (to surface exceptions
     raised in ``__del__``): half a second of a run that kills a mutant in three (two
     cores, benchmarks/time_to_kill.py). The certificate is written by then, so the heap
-    is frozen (those collections skip it). Not in a run nested in another pytest's test
-    (pytester); a later run in the same process unfreezes it first (pytest_configure)."""
+    is frozen (those collections skip it). Not in a run nested in another pytest run (a
+    pytester run inside a test: the outer process goes on); a later run in the same
+    process unfreezes it first (pytest_configure)."""
     global _FROZEN
-    if os.environ.get("PYTEST_CURRENT_TEST"):
+    if _nested_pytest_run():
         return
     gc.freeze()
     _FROZEN = True
 
 
 _FROZEN = False
+_WRAP_SESSION = os.path.join("_pytest", "main.py")
+
+
+def _nested_pytest_run() -> bool:
+    """Whether this hook runs inside more than one pytest session (``wrap_session``
+    frames on the stack), or inside another pytest's test (PYTEST_CURRENT_TEST)."""
+    if os.environ.get("PYTEST_CURRENT_TEST"):
+        return True
+    sessions = 0
+    frame = sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        sessions += code.co_name == "wrap_session" and code.co_filename.endswith(_WRAP_SESSION)
+        frame = frame.f_back
+    return sessions > 1

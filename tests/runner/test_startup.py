@@ -20,6 +20,7 @@ from conformance import ordering
 from conformance.plugin import LEVEL_ORDER
 
 ROOT = Path(__file__).resolve().parents[2]
+pytest_plugins = ["pytester"]
 
 _PROBE = """\
 import gc, json, sys
@@ -76,10 +77,37 @@ def test_heap_is_not_frozen_by_a_run_nested_in_a_test(monkeypatch):
 
     from conformance import plugin
 
-    monkeypatch.setenv("PYTEST_CURRENT_TEST", "outer")
+    was = plugin._FROZEN
     before = gc.get_freeze_count()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "outer")
     plugin._freeze_heap()
-    assert gc.get_freeze_count() == before and not plugin._FROZEN
+    assert gc.get_freeze_count() == before and plugin._FROZEN == was
+    # this test runs inside pytest's own session: one wrap_session frame; a nested run adds one
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert not plugin._nested_pytest_run()
+
+
+def test_in_process_run_in_a_test_leaves_the_heap_unfrozen(pytester):
+    from hypothesis import settings
+
+    settings.register_profile("_outer_startup", parent=settings.default)
+    try:
+        _run_nested(pytester)
+    finally:
+        settings.load_profile("_outer_startup")
+
+
+def _run_nested(pytester) -> None:
+    import gc
+
+    from conformance import plugin
+
+    was, before = plugin._FROZEN, gc.get_freeze_count()
+    result = pytester.runpytest_inprocess(str(ROOT / "conformance"), f"--rootdir={ROOT}", "-p", "no:cacheprovider",
+                                          "--impl=spec", "--dtype=float64", "--hypothesis-profile=ci",
+                                          "-k", "forward_agreement and sdpa")
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    assert gc.get_freeze_count() == before and plugin._FROZEN == was
 
 
 def test_property_order_file_lists_each_levels_properties_once():
