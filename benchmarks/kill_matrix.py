@@ -140,8 +140,9 @@ def greedy_order(kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, 
         for prop in chosen:
             alive -= {m for m in alive if (level, prop) in kills[m]}
         while left:
-            best = max(left, key=lambda p, lv=level, now=frozenset(alive): _power(kills, now, lv, p, cost(lv, p)))
-            if _power(kills, alive, level, best, cost(level, best))[0] == 0:
+            powers = {p: _power(kills, alive, level, p, cost(level, p)) for p in left}
+            best = max(powers, key=powers.__getitem__)
+            if powers[best][0] == 0:
                 chosen += sorted(left, key=lambda p: (-total(level, p) / cost(level, p), cost(level, p), p))
                 break
             chosen.append(best)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from conformance.cases import LAYOUTS
 from conformance.strategies._drawing import named_strategy, weighted
 from conformance.strategies._validation import choices, fail
+from conformance.tolerance import EPS as UNIT_ROUNDOFF
 from implementations.base import Capabilities
 from spec.emulate import round_to
 
@@ -36,9 +37,6 @@ _FLOAT16_DOT_LIMIT = 2.0e4
 #: Target max |scale · q·k| of the "large_logits" regime, per dtype.
 _LARGE_LOGITS = {"float16": 1.5e4, "bfloat16": 1.0e5, "float32": 1.0e5, "float64": 1.0e6}
 #: Magnitude of the "tiny" regime, per dtype (products stay normal numbers).
-#: Machine epsilon of each stored dtype (float64 cases use float32's: near ties that a
-#: float32 computation still tells apart); numbers, so ml_dtypes is not imported for them.
-_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
 _TINY = {"float16": 2.0**-6, "bfloat16": 2.0**-30, "float32": 2.0**-30, "float64": 2.0**-100}
 #: Spread (powers of two) of the "wide_range" regime across rows and batch items.
 _WIDE_EXPONENT = {"float16": 3, "bfloat16": 8, "float32": 8, "float64": 12}
@@ -166,7 +164,10 @@ def _regime_values(rng: np.random.Generator, sizes: dict[str, int], regime: str,
     value = rng.standard_normal((B, K, S, Ev))
     if regime == "near_ties":
         base = key[:, :, :1, :]                                      # (B, K, 1, E)
-        key = base + rng.standard_normal(key.shape) * 4 * _EPS.get(dtype, _EPS["float32"]) * np.abs(base)
+        # machine epsilon (twice the unit roundoff) of the dtype; float64 cases use
+        # float32's: near ties that a float32 computation still tells apart
+        eps = 2 * UNIT_ROUNDOFF["float32" if dtype == "float64" else dtype]
+        key = base + rng.standard_normal(key.shape) * 4 * eps * np.abs(base)
     elif regime == "tiny":
         query, key, value = (x * _TINY[dtype] for x in (query, key, value))
     elif regime == "constant_rows":

@@ -32,14 +32,29 @@ print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader,
 """
 
 
-def _probe(tmp_path: Path) -> dict:
-    # a run of its own, as from a shell: without the outer pytest's settings
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> dict:
+    """What one ``pytest conformance --impl=spec --co`` in a fresh interpreter left behind
+    (a run of its own, as from a shell: without the outer pytest's settings)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(conformance=str(ROOT / "conformance"))],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path_factory.mktemp("probe"), env=env, capture_output=True, text=True,
+                          timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"no probe line (exit code {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-    return json.loads(lines[-1][len("PROBE "):])
+    found = json.loads(lines[-1][len("PROBE "):])
+    assert found["code"] == 0, found
+    return found
+
+
+def _kill_matrix():
+    """``benchmarks/kill_matrix.py`` as a module."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kill_matrix
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return kill_matrix
 
 
 def _entry_point_installed() -> bool:
@@ -48,28 +63,22 @@ def _entry_point_installed() -> bool:
 
 @pytest.mark.skipif(not _entry_point_installed(), reason="the package is not installed: its pytest11 "
                     "entry point (conformance/activation.py) is what switches the rewriting off")
-def test_hypothesis_is_imported_without_assertion_rewriting(tmp_path):
+def test_hypothesis_is_imported_without_assertion_rewriting(probe):
     # pytest would compile each of Hypothesis' modules from source in every run that
     # cannot cache rewritten bytecode; the suite takes them off the rewrite list.
-    found = _probe(tmp_path)
-    assert found["code"] == 0
-    assert found["hypothesis_loader"] == "SourceFileLoader", found
+    assert probe["hypothesis_loader"] == "SourceFileLoader", probe
 
 
-def test_collection_does_not_import_ml_dtypes(tmp_path):
+def test_collection_does_not_import_ml_dtypes(probe):
     # ml_dtypes costs a second of start-up on two cores; the strategies and the bfloat16
     # rounding of the spec do without it.
-    found = _probe(tmp_path)
-    assert found["code"] == 0
-    assert found["ml_dtypes"] is False, found
+    assert probe["ml_dtypes"] is False, probe
 
 
-def test_heap_is_frozen_before_pytests_final_collections(tmp_path):
+def test_heap_is_frozen_before_pytests_final_collections(probe):
     # pytest ends with five full garbage collections; the suite freezes the heap first, so
     # that they do not walk every object torch, NumPy and Hypothesis allocated.
-    found = _probe(tmp_path)
-    assert found["code"] == 0
-    assert found["frozen"] > 10_000, found
+    assert probe["frozen"] > 10_000, probe
 
 
 def test_heap_is_not_frozen_by_a_run_nested_in_a_test(monkeypatch):
@@ -151,11 +160,7 @@ def test_unreadable_order_file_keeps_collection_order(monkeypatch, tmp_path):
 def test_property_order_is_the_one_its_kill_matrix_gives():
     # The order is data measured by benchmarks/kill_matrix.py; its raw kill matrix and costs
     # are kept next to the other results, so the order can be derived again from them.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kill_matrix
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    kill_matrix = _kill_matrix()
     data = json.loads(ordering.ORDER_FILE.read_text())
     raw = sorted((ROOT / "benchmarks" / "results").glob("kill-matrix-*.json"))[-1]
     kills, costs, properties, _ = kill_matrix.load_raw(raw)
@@ -169,11 +174,7 @@ def test_property_order_is_the_one_its_kill_matrix_gives():
 
 
 def test_greedy_order_puts_most_new_kills_per_second_first():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kill_matrix
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    kill_matrix = _kill_matrix()
     S = "sdpa"
     kills = {"m1": {(S, "slow_all")}, "m2": {(S, "slow_all"), (S, "cheap")}, "m3": {(S, "slow_all"), (S, "cheap")},
              "m4": {(S, "slow_all"), (S, "rare")}, "m5": {(S, "agree")}}
