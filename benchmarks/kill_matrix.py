@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from conformance.ordering import ORDER_FILE  # noqa: E402
 from conformance.plugin import LEVEL_ORDER, PROFILES  # noqa: E402
 from implementations.mutants import MUTANTS  # noqa: E402
-from mutation_score import _clean_env  # noqa: E402
+from mutation_score import certify_in_process  # noqa: E402
 
 __all__ = ["greedy_order", "main"]
 
@@ -72,25 +71,15 @@ FIRST = ("forward_agreement", "mha_agreement")
 
 def _certify(impls: list[str], profile: str, workdir: Path, timeout_s: float) -> tuple[dict, float]:
     """One pytest process over ``impls``; (spec -> certificate, wall seconds)."""
-    report = workdir / "report"
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--impl=" + ",".join(impls),
-           f"--hypothesis-profile={profile}", "-q", "-p", "no:cacheprovider",
-           "--conformance-report", str(report)]
-    env = dict(_clean_env(), ATTENTION_CONFORMANCE_FAILURES=str(workdir / "failures"))
+    extra, env = [], {}
     if profile == PROFILE:
         (workdir / "kill_matrix_profile.py").write_text(_PROFILE_PLUGIN)
-        cmd += ["-p", "kill_matrix_profile"]
-        env["PYTHONPATH"] = str(workdir) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
-    wall = time.perf_counter() - start
-    json_path = report.with_suffix(".json")
-    if not json_path.exists():
-        raise SystemExit(f"no report from {' '.join(cmd)} (exit code {proc.returncode}):\n"
-                         f"{(proc.stdout + proc.stderr)[-3000:]}")
-    data = json.loads(json_path.read_text())
-    certificates = data["certificates"] if "comparison" in data else [data]
-    return {c["implementation"]["spec"]: c for c in certificates}, wall
+        extra = ["-p", "kill_matrix_profile"]
+        env["PYTHONPATH"] = str(workdir) + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    certificates, wall, code, output = certify_in_process(impls, profile, workdir, timeout_s, extra, env)
+    if not certificates:
+        raise SystemExit(f"no report from --impl={','.join(impls)} (exit code {code}):\n{output}")
+    return certificates, wall
 
 
 def _chunks(items: list[str], n: int) -> list[list[str]]:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from implementations.mutants import MUTANTS, Mutant  # noqa: E402
 
-__all__ = ["Score", "score_mutant", "score_zoo_in_process", "main"]
+__all__ = ["Score", "certify_in_process", "score_mutant", "score_zoo_in_process", "main"]
 
 SIZES = ("B", "N", "K", "L", "S", "E", "Ev")
 #: pytest's exit status when nothing was selected.
@@ -131,31 +131,39 @@ def expected_keyword(mutants: list[Mutant]) -> str:
     return " or ".join(f"test_{m.expected_property}[mutant:{m.name}-" for m in mutants)
 
 
+def certify_in_process(impls: list[str], profile: str, workdir: Path, timeout_s: float,
+                       extra: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
+                       ) -> tuple[dict[str, dict], float, int | None, str]:
+    """``pytest conformance --impl=a,b,...`` in one process in ``workdir``: (each
+    implementation's certificate by its spec, wall seconds, exit code (None: timed out),
+    the output's tail). ``extra``: more pytest arguments; ``env``: more variables."""
+    report = workdir / "report"
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--impl=" + ",".join(impls),
+           f"--hypothesis-profile={profile}", "-q", "-p", "no:cacheprovider",
+           "--conformance-report", str(report), *extra]
+    full_env = dict(_clean_env(), ATTENTION_CONFORMANCE_FAILURES=str(workdir / "failures"), **(env or {}))
+    start = time.perf_counter()
+    code, output = None, ""
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+        code, output = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        output = f"timed out after {timeout_s:.0f} s"
+    wall = time.perf_counter() - start
+    json_path = report.with_suffix(".json")
+    data = json.loads(json_path.read_text()) if json_path.exists() else {"certificates": [], "comparison": None}
+    certificates = data["certificates"] if "comparison" in data else [data]
+    return {c["implementation"]["spec"]: c for c in certificates}, wall, code, output
+
+
 def score_zoo_in_process(mutants: list[Mutant], profile: str, timeout_s: float, *,
                          expected_only: bool = False) -> tuple[list[Score], float, int | None]:
     """Run the suite on every mutant in one pytest process; (scores, process wall
     seconds, exit code). A mutant's ``wall_seconds`` is the time inside its tests."""
+    extra = ["--impl-exitfirst"] + (["-k", expected_keyword(mutants)] if expected_only else [])
     with tempfile.TemporaryDirectory(prefix="mutant-zoo-") as workdir:
-        report = Path(workdir) / "zoo"
-        cmd = [
-            sys.executable, "-m", "pytest", str(ROOT / "conformance"),
-            "--impl=" + ",".join(f"mutant:{m.name}" for m in mutants), f"--hypothesis-profile={profile}",
-            "--impl-exitfirst", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report),
-        ]
-        if expected_only:
-            cmd += ["-k", expected_keyword(mutants)]
-        env = dict(_clean_env(), ATTENTION_CONFORMANCE_FAILURES=str(Path(workdir) / "failures"))
-        start = time.perf_counter()
-        code = None
-        try:
-            code = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            pass
-        wall = time.perf_counter() - start
-        json_path = report.with_suffix(".json")
-        data = json.loads(json_path.read_text()) if json_path.exists() else {"certificates": []}
-    certificates = {c["implementation"]["spec"]: c for c in data["certificates"]}
+        certificates, wall, code, _ = certify_in_process([f"mutant:{m.name}" for m in mutants], profile,
+                                                         Path(workdir), timeout_s, extra)
     scores = []
     for mutant in mutants:
         score = Score(mutant.name, mutant.expected_property, documented_sizes(mutant), exit_code=code)
