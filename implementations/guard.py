@@ -11,7 +11,13 @@ property failures). A guarded call
   in time raises :class:`CallTimedOut`. A thread cannot be killed, so it is left behind
   (:func:`leftover_threads` counts those still running: a pure-Python spin slows
   everything after it; ``pytest --isolate=always`` runs the implementation in a worker
-  process that is killed instead, see ``conformance.isolation``);
+  process that is killed instead, see ``conformance.isolation``). The thread is reused
+  from call to call (a new thread for every call cost 100-250 us a call, most of a
+  tiny case's time: torch sets up its thread-local state afresh in each thread), and
+  it starts each call as a new thread would: the caller's grad mode, and no inference
+  mode, autocast or torch function/dispatch mode left over from an earlier call (a
+  call that leaves one of those on retires its thread, and the next call gets a new
+  one), see :class:`_CallThread`;
 * **captures every exception** the call raises, ``SystemExit`` included, as
   :class:`CallRaised` (``KeyboardInterrupt`` still stops the run);
 * **restores the global state the suite's own arithmetic depends on** when the call
@@ -34,6 +40,7 @@ library, NumPy, and torch when torch is already imported.
 from __future__ import annotations
 
 import contextvars
+import queue
 import random
 import sys
 import threading
@@ -156,6 +163,83 @@ class GlobalState:
             torch.set_grad_enabled(self.torch[0])
 
 
+def _fresh_thread_state() -> bool:
+    """Whether this thread's torch thread-local state is what a new thread starts with
+    (grad mode aside: every call sets the caller's): no inference mode, no autocast,
+    no torch function or dispatch mode on the stack. True without torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    try:
+        if torch.is_inference_mode_enabled():
+            return False
+        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+            return False
+        C = torch._C
+        return C._len_torch_function_stack() == 0 and C._len_torch_dispatch_stack() == 0
+    except Exception:  # noqa: BLE001 - a torch without one of these: trust nothing
+        return False
+
+
+class _CallThread(threading.Thread):
+    """A daemon thread that runs guarded calls one after another.
+
+    ``submit(job)`` hands it a job and returns a lock that is released when the job
+    has run. After each job the thread checks that it is still as a new thread would
+    be (:func:`_fresh_thread_state`): if not it retires (ends) instead of taking the
+    next job. A job whose caller stopped waiting (a timeout) keeps the thread: it is
+    never handed out again (``busy`` stays true while it runs, which is how
+    :func:`leftover_threads` tells it from an idle one).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name=CALL_THREAD_NAME, daemon=True)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
+        self.busy = False
+        self.retired = False
+
+    def submit(self, job: Callable[[], None]) -> threading.Lock:
+        done = threading.Lock()
+        done.acquire()
+        self.busy = True
+        self._jobs.put((job, done))
+        return done
+
+    def run(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()  # never raises: guarded_call's job keeps every exception
+            finally:
+                self.retired = not _fresh_thread_state()
+                self.busy = False
+                done.release()
+            if self.retired:
+                return
+
+
+_idle_threads: list[_CallThread] = []
+_idle_lock = threading.Lock()
+
+
+def _take_call_thread() -> _CallThread:
+    """An idle call thread, or a new one (a call made while another runs gets its own)."""
+    with _idle_lock:
+        while _idle_threads:
+            thread = _idle_threads.pop()
+            if thread.is_alive() and not thread.retired:
+                return thread
+    thread = _CallThread()
+    thread.start()
+    return thread
+
+
+def _return_call_thread(thread: _CallThread) -> None:
+    if not thread.retired:
+        with _idle_lock:
+            _idle_threads.append(thread)
+
+
 def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng: bool = False,
                  **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under the guard (see the module docstring).
@@ -163,7 +247,8 @@ def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng:
     Returns what ``fn`` returns; raises :class:`CallRaised` (``.error`` is the
     exception, chained as the cause) or :class:`CallTimedOut`. ``timeout``: seconds,
     ``0``/``None`` for no limit (the call then runs in the caller's thread); ``rng``:
-    restore the random generators afterwards too.
+    restore the random generators afterwards too. A ``KeyboardInterrupt`` the call
+    raises is raised again in the caller.
     """
     state = GlobalState.capture(rng=rng)
     box: dict[str, Any] = {}
@@ -171,8 +256,8 @@ def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng:
     def run() -> None:
         try:
             box["value"] = fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            raise
+        except KeyboardInterrupt as exc:
+            box["interrupt"] = exc
         except BaseException as exc:  # noqa: BLE001 - everything is the implementation's
             box["error"] = exc
 
@@ -184,15 +269,16 @@ def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng:
                 state.enter_thread()
                 context.run(run)
 
-            worker = threading.Thread(target=in_thread, name=CALL_THREAD_NAME, daemon=True)
-            worker.start()
-            worker.join(timeout)
-            if worker.is_alive():
+            worker = _take_call_thread()
+            if not worker.submit(in_thread).acquire(timeout=timeout):
                 raise CallTimedOut(timeout)
+            _return_call_thread(worker)
         else:
             run()
     finally:
         state.restore()
+    if "interrupt" in box:
+        raise box["interrupt"]
     if "error" in box:
         raise CallRaised(box["error"]) from box["error"]
     return box["value"]
@@ -200,4 +286,5 @@ def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng:
 
 def leftover_threads() -> int:
     """How many guarded calls that timed out are still running in this process."""
-    return sum(1 for t in threading.enumerate() if t.name == CALL_THREAD_NAME and t.is_alive())
+    return sum(1 for t in threading.enumerate()
+               if t.name == CALL_THREAD_NAME and t.is_alive() and getattr(t, "busy", True))

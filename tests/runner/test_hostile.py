@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,6 +94,64 @@ def test_guarded_call_times_out_and_captures_every_exception():
     with pytest.raises(guard.CallRaised, match="SystemExit: 3") as raised:
         guard.guarded_call(sys.exit, 3, timeout=1)
     assert isinstance(raised.value.error, SystemExit)
+
+
+def test_the_call_thread_is_reused_and_starts_each_call_as_a_new_thread():
+    """One thread serves call after call (a new thread a call cost 100-250 us of torch
+    thread set-up); each call still sees what a new thread would: the caller's grad mode,
+    no inference mode, autocast or torch mode left by an earlier call."""
+    def where():
+        return threading.current_thread(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), \
+            torch.is_autocast_enabled("cpu")
+
+    # Thread objects, not idents: a new thread may reuse an ended one's ident.
+    first, grad, inference, autocast = guard.guarded_call(where, timeout=5)
+    assert first is not threading.current_thread() and grad and not inference and not autocast
+    assert guard.guarded_call(where, timeout=5)[0] is first
+    with torch.no_grad():
+        assert guard.guarded_call(where, timeout=5) == (first, False, False, False)
+    assert guard.guarded_call(where, timeout=5) == (first, True, False, False)
+
+    def leaves(mode):
+        mode.__enter__()  # and never leaves it: only a new thread is clean again
+
+    for mode in (torch.inference_mode(), torch.autocast("cpu")):
+        guard.guarded_call(leaves, mode, timeout=5)
+        ident, grad, inference, autocast = guard.guarded_call(where, timeout=5)
+        assert ident is not first and grad and not inference and not autocast
+        first = ident
+    assert not first.busy  # an idle call thread is not a leftover (guard.leftover_threads)
+
+
+def test_a_timed_out_call_keeps_its_thread_and_the_next_call_gets_another():
+    release, hung = threading.Event(), []
+
+    def hangs():
+        hung.append(threading.current_thread())
+        release.wait(30)
+
+    with pytest.raises(guard.CallTimedOut):
+        guard.guarded_call(hangs, timeout=0.1)
+    [thread] = hung
+    running = guard.leftover_threads()
+    assert thread.is_alive() and running >= 1
+    assert guard.guarded_call(threading.current_thread, timeout=5) is not thread
+    release.set()
+    deadline = time.monotonic() + 5
+    while thread.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Done now, and idle: no longer counted (other tests' leftovers may end meanwhile).
+    assert not thread.busy and guard.leftover_threads() <= running - 1
+
+
+def test_a_keyboard_interrupt_the_call_raises_stops_the_caller():
+    def interrupt():
+        raise KeyboardInterrupt
+
+    for timeout in (0, 5):
+        with pytest.raises(KeyboardInterrupt):
+            guard.guarded_call(interrupt, timeout=timeout)
+    assert guard.guarded_call(lambda: "still serving", timeout=5) == "still serving"
 
 
 def test_probe_that_hangs_fails_resolution_within_the_timeout(tmp_path):
