@@ -408,11 +408,15 @@ def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bo
         call_guarded,
     )
 
+    if getattr(record, "picked_call", None) is not None:  # picked in the isolated worker
+        return record.picked_call
     calls = record.failing_calls
     if not calls:
         return _plain_call(record.failing_case), None
-    if isinstance(exc, (ImplementationHung, ImplementationRaised)):
-        return calls[-1], None
+    from conformance.isolation_protocol import IsolatedImplementation
+
+    if isinstance(exc, (ImplementationHung, ImplementationRaised)) or isinstance(target.impl, IsolatedImplementation):
+        return calls[-1], None  # not made again (isolated: only its worker may; it had no answer)
     try:
         picked = first_failing_call(target.impl, calls, invoke=partial(call_guarded, target))
     except Exception:  # noqa: BLE001 - the failure itself must still be reported

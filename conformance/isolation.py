@@ -12,8 +12,12 @@ failures, skip reasons) without ever importing the implementation.
 Protocol, over two pipes of the worker's own (never its stdout): each message is a
 frame ``<u32 header length><u32 payload length><JSON header><.npz payload>``; cases
 travel as NumPy arrays (loaded with ``allow_pickle=False``) plus JSON, so nothing is
-ever unpickled. Requests: ``resolve`` (spec, options, timeout) and ``check``
-(property id, target, case). While a check runs, the worker writes the time each call
+ever unpickled. Requests: ``resolve`` (spec, options, timeout), ``check``
+(property id, target, case; the answer carries the calls the check made, so that
+expected failures are matched on them and a failure's reproducer makes the call that
+failed) and ``annotate`` (for a failure: the shrunk case checked again, diagnosed, and
+the call that alone shows the failure picked, :meth:`Worker.annotate`; the diagnosis
+calls the implementation, which only the worker may do). While a check runs, the worker writes the time each call
 into the implementation started (0 when none runs) into a small shared file, the
 *call clock*; the pytest process reads it between waits, so it enforces the per-call
 timeout itself without being woken by every call: a call that does not return in time,
@@ -73,8 +77,10 @@ from conformance.crash_markers import (
 )
 from conformance.isolation_protocol import (
     CALL_CLOCK,
+    CalledAttrs,
     IsolatedImplementation,
     case_digest,
+    decode_calls,
     decode_case,
     encode_case,
 )
@@ -293,7 +299,7 @@ class Worker:
         hung = (f"{name} did not return within {target.timeout:g}s (per-example timeout, "
                 "--example-timeout); its isolated worker process was killed and a fresh one continues")
         try:
-            reply, _ = self._request(header, arrays, limit=None)
+            reply, reply_arrays = self._request(header, arrays, limit=None)
         except WorkerTimedOut:
             self.close()
             raise runner.ImplementationHung(hung) from None
@@ -307,7 +313,11 @@ class Worker:
                 f"a fresh worker continues{log}"
             ) from None
         if "ratio" in reply:
+            if target.log is not None:
+                target.log.calls.extend(CalledAttrs(attrs) for attrs in reply.get("called", ()))
             return reply["ratio"]
+        if target.log is not None and reply.get("calls"):
+            target.log.calls.extend(decode_calls(reply["calls"], reply_arrays, case))
         if reply.get("failure") == "ImplementationHung":  # the worker's own guard saw it first
             self.close()  # its call thread is still running
             raise runner.ImplementationHung(hung)
@@ -317,3 +327,40 @@ class Worker:
                 cls = runner.PropertyFailure
             raise cls(reply["message"])
         raise RuntimeError(f"the suite raised in the isolated worker: {reply.get('error')}")
+
+    def annotate(self, property_id: str, target: Any, record: Any, first_case: Any = None) -> str:
+        """For a failure of ``record`` (its ``failing_case`` is the shrunk case): the
+        worker checks the case again (after ``first_case``, the failing case before
+        shrinking, when given), diagnoses it and picks the call that alone shows the
+        failure. Sets ``record.causes``, ``record.failing_calls`` and
+        ``record.picked_call`` (the call and whether it alone shows the failure) and
+        returns the diagnosis line. Never raises: a worker that cannot answer gives a
+        ``diagnosis failed`` line and leaves the record as it was."""
+        case = record.failing_case
+        if not self.alive:
+            return "probable cause: (diagnosis failed: the isolated worker process is not running)"
+        meta, arrays = encode_case(case)
+        arrays = {"case/" + k: v for k, v in arrays.items()}
+        header = {"op": "annotate", "property": property_id, "level": target.level, "dtype": target.dtype,
+                  "device": target.device, "timeout": target.timeout, "case": meta, "first": None}
+        if first_case is not None:
+            header["first"], first_arrays = encode_case(first_case)
+            arrays.update({"first/" + k: v for k, v in first_arrays.items()})
+        try:
+            reply, reply_arrays = self._request(header, arrays, limit=self.SUITE_LIMIT)
+        except (WorkerTimedOut, WorkerDied, RuntimeError) as err:
+            self.close()
+            return (f"probable cause: (diagnosis failed: the isolated worker process ended while "
+                    f"diagnosing: {type(err).__name__} {err}; a fresh worker continues)")
+        if "error" in reply:
+            return f"probable cause: (diagnosis failed in the isolated worker: {reply['error'].strip().splitlines()[-1]})"
+        calls = decode_calls(reply["calls"], reply_arrays, case)
+        record.causes = reply["causes"]
+        if calls:
+            record.failing_calls = tuple(calls)
+        if reply["picked"] is not None:
+            record.picked_call = (calls[reply["picked"]], reply["shows"])
+        line = reply["line"]
+        if not reply["failed_again"]:
+            line += " (the case passed when checked again in the worker: the implementation is not deterministic)"
+        return line

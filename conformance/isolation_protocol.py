@@ -37,6 +37,9 @@ __all__ = [
     "case_digest",
     "decode_case",
     "describe_implementation",
+    "CalledAttrs",
+    "decode_calls",
+    "encode_calls",
     "encode_case",
     "read_frame",
     "write_frame",
@@ -120,6 +123,49 @@ def decode_case(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
         return classes[m["__class__"]](**values)
 
     return decode(meta)
+
+
+class CalledAttrs:
+    """What the pytest process keeps of a call a passing example made in the worker:
+    its attributes (``call.attrs()``), which expected failures are matched against."""
+
+    __slots__ = ("_attrs",)
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self._attrs = attrs
+
+    def attrs(self) -> dict[str, Any]:
+        return dict(self._attrs)
+
+
+def encode_calls(calls: list[Any]) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """The calls an example made (replay call specs) as JSON data and arrays, each
+    call's arrays under ``call<i>/`` (the format of a saved failure's call)."""
+    from conformance.failures import _call_meta
+
+    metas, arrays = [], {}
+    for i, call in enumerate(calls):
+        meta, own = _call_meta(call)
+        metas.append(meta)
+        arrays.update({f"call{i}/{name}": value for name, value in own.items()})
+    return metas, arrays
+
+
+def decode_calls(metas: list[dict[str, Any]], arrays: dict[str, np.ndarray],
+                 case: Any = None) -> list[Any]:
+    """The calls :func:`encode_calls` encoded; a call on the very contents of ``case``
+    is given ``case`` itself (a call spec is "as drawn" only on its case object)."""
+    from conformance.failures import _call_from
+
+    digest = case_digest(case) if case is not None else None
+    calls = []
+    for i, meta in enumerate(metas):
+        prefix = f"call{i}/"
+        call = _call_from(meta, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+        if digest is not None and case_digest(call.case) == digest:
+            call = dataclasses.replace(call, case=case)
+        calls.append(call)
+    return calls
 
 
 def case_digest(case: Any) -> str:

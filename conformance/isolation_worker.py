@@ -1,7 +1,8 @@
 """The isolated worker process: ``python -m conformance.isolation_worker REQUEST_FD REPLY_FD CLOCK_FD``.
 
 It resolves ``--impl`` itself (probing included) when asked to, then runs each
-example's whole check on the case it is sent, with every call into the
+example's whole check on the case it is sent (answering with the calls it made), and,
+for a failure, the diagnosis and the choice of the reproducer's call (``annotate``), with every call into the
 implementation on the call clock (:func:`_on_the_clock`), and answers each request
 with one frame (:mod:`conformance.isolation_protocol`). :class:`~conformance.isolation.Worker`
 starts it and reads its answers.
@@ -14,12 +15,14 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from functools import partial
+from typing import Any, Iterator
 
 from conformance.isolation_protocol import (
     CALL_CLOCK,
     decode_case,
     describe_implementation,
+    encode_calls,
     read_frame,
     write_frame,
 )
@@ -42,6 +45,7 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
     import functools
 
     from conformance import runner
+    from conformance.call_specs import CallLog
     from implementations import registry
 
     checks = runner.registered_checks()
@@ -61,17 +65,81 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
             write_frame(reply_fd, {"implementation": describe_implementation(impl)})
         elif header["op"] == "check":
             assert impl is not None, "check before resolve"
+            log = CallLog()
             target = runner.Target(impl, header["level"], header["dtype"], header["device"],
-                                   header["timeout"], watch=watch)
+                                   header["timeout"], watch=watch, log=log)
             try:
                 case = decode_case(header["case"], arrays)
                 ratio = checks[header["property"]](target, case)
             except runner.PropertyFailure as exc:
-                write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc)})
+                # The calls as made: expected failures match them, the reproducer makes one.
+                calls, call_arrays = encode_calls(log.calls)
+                write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc),
+                                       "calls": calls}, call_arrays)
             except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
                 write_frame(reply_fd, {"error": "".join(traceback.format_exception(exc))[-4000:]})
             else:
-                write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio)})
+                write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio),
+                                       "called": [call.attrs() for call in log.calls]})
+        elif header["op"] == "annotate":
+            assert impl is not None, "annotate before resolve"
+            try:
+                write_frame(reply_fd, *_annotate(impl, checks, header, arrays, watch))
+            except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
+                write_frame(reply_fd, {"error": "".join(traceback.format_exception(exc))[-4000:]})
+
+
+def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays: dict[str, Any],
+              watch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the pytest process cannot work out without calling the implementation, for
+    a failure: the property's check made again on the shrunk case (and first on the
+    failing case before shrinking, whose calls break ties) with the calls observed, the
+    diagnosis of those calls (``diagnosis.diagnose``), and which call alone shows the
+    failure (``call_reports.first_failing_call``, for the reproducer)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from conformance import diagnosis, runner
+    from conformance.call_reports import first_failing_call
+    from conformance.call_specs import CallLog
+
+    check = checks[header["property"]]
+    target = runner.Target(impl, header["level"], header["dtype"], header["device"],
+                           header["timeout"], watch=watch)
+
+    def own(prefix: str) -> dict[str, Any]:
+        return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+    case = decode_case(header["case"], own("case/"))
+    first = decode_case(header["first"], own("first/")) if header.get("first") else None
+    record = SimpleNamespace(failing_case=first if first is not None else case)
+    if first is not None:
+        diagnosis.start_example(first, record)
+        try:
+            check(replace(target, log=CallLog()), first)
+        except runner.PropertyFailure:
+            pass
+    diagnosis.start_example(case, record)  # keeps the one before as the first failure
+    record.failing_case = case
+    log = CallLog()
+    failure: runner.PropertyFailure | None = None
+    try:
+        check(replace(target, log=log), case)
+    except runner.PropertyFailure as exc:
+        failure = exc
+    try:
+        verdict = diagnosis.diagnose(target, record, failure)
+        causes, line = verdict.causes, verdict.line
+    except Exception as err:  # noqa: BLE001 - a diagnosis must never mask the failure
+        causes, line = [], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})"
+    picked = shows = None
+    if log.calls and failure is not None and not isinstance(
+            failure, (runner.ImplementationHung, runner.ImplementationRaised)):
+        found = first_failing_call(impl, log.calls, invoke=partial(runner.call_guarded, target))
+        picked, shows = (log.calls.index(found[0]), True) if found is not None else (len(log.calls) - 1, False)
+    calls, call_arrays = encode_calls(log.calls)
+    return ({"causes": causes, "line": line, "calls": calls, "picked": picked, "shows": shows,
+             "failed_again": failure is not None}, call_arrays)
 
 
 def main(argv: list[str]) -> int:

@@ -193,13 +193,16 @@ class Record:
     called: dict[str, Any] | None = None
     #: Per expected-failure entry of this property: index, hits, covered passes.
     expected_failures: list[dict[str, Any]] = field(default_factory=list)
+    #: The call the reproducer makes and whether it alone shows the failure, when the
+    #: isolated worker picked it (``isolation.Worker.annotate``); None: picked here.
+    picked_call: tuple[Any, bool | None] | None = field(default=None, repr=False)
     #: Timed-out calls whose threads were still running when the test ended (thread mode).
     leftover_threads: int = 0
     isolated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(dataclasses.replace(self, failing_case=None, failing_calls=()))
-        del d["failing_case"], d["failing_calls"]
+        d = dataclasses.asdict(dataclasses.replace(self, failing_case=None, failing_calls=(), picked_call=None))
+        del d["failing_case"], d["failing_calls"], d["picked_call"]
         return d
 
 
@@ -207,14 +210,16 @@ def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: A
     """Call into the implementation: exceptions and hangs become property failures.
 
     Goes through :func:`implementations.guard.guarded_call`: the call runs in a
-    daemon thread so that a hang fails the property after ``target.timeout`` seconds
-    (the thread cannot be killed and is left behind, counted on the certificate),
-    every exception is captured, and the global NumPy and torch settings the suite
-    computes under are restored afterwards. In an isolated worker (``target.watch``)
-    the pytest process also watches the call, and kills the worker when it hangs.
-    (The call runs in a thread there too: torch's intra-op threads, started afresh
-    for each call thread, ran 2-3x faster on a busy 2-core machine than reused by
-    the worker's main thread.)
+    daemon call thread (reused from call to call) so that a hang fails the property
+    after ``target.timeout`` seconds (that thread cannot be killed and is left
+    behind, counted on the certificate), every exception is captured, and the global
+    NumPy and torch settings the suite computes under are restored afterwards. In an
+    isolated worker (``target.watch``) the pytest process also watches the call, and
+    kills the worker when it hangs. (The call runs in a call thread there too: with a
+    new thread a call, torch's intra-op threads ran 2-3x faster on a busy 2-core
+    machine than reused by the worker's main thread; the reused call thread is
+    faster than both: ``--isolate=always`` sdpa under ci, float64 and float16,
+    9.3 s against 10.1 s.)
     """
     try:
         if target.watch is not None:
@@ -423,7 +428,7 @@ def conformance_property(
                 record.failing_case = first_case if first_case is not None else record.failing_case
                 record.worst_ratio = failing_ratio[0]
                 record.expected_failures = ledger.summary()
-                diagnosis.annotate(exc, target, record)
+                diagnose(exc, property_id, target, record, owner)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was
@@ -455,6 +460,35 @@ def conformance_property(
         return test
 
     return decorate
+
+
+def diagnose(exc: BaseException, property_id: str, target: Target, record: Record, owner: Any) -> None:
+    """The probable cause of ``record``'s failure (``diagnosis.annotate``). With an
+    isolated implementation (``owner.isolation``) only its worker may call it: the
+    worker checks the shrunk case again there, diagnoses it and picks the reproducer's
+    call (``isolation.Worker.annotate``), unless the implementation raised, hung or
+    crashed (then there is no output to diagnose, and nothing is called)."""
+    from conformance import diagnosis
+    from conformance.diagnosis_observe import _FIRST_FAILURE
+
+    if owner.isolation is None or record.failing_case is None or _broke(exc):
+        diagnosis.annotate(exc, target, record)
+        return
+    first = _FIRST_FAILURE.get()
+    first_case = (first.case if first is not None and first.record is record
+                  and first.case is not record.failing_case else None)
+    line = owner.isolation.annotate(property_id, target, record, first_case)
+    try:
+        exc.add_note(line)
+    except Exception:  # noqa: BLE001 - the failure itself must come through
+        pass
+
+
+def _broke(exc: BaseException) -> bool:
+    """The implementation raised, hung or crashed (no output to diagnose)."""
+    if isinstance(exc, (ImplementationRaised, ImplementationHung, ImplementationCrashed)):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and any(_broke(e) for e in exc.exceptions)
 
 
 def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:

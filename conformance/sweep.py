@@ -8,7 +8,9 @@ and certificate cell (examples = sizes visited), expected failures, saved
 failing case with its reproducer, and ``--replay`` of that case.
 
 A sweep is ``run(target, sweep)``: it calls the implementation through
-``runner.call_guarded``, reports each visited size with :meth:`Sweep.visited`, asks
+``runner.call_guarded`` (or, when the implementation runs in an isolated worker
+process, ``sweep.isolated``, has each case checked whole there by :meth:`Sweep.check`:
+only the worker may call it), reports each visited size with :meth:`Sweep.visited`, asks
 :meth:`Sweep.out_of_time` before each, and on a failure raises the
 :class:`~conformance.compare.PropertyFailure` of the smallest failing case after
 :meth:`Sweep.failing` (which saves that case; a case an expected failure covers is
@@ -25,11 +27,14 @@ import pytest
 
 from conformance.compare import PropertyFailure
 from conformance.runner import (
+    _CHECKS,  # each property's one-case check (runner.registered_checks; the isolated worker's)
     _PROPERTIES,  # the one property registry (runner.registered_properties)
     PropertyInfo,
     Record,
     Target,
+    _check_example,
     _target_skip_reasons,
+    diagnose,
     subject_of,
 )
 from conformance.session import Session
@@ -39,18 +44,32 @@ __all__ = ["Sweep", "sweep_property"]
 
 class Sweep:
     """What one sweep test reports into: sizes visited, headroom, expected failures,
-    the failing case, and its time budget (``budget_s`` seconds per target)."""
+    the failing case, and its time budget (``budget_s`` seconds per target).
+    ``check(case)`` runs the property's one-case check on ``case`` where the
+    implementation runs (in its isolated worker process when ``isolated``)."""
 
-    def __init__(self, property_id: str, target: Target, record: Record, budget_s: float) -> None:
+    def __init__(self, property_id: str, target: Target, record: Record, budget_s: float,
+                 check: Callable[[Target, Any], float | None] | None = None,
+                 session: Session | None = None) -> None:
         self.property_id = property_id
         self.target = target
         self.record = record
         self.budget_s = budget_s
+        self._check = check
+        self._session = session
+        self.isolated = session is not None and subject_of(session, target).isolation is not None
         self.started = time.perf_counter()
         self.entries = [e for e in target.impl.expected_failures
                         if e.property in ("*", property_id)]
         self.covered_passes = [0] * len(self.entries)
         self.hits = [0] * len(self.entries)
+
+    def check(self, case: Any) -> float | None:
+        """The property's check of one ``case`` (its ratio; raises its PropertyFailure),
+        in the isolated worker when there is one; a case that hung or crashed before
+        fails fast (``runner._check_example``)."""
+        assert self._check is not None and self._session is not None, "a Sweep made without its check"
+        return _check_example(self._session, self.property_id, self._check, self.target, case)
 
     def out_of_time(self) -> bool:
         return time.perf_counter() - self.started > self.budget_s
@@ -111,9 +130,10 @@ def sweep_property(
     def decorate(run: Callable[[Target, Sweep], None]) -> Callable[..., None]:
         _PROPERTIES[property_id] = PropertyInfo(property_id, level, section,
                                                 (run.__doc__ or "").strip(), 1.0)
+        _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import diagnosis, failures
+            from conformance import failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
@@ -128,7 +148,7 @@ def sweep_property(
                 record.outcome = "skipped"
                 record.reason = "; ".join(reasons)
                 pytest.skip(record.reason)
-            sweep = Sweep(property_id, target, record, budget_s)
+            sweep = Sweep(property_id, target, record, budget_s, check, conformance_session)
             replay = conformance_session.replay
             try:
                 if replay is not None:
@@ -137,7 +157,7 @@ def sweep_property(
                         pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
                     sweep.failing(replay.case)
                     record.examples += 1
-                    ratio = check(target, replay.case)
+                    ratio = sweep.check(replay.case)
                     record.worst_ratio = None if ratio is None else float(ratio)
                     record.failing_case = None
                 else:
@@ -145,8 +165,8 @@ def sweep_property(
             except PropertyFailure as exc:
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"
-                diagnosis.annotate(exc, target, record)
                 owner = subject_of(conformance_session, target)
+                diagnose(exc, property_id, target, record, owner)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 raise

@@ -254,11 +254,17 @@ def _sweep(target: Target, sweep: Sweep) -> None:
                  if smallest is None or (L + S, L) < smallest[0]]
         position += chunk
         started = time.perf_counter()
-        outputs = pool.call_many(target, layouts, sizes) if sizes else []
-        # Calls of one chunk share one thread hand-off; grow it while a chunk is fast.
+        # Isolated, each case is checked whole in the worker process (it alone may call
+        # the implementation); else the calls of one chunk share one guarded call.
+        outputs = (pool.call_many(target, layouts, sizes) if sizes and not sweep.isolated
+                   else [None] * len(sizes))
+        # Grow the chunk while a chunk is fast.
         chunk = min(chunk * 2, MAX_CHUNK) if time.perf_counter() - started < 0.5 else max(1, chunk // 2)
         for (L, S), row in zip(sizes, outputs, strict=True):
-            failure = _check_size(target, sweep, pool, layouts, L, S, row)
+            if sweep.isolated:
+                failure = _check_size_isolated(sweep, pool, layouts, L, S)
+            else:
+                failure = _check_size(target, sweep, pool, layouts, L, S, row)
             if failure is not None:
                 smallest = ((L + S, L), *failure)
                 break
@@ -271,6 +277,23 @@ def _sweep(target: Target, sweep: Sweep) -> None:
         sweep.failing(case)
         raise type(exc)(f"{exc}\nsmallest failing size of the sweep: L={case.L}, S={case.S} "
                         f"({case.notes[0].split(': ', 1)[1]})") from exc
+
+
+def _check_size_isolated(sweep: Sweep, pool: _Pool, layouts: list[_Layout], L: int,
+                         S: int) -> tuple[SDPACase, PropertyFailure] | None:
+    """:func:`_check_size` for an isolated implementation: each layout's case through
+    :func:`_check_case` in the worker (``Sweep.check``)."""
+    worst, cases = 0.0, tuple(pool.case(sweep.target, layout, L, S) for layout in layouts)
+    for case in cases:
+        try:
+            ratio = sweep.check(case)
+        except PropertyFailure as exc:
+            if sweep.expected(case):
+                continue
+            return case, exc
+        worst = max(worst, ratio or 0.0)
+    sweep.visited(worst, cases if sweep.entries else ())
+    return None
 
 
 def _check_size(target: Target, sweep: Sweep, pool: _Pool, layouts: list[_Layout], L: int, S: int,

@@ -62,3 +62,19 @@ def test_the_correct_computation_passes_every_size(tmp_path):
         r = results[dtype]
         assert r["outcome"] == "passed" and 0 <= r["worst_ratio"] < 1, (dtype, r)
         assert r["examples"] > 0 and f"visited {r['examples']} of 1089 sizes" in r["reason"]
+
+
+def test_an_isolated_implementation_is_swept_in_its_worker(tmp_path):
+    """--isolate=always: only the worker process may call the implementation, so each
+    size's cases are checked there; the correct one passes, the bug's size is found
+    and its saved case replays (in a worker too)."""
+    proc, results = sweep("math_impl", tmp_path, "--isolate=always", "--dtype=float64")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert results["float64"]["outcome"] == "passed" and results["float64"]["examples"] == 33 * 33
+    proc, results = sweep("scaled_at_one_size_impl", tmp_path, "--isolate=always", "--dtype=float32")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    r = results["float32"]
+    assert (r["counterexample"]["L"], r["counterexample"]["S"]) == (7, 13), r["counterexample"]
+    assert "smallest failing size of the sweep: L=7, S=13" in proc.stdout
+    again, _ = sweep("scaled_at_one_size_impl", tmp_path, "--isolate=always", f"--replay={r['failure_file']}")
+    assert again.returncode == 1 and "1 failed" in again.stdout, again.stdout[-3000:]
