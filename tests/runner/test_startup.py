@@ -26,20 +26,24 @@ _PROBE = """\
 import gc, json, sys
 import pytest
 code = pytest.main([{conformance!r}, "--impl=spec", "--co", "-q", "-p", "no:cacheprovider"])
-loader = type(getattr(sys.modules.get("hypothesis"), "__loader__", None)).__name__
-print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader,
+def loader(name):
+    return type(getattr(sys.modules.get(name), "__loader__", None)).__name__
+own = {{name: loader(name) for name in ("spec", "implementations.guard", "conformance.runner",
+                                       "conformance.test_sdpa_agreement")}}
+print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader("hypothesis"), "own_loaders": own,
                               "ml_dtypes": "ml_dtypes" in sys.modules, "frozen": gc.get_freeze_count()}}))
 """
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict:
+def probe() -> dict:
     """What one ``pytest conformance --impl=spec --co`` in a fresh interpreter left behind
     (a run of its own, as from a shell: without the outer pytest's settings)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    # From the checkout's root, as a user of a checkout runs it: pytest marks more for
+    # rewriting there (the project's own packages, found from the working directory).
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(conformance=str(ROOT / "conformance"))],
-                          cwd=tmp_path_factory.mktemp("probe"), env=env, capture_output=True, text=True,
-                          timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"no probe line (exit code {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
     found = json.loads(lines[-1][len("PROBE "):])
@@ -67,6 +71,17 @@ def test_hypothesis_is_imported_without_assertion_rewriting(probe):
     # pytest would compile each of Hypothesis' modules from source in every run that
     # cannot cache rewritten bytecode; the suite takes them off the rewrite list.
     assert probe["hypothesis_loader"] == "SourceFileLoader", probe
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="the package is not installed: its pytest11 "
+                    "entry point (conformance/activation.py) is what switches the rewriting off")
+def test_the_projects_own_modules_are_imported_without_assertion_rewriting(probe):
+    # pytest marks every module of a distribution with a pytest11 entry point for
+    # rewriting, which compiles each from source where no bytecode can be cached
+    # (ignoring what pip compiled); the suite's collected test modules stay rewritten.
+    loaders = probe["own_loaders"]
+    assert {loaders[n] for n in ("spec", "implementations.guard", "conformance.runner")} == {"SourceFileLoader"}, loaders
+    assert loaders["conformance.test_sdpa_agreement"] == "AssertionRewritingHook", loaders
 
 
 def test_collection_does_not_import_ml_dtypes(probe):
