@@ -208,10 +208,12 @@ class _CallThread(threading.Thread):
     def run(self) -> None:
         while True:
             job, done = self._jobs.get()
+            clean = False
             try:
-                job()  # never raises: guarded_call's job keeps every exception
+                job()  # guarded_call's job keeps every exception; should one escape, the
+                clean = _fresh_thread_state()  # thread ends and is never handed out again
             finally:
-                self.retired = not _fresh_thread_state()
+                self.retired = not clean
                 self.busy = False
                 done.release()
             if self.retired:
