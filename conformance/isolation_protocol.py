@@ -38,7 +38,9 @@ __all__ = [
     "decode_case",
     "describe_implementation",
     "CalledAttrs",
+    "decode_attrs",
     "decode_calls",
+    "encode_attrs",
     "encode_calls",
     "encode_case",
     "read_frame",
@@ -125,14 +127,43 @@ def decode_case(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
     return decode(meta)
 
 
+def _tagged(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return {"__tuple__": [_tagged(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [_tagged(v) for v in sorted(value, key=repr)]}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _untagged(value: Any) -> Any:
+    if isinstance(value, dict) and "__tuple__" in value:
+        return tuple(_untagged(v) for v in value["__tuple__"])
+    if isinstance(value, dict) and "__set__" in value:
+        return {_untagged(v) for v in value["__set__"]}
+    return value
+
+
+def encode_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """A call's attributes as JSON data that :func:`decode_attrs` gives back with the
+    same types (tuples and sets stay tuples and sets: expected failures compare them)."""
+    return {key: _tagged(value) for key, value in attrs.items()}
+
+
+def decode_attrs(data: dict[str, Any]) -> dict[str, Any]:
+    return {key: _untagged(value) for key, value in data.items()}
+
+
 class CalledAttrs:
     """What the pytest process keeps of a call a passing example made in the worker:
-    its attributes (``call.attrs()``), which expected failures are matched against."""
+    its attributes (``call.attrs()``, sent through :func:`encode_attrs`), which
+    expected failures are matched against."""
 
     __slots__ = ("_attrs",)
 
     def __init__(self, attrs: dict[str, Any]) -> None:
-        self._attrs = attrs
+        self._attrs = decode_attrs(attrs)
 
     def attrs(self) -> dict[str, Any]:
         return dict(self._attrs)

@@ -22,6 +22,7 @@ from conformance.isolation_protocol import (
     CALL_CLOCK,
     decode_case,
     describe_implementation,
+    encode_attrs,
     encode_calls,
     read_frame,
     write_frame,
@@ -80,7 +81,7 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
                 write_frame(reply_fd, {"error": "".join(traceback.format_exception(exc))[-4000:]})
             else:
                 write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio),
-                                       "called": [call.attrs() for call in log.calls]})
+                                       "called": [encode_attrs(call.attrs()) for call in log.calls]})
         elif header["op"] == "annotate":
             assert impl is not None, "annotate before resolve"
             try:

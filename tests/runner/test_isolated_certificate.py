@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,3 +61,22 @@ def test_an_isolated_failure_reads_as_an_in_process_one(mutant, named, tmp_path)
         assert there[failed]["called"] is not None  # the reproducer makes the backward call
     assert "diagnosis failed" not in there[failed]["message"]
     assert "only in its isolated worker" not in there[failed]["message"]
+
+
+def test_call_attributes_cross_to_the_pytest_process_with_their_types():
+    """Expected failures compare call attributes: a flash call's window (a tuple) and
+    features (a set) must not come back as lists."""
+    from conformance.isolation_protocol import CalledAttrs, encode_attrs, read_frame, write_frame
+
+    attrs = {"level": "flash", "window": (7, 0), "flash_features": {"window", "alibi"}, "L": np.int64(3),
+             "scale": None, "causal": "lower_right", "nested": ((1, 2), 3)}
+    r, w = os.pipe()
+    try:
+        write_frame(w, {"called": [encode_attrs(attrs)]})
+        header, _ = read_frame(r)
+    finally:
+        os.close(r)
+        os.close(w)
+    got = CalledAttrs(header["called"][0]).attrs()
+    assert got == attrs and {k: type(v) for k, v in got.items()} == {
+        **{k: type(v) for k, v in attrs.items()}, "L": int}
