@@ -38,7 +38,10 @@ MEASURED_SECONDS = {
     "tests/runner/test_declarations.py::*": 6,
     "tests/runner/test_multiple_impls.py::*": 7,
     "tests/runner/test_runner_cli.py::*": 5,
+    "tests/runner/test_sweep.py::test_an_isolated_implementation_is_swept_in_its_worker": 17,
     "tests/runner/test_sweep.py::*": 5,
+    "tests/runner/test_isolated_certificate.py::test_expected_failures_matched*": 20,
+    "tests/runner/test_isolated_certificate.py::test_an_isolated_failure*": 10,
     "tests/runner/test_regime_coverage.py::*": 12,
     "tests/test_installed_plugin.py::*": 6,
 }
