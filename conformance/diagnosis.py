@@ -137,7 +137,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     calls = list(example.calls) if example is not None and example.case is case else []
     if not calls:
         if exc is not None and _implementation_broke(exc):
-            return _unknown("the implementation raised or hung, so there is no output to compare")
+            return _unknown("the implementation raised, hung or crashed, so there is no output to compare")
         calls = [_call_once(target, case)]
     verdict = _verdict(target, calls)
     first = _FIRST_FAILURE.get()
@@ -207,9 +207,10 @@ def _fits_note(cases: list[str]) -> str:
 
 
 def _implementation_broke(exc: BaseException) -> bool:
-    from conformance.runner import ImplementationHung, ImplementationRaised
+    """The implementation raised, hung or crashed its worker: there is no output to read."""
+    from conformance.runner import ImplementationCrashed, ImplementationHung, ImplementationRaised
 
-    if isinstance(exc, (ImplementationHung, ImplementationRaised)):
+    if isinstance(exc, (ImplementationHung, ImplementationRaised, ImplementationCrashed)):
         return True
     return isinstance(exc, BaseExceptionGroup) and any(_implementation_broke(e) for e in exc.exceptions)
 

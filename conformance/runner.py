@@ -471,7 +471,7 @@ def diagnose(exc: BaseException, property_id: str, target: Target, record: Recor
     from conformance import diagnosis
     from conformance.diagnosis_observe import _FIRST_FAILURE
 
-    if owner.isolation is None or record.failing_case is None or _broke(exc):
+    if owner.isolation is None or record.failing_case is None or diagnosis._implementation_broke(exc):
         diagnosis.annotate(exc, target, record)
         return
     first = _FIRST_FAILURE.get()
@@ -482,13 +482,6 @@ def diagnose(exc: BaseException, property_id: str, target: Target, record: Recor
         exc.add_note(line)
     except Exception:  # noqa: BLE001 - the failure itself must come through
         pass
-
-
-def _broke(exc: BaseException) -> bool:
-    """The implementation raised, hung or crashed (no output to diagnose)."""
-    if isinstance(exc, (ImplementationRaised, ImplementationHung, ImplementationCrashed)):
-        return True
-    return isinstance(exc, BaseExceptionGroup) and any(_broke(e) for e in exc.exceptions)
 
 
 def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:

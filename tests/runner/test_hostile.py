@@ -247,6 +247,9 @@ def test_crash_in_isolated_mode_fails_the_property_with_the_case_saved(tmp_path,
         assert r["outcome"] == "failed" and r["isolated"]
         assert "ended its isolated worker process during a call into it" in r["message"] and how in r["message"]
         assert Path(r["failure_file"]).exists() and r["counterexample"]["L"] >= 2
+    # Nothing to diagnose, and nothing called to find out (only the worker may call it).
+    assert "raised, hung or crashed, so there is no output" in proc.stdout
+    assert "diagnosis failed" not in proc.stdout
     assert attr in (tmp_path / "state" / "crashes.json").read_text()
     assert proc.seconds < 180
 
