@@ -107,18 +107,32 @@ class Verdict:
     call: Any = field(default=None, compare=False, repr=False)
 
 
-def annotate(exc: BaseException, target: Any, record: Any) -> None:
+def annotate(exc: BaseException, target: Any, record: Any, *, property_id: str = "",
+             isolation: Any = None) -> None:
     """Diagnose the failure ``exc`` of ``record`` (its ``failing_case`` is the shrunk
     case): set ``record.causes`` and add the ``probable cause:`` line to ``exc``.
-    Never raises."""
+    Never raises. With ``isolation`` (the implementation's isolated worker, which alone
+    may call it) the worker checks the shrunk case of ``property_id`` again, diagnoses
+    it and picks the reproducer's call (``isolation.Worker.annotate``), unless the
+    implementation raised, hung or crashed (no output to diagnose, nothing called)."""
+    if isolation is not None and record.failing_case is not None and not _implementation_broke(exc):
+        first = _FIRST_FAILURE.get()
+        first_case = (first.case if first is not None and first.record is record
+                      and first.case is not record.failing_case else None)
+        line = isolation.annotate(property_id, target, record, first_case)
+    else:
+        try:
+            verdict = diagnose(target, record, exc)
+        except Exception as err:  # noqa: BLE001 - a diagnosis must never mask the failure
+            verdict = Verdict([], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})")
+        line = verdict.line
+        try:
+            record.causes = verdict.causes
+        except Exception:  # noqa: BLE001 - same: the failure itself must come through
+            pass
     try:
-        verdict = diagnose(target, record, exc)
-    except Exception as err:  # noqa: BLE001 - a diagnosis must never mask the failure
-        verdict = Verdict([], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})")
-    try:
-        record.causes = verdict.causes
         if hasattr(exc, "add_note"):
-            exc.add_note(verdict.line)
+            exc.add_note(line)
     except Exception:  # noqa: BLE001 - same: the failure itself must come through
         pass
 

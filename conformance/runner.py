@@ -428,7 +428,7 @@ def conformance_property(
                 record.failing_case = first_case if first_case is not None else record.failing_case
                 record.worst_ratio = failing_ratio[0]
                 record.expected_failures = ledger.summary()
-                diagnose(exc, property_id, target, record, owner)
+                diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was
@@ -460,28 +460,6 @@ def conformance_property(
         return test
 
     return decorate
-
-
-def diagnose(exc: BaseException, property_id: str, target: Target, record: Record, owner: Any) -> None:
-    """The probable cause of ``record``'s failure (``diagnosis.annotate``). With an
-    isolated implementation (``owner.isolation``) only its worker may call it: the
-    worker checks the shrunk case again there, diagnoses it and picks the reproducer's
-    call (``isolation.Worker.annotate``), unless the implementation raised, hung or
-    crashed (then there is no output to diagnose, and nothing is called)."""
-    from conformance import diagnosis
-    from conformance.diagnosis_observe import _FIRST_FAILURE
-
-    if owner.isolation is None or record.failing_case is None or diagnosis._implementation_broke(exc):
-        diagnosis.annotate(exc, target, record)
-        return
-    first = _FIRST_FAILURE.get()
-    first_case = (first.case if first is not None and first.record is record
-                  and first.case is not record.failing_case else None)
-    line = owner.isolation.annotate(property_id, target, record, first_case)
-    try:
-        exc.add_note(line)
-    except Exception:  # noqa: BLE001 - the failure itself must come through
-        pass
 
 
 def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:

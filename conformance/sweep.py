@@ -34,7 +34,6 @@ from conformance.runner import (
     Target,
     _check_example,
     _target_skip_reasons,
-    diagnose,
     subject_of,
 )
 from conformance.session import Session
@@ -133,7 +132,7 @@ def sweep_property(
         _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import failures
+            from conformance import diagnosis, failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
@@ -166,7 +165,7 @@ def sweep_property(
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"
                 owner = subject_of(conformance_session, target)
-                diagnose(exc, property_id, target, record, owner)
+                diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 raise
