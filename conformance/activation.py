@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["PLUGIN", "hypothesis_without_assertion_rewriting", "suite_requested"]
+__all__ = ["PLUGIN", "without_assertion_rewriting", "suite_requested"]
 
 #: The module registered when the suite is asked for (and its plugin name).
 PLUGIN = "conformance.plugin"
@@ -72,7 +72,7 @@ def suite_requested(args: Sequence[str], invocation_dir: Path | str = ".") -> bo
 _NOT_REWRITTEN = ("hypothesis", "_hypothesis_globals", "conformance", "implementations", "spec")
 
 
-def hypothesis_without_assertion_rewriting(config: pytest.Config) -> bool:
+def without_assertion_rewriting(config: pytest.Config) -> bool:
     """Take Hypothesis' and this project's modules (:data:`_NOT_REWRITTEN`) off pytest's
     assertion-rewriting list, before Hypothesis is imported; True when done. Reaches
     into pytest's import hook (``rewrite_hook``, ``_must_rewrite``), so anything
@@ -96,7 +96,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
                                   args: list[str]):
     requested = suite_requested(args, early_config.invocation_params.dir)
     if requested:
-        hypothesis_without_assertion_rewriting(early_config)
+        without_assertion_rewriting(early_config)
     # After the initial conftest.py files: options they register (a project's own
     # --device) are seen by the plugin, which then keeps only --conformance-device.
     result = yield

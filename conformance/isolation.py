@@ -75,6 +75,7 @@ from conformance.crash_markers import (
     record_crash,
     state_dir,
 )
+from conformance.expectations import ExpectedFailureLedger
 from conformance.isolation_protocol import (
     CALL_CLOCK,
     CalledAttrs,
@@ -83,6 +84,7 @@ from conformance.isolation_protocol import (
     decode_calls,
     decode_case,
     encode_case,
+    prefixed,
 )
 from conformance.isolation_protocol import read_frame as _read_frame
 from conformance.isolation_protocol import write_frame as _write_frame
@@ -293,8 +295,11 @@ class Worker:
                     f"time): {err}"
                 ) from None
         meta, arrays = encode_case(case)
+        # Passing calls' attributes only matter to expected failures of this property
+        # (--xfail-file's included: they are added here, not in the worker).
+        attrs = bool(ExpectedFailureLedger(target.impl.expected_failures, property_id))
         header = {"op": "check", "property": property_id, "level": target.level, "dtype": target.dtype,
-                  "device": target.device, "timeout": target.timeout, "case": meta}
+                  "device": target.device, "timeout": target.timeout, "case": meta, "attrs": attrs}
         name = target.impl.name
         hung = (f"{name} did not return within {target.timeout:g}s (per-example timeout, "
                 "--example-timeout); its isolated worker process was killed and a fresh one continues")
@@ -340,12 +345,12 @@ class Worker:
         if not self.alive:
             return "probable cause: (diagnosis failed: the isolated worker process is not running)"
         meta, arrays = encode_case(case)
-        arrays = {"case/" + k: v for k, v in arrays.items()}
+        arrays = prefixed(arrays, "case/")
         header = {"op": "annotate", "property": property_id, "level": target.level, "dtype": target.dtype,
                   "device": target.device, "timeout": target.timeout, "case": meta, "first": None}
         if first_case is not None:
             header["first"], first_arrays = encode_case(first_case)
-            arrays.update({"first/" + k: v for k, v in first_arrays.items()})
+            arrays.update(prefixed(first_arrays, "first/"))
         try:
             reply, reply_arrays = self._request(header, arrays, limit=self.SUITE_LIMIT)
         except (WorkerTimedOut, WorkerDied, RuntimeError) as err:

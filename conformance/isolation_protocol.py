@@ -43,7 +43,9 @@ __all__ = [
     "encode_attrs",
     "encode_calls",
     "encode_case",
+    "prefixed",
     "read_frame",
+    "unprefixed",
     "write_frame",
 ]
 
@@ -169,6 +171,16 @@ class CalledAttrs:
         return dict(self._attrs)
 
 
+def prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """``arrays`` with each name under ``prefix`` (several groups in one frame)."""
+    return {prefix + name: value for name, value in arrays.items()}
+
+
+def unprefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays of one group :func:`prefixed` put under ``prefix``, named as before."""
+    return {name[len(prefix):]: value for name, value in arrays.items() if name.startswith(prefix)}
+
+
 def encode_calls(calls: list[Any]) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """The calls an example made (replay call specs) as JSON data and arrays, each
     call's arrays under ``call<i>/`` (the format of a saved failure's call)."""
@@ -178,7 +190,7 @@ def encode_calls(calls: list[Any]) -> tuple[list[dict[str, Any]], dict[str, np.n
     for i, call in enumerate(calls):
         meta, own = _call_meta(call)
         metas.append(meta)
-        arrays.update({f"call{i}/{name}": value for name, value in own.items()})
+        arrays.update(prefixed(own, f"call{i}/"))
     return metas, arrays
 
 
@@ -191,8 +203,7 @@ def decode_calls(metas: list[dict[str, Any]], arrays: dict[str, np.ndarray],
     digest = case_digest(case) if case is not None else None
     calls = []
     for i, meta in enumerate(metas):
-        prefix = f"call{i}/"
-        call = _call_from(meta, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+        call = _call_from(meta, unprefixed(arrays, f"call{i}/"))
         if digest is not None and case_digest(call.case) == digest:
             call = dataclasses.replace(call, case=case)
         calls.append(call)

@@ -25,6 +25,7 @@ from conformance.isolation_protocol import (
     encode_attrs,
     encode_calls,
     read_frame,
+    unprefixed,
     write_frame,
 )
 from implementations.base import Implementation, ImplementationError
@@ -78,16 +79,22 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
                 write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc),
                                        "calls": calls}, call_arrays)
             except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
-                write_frame(reply_fd, {"error": "".join(traceback.format_exception(exc))[-4000:]})
+                write_frame(reply_fd, _suite_error(exc))
             else:
-                write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio),
-                                       "called": [encode_attrs(call.attrs()) for call in log.calls]})
+                # The calls' attributes, when an expected failure of the property could match them.
+                called = [encode_attrs(call.attrs()) for call in log.calls] if header.get("attrs") else []
+                write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio), "called": called})
         elif header["op"] == "annotate":
             assert impl is not None, "annotate before resolve"
             try:
                 write_frame(reply_fd, *_annotate(impl, checks, header, arrays, watch))
             except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
-                write_frame(reply_fd, {"error": "".join(traceback.format_exception(exc))[-4000:]})
+                write_frame(reply_fd, _suite_error(exc))
+
+
+def _suite_error(exc: BaseException) -> dict[str, Any]:
+    """The answer for an error of the suite's own code in the worker (its traceback)."""
+    return {"error": "".join(traceback.format_exception(exc))[-4000:]}
 
 
 def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays: dict[str, Any],
@@ -108,11 +115,8 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
     target = runner.Target(impl, header["level"], header["dtype"], header["device"],
                            header["timeout"], watch=watch)
 
-    def own(prefix: str) -> dict[str, Any]:
-        return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-
-    case = decode_case(header["case"], own("case/"))
-    first = decode_case(header["first"], own("first/")) if header.get("first") else None
+    case = decode_case(header["case"], unprefixed(arrays, "case/"))
+    first = decode_case(header["first"], unprefixed(arrays, "first/")) if header.get("first") else None
     record = SimpleNamespace(failing_case=first if first is not None else case)
     if first is not None:
         diagnosis.start_example(first, record)
