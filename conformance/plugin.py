@@ -46,6 +46,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from conformance import reporting, subjects
+from conformance.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
 from conformance.ordering import property_rank
 from conformance.session import SESSION_KEY, Session, Subject, session_of
 from implementations.base import ALL_DTYPES
@@ -66,68 +67,6 @@ for _name, _kwargs in PROFILES.items():
 _CONFORMANCE_DIR = Path(__file__).resolve().parent
 #: Their names here before ``conformance.subjects`` held them (tests import them from here).
 _impl_specs, _labels = subjects.impl_specs, subjects.labels
-
-
-#: Options whose plain names are common in other projects' conftest.py files: each is
-#: also registered as ``--conformance-<name>``, and only under that name when the plain
-#: one is already taken (by a conftest.py loaded before this plugin, or another plugin).
-NAMESPACED_OPTIONS = ("--xfail-file", "--device", "--dtype", "--replay", "--example-timeout",
-                      "--shape-budget", "--torch-threads", "--isolate")
-
-
-def _registered_names(parser: pytest.Parser) -> set[str]:
-    """Option strings other plugins and conftest files have registered so far."""
-    groups = [getattr(parser, "_anonymous", None), *getattr(parser, "_groups", [])]
-    return {name for group in groups if group is not None
-            for option in group.options for name in option.names()}
-
-
-def _add(group, taken: set[str], name: str, **attrs) -> None:
-    """``--NAME`` and ``--conformance-NAME`` (only the latter where ``--NAME`` is taken),
-    read as ``config.getoption("conformance_NAME")`` (a dest of its own: a project's
-    ``--NAME`` keeps its value)."""
-    names = [n for n in (name, "--conformance-" + name[2:]) if n not in taken]
-    group.addoption(*names, dest="conformance_" + name[2:].replace("-", "_"), **attrs)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("attention-conformance", "attention conformance suite")
-    taken = _registered_names(parser)
-    group.addoption("--impl", default=None, metavar="NAME",
-                    help="implementation to certify: a registered name (see --impl=list), "
-                         "an entry point, module:attr, path/to/file.py:attr or mutant:NAME; "
-                         "several, comma-separated or as a glob over the registered and mutant "
-                         "names ('mutant:*', 'sdpa*'), are certified side by side in one run")
-    group.addoption("--impl-exitfirst", action="store_true", default=False,
-                    help="stop certifying an implementation at its first failing test (its "
-                         "remaining tests skip, the other implementations go on; -x stops the run)")
-    group.addoption("--impl-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a declared capability, e.g. causal=lower_right, fully_masked=nan")
-    _add(group, taken, "--xfail-file", default=None, metavar="PATH",
-                    help="expected failures of the implementation (TOML, the schema of "
-                         "implementations/xfail/*.toml), added to any it declares")
-    _add(group, taken, "--device", default="cpu", choices=("cpu", "cuda", "all"),
-                    help="device(s) to certify on (cuda is skipped with a reason when absent)")
-    _add(group, taken, "--dtype", default=None, metavar="DTYPES",
-                    help="comma-separated subset of float64,float32,float16,bfloat16 "
-                         "(default: what the implementation declares)")
-    group.addoption("--conformance-report", default=None, metavar="PATH",
-                    help="write the certificate to PATH.json and PATH.md")
-    _add(group, taken, "--replay", default=None, metavar="FILE",
-                    help="re-run the one failing case saved in FILE (.npz)")
-    _add(group, taken, "--example-timeout", default=60.0, type=float, metavar="SECONDS",
-                    help="fail a property when one call takes longer than this (0: no limit)")
-    _add(group, taken, "--shape-budget", default=None, type=int, metavar="N",
-                    help="at most N distinct shapes per property (JIT implementations compile once "
-                         "per shape); default 8 when the implementation declares jit; 0: no budget")
-    _add(group, taken, "--torch-threads", default=1, type=int, metavar="N",
-                    help="torch intra-op threads while certifying (default 1: the cases are tiny, "
-                         "and a thread pool costs more than it saves, ten times more on a busy "
-                         "machine); 0 leaves torch's own setting")
-    _add(group, taken, "--isolate", default="auto", choices=("auto", "always", "never"),
-                    help="run the implementation in a worker process that a crash or hang cannot "
-                         "take down (auto: only an implementation an earlier run in this "
-                         "checkout saw crash; it costs ~5 s to start and a few ms an example)")
 
 
 def _parse_options(raw: list[str]) -> dict[str, str]:
