@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conformance import reporting, subjects
+from conformance import directed_first, reporting, subjects
 from conformance.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
 from conformance.ordering import property_rank
 from conformance.session import SESSION_KEY, Session, Subject, session_of
@@ -252,6 +252,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return impl_rank, level_rank, prop_rank, position[id(item)]
 
     items.sort(key=key)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """A run that stops at its first failure checks every property's directed cases
+    first (``conformance.directed_first``); then pytest's own loop runs the tests."""
+    config = session.config
+    if session.testsfailed or config.option.collectonly or not directed_first.enabled(config):
+        return
+    directed_first.run(session.items, config)
 
 
 def _target_of(item: pytest.Item) -> Any:

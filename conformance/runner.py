@@ -124,7 +124,8 @@ class PropertyInfo:
     """A registered property: its id, level ("sdpa", "mha", "varlen", "kvcache"), the spec section
     it checks (``spec.<name> (...)``), its docstring, its share of the
     profile's examples, and its case sources: ``cases(target)`` (the Hypothesis
-    strategy) and ``directed(target)`` (the explicit cases run first)."""
+    strategy) and ``directed(target)`` (the explicit cases run first); ``skip_reason``
+    as given to :func:`conformance_property`; ``sweep``: a sweep property's run."""
 
     id: str
     level: str
@@ -133,6 +134,9 @@ class PropertyInfo:
     examples_factor: float
     cases: Callable[[Target], Any] | None = field(default=None, compare=False, repr=False)
     directed: Callable[[Target], list[Any]] | None = field(default=None, compare=False, repr=False)
+    skip_reason: Callable[[Target], str | None] | None = field(default=None, compare=False, repr=False)
+    #: A sweep's whole run (``conformance.sweep``): ``sweep(target, session, record)`` -> its Sweep.
+    sweep: Callable[[Target, Session, Record], Any] | None = field(default=None, compare=False, repr=False)
 
 
 #: Every property, filled by :func:`conformance_property` as the
@@ -340,22 +344,19 @@ def conformance_property(
     def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
         _PROPERTIES[property_id] = PropertyInfo(
             property_id, level, section, (check.__doc__ or "").strip(), examples_factor,
-            cases=cases, directed=directed,
+            cases=cases, directed=directed, skip_reason=skip_reason,
         )
         _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import diagnosis, failures
+            from conformance import diagnosis, directed_first, failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
             if target.level != level:
                 record.outcome = "skipped"
                 pytest.skip(f"{property_id} is an {level}-level property")
-            reasons = _target_skip_reasons(target, level)
-            if skip_reason is not None and not reasons:
-                reason = skip_reason(target)
-                reasons = [reason] if reason else []
+            reasons = skip_reasons(_PROPERTIES[property_id], target)
             if reasons:
                 record.outcome = "skipped"
                 record.reason = "; ".join(reasons)
@@ -367,7 +368,7 @@ def conformance_property(
             ledger = ExpectedFailureLedger(target.impl.expected_failures, property_id)
             failing_ratio: list[float | None] = [None]
 
-            def one_example(case: Any) -> None:
+            def one_example(case: Any, passed: tuple[float | None, tuple[Any, ...]] | None = None) -> None:
                 if record.first_failure_seconds is None:
                     record.examples += 1
                 else:
@@ -375,8 +376,12 @@ def conformance_property(
                 log = CallLog()
                 diagnosis.start_example(case, record)
                 try:
-                    ratio = _check_example(conformance_session, property_id, check,
-                                           dataclasses.replace(target, log=log), case)
+                    if passed is not None:  # checked already, and passed (directed_first)
+                        ratio = passed[0]
+                        log.calls.extend(passed[1])
+                    else:
+                        ratio = _check_example(conformance_session, property_id, check,
+                                               dataclasses.replace(target, log=log), case)
                 except PropertyFailure as exc:
                     entry = ledger.excuse(_called_attrs(log, case)) if ledger else None
                     if entry is not None:
@@ -408,8 +413,8 @@ def conformance_property(
                         pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
                     one_example(replay.case)
                 else:
-                    for case in directed(target) if directed is not None else ():
-                        one_example(case)
+                    for case, passed in directed_first.cases(conformance_session, property_id, target):
+                        one_example(case, passed)
                     strategy = cases(target)
 
                     @_examples_setting(examples_factor)
@@ -483,6 +488,16 @@ def _database_key(session: Session, property_id: str, target: Target) -> bytes:
     options = ",".join(f"{k}={v}" for k, v in sorted(owner.options.items()))
     text = f"attention-conformance|{impl}|{options}|{property_id}|{target.id}"
     return hashlib.sha384(text.encode()).digest()
+
+
+def skip_reasons(info: PropertyInfo, target: Target) -> list[str]:
+    """Why ``target`` (at the property's level) cannot have property ``info`` checked:
+    what the implementation does not support, then the property's own ``skip_reason``."""
+    reasons = _target_skip_reasons(target, info.level)
+    if info.skip_reason is not None and not reasons:
+        reason = info.skip_reason(target)
+        reasons = [reason] if reason else []
+    return reasons
 
 
 def _target_skip_reasons(target: Target, level: str) -> list[str]:

@@ -73,6 +73,10 @@ class Session:
     subjects: dict[str, Subject] = field(default_factory=dict)
     exitfirst: bool = False  # --impl-exitfirst: stop certifying an implementation at its first failure
     torch_threads: int = 0  # torch's intra-op threads while certifying (--torch-threads)
+    #: (property, test id) -> what the directed pass (``conformance.directed_first``) kept
+    #: for the test: its directed cases, each with (ratio, calls) when it passed there,
+    #: or a sweep property's passed Sweep
+    directed: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     @property
     def compares(self) -> bool:

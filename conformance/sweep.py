@@ -33,7 +33,7 @@ from conformance.runner import (
     Record,
     Target,
     _check_example,
-    _target_skip_reasons,
+    skip_reasons,
     subject_of,
 )
 from conformance.session import Session
@@ -58,6 +58,8 @@ class Sweep:
         self._session = session
         self.isolated = session is not None and subject_of(session, target).isolation is not None
         self.started = time.perf_counter()
+        #: Seconds the whole sweep took, once the directed pass has run it (``directed_first``).
+        self.seconds: float | None = None
         self.entries = [e for e in target.impl.expected_failures
                         if e.property in ("*", property_id)]
         self.covered_passes = [0] * len(self.entries)
@@ -103,6 +105,15 @@ class Sweep:
         if self.record.first_failure_seconds is None:
             self.record.first_failure_seconds = time.perf_counter() - self.started
 
+    def reported_into(self, record: Record) -> Sweep:
+        """This finished sweep (run by the directed pass into a record of its own,
+        ``conformance.directed_first``), its counts moved into ``record``."""
+        for name in ("examples", "worst_ratio", "xfail_hits", "xfail_reason"):
+            setattr(record, name, getattr(self.record, name))
+        self.record = record
+        self.started = time.perf_counter() - (self.seconds or 0.0)  # its record.seconds: the sweep's own
+        return self
+
     def stale_entries(self) -> list[str]:
         """Reasons of property-specific entries whose covered cases all passed."""
         return [f"{e.reason} ({n} covered case(s) passed)"
@@ -127,22 +138,26 @@ def sweep_property(
     """
 
     def decorate(run: Callable[[Target, Sweep], None]) -> Callable[..., None]:
+        def sweep_whole(target: Target, session: Session, record: Record) -> Sweep:
+            sweep = Sweep(property_id, target, record, budget_s, check, session)
+            run(target, sweep)
+            sweep.seconds = time.perf_counter() - sweep.started
+            return sweep
+
         _PROPERTIES[property_id] = PropertyInfo(property_id, level, section,
-                                                (run.__doc__ or "").strip(), 1.0)
+                                                (run.__doc__ or "").strip(), 1.0,
+                                                skip_reason=skip_reason, sweep=sweep_whole)
         _CHECKS[property_id] = check
 
         def test(target: Target, conformance_session: Session) -> None:
-            from conformance import diagnosis, failures
+            from conformance import diagnosis, directed_first, failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
             conformance_session.current = record
             if target.level != level:
                 record.outcome = "skipped"
                 pytest.skip(f"{property_id} is an {level}-level property")
-            reasons = _target_skip_reasons(target, level)
-            if skip_reason is not None and not reasons:
-                reason = skip_reason(target)
-                reasons = [reason] if reason else []
+            reasons = skip_reasons(_PROPERTIES[property_id], target)
             if reasons:
                 record.outcome = "skipped"
                 record.reason = "; ".join(reasons)
@@ -159,6 +174,8 @@ def sweep_property(
                     ratio = sweep.check(replay.case)
                     record.worst_ratio = None if ratio is None else float(ratio)
                     record.failing_case = None
+                elif (swept := directed_first.swept(conformance_session, property_id, target)) is not None:
+                    sweep = swept.reported_into(record)  # the directed pass swept it, and it passed
                 else:
                     run(target, sweep)
             except PropertyFailure as exc:

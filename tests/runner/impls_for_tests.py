@@ -95,3 +95,19 @@ scaled_at_one_size_impl = Implementation(name="scaled-at-7-13", capabilities=_al
                                          sdpa=scaled_at_one_size)
 #: The same computation without the bugs: small_sizes_sweep passes it.
 math_impl = Implementation(name="math", capabilities=_all_dtypes, sdpa=_sdpa_math)
+
+
+def counting(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct (the math backend); appends one byte per call to the file
+    $CONFORMANCE_TEST_CALLS names (if set)."""
+    import os
+
+    path = os.environ.get("CONFORMANCE_TEST_CALLS")
+    if path:
+        with open(path, "a") as calls:
+            calls.write(".")
+    return _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+#: A correct implementation that counts its calls (tests/runner/test_directed_first.py).
+counting_impl = Implementation(name="counting", capabilities=_caps, sdpa=counting)

@@ -1,0 +1,67 @@
+"""A run that stops at its first failure checks every property's directed cases before
+any random search (``conformance.directed_first``): a wrong implementation caught by a
+directed case of a late property fails it first, with no passing test before it, and a
+correct one is certified exactly as without the pass, with no case checked twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNTING = "tests/runner/impls_for_tests.py:counting_impl"
+
+
+def run(tmp_path: Path, name: str, *args: str, calls: Path | None = None) -> tuple[dict, str]:
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
+    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    if calls is not None:
+        env["CONFORMANCE_TEST_CALLS"] = str(calls)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/{name}", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,
+    )
+    output = proc.stdout + proc.stderr
+    report = tmp_path / f"{name}.json"
+    assert report.exists(), output[-3000:]
+    return json.loads(report.read_text()), output
+
+
+def test_a_directed_case_of_a_late_property_fails_first_under_x(tmp_path):
+    # logits_in_input_dtype is caught by a directed case of large_logits, a float16
+    # property that comes after a dozen others (which pass on it) in the measured order.
+    report, output = run(tmp_path, "cert", "--impl=mutant:logits_in_input_dtype", "-x")
+    ran = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert [r["outcome"] for r in ran] == ["failed"], output[-3000:]
+    assert "passed" not in output.splitlines()[-1], output[-3000:]
+
+
+def test_a_correct_implementation_is_certified_alike_with_and_without_x(tmp_path):
+    selection = ("--dtype", "float64", "-k",
+                 "forward_agreement or fully_masked_rows or layout_independence or small_sizes_sweep")
+
+    def certify(name: str, *args: str) -> tuple[list[tuple], int]:
+        calls = tmp_path / f"{name}.calls"
+        report, output = run(tmp_path, name, f"--impl={COUNTING}", *selection, *args, calls=calls)
+        rows = sorted((r["property"], r["dtype"], r["outcome"], r["examples"], r["worst_ratio"])
+                      for r in report["results"] if r["outcome"] != "skipped")
+        assert len(rows) == 4 and all(row[2] == "passed" for row in rows), output[-3000:]
+        return rows, len(calls.read_text())
+
+    plain, plain_calls = certify("plain")
+    stopping, stopping_calls = certify("stopping", "-x")
+    assert stopping == plain  # the same examples counted, the same headroom
+    assert stopping_calls == plain_calls  # a directed case or sweep that passed is not called again
+
+
+def test_a_bug_only_the_sweep_finds_fails_the_sweep_first_under_x(tmp_path):
+    # NaN only at L = 3, S = 4: no directed case has that size; the sweep, run whole in
+    # the directed pass after every directed case, finds it before any random search.
+    report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:nan_at_one_size_impl", "-x")
+    ran = [(r["property"], r["outcome"]) for r in report["results"] if r["outcome"] != "skipped"]
+    assert ran == [("small_sizes_sweep", "failed")], output[-3000:]
