@@ -16,10 +16,12 @@ but seconds long) run whole, the same way.
 Nothing is checked twice: a directed case that passed in the pass is not called again
 by its test, which counts it (examples, headroom, expected failures' covered passes)
 from what the pass kept (:func:`cases`); a failing or excused one is checked again by
-its test, which reports it as it would have; a sweep that passed is reported by its test
-from the pass's count (:func:`swept`). So a run that does not stop early checks
-the same cases in the same tests as without the pass, and a correct implementation pays
-nothing for it. Under xdist (its own scheduling) and ``--replay`` there is no pass.
+its test, which reports it at once, as written (elsewhere a failing directed case is
+followed by the search, to report a smaller shrunk case if it finds one: a second or so
+that a run stopping early does not spend); a sweep that passed is reported by its test
+from the pass's count (:func:`swept`). A correct implementation pays nothing for the
+pass, and gets the same certificate. Under xdist (its own scheduling) and ``--replay``
+there is no pass.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def run(items: list[pytest.Item], config: pytest.Config) -> None:
     """The directed pass over ``items`` (pytest's list, reordered in place)."""
     session = session_of(config)
     assert session is not None
+    session.stops_early = True
     for label, subject in session.subjects.items():
         mine = [i for i, item in enumerate(items) if _property_of(item) and _target(item).label == label]
         failing = next((i for i in mine if _directed_fails(session, items[i])), None)

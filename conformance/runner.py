@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, FlakyReplay
 
 from conformance.compare import PropertyFailure
+from conformance.failure_choice import first_failure, group_message, larger
 from conformance.expectations import ExpectedFailureLedger
 from conformance.replay import CallLog
 from conformance.session import Session
@@ -272,42 +273,6 @@ def _check_example(session: Session, property_id: str, check: Callable[[Target, 
         raise
 
 
-def _first_failure(exc: BaseException) -> tuple[BaseException, Any]:
-    """The first property failure inside ``exc`` (an exception group or Hypothesis'
-    FlakyFailure) that carries its case, and that case; ``(exc, None)`` if none."""
-    if isinstance(exc, BaseExceptionGroup):
-        for sub in exc.exceptions:
-            found, case = _first_failure(sub)
-            if case is not None:
-                return found, case
-    return exc, getattr(exc, "conformance_case", None)
-
-
-def _group_message(exc: BaseException) -> str:
-    """What an exception group (several distinct failures, or a flaky one) says:
-    each failure's first lines, not only Hypothesis' headline."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        else:
-            leaves.append(e)
-
-    walk(exc)
-    if isinstance(exc, FlakyFailure) or "unreliable" in str(exc):
-        head = ("the implementation gave different results for the same case (Hypothesis: "
-                f"{str(exc).split(' (', 1)[0].split(': ', 1)[-1]}); the first failure:")
-    else:
-        head = f"{len(leaves)} distinct failures; the first:"
-    parts = [head]
-    for i, leaf in enumerate(leaves):
-        lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
-        parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
-    return "\n".join(parts)
-
-
 def _examples_setting(factor: float) -> settings:
     base = settings.default.max_examples
     return settings(
@@ -413,8 +378,16 @@ def conformance_property(
                         pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
                     one_example(replay.case)
                 else:
+                    directed_failure = None
                     for case, passed in directed_first.cases(conformance_session, property_id, target):
-                        one_example(case, passed)
+                        try:
+                            one_example(case, passed)
+                        except PropertyFailure as exc:  # a directed case is not shrunk: search on
+                            if conformance_session.stops_early:  # (-x: the first failure, at once)
+                                raise
+                            directed_failure = (exc, (record.failing_case, record.failing_calls,
+                                                      failing_ratio[0], record.first_failure_seconds))
+                            break
                     strategy = cases(target)
 
                     @_examples_setting(examples_factor)
@@ -424,12 +397,20 @@ def conformance_property(
 
                     search._hypothesis_internal_database_key = _database_key(  # type: ignore[attr-defined]
                         conformance_session, property_id, target)
-                    search()
+                    try:
+                        search()
+                    except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as found:
+                        if directed_failure is None or not larger(first_failure(found)[1], directed_failure[0]):
+                            raise
+                    if directed_failure is not None:  # the search found none smaller: report it
+                        exc, (record.failing_case, record.failing_calls, failing_ratio[0],
+                              record.first_failure_seconds) = directed_failure
+                        raise exc
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch) as caught:
                 exc = caught.failure if isinstance(caught, _StopSearch) else caught
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
-                first, first_case = _first_failure(exc)
+                first, first_case = first_failure(exc)
                 record.failing_case = first_case if first_case is not None else record.failing_case
                 record.worst_ratio = failing_ratio[0]
                 record.expected_failures = ledger.summary()
@@ -437,7 +418,7 @@ def conformance_property(
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was
-                    record.message = _group_message(exc)[:4000]
+                    record.message = group_message(exc)[:4000]
                 if exc is not caught:
                     raise exc from None
                 raise

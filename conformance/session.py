@@ -73,6 +73,9 @@ class Session:
     subjects: dict[str, Subject] = field(default_factory=dict)
     exitfirst: bool = False  # --impl-exitfirst: stop certifying an implementation at its first failure
     torch_threads: int = 0  # torch's intra-op threads while certifying (--torch-threads)
+    #: The run stops at its first failure, and ran the directed pass (``directed_first``):
+    #: a failing directed case ends its test at once (no search to shrink a smaller one)
+    stops_early: bool = False
     #: (property, test id) -> what the directed pass (``conformance.directed_first``) kept
     #: for the test: its directed cases, each with (ratio, calls) when it passed there,
     #: or a sweep property's passed Sweep

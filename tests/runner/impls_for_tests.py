@@ -58,6 +58,7 @@ stale_entry = Implementation(
 # these must reach the runner to show that misbehaviour fails properties.
 raises_impl = Implementation(name="raises", capabilities=_caps, sdpa=raises)
 wrong_shape_impl = Implementation(name="wrong-shape", capabilities=_caps, sdpa=wrong_shape)
+ignores_scale_impl = Implementation(name="ignores-scale", capabilities=_caps, sdpa=ignores_scale)
 hangs_impl = Implementation(name="hangs", capabilities=_caps, sdpa=hangs)
 
 
@@ -111,3 +112,16 @@ def counting(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 #: A correct implementation that counts its calls (tests/runner/test_directed_first.py).
 counting_impl = Implementation(name="counting", capabilities=_caps, sdpa=counting)
+
+
+def wrong_at_s33_ev2(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """Bug: the output is 1% too large only when S = 33 and Ev = 2 < E (the shape of one
+    directed case of forward_agreement, which a short random search does not draw)."""
+    out = _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if key.shape[-2] == 33 and value.shape[-1] == 2 < query.shape[-1]:
+        out = out * 1.01
+    return out
+
+
+wrong_at_s33_ev2_impl = Implementation(name="wrong-at-s33-ev2", capabilities=_caps, sdpa=wrong_at_s33_ev2)

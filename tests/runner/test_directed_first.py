@@ -1,7 +1,9 @@
 """A run that stops at its first failure checks every property's directed cases before
 any random search (``conformance.directed_first``): a wrong implementation caught by a
 directed case of a late property fails it first, with no passing test before it, and a
-correct one is certified exactly as without the pass, with no case checked twice."""
+correct one is certified exactly as without the pass, with no case checked twice. A
+failing directed case (not shrunk) is followed by the search, and the smaller of the two
+failing cases is reported (``conformance.runner``)."""
 
 from __future__ import annotations
 
@@ -65,3 +67,26 @@ def test_a_bug_only_the_sweep_finds_fails_the_sweep_first_under_x(tmp_path):
     report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:nan_at_one_size_impl", "-x")
     ran = [(r["property"], r["outcome"]) for r in report["results"] if r["outcome"] != "skipped"]
     assert ran == [("small_sizes_sweep", "failed")], output[-3000:]
+
+
+def _sizes(record: dict) -> dict:
+    return {k: record["counterexample"][k] for k in ("B", "N", "K", "L", "S", "E", "Ev")}
+
+
+def test_a_failing_directed_case_is_followed_by_the_search_and_the_smaller_case_reported(tmp_path):
+    # The explicit scale dropped: forward_agreement's first failing directed case is the
+    # one with scale 0 (B=N=K=1, L=1, S=2, E=Ev=4: sizes summing to 14); the search goes
+    # on, finds the bug too and shrinks it below that.
+    report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:ignores_scale_impl",
+                         "--dtype", "float64", "-k", "forward_agreement")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert sum(_sizes(record).values()) < 14, (_sizes(record), output[-3000:])
+
+
+def test_a_directed_failure_the_search_cannot_find_is_reported_as_it_is(tmp_path):
+    report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:wrong_at_s33_ev2_impl",
+                         "--dtype", "float64", "-k", "forward_agreement")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert _sizes(record) == {"B": 1, "N": 1, "K": 1, "L": 2, "S": 33, "E": 4, "Ev": 2}, output[-3000:]
