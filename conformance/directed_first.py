@@ -54,9 +54,9 @@ def run(items: list[pytest.Item], config: pytest.Config) -> None:
     session.stops_early = True
     for label, subject in session.subjects.items():
         mine = [i for i, item in enumerate(items) if _property_of(item) and _target(item).label == label]
-        failing = next((i for i in mine if _directed_fails(session, items[i])), None)
+        failing = next((i for i in mine if _fails(session, subject, items[i], _directed_fails)), None)
         if failing is None:  # the sweeps (seconds each, not milliseconds) after every directed case
-            failing = next((i for i in mine if _sweep_fails(session, items[i])), None)
+            failing = next((i for i in mine if _fails(session, subject, items[i], _sweep_fails)), None)
         if failing is not None:
             items.insert(mine[0], items.pop(failing))
         if session.compares and subject.isolation is not None:
@@ -87,6 +87,15 @@ def _property_of(item: pytest.Item) -> str | None:
 
 def _target(item: pytest.Item) -> Any:
     return item.callspec.params["target"]  # type: ignore[attr-defined]
+
+
+def _fails(session: Session, subject: Any, item: pytest.Item, check: Any) -> bool:
+    """``check(session, item)``, with this process's crash marker naming ``subject``: a
+    crash here is that implementation's (``conformance.crash_markers``)."""
+    from conformance import isolation
+
+    isolation.mark_running(subject.impl_spec, f"{item.nodeid} (directed pass)")
+    return check(session, item)
 
 
 def _runs(info: Any, target: Any) -> bool:

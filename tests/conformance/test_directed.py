@@ -140,12 +140,14 @@ def test_without_cross_attention_every_mha_case_is_self_attention():
 
 def test_a_failing_directed_case_is_reported_as_it_is(tmp_path):
     # ignores_scale drops an explicit scale: the directed "scale = 0" case (L = 1, S = 2)
-    # fails before any drawn one and is saved unshrunk, with the bug class in its notes.
+    # fails before any drawn one and, in a run that stops at its first failure (-x), is
+    # saved unshrunk, with the bug class in its notes (without -x the search goes on and
+    # reports a smaller case if it finds one: tests/runner/test_directed_first.py).
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", "--impl=tests/runner/impls_for_tests.py:ignores_scale",
-         "--dtype=float64", "-k", "forward_agreement", f"--conformance-report={tmp_path}/cert"],
+         "--dtype=float64", "-k", "forward_agreement", "-x", f"--conformance-report={tmp_path}/cert"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:]
     [r] = [r for r in json.loads((tmp_path / "cert.json").read_text())["results"]

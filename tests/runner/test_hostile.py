@@ -264,6 +264,21 @@ def test_crash_in_process_makes_the_next_auto_run_isolated(tmp_path):
     assert r["outcome"] == "failed" and Path(r["failure_file"]).exists()
 
 
+def test_a_crash_in_the_directed_pass_is_recorded_for_the_implementation_that_crashed(tmp_path):
+    # --impl-exitfirst: a directed pass first, the crashing implementation's first, while the
+    # run's marker still names the implementation resolved last (sdpa-math).
+    dead = run(f"--impl={HOSTILE}:exits,sdpa-math", "--impl-exitfirst", "--isolate=never", "--dtype=float64",
+               "-k", "forward_agreement", "--impl-option", "derived_flash=false", tmp_path=tmp_path)
+    assert dead.returncode == 3, dead.stdout[-3000:] + dead.stderr[-2000:]
+    crashes = json.loads((tmp_path / "state" / "crashes.json").read_text()) if (
+        tmp_path / "state" / "crashes.json").exists() else {}
+    if not crashes:  # recorded by the next run, from the dead run's marker
+        run("--impl=sdpa-math", "--co", tmp_path=tmp_path)
+        crashes = json.loads((tmp_path / "state" / "crashes.json").read_text())
+    assert list(crashes) == [f"{HOSTILE}:exits"], crashes
+    assert "(directed pass)" in crashes[f"{HOSTILE}:exits"]["what"]
+
+
 def test_crash_under_xdist_is_counted_on_the_certificate(tmp_path):
     proc = certify("exits", tmp_path, "--isolate=never", "-n", "2",
                    keyword="forward_agreement or temperature")
