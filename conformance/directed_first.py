@@ -54,9 +54,9 @@ def run(items: list[pytest.Item], config: pytest.Config) -> None:
     session.stops_early = True
     for label, subject in session.subjects.items():
         mine = [i for i, item in enumerate(items) if _property_of(item) and _target(item).label == label]
-        failing = next((i for i in mine if _fails(session, subject, items[i], _directed_fails)), None)
+        failing = next((i for i in mine if _directed_fails(session, items[i])), None)
         if failing is None:  # the sweeps (seconds each, not milliseconds) after every directed case
-            failing = next((i for i in mine if _fails(session, subject, items[i], _sweep_fails)), None)
+            failing = next((i for i in mine if _sweep_fails(session, items[i])), None)
         if failing is not None:
             items.insert(mine[0], items.pop(failing))
         if session.compares and subject.isolation is not None:
@@ -89,13 +89,12 @@ def _target(item: pytest.Item) -> Any:
     return item.callspec.params["target"]  # type: ignore[attr-defined]
 
 
-def _fails(session: Session, subject: Any, item: pytest.Item, check: Any) -> bool:
-    """``check(session, item)``, with this process's crash marker naming ``subject``: a
-    crash here is that implementation's (``conformance.crash_markers``)."""
+def _mark_running(session: Session, item: pytest.Item) -> None:
+    """Point this process's crash marker at ``item``'s implementation before calling it:
+    a crash here is that implementation's (``conformance.crash_markers``)."""
     from conformance import isolation
 
-    isolation.mark_running(subject.impl_spec, f"{item.nodeid} (directed pass)")
-    return check(session, item)
+    isolation.mark_running(session.subject(_target(item).label).impl_spec, f"{item.nodeid} (directed pass)")
 
 
 def _runs(info: Any, target: Any) -> bool:
@@ -115,6 +114,7 @@ def _sweep_fails(session: Session, item: pytest.Item) -> bool:
     try:
         if info.sweep is None or not _runs(info, target):
             return False
+        _mark_running(session, item)
         record = Record(property_id, target.level, target.dtype, target.device)
         session.directed[(property_id, target.test_id)] = info.sweep(target, session, record)
     except Exception:  # a failure (PropertyFailure), or the suite's own error: the test shows it, first
@@ -139,6 +139,7 @@ def _directed_fails(session: Session, item: pytest.Item) -> bool:
     except Exception:  # the suite's own error: the test shows it, first
         return True
     session.directed[(property_id, target.test_id)] = kept
+    _mark_running(session, item)
     check = registered_checks()[property_id]
     ledger = ExpectedFailureLedger(target.impl.expected_failures, property_id)
     for index, (case, _) in enumerate(kept):
