@@ -8,7 +8,8 @@ gradient); :func:`run_flash` makes it through ``runner.call_guarded`` and logs i
 ``calls.run_sdpa``. The tolerance is the SDPA rule (``conformance.tolerance``): k × the
 error of a naive same-precision computation of the very same case
 (:func:`emulate_flash`, rounding after every operation as ``spec.emulate_sdpa`` does,
-soft-capping included) plus a rounding floor at the magnitude of what the output sums.
+soft-capping included) plus a rounding floor at the magnitude of what the output sums;
+the oracle and those bounds live in ``conformance.flash_bounds`` (re-exported here).
 
 Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim.
@@ -35,12 +36,13 @@ from conformance.compare import (
     compare_values,
     fail,
 )
+from conformance.flash_bounds import _forward, allowed_lse, allowed_output, emulate_flash, oracle
 from conformance.flash_cases import FLASH_ATTRIBUTES, FlashCase
 from conformance.helpers import case_rng
 from conformance.replay import CallReport, Invoke
 from conformance.runner import ImplementationRaised, Target, call_guarded
 from conformance.tensors import dtype_of, to_numpy
-from spec.emulate import _rounder, round_to
+from spec.emulate import round_to
 
 __all__ = [
     "ATTRIBUTES",
@@ -239,108 +241,7 @@ def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:
          "(the input is invalid per the spec)")
 
 
-# --------------------------------------------------------------------------- the oracle and the bounds
-
-
-def oracle(case: FlashCase, **overrides: Any) -> spec.FlashResult:
-    """``spec.flash_attention`` on the stored values, with the LSE (policy zero)."""
-    options = dict(case.options(), **overrides)
-    return spec.flash_attention(case.query, case.key, case.value, return_lse=True, **options)
-
-
-def _forward(case: FlashCase) -> Any:
-    """The oracle's intermediate steps (heads first): logits, weights, LSE, empty rows."""
-    from spec import flash as spec_flash
-
-    problem = spec_flash.prepare(case.query, case.key, case.value, **case.options())
-    return problem, spec_flash.attend(problem)
-
-
-def emulate_flash(case: FlashCase) -> tuple[np.ndarray, np.ndarray]:
-    """(output (B, L, N, Ev), lse (B, N, L)) of a naive same-precision ``flash_attn_func``:
-    every operation rounded to the case's dtype, float32 accumulation for 16-bit dtypes
-    (``spec.emulate``'s rule), soft-capping and the ALiBi bias as rounded steps."""
-    problem, _ = _forward(case)
-    if case.dtype == "float64":
-        ref = oracle(case)
-        return ref.output, ref.lse
-    store, accumulate = _rounder(case.dtype)
-    q, k, v = store(problem.query), store(problem.key), store(problem.value)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        s = store(accumulate(problem.scale) * store(q @ np.swapaxes(k, -1, -2)))
-        if problem.softcap:
-            c = accumulate(problem.softcap)
-            s = store(c * store(np.tanh(store(s / c))))
-        if problem.bias is not None:
-            s = store(s + store(problem.bias))
-        s = np.where(problem.allowed, s, accumulate(-np.inf))
-        empty = ~problem.allowed.any(axis=-1, keepdims=True)
-        row_max = np.where(empty, accumulate(0), s.max(axis=-1, keepdims=True))
-        e = np.exp(s - row_max)
-        total = e.sum(axis=-1, keepdims=True)
-        weights = store(e / np.where(empty, accumulate(1), total))
-        output = store(weights @ v)
-        lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, accumulate(1), total)))
-    return output.astype(np.float64).transpose(0, 2, 1, 3), lse[..., 0].astype(np.float64)
-
-
-def _naive_errors(case: FlashCase, ref: spec.FlashResult) -> tuple[float, float]:
-    """Largest error of the naive same-precision output and LSE (rows attending a key)."""
-    if case.dtype == "float64":
-        return 0.0, 0.0
-    out, lse = emulate_flash(case)
-    rows = ~case.empty_rows()
-    with np.errstate(invalid="ignore"):  # -inf - -inf in rows attending no key (not selected)
-        out_err = np.abs(out - ref.output)[:, rows]
-        lse_err = np.abs(lse - ref.lse)[:, :, rows]
-
-    def worst(a: np.ndarray) -> float:
-        finite = a[np.isfinite(a)]
-        return float(finite.max()) if finite.size else 0.0
-
-    return worst(out_err), worst(lse_err)
-
-
-def _score_sizes(case: FlashCase, problem: Any, forward: Any) -> np.ndarray:
-    """(B, N, L, 1): the largest |scale|·Σ|q||k| + |bias| over the keys each row attends
-    (what a computed score's rounding error is proportional to)."""
-    size = abs(problem.scale) * (np.abs(problem.query) @ np.swapaxes(np.abs(problem.key), -1, -2))
-    if problem.softcap:
-        size = np.minimum(size, problem.softcap)
-    if problem.bias is not None:
-        size = size + np.abs(problem.bias)
-    attended = np.broadcast_to(problem.allowed, size.shape) & (forward.weights > 0)
-    return np.where(attended, size, 0.0).max(axis=-1, keepdims=True)
-
-
-def allowed_output(target: Target, case: FlashCase, ref: spec.FlashResult | None = None) -> np.ndarray:
-    """Elementwise allowed error of the output (B, L, N, Ev): ``tolerance.sdpa_allowed``."""
-    ref = ref if ref is not None else oracle(case)
-    problem, forward = _forward(case)
-    magnitude = forward.weights @ np.abs(problem.value)                      # (B, N, L, Ev)
-    naive, _ = _naive_errors(case, ref)
-    allowed = tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
-                                     logit_scale=_score_sizes(case, problem, forward))
-    return allowed.transpose(0, 2, 1, 3)
-
-
-#: Unit roundoff order of the dtypes, to tell whether a returned LSE is stored coarser.
-_PRECISION = {"float64": 3, "float32": 2, "bfloat16": 0, "float16": 1}
-
-
-def allowed_lse(target: Target, case: FlashCase, ref: spec.FlashResult | None = None, *,
-                stored: str | None = None) -> np.ndarray:
-    """Elementwise allowed error of the LSE (B, N, L): ``tolerance.lse_allowed``; an LSE
-    returned in a coarser dtype ``stored`` than the case's (FlashAttention-2 returns it in
-    float32 for every input dtype) is allowed that dtype's rounding too."""
-    ref = ref if ref is not None else oracle(case)
-    problem, forward = _forward(case)
-    _, naive = _naive_errors(case, ref)
-    size = _score_sizes(case, problem, forward)[..., 0]
-    allowed = tolerance.lse_allowed(case.dtype, naive, size, tf32=target.tf32)
-    if stored in _PRECISION and _PRECISION[stored] < _PRECISION[case.dtype]:
-        allowed = np.maximum(allowed, tolerance.lse_allowed(stored, naive, size))
-    return allowed
+# --------------------------------------------------------------------------- checks against the oracle and its bounds
 
 
 def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: str = "output",

@@ -3,8 +3,9 @@
 A :class:`FlashCase` is one call of FlashAttention's ``flash_attn_func`` in its layout:
 query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), with ``causal`` (lower-right),
 ``window`` (left, right), ``softcap`` and ``alibi_slopes`` (N,) or (B, N), float64
-arrays and the attributes expected failures match on. Calling it, its oracle and its
-bounds are in :mod:`conformance.flash_calls` (which re-exports these names).
+arrays and the attributes expected failures match on. Calling it is in
+:mod:`conformance.flash_calls` (which re-exports these names), its oracle and its bounds
+in :mod:`conformance.flash_bounds`.
 """
 
 from __future__ import annotations
