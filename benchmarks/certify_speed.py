@@ -8,6 +8,12 @@ ratio to the median torch import.
 
     python benchmarks/certify_speed.py --impl sdpa --repeat 3
     python benchmarks/certify_speed.py --impl sdpa --threads 1 --threads 0 --output benchmarks/results/certify-speed.txt
+
+``--max-examples N`` (repeatable) also times the run with the profile's random examples
+cut to ``N`` per test (a profile derived from ``--profile``, registered by a throw-away
+pytest plugin in the run's working directory; the directed examples and the sweeps are
+unchanged): ``--max-examples 1`` measures the floor of a certificate that keeps every
+directed example and sweep, what no cut of the random search can go below.
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ def _seconds(cmd: list[str], cwd: str) -> tuple[float, int]:
     return time.perf_counter() - start, proc.returncode
 
 
+#: A pytest plugin (written to the run's working directory, loaded with ``-p``) that
+#: registers PROFILE-maxN: PROFILE with max_examples=N, before Hypothesis loads a profile.
+_PLUGIN = '''
+import pytest
+from hypothesis import settings
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    name = config.getoption("hypothesis_profile", None) or ""
+    base, _, count = name.rpartition("-max")
+    if base and count.isdigit():
+        settings.register_profile(name, parent=settings.get_profile(base), max_examples=int(count))
+'''
+_PLUGIN_MODULE = "certify_speed_profiles"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", default="sdpa")
@@ -36,37 +59,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, action="append",
                         help="--torch-threads values to compare (default: 1 and 0)")
+    parser.add_argument("--max-examples", type=int, action="append", default=[], metavar="N",
+                        help="also time the run with max_examples=N (repeatable; N >= 1)")
     parser.add_argument("--output", default=None, metavar="PATH", help="also write the report to PATH")
     args = parser.parse_args(argv)
+    if any(n < 1 for n in args.max_examples):
+        parser.error("--max-examples must be >= 1 (Hypothesis needs one example to run a test)")
     settings = args.threads or [1, 0]
+    # (label, --torch-threads, profile): every thread setting at the profile, then each cut
+    # at the first thread setting.
+    variants = [(f"--torch-threads={t}", t, args.profile) for t in settings]
+    variants += [(f"--torch-threads={settings[0]} max_examples={n}", settings[0], f"{args.profile}-max{n}")
+                 for n in args.max_examples]
     lines: list[str] = [f"$ python benchmarks/certify_speed.py --impl {args.impl} --repeat {args.repeat} "
-                        + " ".join(f"--threads {t}" for t in settings)]
+                        + " ".join(f"--threads {t}" for t in settings)
+                        + "".join(f" --max-examples {n}" for n in args.max_examples)]
 
     def say(line: str) -> None:
         print(line, flush=True)
         lines.append(line)
 
     imports: list[float] = []
-    runs: dict[int, list[float]] = {t: [] for t in settings}
+    runs: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     codes: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, f"{_PLUGIN_MODULE}.py").write_text(_PLUGIN)  # `python -m` puts the cwd on sys.path
         for i in range(args.repeat):
             seconds, _ = _seconds([sys.executable, "-c", "import torch"], tmp)
             imports.append(seconds)
             say(f"repeat {i + 1}: import torch {seconds:.2f} s")
-            for threads in settings:
+            for label, threads, profile in variants:
                 seconds, code = _seconds(
                     [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}",
-                     f"--impl={args.impl}", f"--hypothesis-profile={args.profile}", "-q",
-                     "-p", "no:cacheprovider", f"--torch-threads={threads}"], tmp)
-                runs[threads].append(seconds)
+                     f"--impl={args.impl}", f"--hypothesis-profile={profile}", "-q",
+                     "-p", "no:cacheprovider", "-p", _PLUGIN_MODULE, f"--torch-threads={threads}"], tmp)
+                runs[label].append(seconds)
                 codes.add(code)
-                say(f"repeat {i + 1}: --torch-threads={threads} {seconds:.1f} s (exit {code})")
+                say(f"repeat {i + 1}: {label} {seconds:.1f} s (exit {code})")
     base = statistics.median(imports)
     say(f"median import torch: {base:.2f} s")
-    for threads, values in runs.items():
+    for label, values in runs.items():
         median = statistics.median(values)
-        say(f"median --impl={args.impl} --hypothesis-profile={args.profile} --torch-threads={threads}: "
+        say(f"median --impl={args.impl} --hypothesis-profile={args.profile} {label}: "
             f"{median:.1f} s = {median / base:.1f} x import torch")
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n")
