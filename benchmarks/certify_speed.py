@@ -10,10 +10,10 @@ ratio to the median torch import.
     python benchmarks/certify_speed.py --impl sdpa --threads 1 --threads 0 --output benchmarks/results/certify-speed.txt
 
 ``--max-examples N`` (repeatable) also times the run with the profile's random examples
-cut to ``N`` per test (a profile derived from ``--profile``, registered by a throw-away
-pytest plugin in the run's working directory; the directed examples and the sweeps are
-unchanged): ``--max-examples 1`` measures the floor of a certificate that keeps every
-directed example and sweep, what no cut of the random search can go below.
+cut to ``N`` per test (the profile ``PROFILE-maxN`` of ``benchmarks/derived_profiles.py``;
+the directed examples and the sweeps are unchanged): ``--max-examples 1`` measures the
+floor of a certificate that keeps every directed example and sweep, which no cut of the
+random search can go below.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from derived_profiles import derived_profile, plugin_args  # benchmarks/, the script's directory
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,23 +35,6 @@ def _seconds(cmd: list[str], cwd: str) -> tuple[float, int]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
     return time.perf_counter() - start, proc.returncode
-
-
-#: A pytest plugin (written to the run's working directory, loaded with ``-p``) that
-#: registers PROFILE-maxN: PROFILE with max_examples=N, before Hypothesis loads a profile.
-_PLUGIN = '''
-import pytest
-from hypothesis import settings
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    name = config.getoption("hypothesis_profile", None) or ""
-    base, _, count = name.rpartition("-max")
-    if base and count.isdigit():
-        settings.register_profile(name, parent=settings.get_profile(base), max_examples=int(count))
-'''
-_PLUGIN_MODULE = "certify_speed_profiles"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     # (label, --torch-threads, profile): every thread setting at the profile, then each cut
     # at the first thread setting.
     variants = [(f"--torch-threads={t}", t, args.profile) for t in settings]
-    variants += [(f"--torch-threads={settings[0]} max_examples={n}", settings[0], f"{args.profile}-max{n}")
+    variants += [(f"--torch-threads={settings[0]} max_examples={n}", settings[0], derived_profile(args.profile, n))
                  for n in args.max_examples]
     lines: list[str] = [f"$ python benchmarks/certify_speed.py --impl {args.impl} --repeat {args.repeat} "
                         + " ".join(f"--threads {t}" for t in settings)
@@ -83,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     codes: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, f"{_PLUGIN_MODULE}.py").write_text(_PLUGIN)  # `python -m` puts the cwd on sys.path
         for i in range(args.repeat):
             seconds, _ = _seconds([sys.executable, "-c", "import torch"], tmp)
             imports.append(seconds)
@@ -92,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds, code = _seconds(
                     [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}",
                      f"--impl={args.impl}", f"--hypothesis-profile={profile}", "-q",
-                     "-p", "no:cacheprovider", "-p", _PLUGIN_MODULE, f"--torch-threads={threads}"], tmp)
+                     "-p", "no:cacheprovider", *plugin_args(tmp, profile), f"--torch-threads={threads}"], tmp)
                 runs[label].append(seconds)
                 codes.add(code)
                 say(f"repeat {i + 1}: {label} {seconds:.1f} s (exit {code})")

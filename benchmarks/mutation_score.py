@@ -14,6 +14,7 @@ and the shrunk counterexample's sizes next to the documented smallest case. The
     python benchmarks/mutation_score.py --json score.json
     python benchmarks/mutation_score.py --expected-only  # only each mutant's expected property
     python benchmarks/mutation_score.py --in-process     # the whole zoo in one pytest process
+    python benchmarks/mutation_score.py --in-process --profile ci-max5  # ci, 5 random examples a test
 
 ``--in-process`` certifies every selected mutant in one pytest process
 (``--impl=mutant:a,mutant:b,... --impl-exitfirst``, with ``--expected-only`` a ``-k``
@@ -42,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from derived_profiles import plugin_args  # noqa: E402
 from implementations.mutants import MUTANTS, Mutant  # noqa: E402
 
 __all__ = ["Score", "certify_in_process", "score_mutant", "score_zoo_in_process", "main"]
@@ -96,6 +98,7 @@ def score_mutant(mutant: Mutant, profile: str, timeout_s: float, *, expected_onl
             sys.executable, "-m", "pytest", str(ROOT / "conformance"),
             f"--impl=mutant:{mutant.name}", f"--hypothesis-profile={profile}",
             "-x", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report),
+            *plugin_args(workdir, profile),
         ]
         if expected_only:
             cmd += ["-k", f"test_{mutant.expected_property}"]
@@ -140,7 +143,7 @@ def certify_in_process(impls: list[str], profile: str, workdir: Path, timeout_s:
     report = workdir / "report"
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--impl=" + ",".join(impls),
            f"--hypothesis-profile={profile}", "-q", "-p", "no:cacheprovider",
-           "--conformance-report", str(report), *extra]
+           "--conformance-report", str(report), *plugin_args(workdir, profile), *extra]
     full_env = dict(_clean_env(), ATTENTION_CONFORMANCE_FAILURES=str(workdir / "failures"), **(env or {}))
     start = time.perf_counter()
     code, output = None, ""
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at a time (default 1)")
     parser.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
-    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default ci)")
+    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default ci); PROFILE-maxN: "
+                        "PROFILE with at most N random examples per test (benchmarks/derived_profiles.py)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mutant run")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the scores as JSON")
     parser.add_argument("--expected-only", action="store_true",
