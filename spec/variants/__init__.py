@@ -32,7 +32,7 @@ variant with the real bug it stands for.
 from __future__ import annotations
 
 from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
-from ._rank import (DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, partition,
+from ._rank import (COARSE_ERROR_FLOOR, DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, partition,
                     precision_factor, rank, reference, variant_fit)
 from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
@@ -61,6 +61,7 @@ __all__ = [
     "Allowed",
     "Observed",
     "DEFAULT_ULPS",
+    "COARSE_ERROR_FLOOR",
     "KERNEL_BLOCK",
     "LEVELS",
     "POLICIES",

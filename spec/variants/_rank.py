@@ -10,7 +10,8 @@ from . import _attention, mha
 from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, Variant, VariantResult
 from .registry import VARIANTS, lookup
 
-__all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "default_allowed", "fit", "rank", "reference",
+__all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "COARSE_ERROR_FLOOR", "default_allowed", "fit", "rank",
+           "reference",
            "correct_fit", "precision_factor", "variant_fit", "partition"]
 
 #: An output, or an ``(output, weights)`` pair (weights None when there are none).
@@ -22,6 +23,15 @@ Allowed = Union[float, np.ndarray, Callable[[str, VariantResult], Any]]
 
 #: Ulps of the problem's dtype the fallback rule allows, relative to 1 + |expected|.
 DEFAULT_ULPS = 16
+
+#: A variant computed in a coarser precision than the problem's explains an observation
+#: only when the observation is as wrong as that precision makes it: its largest error
+#: against the oracle at least this fraction of the variant's own. Measured: a float64
+#: attention whose softmax is torch's float32 one against the model's float32 rounding,
+#: 2,262 random small cases, smallest ratio 1/630 (0.1% of them below 1/30); a float64
+#: kernel that soft-caps its logits, on a near-tie case, 1/2,500 (an error of 7e-12 where
+#: a float32 softmax errs by 2e-8): a small systematic error is not a coarse precision.
+COARSE_ERROR_FLOOR = 2.0**-10
 
 
 class Match(NamedTuple):
@@ -118,6 +128,20 @@ def precision_factor(variant: Variant, problem: Problem) -> float:
     return max(1.0, UNIT_ROUNDOFF[variant.precision] / UNIT_ROUNDOFF[problem.dtype])
 
 
+def _too_fine_for(observed: np.ndarray, result: VariantResult, correct: VariantResult) -> bool:
+    """Whether ``observed``'s output is far closer to the oracle than a coarse-precision
+    variant's (:data:`COARSE_ERROR_FLOOR`), over the elements finite on every side."""
+    output, model, right = (np.asarray(x, dtype=np.float64) for x in (observed, result.output, correct.output))
+    if not output.shape == model.shape == right.shape:
+        return False
+    finite = np.isfinite(output) & np.isfinite(model) & np.isfinite(right)
+    if not finite.any():
+        return False
+    own = float(np.abs(model - right)[finite].max())
+    seen = float(np.abs(output - right)[finite].max())
+    return own > 0 and seen < COARSE_ERROR_FLOOR * own
+
+
 def _parts(observed_weights: Any, result: VariantResult, correct: VariantResult) -> list[str]:
     """The parts compared: the output, and the weights where every side has them."""
     if observed_weights is not None and result.weights is not None and correct.weights is not None:
@@ -175,8 +199,11 @@ def rank(observed: Observed, problem: Problem,
     A variant with a ``precision`` coarser than the problem's dtype is matched with the
     allowed error scaled by :func:`precision_factor` (its slack is not needed then):
     "differs from the oracle beyond the problem's precision, and agrees with the model
-    within the tolerance of the model's precision". Such a coarse match is weaker
-    evidence than a match at the problem's own precision, so it is listed after those.
+    within the tolerance of the model's precision", and only when the observation's
+    largest error is at least :data:`COARSE_ERROR_FLOOR` of the model's own (an error far
+    below what that precision makes is some other, smaller mistake). Such a coarse match
+    is weaker evidence than a match at the problem's own precision, so it is listed after
+    those.
 
     Returns the matches as ``Match(variant_id, fit)``, sorted by (coarse, fit); ties
     keep the table's order. Pure NumPy on the problem's arrays: no implementation is
@@ -200,6 +227,8 @@ def rank(observed: Observed, problem: Problem,
         if distance <= 1.0:
             continue                                                      # indistinguishable here
         factor = precision_factor(variant, problem)
+        if factor > 1.0 and _too_fine_for(output, result, correct):
+            continue                                                      # wrong, but not that coarse
         observed_fit = max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
                            for part in parts)
         if observed_fit <= 1.0:
@@ -216,15 +245,19 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
     its output equals the correct one: that is its prediction there too. Used to
     tell apart variants that ``rank`` matched equally on one case, on another case
     where their outputs differ (:func:`partition`). Same parts, rows and precision
-    scaling as :func:`rank`; ``inf`` for a variant without ``compute``."""
+    scaling as :func:`rank`, and the same floor on a wrong observation's error for a
+    coarse variant; ``inf`` for a variant without ``compute``."""
     variant = lookup(variant) if isinstance(variant, str) else variant
     if variant.compute is None or variant.level != problem.level:
         return float("inf")
     output, weights = _split(observed)
     bound = _as_callable(allowed, problem)
     result = variant.compute(problem)
-    parts = _parts(weights, result, reference(problem))
+    correct = reference(problem)
+    parts = _parts(weights, result, correct)
     factor = precision_factor(variant, problem)
+    if factor > 1.0 and correct_fit(observed, problem, bound) > 1.0 and _too_fine_for(output, result, correct):
+        return float("inf")                                               # wrong, but not that coarse
     observed_parts = {"output": output, "weights": weights}
     return max(_part_fit(problem, part, observed_parts[part], result, bound, factor) for part in parts)
 

@@ -532,6 +532,36 @@ def test_softmax_float32_is_matched_at_float32_precision_on_random_cases():
     assert V.precision_factor(V.VARIANTS["unscaled"], p) == 1.0
 
 
+def softcapped(p: V.SDPAProblem, cap: float) -> np.ndarray:
+    """A float64 attention whose scores are soft-capped, cap·tanh(s/cap): a small
+    systematic error, not a coarse precision."""
+    logits = p.resolved_scale * (p.query @ np.swapaxes(p.key, -1, -2))
+    scores = cap * np.tanh(logits / cap)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ p.value
+
+
+def test_an_error_far_below_float32s_is_not_a_float32_softmax():
+    # A soft cap of 1e6 moves logits of size ~1 by ~3e-13: wrong at float64's
+    # precision, and within float32's allowed error of the float32 model, but 1e4-1e6
+    # times smaller than what a float32 softmax errs by: no coarse match.
+    named = 0
+    for seed in range(20):
+        p = sdpa_problem(seed, L=3, S=4, E=4, Ev=3, spread=1.0)
+        observed = softcapped(p, cap=1e6)
+        assert V.correct_fit(observed, p) > 1                              # a float64 failure
+        model = V.VARIANTS["softmax_float32"].compute(p).output
+        assert np.abs(observed - model).max() < 1e-6                       # inside float32's band
+        named += any(m.variant_id == "softmax_float32" for m in V.rank(observed, p))
+        assert V.variant_fit(observed, p, "softmax_float32") == float("inf")
+    assert named == 0
+    # the floor is what separates them: without it the float32 model is named
+    p = sdpa_problem(0, L=3, S=4, E=4, Ev=3, spread=1.0)
+    ratio = (np.abs(softcapped(p, cap=1e6) - V.reference(p).output).max()
+             / np.abs(V.VARIANTS["softmax_float32"].compute(p).output - V.reference(p).output).max())
+    assert ratio < V.COARSE_ERROR_FLOOR
+
+
 def test_a_coarse_precision_match_comes_after_a_match_at_the_problems_precision():
     p = sdpa_problem(8, E=4, scale=0.5 * (1 + 1e-9))
     exact = V.VARIANTS["scale_arg_ignored"].compute(p).output
