@@ -62,7 +62,9 @@ SDPA_EXAMPLES: tuple[SDPAExample, ...] = (
                 L=3, S=2, causal=REQUIRED, regime="near_ties"),
     SDPAExample("grouped-query attention (N=4, K=2)", L=2, S=3, N=4, K=2, regime="tiny"),
     SDPAExample("a fully-masked query row", L=2, S=3, dead_row=True, regime="constant_rows"),
-    SDPAExample("one key block + 1 (S=17)", L=2, S=17, regime="ascending"),
+    # Ev != E here too (default scale, logits that vary): a default scale taken from the
+    # value head dim, 1/sqrt(Ev), shows; the S=33 example's saturated softmax hides it.
+    SDPAExample("one key block + 1 (S=17), Ev != E", L=2, S=17, Ev=2, regime="ascending"),
     SDPAExample("two key blocks + 1 (S=33), Ev != E", L=2, S=33, Ev=2, regime="large_logits"),
     SDPAExample("scale = 0 (read as 'no scale given' by `scale or default`)", L=1, S=2, scale=0.0),
     SDPAExample("negative scale (with the causal flag where allowed)", L=2, S=3, scale=-0.5,
