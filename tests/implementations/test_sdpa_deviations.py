@@ -90,6 +90,34 @@ def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask, larg
         "entries of implementations/xfail are stale")
 
 
+def _alibi_like(L: int, S: int, heads: int = 16, seed: int = 0) -> torch.Tensor:
+    """(1, heads, L, S): ALiBi's -slope_h * |i + S - L - j| with slopes in [0, 0.5), float32."""
+    slopes = torch.rand(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.5
+    distance = (torch.arange(L)[:, None] + (S - L) - torch.arange(S)[None, :]).abs()
+    return (-slopes[:, None, None] * distance).unsqueeze(0).float()
+
+
+@pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
+def test_float32_backward_with_logits_near_1e9_is_wrong_at_small_sizes_with_a_varying_additive_mask(
+        name, large_logit_heads):
+    """Found by a dev seed (alibi_equivalence, L = 6, S = 3): with a float additive mask
+    whose values vary, the deviation is not bounded to L >= 4, S >= 12."""
+    impl = registry.resolve(name)
+    small = {"regime": "wide_range", "dtype": "float32", "different_v_dim": False, "L": 1, "S": 2}
+    for prop in ("gradient_agreement", "fully_masked_rows"):
+        assert listed(impl, prop, dict(small, mask_kind="additive")) is not None, prop
+        assert listed(impl, prop, dict(small, mask_kind="bool")) is None, prop
+    for prop in ("flash_gradients", "alibi_equivalence"):
+        assert listed(impl, prop, dict(small, level="flash", alibi=True)) is not None, prop
+        assert listed(impl, prop, dict(small, level="flash", alibi=False)) is None, prop
+    wrong = sum(_wrong_heads(impl, large_logit_heads(torch.float32, 6, 3, seed=seed), _alibi_like(6, 3, seed=seed))
+                for seed in range(4))
+    assert wrong > 0, (f"{name} backward with an ALiBi-like mask at L=6, S=3 now agrees with MATH: the "
+                       "additive-mask and alibi wide_range entries of implementations/xfail are stale")
+    # the same inputs without a mask are right (the other entries keep their L, S bounds)
+    assert sum(_wrong_heads(impl, large_logit_heads(torch.float32, 6, 3, seed=seed)) for seed in range(4)) == 0
+
+
 @pytest.mark.parametrize("L, S", [(3, 12), (4, 11)])
 def test_float32_backward_with_logits_near_1e9_is_right_below_the_listed_sizes(L, S, large_logit_heads):
     impl = registry.resolve("sdpa")
