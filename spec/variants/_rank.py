@@ -153,9 +153,13 @@ def correct_fit(observed: Observed, problem: Problem, allowed: Allowed | None = 
     """Worst error/allowed of ``observed`` against the correct convention (the oracle):
     <= 1 means the observation is right on this problem, and no variant explains it.
     Same staging, parts and rows as :func:`rank`."""
+    return _correct_fit(observed, problem, _as_callable(allowed, problem), reference(problem))
+
+
+def _correct_fit(observed: Observed, problem: Problem, bound: Callable[[str, VariantResult], Any],
+                 correct: VariantResult) -> float:
+    """:func:`correct_fit` with the allowed error and the oracle's result already made."""
     output, weights = _split(observed)
-    bound = _as_callable(allowed, problem)
-    correct = reference(problem)
     return max(_part_fit(problem, part, {"output": output, "weights": weights}[part], correct, bound)
                for part in _parts(weights, correct, correct))
 
@@ -213,7 +217,7 @@ def rank(observed: Observed, problem: Problem,
     bound = _as_callable(allowed, problem)
     correct = reference(problem)
     observed_parts = {"output": output, "weights": weights}
-    if correct_fit(observed, problem, bound) <= 1.0:
+    if _correct_fit(observed, problem, bound, correct) <= 1.0:
         return []                                                         # the correct convention explains it
     matches = []
     for variant in _selected(variants, problem.level):
@@ -256,7 +260,8 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
     correct = reference(problem)
     parts = _parts(weights, result, correct)
     factor = precision_factor(variant, problem)
-    if factor > 1.0 and correct_fit(observed, problem, bound) > 1.0 and _too_fine_for(output, result, correct):
+    if (factor > 1.0 and _correct_fit(observed, problem, bound, correct) > 1.0
+            and _too_fine_for(output, result, correct)):
         return float("inf")                                               # wrong, but not that coarse
     observed_parts = {"output": output, "weights": weights}
     return max(_part_fit(problem, part, observed_parts[part], result, bound, factor) for part in parts)
