@@ -23,7 +23,8 @@ __all__ = ["derived_profile", "plugin_args"]
 MODULE = "benchmark_derived_profiles"
 _NAME = re.compile(r"^(?P<base>.+)-max(?P<count>[1-9][0-9]*)$")
 
-_PLUGIN = '''\
+#: The plugin module's text; it matches names with ``_NAME``'s pattern.
+_PLUGIN = f'''\
 import re
 
 import pytest
@@ -33,7 +34,7 @@ from hypothesis import settings
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     name = config.getoption("hypothesis_profile", None) or ""
-    match = re.match(r"^(?P<base>.+)-max(?P<count>[1-9][0-9]*)$", name)
+    match = re.match({_NAME.pattern!r}, name)
     if match:
         settings.register_profile(name, parent=settings.get_profile(match["base"]),
                                   max_examples=int(match["count"]))
