@@ -11,6 +11,7 @@ import torch
 
 from implementations import registry
 from implementations.base import ImplementationError
+from implementations.flash_from_sdpa import _alibi_mask
 
 
 def listed(impl, property_id, case):
@@ -91,10 +92,10 @@ def test_backward_with_logits_near_1e9_is_wrong_with_a_mask_too(name, mask, larg
 
 
 def _alibi_like(L: int, S: int, heads: int = 16, seed: int = 0) -> torch.Tensor:
-    """(1, heads, L, S): ALiBi's -slope_h * |i + S - L - j| with slopes in [0, 0.5), float32."""
+    """(1, heads, L, S) float32: the mask the derived flash level passes for ALiBi, with
+    slopes in [0, 0.5)."""
     slopes = torch.rand(heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.5
-    distance = (torch.arange(L)[:, None] + (S - L) - torch.arange(S)[None, :]).abs()
-    return (-slopes[:, None, None] * distance).unsqueeze(0).float()
+    return _alibi_mask(L, S, slopes, None, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa-flash"])
