@@ -1,9 +1,12 @@
-"""The property registry is the one list of properties: the README's table and
-docs/CONTRACTS.md name exactly the registered ids, each id is registered once,
-and each property names the spec section it checks."""
+"""The property registry is the one list of properties: the property table of
+docs/PROPERTIES.md (generated from it by ``python -m conformance.docgen``) and
+docs/CONTRACTS.md name exactly the registered ids, every generated region of the
+documentation is fresh, each id is registered once, and each property names the spec
+section it checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 import re
@@ -13,6 +16,7 @@ import pytest
 
 import conformance
 import spec
+from conformance import docgen
 from conformance.runner import registered_properties
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,20 +54,87 @@ def test_every_property_test_is_registered_once():
     assert set(tests) == set(registered_properties())
 
 
-def test_readme_property_table_matches_the_registry():
-    readme = (ROOT / "README.md").read_text()
-    in_table = _first_cell_ids(_section(readme, "The properties"))
-    assert len(in_table) == len(set(in_table)), "a property is listed twice in the README table"
+def _region(markdown: str, name: str) -> str:
+    """The body of the generated region ``name``."""
+    start = markdown.index(f"<!-- generated: {name} -->")
+    return markdown[start:markdown.index(docgen.END, start)]
+
+
+def test_property_table_matches_the_registry():
+    page = (ROOT / "docs" / "PROPERTIES.md").read_text()
+    in_table = _first_cell_ids(_region(page, "properties"))
+    assert len(in_table) == len(set(in_table)), "a property is listed twice in the table of docs/PROPERTIES.md"
     registered = set(registered_properties())
-    assert set(in_table) - registered == set(), "README table rows that are not registered properties"
-    assert registered - set(in_table) == set(), "registered properties missing from the README table"
+    assert set(in_table) - registered == set(), "docs/PROPERTIES.md table rows that are not registered properties"
+    assert registered - set(in_table) == set(), "registered properties missing from docs/PROPERTIES.md's table"
 
 
-def test_readme_checklist_names_registered_properties():
-    checklist = _section((ROOT / "README.md").read_text(), "The hand-written-attention checklist")
-    named = {pid for line in checklist.splitlines()[1:] if line.startswith("| ") and "---" not in line
-             for pid in re.findall(r"`([a-z0-9_]+)`", line.split("|")[2])}
+def test_checklist_names_registered_properties():
+    named = {pid for _, entries in docgen.CHECKLIST for pid, _ in entries if pid != "*_agreement"}
     assert named and named <= set(registered_properties()), named - set(registered_properties())
+    table = _region((ROOT / "docs" / "PROPERTIES.md").read_text(), "checklist")
+    shown = {pid for line in table.splitlines() if line.startswith("| ") and "---" not in line
+             for pid in re.findall(r"`([a-z0-9_]+)`", line.split("|")[2])}
+    assert named <= shown, f"checklist entries not in docs/PROPERTIES.md: {named - shown}"
+
+
+def test_the_generated_tables_have_their_regions():
+    # Deleting a page's markers would make every region "fresh": the pages that must hold
+    # each region are named here.
+    found = {(path.relative_to(ROOT).as_posix(), region.name)
+             for path in docgen.pages(ROOT) for region in docgen.regions(path, path.read_text())}
+    assert {("docs/PROPERTIES.md", "properties"), ("docs/PROPERTIES.md", "checklist")} <= found, sorted(found)
+
+
+def test_generated_regions_are_fresh():
+    stale = docgen.check(ROOT)
+    assert not stale, "\n".join(stale) + f"\nrun {docgen.COMMAND} and commit the pages it writes"
+
+
+def _fake_checkout(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# r\n")
+    (tmp_path / "docs" / "P.md").write_text(f"# p\n\n<!-- generated: properties -->\n{body}<!-- end generated -->\n\ntail\n")
+    return tmp_path / "docs" / "P.md"
+
+
+def test_a_stale_region_is_found_and_rewritten(tmp_path):
+    props = registered_properties()
+    page = _fake_checkout(tmp_path, "| hand-edited | row |\n")
+    assert docgen.check(tmp_path, props) == ["docs/P.md:3: region 'properties' is stale"]
+    assert docgen.write(tmp_path, props) == [page]
+    assert docgen.check(tmp_path, props) == []
+    text = page.read_text()
+    assert text.startswith("# p\n\n<!-- generated: properties -->\n| id |") and text.endswith("<!-- end generated -->\n\ntail\n")
+    # A docstring edited in a property module makes the committed table stale.
+    changed = dict(props)
+    changed["temperature"] = dataclasses.replace(props["temperature"], doc="Something else must hold.")
+    assert docgen.check(tmp_path, changed) == ["docs/P.md:3: region 'properties' is stale"]
+
+
+def test_bad_markers_are_errors_naming_the_page_and_line(tmp_path):
+    page = _fake_checkout(tmp_path, "")
+    page.write_text("x\n<!-- generated: propertiez -->\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match=r"P\.md:2: unknown generated region 'propertiez'; known: properties"):
+        docgen.check(tmp_path)
+    page.write_text("x\n<!-- generated: properties -->\nno end\n")
+    with pytest.raises(ValueError, match=r"P\.md:2: region 'properties' has no '<!-- end generated -->' line"):
+        docgen.check(tmp_path)
+    page.write_text("x\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match=r"P\.md:2: '<!-- end generated -->' without its"):
+        docgen.check(tmp_path)
+
+
+def test_summary_is_the_docstrings_first_paragraph():
+    assert docgen.summary("First line\n    goes on.\n\n    Detail.") == "First line goes on."
+    assert "\\|" in docgen.render_properties({"p": dataclasses.replace(
+        registered_properties()["temperature"], id="p", doc="|x| is kept")})
+
+
+def test_checklist_with_an_unregistered_id_is_an_error(monkeypatch):
+    monkeypatch.setattr(docgen, "CHECKLIST", (("an item", (("no_such_property", ""),)),))
+    with pytest.raises(ValueError, match="'an item' names 'no_such_property', which is not a registered property"):
+        docgen.render_checklist(registered_properties())
 
 
 def test_contracts_lists_every_registered_id_at_its_level():
