@@ -8,7 +8,11 @@
   mutants' ``origin``) names a numbered row of that file;
 * no file mentions a path outside the checkout (``../shared``, ``/work/``), and the design
   notes and known-bug list are only ever named as ``docs/DESIGN.md`` and
-  ``docs/KNOWN_BUGS.md`` (files inside ``docs/`` may link them relatively).
+  ``docs/KNOWN_BUGS.md`` (files inside ``docs/`` may link them relatively);
+* the rendered site: mkdocs.yml's nav lists every page of ``docs/`` once, the MkDocs hook
+  (``mkdocs_hooks.py``) warns on a missing link target (inside ``docs/`` or out of it) and
+  on nothing else, and sends links out of ``docs/`` to ``repo_url``; where mkdocs is
+  installed (the ``docs`` extra), ``mkdocs build --strict`` is clean.
 """
 
 from __future__ import annotations
@@ -169,3 +173,64 @@ def test_nothing_points_outside_the_repository():
                 problems.append(f"{rel(path)}:{number}: names the design notes or the known-bug "
                                 f"list without docs/: {line.strip()}")
     assert not problems, "\n".join(problems)
+
+
+# -- the rendered site (mkdocs.yml, mkdocs_hooks.py) ------------------------------------
+
+
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Page:
+    def __init__(self, path: Path):
+        self.file = type("File", (), {"abs_src_path": str(path), "src_uri": path.name})()
+
+
+def _run_hook(markdown: str, caplog, repo_url: str = "") -> str:
+    config = {"docs_dir": str(ROOT / "docs"), "config_file_path": str(ROOT / "mkdocs.yml"), "repo_url": repo_url}
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.links"):
+        return _hooks().on_page_markdown(markdown, _Page(ROOT / "docs" / "index.md"), config, None)
+
+
+def test_mkdocs_nav_lists_every_page():
+    config = (ROOT / "mkdocs.yml").read_text()
+    in_nav = re.findall(r"^\s*- [^:\n]+: ([\w/-]+\.md)\s*$", config, re.M)
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert len(in_nav) == len(set(in_nav)), "a page is twice in mkdocs.yml's nav"
+    assert sorted(in_nav) == pages, f"mkdocs.yml nav: {sorted(in_nav)}, docs/: {pages}"
+
+
+def test_mkdocs_hook_warns_on_a_missing_target_only(caplog):
+    text = ("[ok](OPTIONS.md#options) [out](../spec/README.md) [web](https://example.org/x.md) "
+            "[missing](NOPE.md) [gone](../nope/README.md#a) `[code](../code.md)`\n"
+            "```\n[fenced](../fenced.md)\n```\n")
+    assert _run_hook(text, caplog) == text
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert "links 'NOPE.md': no such file docs/NOPE.md" in warned[0]
+    assert "links '../nope/README.md#a': no such file nope/README.md" in warned[1]
+
+
+def test_mkdocs_hook_sends_links_out_of_docs_to_the_repository(caplog):
+    out = _run_hook("[s](../spec/README.md#decisions-each-one-tested) [b](../benchmarks) [o](OPTIONS.md)",
+                    caplog, repo_url="https://example.org/org/repo/")
+    assert out == ("[s](https://example.org/org/repo/blob/HEAD/spec/README.md#decisions-each-one-tested) "
+                   "[b](https://example.org/org/repo/tree/HEAD/benchmarks) [o](OPTIONS.md)")
+    assert not caplog.records
+
+
+def test_mkdocs_strict_build_is_clean(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[docs]')")
+    pytest.importorskip("pymdownx", reason="pymdown-extensions is not installed (pip install -e '.[docs]')")
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                             "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "site" / "PROPERTIES" / "index.html").exists()
