@@ -124,7 +124,9 @@ def render_property_ids(props: Mapping[str, Any]) -> str:
         ids = ", ".join(p.id for p in ordered if p.level == level)
         paragraphs.append(textwrap.fill(f"{LEVEL_NAMES.get(level, level)} level: {ids}.", width=88,
                                         break_on_hyphens=False))
-    return "\n\n".join(paragraphs)
+    # A blank line before the end marker: a reader of paragraphs (the CONTRACTS.md test)
+    # must not take the marker for more ids.
+    return "\n\n".join(paragraphs) + "\n"
 
 
 #: Region name -> its renderer (given the registry).

@@ -131,6 +131,20 @@ def test_summary_is_the_docstrings_first_paragraph():
         registered_properties()["temperature"], id="p", doc="|x| is kept")})
 
 
+def test_property_ids_region_reads_as_the_contracts_lists():
+    # The form docs/CONTRACTS.md's "Property ids" paragraphs have, ready to be marked as a
+    # region: each level's paragraph names exactly its registered ids, the end marker apart.
+    registered = registered_properties()
+    marked = f"## Property ids\n\n<!-- generated: property-ids -->\n{docgen.END}\n\nMore.\n"
+    text = docgen.render(marked, Path("CONTRACTS.md"), registered)
+    ids = {}
+    for level, name in docgen.LEVEL_NAMES.items():
+        paragraph = text[text.index(f"{name} level:"):].split("\n\n", 1)[0]
+        ids[level] = re.findall(r"[a-z0-9_]+", paragraph.split(":", 1)[1])
+    assert {level: sorted(v) for level, v in ids.items()} == {
+        level: sorted(p.id for p in registered.values() if p.level == level) for level in docgen.LEVEL_NAMES}
+
+
 def test_checklist_with_an_unregistered_id_is_an_error(monkeypatch):
     monkeypatch.setattr(docgen, "CHECKLIST", (("an item", (("no_such_property", ""),)),))
     with pytest.raises(ValueError, match="'an item' names 'no_such_property', which is not a registered property"):
