@@ -77,6 +77,19 @@ def ascending_keys(S: int = 20) -> V.SDPAProblem:
     return V.SDPAProblem(np.ones((1, 1, 1, 1)), key, value, scale=1.0)
 
 
+def in_dtype(problem: V.SDPAProblem, dtype: str, **changes) -> V.SDPAProblem:
+    """``problem`` with its inputs rounded to ``dtype`` and computed in it."""
+    values = {name: spec.emulate.round_to(getattr(problem, name), dtype) for name in ("query", "key", "value")}
+    return V.SDPAProblem(**{**problem.__dict__, **values, "dtype": dtype, **changes})
+
+
+def first_block_blocked(S: int = 20) -> V.SDPAProblem:
+    # query row 0 may attend only the keys of the second block; row 1 every key
+    mask = np.ones((2, S), dtype=bool)
+    mask[0, :V.KERNEL_BLOCK] = False
+    return sdpa_problem(8, S=S, attend_mask=mask)
+
+
 SDPA_CASES: dict[str, Callable[[], V.SDPAProblem]] = {
     "causal_ignored_when_L1": lambda: sdpa_problem(1, L=1, S=3, causal="upper_left"),
     "causal_ignored": lambda: sdpa_problem(1, L=3, S=3, causal="upper_left"),
@@ -107,6 +120,18 @@ SDPA_CASES: dict[str, Callable[[], V.SDPAProblem]] = {
     "ragged_tail_dropped": lambda: sdpa_problem(6, S=20),
     "online_softmax_no_rescale": ascending_keys,
     "dropout_no_rescale": lambda: sdpa_problem(7, dropout_p=0.25),
+    "fully_masked_zero": lambda: V.SDPAProblem(**{**fully_masked_case().__dict__, "fully_masked": "nan"}),
+    # float16: s - 1e4 rounds to a grid of 8, s + finfo.min (-65504) overflows below s = -16
+    "mask_fill_1e4": lambda: in_dtype(sdpa_problem(3, spread=2.0, attend_mask=fully_masked_case().attend_mask),
+                                      "float16"),
+    "mask_fill_1e9": fully_masked_case,
+    "mask_fill_finfo_min": lambda: in_dtype(sdpa_problem(3, spread=4.0, attend_mask=fully_masked_case().attend_mask),
+                                            "float16"),
+    "first_block_nan": first_block_blocked,
+    "causal_before_scale": lambda: sdpa_problem(9, L=3, S=3, causal="upper_left", scale=-0.5),
+    "value_is_key": lambda: sdpa_problem(10),
+    "inputs_rounded_to_float16": lambda: in_dtype(sdpa_problem(11, S=4), "float32"),
+    "inputs_rounded_to_bfloat16": lambda: in_dtype(sdpa_problem(11, S=4), "float32"),
 }
 
 
@@ -144,6 +169,7 @@ MHA_CASES: dict[str, Callable[[], V.MHAProblem]] = {
     "mha_padding_mask_on_queries": lambda: mha_problem(2, key_padding_mask=padding()),
     "mha_causal_hint_dropped": lambda: mha_problem(2, attn_mask=causal_blocked(), is_causal=True),
     "mha_fully_masked_nan": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
+    "mha_fully_masked_uniform": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
     "mha_weights_summed_over_heads": lambda: mha_problem(1),
 }
 
@@ -157,6 +183,14 @@ TIES = {
     "scale_zero_falsy": {"scale_arg_ignored"},
     # the float16 product overflows whether or not the sums are float16 too
     "float16_overflow": {"low_precision_accumulation"},
+    # -1e9 added in float64 keeps the scores: a fully blocked row is the unmasked row, as
+    # a -1e4 fill makes it too (float64 rounding of s - 1e4 and s - 1e9 is far below the
+    # tolerance); only the precision of the fill's sum tells them apart
+    "mask_fill_1e9": {"mask_fill_1e4"},
+    # s + finfo.min rounds every score of a fully blocked float64 row to finfo.min: uniform
+    "fully_masked_uniform": {"mask_fill_finfo_min"},
+    # with S <= 16 a fully blocked first key block is a fully blocked row
+    "fully_masked_nan": {"first_block_nan"},
 }
 
 
