@@ -15,11 +15,18 @@ import numpy as np
 from conformance.diagnosis_observe import _EXAMPLE, _Call, start_example
 from spec import variants as V
 
-__all__ = ["MAX_DISCRIMINATING"]
+__all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
 
 #: Cases derived from a failing case that the implementation is called on, at most,
 #: to tell apart variants that match the failing case equally (``diagnosis._separate``).
 MAX_DISCRIMINATING = 2
+
+
+def sdpa_mask_kind(case: Any) -> str:
+    """The fully-masked-row kind of an SDPA case as the implementation received it
+    (``Capabilities.fully_masked_policy``): the causal flag alone, else the mask's kind."""
+    return "causal" if case.causal is not None and case.mask_kind == "none" else \
+        "additive" if case.additive_mask is not None else "bool"
 
 
 def _discriminating_calls(target: Any, call: _Call, tied: list[str]) -> list[tuple[str, _Call]]:
@@ -39,7 +46,8 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[str]) -> list[tup
     while len(chosen) < MAX_DISCRIMINATING and candidates:
         scored = []
         for index, (description, case) in enumerate(candidates):
-            groups = V.partition(V.SDPAProblem.from_case(case, fully_masked=target.caps.fully_masked), tied)
+            policy = target.caps.fully_masked_policy(sdpa_mask_kind(case))      # the kind's own policy
+            groups = V.partition(V.SDPAProblem.from_case(case, fully_masked=policy), tied)
             pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
             scored.append((len(pairs - apart), -index, description, case, pairs))
         gained, _, description, case, pairs = max(scored, key=lambda item: item[:2])
