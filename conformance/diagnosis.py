@@ -201,11 +201,12 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
     fits: dict[str, list[str]] = {v: [] for v in ids}
     telling: dict[str, int] = dict.fromkeys(ids, 0)        # fitted cases where the output is wrong
     if first is not None:
-        also = {c["variant"] for c in _verdict(target, first.calls).causes}
+        earlier = _verdict(target, first.calls)
+        also = {c["variant"]: c for c in earlier.causes}
         for v in ids:
             if v in also:
                 fits[v].append("the failing case before shrinking")
-                telling[v] += 1
+                telling[v] += also[v].get("finite_evidence", True) or _partly_finite(earlier.call)
     best = max(len(f) for f in fits.values())
     leaders = [v for v in ids if len(fits[v]) == best]
     weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not c["finite_evidence"]
@@ -219,7 +220,8 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
             if prepared is None:
                 continue
             problem, observed, allowed = prepared
-            wrong = V.correct_fit(observed, problem, allowed) > 1.0
+            # wrong there, and not all NaN: an all-NaN output agrees with any NaN prediction
+            wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_finite(call)
             for v in ids:
                 if V.variant_fit(observed, problem, v, allowed) <= 1.0:
                     fits[v].append(description)
@@ -228,6 +230,12 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
     causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]]), fitted=len(fits[ids[i]]),
                    telling=telling[ids[i]]) for i in order]
     return _named(Verdict(causes, "", verdict.call))
+
+
+def _partly_finite(call: Any) -> bool:
+    """Whether a call's output has a finite element (an all-NaN output confirms nothing)."""
+    output = getattr(call, "output", None)
+    return output is not None and bool(np.isfinite(np.asarray(output, dtype=np.float64)).any())
 
 
 def _named(verdict: Verdict) -> Verdict:
@@ -240,9 +248,10 @@ def _named(verdict: Verdict) -> Verdict:
        tolerance rule of its prediction, NaN and inf where it predicts them (``rank``);
     2. the agreement is not NaN-only: it predicts some finite value that differs from
        the oracle's and the output has it (``V.finite_evidence``), or, where it differs
-       only by NaN or inf, it also fits another case on which the output is wrong (the
-       failing case before shrinking, or a case derived from the failing one: many
-       bugs make NaN, so agreeing NaN positions alone are weak evidence);
+       only by NaN or inf, it also fits another case on which the output is wrong and
+       not all NaN (the failing case before shrinking, or a case derived from the
+       failing one: many bugs make NaN, so agreeing NaN positions alone are weak
+       evidence);
     3. it is distinguishable from the other candidates on the evidence gathered: it
        fits strictly more of the other cases (before shrinking, discriminating) than
        every other variant that explains the failing call.

@@ -72,7 +72,9 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[str]) -> list[tup
 def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     """Small changes of ``case`` that separate the usual ties: one or two more queries
     or keys (causal alignments, a one-query shortcut), a key block more (a ragged last
-    block), another explicit scale (a falsy or ignored scale), one more batch item.
+    block), another explicit scale (a falsy or ignored scale), one more batch item, and
+    for a masked case without the causal flag a fully blocked key block in front (a
+    kernel's NaN first block against NaN fully masked rows).
     The new entries are seeded normal values rounded to the dtype; new mask entries
     attend. Contiguous, so any target that claims the sizes takes them."""
     from spec.emulate import round_to
@@ -104,6 +106,23 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
         out.append((f"B={b}, L={l}, S={s}", case.replace(
             query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
             additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
+    if case.causal is None and (case.attend_mask is not None or case.additive_mask is not None):
+        # a fully blocked key block in front: the correct output is unchanged, a kernel
+        # that makes NaN of a fully blocked first block (or skips blocks) is not
+        def front(x: np.ndarray | None, fill: Any) -> np.ndarray | None:
+            if x is None:
+                return None
+            extra = np.full((*x.shape[:-1], V.KERNEL_BLOCK), fill, dtype=x.dtype)
+            return np.concatenate([extra, x], axis=-1)
+
+        def keys_front(x: np.ndarray) -> np.ndarray:
+            shape = (*x.shape[:-2], V.KERNEL_BLOCK, x.shape[-1])
+            return np.concatenate([round_to(rng.standard_normal(shape), case.dtype).astype(x.dtype), x], axis=-2)
+
+        out.append((f"{V.KERNEL_BLOCK} blocked keys first", case.replace(
+            key=keys_front(case.key), value=keys_front(case.value),
+            attend_mask=front(case.attend_mask, False), additive_mask=front(case.additive_mask, -np.inf),
+            layout="contiguous", notes=())))
     default = 1.0 / math.sqrt(case.E)
     for scale in (None, 1.5 * default):
         if scale != case.scale:
