@@ -76,7 +76,10 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     for a masked case without the causal flag a fully blocked key block in front (a
     kernel's NaN first block against NaN fully masked rows).
     The new entries are seeded normal values rounded to the dtype; new mask entries
-    attend. Contiguous, so any target that claims the sizes takes them."""
+    attend. Keys that equal the values (shared kv) stay equal. Contiguous, so any target
+    that claims the sizes takes them; ``_discriminating_calls`` keeps only the cases the
+    target claims (``directed.admitted``: sizes, max_seq_len, self-attention lengths,
+    head dims, mask kinds, scales)."""
     from spec.emulate import round_to
 
     B, L, S = case.B, case.L, case.S
@@ -98,10 +101,13 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
             x = np.concatenate([x, extra.astype(x.dtype)], axis=axis)
         return x
 
+    # keys that are the values (a shared-kv implementation's cases) stay the values
+    shared = case.key.shape == case.value.shape and bool(np.array_equal(case.key, case.value))
     out = []
     for b, l, s in sizes:
         q = grown(case.query, (b, case.N, l, case.E))
-        k, v = grown(case.key, (b, case.K, s, case.E)), grown(case.value, (b, case.K, s, case.Ev))
+        k = grown(case.key, (b, case.K, s, case.E))
+        v = k if shared else grown(case.value, (b, case.K, s, case.Ev))
         mask_shape = (b, case.N, l, s)
         out.append((f"B={b}, L={l}, S={s}", case.replace(
             query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
@@ -119,8 +125,9 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
             shape = (*x.shape[:-2], V.KERNEL_BLOCK, x.shape[-1])
             return np.concatenate([round_to(rng.standard_normal(shape), case.dtype).astype(x.dtype), x], axis=-2)
 
+        key = keys_front(case.key)
         out.append((f"{V.KERNEL_BLOCK} blocked keys first", case.replace(
-            key=keys_front(case.key), value=keys_front(case.value),
+            key=key, value=key if shared else keys_front(case.value),
             attend_mask=front(case.attend_mask, False), additive_mask=front(case.additive_mask, -np.inf),
             layout="contiguous", notes=())))
     default = 1.0 / math.sqrt(case.E)

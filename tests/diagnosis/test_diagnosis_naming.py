@@ -206,3 +206,13 @@ def test_derived_cases_stay_inside_the_declared_sizes():
     target = target_of(recording, max_seq_len=3)
     diagnosed(target, case_of(2, L=1, S=3, causal="upper_left"))
     assert len(seen) >= 2 and all(L <= 3 and S <= 3 for L, S in seen), seen
+
+
+def test_derived_cases_keep_shared_keys_and_values_shared():
+    from conformance.diagnosis_ties import _derived_cases
+
+    base = case_of(3, L=2, S=3)
+    shared = base.replace(value=base.key)
+    derived = _derived_cases(shared)
+    assert derived and all(np.array_equal(c.key, c.value) for _, c in derived)
+    assert not all(np.array_equal(c.key, c.value) for _, c in _derived_cases(base))
