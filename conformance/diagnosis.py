@@ -159,7 +159,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     first = _FIRST_FAILURE.get()
     if first is None or first.record is not record or first.case is case:
         first = None
-    if verdict.causes and (len(verdict.causes) > 1 or not verdict.causes[0].get("finite_evidence", True)):
+    if verdict.causes and (len(verdict.causes) > 1 or not _evidence(verdict.causes[0])):
         verdict = _separate(target, verdict, first)
     if verdict.causes and verdict.causes[0].get("confirmed") is None:
         verdict = _named(verdict)
@@ -209,13 +209,13 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
                 telling[v] += also[v].get("finite_evidence", True) or _partly_finite(earlier.call)
     best = max(len(f) for f in fits.values())
     leaders = [v for v in ids if len(fits[v]) == best]
-    weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not c["finite_evidence"]
+    weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not _evidence(c)
             and not telling[c["variant"]]]
     if verdict.call is not None and (len(leaders) > 1 or weak):
         # a weak leader is told apart from the correct convention too: a case where its
         # prediction differs from the oracle's, to see whether the output follows it there
         tied = [*leaders, V.as_correct(verdict.call.level)] if weak else leaders
-        for description, call in _discriminating_calls(target, verdict.call, tied):
+        for description, call in _discriminating_calls(target, verdict.call, tied, weak):
             prepared = _sdpa_problem(target, call)
             if prepared is None:
                 continue
@@ -230,6 +230,16 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
     causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]]), fitted=len(fits[ids[i]]),
                    telling=telling[ids[i]]) for i in order]
     return _named(Verdict(causes, "", verdict.call))
+
+
+def _evidence(cause: dict[str, Any]) -> bool:
+    """Whether a match is more than agreeing NaN positions: it predicts a wrong finite
+    value the output has, or it names what fully masked rows output (``row_policy``:
+    NaN there is the behaviour it names, not a mechanism guessed from NaN)."""
+    if cause.get("finite_evidence", True):
+        return True
+    variant = V.VARIANTS.get(cause["variant"])
+    return variant is not None and variant.row_policy is not None
 
 
 def _partly_finite(call: Any) -> bool:
@@ -247,11 +257,12 @@ def _named(verdict: Verdict) -> Verdict:
     1. it explains the failing call: every compared output (and weight) within the
        tolerance rule of its prediction, NaN and inf where it predicts them (``rank``);
     2. the agreement is not NaN-only: it predicts some finite value that differs from
-       the oracle's and the output has it (``V.finite_evidence``), or, where it differs
-       only by NaN or inf, it also fits another case on which the output is wrong and
-       not all NaN (the failing case before shrinking, or a case derived from the
-       failing one: many bugs make NaN, so agreeing NaN positions alone are weak
-       evidence);
+       the oracle's and the output has it (``V.finite_evidence``), or it names what
+       fully masked rows output (``row_policy``: their NaN is the behaviour named), or,
+       where it differs only by NaN or inf, it also fits another case on which the
+       output is wrong and not all NaN (the failing case before shrinking, or a case
+       derived from the failing one: many bugs make NaN, so agreeing NaN positions
+       alone are weak evidence);
     3. it is distinguishable from the other candidates on the evidence gathered: it
        fits strictly more of the other cases (before shrinking, discriminating) than
        every other variant that explains the failing call.
@@ -268,7 +279,7 @@ def _named(verdict: Verdict) -> Verdict:
     best = max(c["fitted"] for c in causes)
     leaders = [c for c in causes if c["fitted"] == best]
     lead = leaders[0]
-    if len(leaders) == 1 and (lead["finite_evidence"] or lead["telling"] > 0):
+    if len(leaders) == 1 and (_evidence(lead) or lead["telling"] > 0):
         lead["confirmed"] = True
         return Verdict(causes, _line(causes), verdict.call)
     if len(leaders) > 1:

@@ -190,6 +190,9 @@ class Variant:
     failing call: bool, additive or causal). ``undeclarable``: for a variant that looks
     like a convention but has no declaration (a causal flag with no effect, an SDPA bool
     mask read as True = blocked), why it is a bug. At most one of the two.
+    ``row_policy``: for a variant that only changes what rows with no attendable key
+    output, that output ("nan", "uniform", "zero"): its NaN prediction is the behaviour
+    it names (those rows are NaN), not a mechanism inferred from NaN positions.
     """
 
     id: str
@@ -202,6 +205,7 @@ class Variant:
     precision: str | None = None
     declaration: str = ""
     undeclarable: str = ""
+    row_policy: str | None = None
 
     def __post_init__(self) -> None:
         _checks.check_choice("level", self.level, LEVELS)

@@ -120,7 +120,7 @@ def _fully_masked_as(policy: str) -> dict[str, Callable]:
     def applies(p: SDPAProblem) -> bool:
         return p.fully_masked not in (policy, "unspecified") and not A.valid_rows(p).all()
 
-    return dict(applies=applies, compute=lambda p: A.oracle_with(p, fully_masked=policy))
+    return dict(applies=applies, compute=lambda p: A.oracle_with(p, fully_masked=policy), row_policy=policy)
 
 
 # --------------------------------------------------------------------------- numerics (computed in numerics.py)

@@ -101,22 +101,29 @@ def test_nan_only_agreement_that_no_other_case_confirms_is_unknown():
     fn = Planted("nan_unmodelled")
     verdict = diagnosed(target_of(fn), masked_case())
     assert not any(c["confirmed"] for c in verdict.causes)
-    # the closest is the one that also fits the all-NaN output of a derived case
-    assert verdict.line.startswith("probable cause: unknown — closest, not confirmed: first_block_nan")
-    assert "agrees only where it predicts NaN" in verdict.line
+    # neither fits a derived case: the NaN of fully masked rows and of a NaN first key
+    # block stay apart only on the evidence that never came
+    assert verdict.line.startswith("probable cause: unknown — closest, not confirmed: fully_masked_nan, "
+                                   "first_block_nan")
+    assert "no case gathered tells them apart" in verdict.line
     record = {"outcome": "failed", "causes": verdict.causes, "property": "p", "dtype": "float64", "device": "cpu"}
     assert diagnosis.cause_groups([record])[0]["variant"] == "unknown"
     assert diagnosis.cause_line(record).startswith("probable cause: unknown (closest, not confirmed: ")
 
 
 def test_the_rule_on_a_nan_only_match_fails_without_it():
-    # the broken rule (any match named) would name fully_masked_nan for that unmodelled NaN
+    # the broken rule (any match named) would name a kernel mechanism for any NaN
     from conformance.diagnosis import Verdict, _named
 
-    weak = dict(diagnosis._cause("fully_masked_nan", 0.0, None), finite_evidence=False, fitted=0, telling=0)
+    weak = dict(diagnosis._cause("first_block_nan", 0.0, None), finite_evidence=False, fitted=0, telling=0)
     assert not _named(Verdict([weak], "")).causes[0]["confirmed"]
     strong = dict(weak, finite_evidence=True)
     assert _named(Verdict([strong], "")).causes[0]["confirmed"]
+    confirmed = dict(weak, fitted=1, telling=1)
+    assert _named(Verdict([confirmed], "")).causes[0]["confirmed"]
+    # NaN fully masked rows are the behaviour fully_masked_nan names, not a guess from NaN
+    policy = dict(diagnosis._cause("fully_masked_nan", 0.0, None), finite_evidence=False, fitted=0, telling=0)
+    assert _named(Verdict([policy], "")).causes[0]["confirmed"]
 
 
 # --------------------------------------------------------------------------- ties
@@ -125,7 +132,7 @@ def test_the_rule_on_a_nan_only_match_fails_without_it():
 def test_a_tie_no_case_breaks_is_unknown_with_the_closest_listed(monkeypatch):
     import conformance.diagnosis as D
 
-    monkeypatch.setattr(D, "_discriminating_calls", lambda target, call, tied: [])   # no evidence gathered
+    monkeypatch.setattr(D, "_discriminating_calls", lambda *args: [])   # no evidence gathered
     fn = Planted("lower_right")
     verdict = diagnosed(target_of(fn), case_of(2, L=1, S=2, causal="upper_left"))
     assert not any(c["confirmed"] for c in verdict.causes)
