@@ -52,11 +52,10 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
     while len(chosen) < MAX_DISCRIMINATING and candidates:
         scored = []
         for index, (description, case) in enumerate(candidates):
-            policy = target.caps.fully_masked_policy(sdpa_mask_kind(case))      # the kind's own policy
-            problem = V.SDPAProblem.from_case(case, fully_masked=policy)
-            groups = V.partition(problem, tied)
+            problem, allowed = _expected_problem(target, case)
+            groups = V.partition(problem, tied, allowed, outputs_only=True)
             pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
-            confirms = {v for v in unconfirmed if _could_confirm(problem, v)}
+            confirms = {v for v in unconfirmed if _could_confirm(problem, v, allowed)}
             scored.append((len(pairs - apart), len(confirms), -index, description, case, pairs, confirms))
         gained, confirming, _, description, case, pairs, confirms = max(scored, key=lambda item: item[:3])
         if not gained and not confirming:
@@ -110,11 +109,21 @@ def _first_block_blocked(case: Any, rng: np.random.Generator, shared: bool) -> t
     return (f"{n} more queries whose first key block is blocked (L={L + n}, S={S + n})", case.replace(**changes))
 
 
-def _could_confirm(problem: Any, variant_id: str) -> bool:
+def _expected_problem(target: Any, case: Any) -> tuple[Any, Any]:
+    """The problem of a call of ``case`` and the runner's allowed error for it (the
+    tolerance rule the observation will be judged by, so that variants told apart
+    here are told apart by the call too)."""
+    from conformance.diagnosis import _sdpa_problem
+
+    problem, _, allowed = _sdpa_problem(target, _Call("sdpa", case, None))
+    return problem, allowed
+
+
+def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:
     """Whether ``variant_id`` predicts on ``problem`` an output that is wrong (beyond the
-    default tolerance of the oracle) and not all NaN: a case that can confirm it."""
+    allowed error of the oracle) and not all NaN: a case that can confirm it."""
     output = V.VARIANTS[variant_id].compute(problem).output
-    return bool(np.isfinite(output).any()) and V.correct_fit(output, problem) > 1.0
+    return bool(np.isfinite(output).any()) and V.correct_fit(output, problem, allowed) > 1.0
 
 
 def _derived_cases(case: Any) -> list[tuple[str, Any]]:
@@ -165,9 +174,9 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     if blocked is not None:
         out.append(blocked)
     default = 1.0 / math.sqrt(case.E)
-    # a scale 64 times smaller: logits that overflowed in exp are tame, products that
+    # a scale 1024 times smaller: logits that overflowed in exp are tame, products that
     # overflow before the scale still do (float16_overflow against no_max_subtraction)
-    for scale in (None, 1.5 * default, default / 64):
+    for scale in (None, 1.5 * default, (default if case.scale is None else case.scale) / 1024):
         if scale != case.scale:
             out.append((f"scale={scale!r}", case.replace(scale=scale, layout="contiguous", notes=())))
     return out

@@ -20,7 +20,7 @@ Public API::
     rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
     correct_fit(observed, problem, allowed=None) -> float  # <= 1: the oracle explains it
     variant_fit(observed, problem, variant, allowed=None) -> float   # <= 1: the variant explains it
-    partition(problem, variants, allowed=None) -> [[id, ...], ...]  # variants grouped by output
+    partition(problem, variants, allowed=None, outputs_only=False) -> [[id, ...], ...]  # grouped by output
     finite_evidence(observed, problem, variant, allowed=None) -> bool  # False: NaN-only agreement
     as_correct(level) -> Variant                           # the oracle as a pseudo-variant "correct"
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)

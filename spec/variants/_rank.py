@@ -332,11 +332,12 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
 
 
 def partition(problem: Problem, variants: Iterable[Variant | str],
-              allowed: Allowed | None = None) -> list[list[str]]:
+              allowed: Allowed | None = None, outputs_only: bool = False) -> list[list[str]]:
     """``variants`` (deterministic ones of the problem's level) grouped by output on
     ``problem``: two variants are in one group when their results are each within
     the other's allowed error. More than one group: an observation on ``problem``
-    can tell the groups apart. Groups and their members keep the given order."""
+    can tell the groups apart. Groups and their members keep the given order.
+    ``outputs_only``: compare the outputs alone (an observation without weights)."""
     bound = _as_callable(allowed, problem)
     chosen = [lookup(v) if isinstance(v, str) else v for v in variants]
     chosen = [v for v in chosen if v.compute is not None and v.level == problem.level]
@@ -347,7 +348,8 @@ def partition(problem: Problem, variants: Iterable[Variant | str],
         mine = results[v.id]
         for group in groups:
             other = results[group[0]]
-            parts = _parts(mine.weights, other, correct) if mine.weights is not None else ["output"]
+            parts = _parts(mine.weights, other, correct) if mine.weights is not None and not outputs_only \
+                else ["output"]
             close = max(max(_part_fit(problem, part, getattr(mine, part), other, bound),
                             _part_fit(problem, part, getattr(other, part), mine, bound)) for part in parts)
             if close <= 1.0:
