@@ -140,10 +140,14 @@ def summary(results: list[Diagnosis]) -> str:
     right = [d for d in results if d.right]
     beaten = [d.name for d in results if d.beaten]
     wrong = [f"{d.name} (named {d.first or 'unknown'})" for d in results if not d.right]
+    honest = [d.name for d in results if not d.right and not d.first and d.expected in d.named]
     text = (f"expected cause named first: {len(right)}/{len(results)} "
             f"({100 * len(right) / max(1, len(results)):.0f}%); "
             f"wrong cause first with a better fit than the right one: {len(beaten)}"
             + (f" ({', '.join(beaten)})" if beaten else ""))
+    if honest:
+        text += (f"; unknown with the expected cause among the closest, not confirmed: {len(honest)} "
+                 f"({', '.join(honest)})")
     if wrong:
         text += f"\nnot named first: {'; '.join(wrong)}"
     return text
