@@ -223,3 +223,24 @@ def test_derived_cases_keep_shared_keys_and_values_shared():
     derived = _derived_cases(shared)
     assert derived and all(np.array_equal(c.key, c.value) for _, c in derived)
     assert not all(np.array_equal(c.key, c.value) for _, c in _derived_cases(base))
+
+
+def test_a_finite_mask_fill_is_named_and_not_an_inverted_mask():
+    from spec.emulate import round_to
+
+    def filled(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        s = s + torch.where(attn_mask, torch.zeros((), dtype=s.dtype), torch.tensor(-1e4, dtype=s.dtype))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v           # BERT's (1 - mask) * -10000
+
+    target = Target(Implementation(name="fill", capabilities=Capabilities(dtypes=("float16",)), sdpa=filled),
+                    "sdpa", "float16", "cpu")
+    mask = np.ones((1, 1, 3, 4), dtype=bool)
+    mask[..., 1, :] = False                                       # row 1 fully blocked
+    mask[..., 0, 2:] = False
+    case = case_of(1, L=3, S=4, attend_mask=mask)
+    case = case.replace(query=round_to(3 * case.query, "float16"), key=round_to(3 * case.key, "float16"),
+                        value=round_to(case.value, "float16"), dtype="float16")
+    verdict = diagnosed(target, case)
+    assert verdict.causes[0]["variant"] == "mask_fill_1e4" and verdict.causes[0]["confirmed"], verdict.line
+    assert "mask_inverted" not in [c["variant"] for c in verdict.causes]
