@@ -109,7 +109,7 @@ def diagnose_mutant(mutant: Mutant, profile: str, timeout_s: float) -> Diagnosis
     result.cause_notes = [c.get("note") or "" for c in causes]
     result.confirmed = bool(causes) and causes[0].get("confirmed", True) is not False
     if causes and not result.confirmed:
-        result.note = result.note or "unknown; closest, not confirmed: " + ", ".join(result.named[:3])
+        result.note = result.note or "unknown; candidates, none confirmed: " + ", ".join(result.named[:3])
     return result
 
 
@@ -146,7 +146,7 @@ def summary(results: list[Diagnosis]) -> str:
             f"wrong cause first with a better fit than the right one: {len(beaten)}"
             + (f" ({', '.join(beaten)})" if beaten else ""))
     if honest:
-        text += (f"; unknown with the expected cause among the closest, not confirmed: {len(honest)} "
+        text += (f"; unknown with the expected cause among the candidates, none confirmed: {len(honest)} "
                  f"({', '.join(honest)})")
     if wrong:
         text += f"\nnot named first: {'; '.join(wrong)}"
