@@ -29,6 +29,16 @@ Where the output comes from, cheapest first:
    orders them, then at most :data:`MAX_DISCRIMINATING` cases derived from the failing
    one on which the tied variants' outputs differ, each called once (:func:`_separate`).
 
+5. The naming rule (:func:`_named`): a variant is named only when it explains the
+   call on more than NaN positions (or another case confirms it) and fits strictly
+   more of the other cases than every other candidate; otherwise the line is
+   ``probable cause: unknown — closest, not confirmed: X, Y``. A named convention a
+   user may intend carries its declaration (``Variant.declaration``).
+6. A failure that a built-in's expected-failures entry covers (same property, same
+   call attributes, matched as ``--xfail-file`` entries are) says which known
+   deviation it is and how to excuse it (:func:`_with_known_deviations`): a plain
+   wrapper of PyTorch's SDPA inherits ``implementations/xfail/sdpa.toml``'s.
+
 Everything runs inside a guard: a diagnosis error becomes the line
 ``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
 The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
