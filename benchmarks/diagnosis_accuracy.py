@@ -5,7 +5,8 @@ variant that models its bug), runs, as a subprocess,
 ``pytest conformance --impl=mutant:NAME --hypothesis-profile=PROFILE -x
 --conformance-report PATH`` and reads the failing result's ``causes`` in ``PATH.json``:
 the cause named first against the expected one. A mutant counts as right when the
-expected cause is named first. The second check: no mutant gets a wrong cause ranked
+expected cause is named first and confirmed under the naming rule (docs/DIAGNOSIS.md);
+an "unknown — closest, not confirmed" verdict counts as not named. The second check: no mutant gets a wrong cause ranked
 first with a strictly better fit than the right one (a wrong first with an equal fit is
 a tie the failing case alone cannot break, listed but not counted here). Where several
 causes were named, a ``tie`` line says why the first one leads: the other cases it also
@@ -54,12 +55,14 @@ class Diagnosis:
     fits: list[float | None] = field(default_factory=list)
     #: Each named cause's note: the other cases it also fits, where a tie was broken.
     cause_notes: list[str] = field(default_factory=list)
+    #: Whether the first cause was named under the naming rule (else: unknown, closest listed).
+    confirmed: bool = False
     wall_seconds: float = 0.0
     note: str = ""
 
     @property
     def first(self) -> str | None:
-        return self.named[0] if self.named else None
+        return self.named[0] if self.named and self.confirmed else None
 
     @property
     def right(self) -> bool:
@@ -104,6 +107,9 @@ def diagnose_mutant(mutant: Mutant, profile: str, timeout_s: float) -> Diagnosis
     result.named = [c["variant"] for c in causes]
     result.fits = [c.get("fit") for c in causes]
     result.cause_notes = [c.get("note") or "" for c in causes]
+    result.confirmed = bool(causes) and causes[0].get("confirmed", True) is not False
+    if causes and not result.confirmed:
+        result.note = result.note or "unknown; candidates, none confirmed: " + ", ".join(result.named[:3])
     return result
 
 
@@ -115,7 +121,7 @@ def print_table(results: list[Diagnosis]) -> None:
     header = ("mutant", "expected cause", "named first", "fit", "right", "failing property", "also named")
     rows = []
     for d in results:
-        rows.append((d.name, d.expected, d.first or "unknown", _fit(d.fits[0] if d.fits else None),
+        rows.append((d.name, d.expected, d.first or "unknown", _fit(d.fits[0] if d.fits and d.first else None),
                      "yes" if d.right else "NO", f"{d.failing_property or '-'}[{d.dtype or '-'}]",
                      ", ".join(f"{n} {_fit(f)}" for n, f in zip(d.named[1:], d.fits[1:], strict=True)) or "-"))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -125,7 +131,7 @@ def print_table(results: list[Diagnosis]) -> None:
         if d.note:
             print(f"note {d.name}: {d.note}")
     for d in results:
-        if len(d.named) > 1:
+        if len(d.named) > 1 and d.first:
             why = d.cause_notes[0] if d.cause_notes else ""
             print(f"tie {d.name}: {d.first} first" + (f", {why}" if why else ", by fit and table order"))
 
@@ -134,10 +140,14 @@ def summary(results: list[Diagnosis]) -> str:
     right = [d for d in results if d.right]
     beaten = [d.name for d in results if d.beaten]
     wrong = [f"{d.name} (named {d.first or 'unknown'})" for d in results if not d.right]
+    honest = [d.name for d in results if not d.right and not d.first and d.expected in d.named]
     text = (f"expected cause named first: {len(right)}/{len(results)} "
             f"({100 * len(right) / max(1, len(results)):.0f}%); "
             f"wrong cause first with a better fit than the right one: {len(beaten)}"
             + (f" ({', '.join(beaten)})" if beaten else ""))
+    if honest:
+        text += (f"; unknown with the expected cause among the candidates, none confirmed: {len(honest)} "
+                 f"({', '.join(honest)})")
     if wrong:
         text += f"\nnot named first: {'; '.join(wrong)}"
     return text

@@ -29,6 +29,16 @@ Where the output comes from, cheapest first:
    orders them, then at most :data:`MAX_DISCRIMINATING` cases derived from the failing
    one on which the tied variants' outputs differ, each called once (:func:`_separate`).
 
+5. The naming rule (:func:`_named`): a variant is named only when it explains the
+   call on more than NaN positions (or another case confirms it) and fits strictly
+   more of the other cases than every other candidate; otherwise the line is
+   ``probable cause: unknown — closest, not confirmed: X, Y``. A named convention a
+   user may intend carries its declaration (``Variant.declaration``).
+6. A failure that a built-in's expected-failures entry covers (same property, same
+   call attributes, matched as ``--xfail-file`` entries are) says which known
+   deviation it is and how to excuse it (:func:`_with_known_deviations`): a plain
+   wrapper of PyTorch's SDPA inherits ``implementations/xfail/sdpa.toml``'s.
+
 Everything runs inside a guard: a diagnosis error becomes the line
 ``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
 The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
@@ -70,6 +80,7 @@ from conformance.diagnosis_observe import (
 from conformance.diagnosis_ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
+    sdpa_mask_kind,
 )
 from spec import variants as V
 
@@ -87,6 +98,8 @@ __all__ = [
     "cause_markdown",
 ]
 
+#: The id prefix of a cause that is a built-in's known deviation (``known_deviation:sdpa``).
+KNOWN_DEVIATION = "known_deviation"
 #: MHA forward arguments a call may override and a problem can describe.
 _MHA_OVERRIDES = frozenset({"need_weights", "average_attn_weights", "is_causal"})
 #: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
@@ -94,7 +107,6 @@ _RANDOM_IN_EVAL = "mha_dropout_in_eval"
 #: Extra calls of an eval-mode module whose output is wrong and matches no variant,
 #: looking for that sign (only then; every other diagnosis calls at most once).
 RECALLS = 3
-#: Cases derived from a failing case that the implementation is called on, at most,
 
 
 @dataclass(frozen=True)
@@ -157,13 +169,15 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     first = _FIRST_FAILURE.get()
     if first is None or first.record is not record or first.case is case:
         first = None
-    if len(verdict.causes) > 1:
+    if verdict.causes and (len(verdict.causes) > 1 or not _evidence(verdict.causes[0])):
         verdict = _separate(target, verdict, first)
+    if verdict.causes and verdict.causes[0].get("confirmed") is None:
+        verdict = _named(verdict)
     if not verdict.causes:
         # A random output can look deterministic on one case: two equal samples.
         random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls)
         verdict = random or verdict
-    return verdict
+    return _with_known_deviations(target, record, verdict)
 
 
 def _verdict(target: Any, calls: list[_Call]) -> Verdict:
@@ -195,25 +209,201 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
     order (fit, then the table's). Each cause's note names the cases it fits."""
     ids = [c["variant"] for c in verdict.causes]
     fits: dict[str, list[str]] = {v: [] for v in ids}
+    telling: dict[str, int] = dict.fromkeys(ids, 0)        # fitted cases where the output is wrong
     if first is not None:
-        also = {c["variant"] for c in _verdict(target, first.calls).causes}
+        earlier = _verdict(target, first.calls)
+        also = {c["variant"]: c for c in earlier.causes}
         for v in ids:
             if v in also:
                 fits[v].append("the failing case before shrinking")
+                telling[v] += also[v].get("finite_evidence", True) or _partly_finite(earlier.call)
     best = max(len(f) for f in fits.values())
     leaders = [v for v in ids if len(fits[v]) == best]
-    if len(leaders) > 1 and verdict.call is not None:
-        for description, call in _discriminating_calls(target, verdict.call, leaders):
+    weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not _evidence(c)
+            and not telling[c["variant"]]]
+    if verdict.call is not None and (len(leaders) > 1 or weak):
+        # a weak leader is told apart from the correct convention too: a case where its
+        # prediction differs from the oracle's, to see whether the output follows it there
+        tied = [*leaders, V.as_correct(verdict.call.level)] if weak else leaders
+        for description, call in _discriminating_calls(target, verdict.call, tied, weak):
             prepared = _sdpa_problem(target, call)
             if prepared is None:
                 continue
             problem, observed, allowed = prepared
+            # wrong there, and not all NaN: an all-NaN output agrees with any NaN prediction
+            wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_finite(call)
             for v in ids:
                 if V.variant_fit(observed, problem, v, allowed) <= 1.0:
                     fits[v].append(description)
+                    telling[v] += wrong
     order = sorted(range(len(ids)), key=lambda i: -len(fits[ids[i]]))     # stable: rank's order on ties
-    causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]])) for i in order]
-    return Verdict(causes, _line(causes), verdict.call)
+    causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]]), fitted=len(fits[ids[i]]),
+                   telling=telling[ids[i]]) for i in order]
+    return _named(Verdict(causes, "", verdict.call))
+
+
+def _evidence(cause: dict[str, Any]) -> bool:
+    """Whether a match is more than agreeing NaN positions: it predicts a wrong finite
+    value the output has, or it names what fully masked rows output (``row_policy``:
+    NaN there is the behaviour it names, not a mechanism guessed from NaN)."""
+    if cause.get("finite_evidence", True):
+        return True
+    variant = V.VARIANTS.get(cause["variant"])
+    return variant is not None and variant.row_policy is not None
+
+
+def _partly_finite(call: Any) -> bool:
+    """Whether a call's output has a finite element (an all-NaN output confirms nothing)."""
+    output = getattr(call, "output", None)
+    return output is not None and bool(np.isfinite(np.asarray(output, dtype=np.float64)).any())
+
+
+def _named(verdict: Verdict) -> Verdict:
+    """The naming rule: ``verdict``'s causes marked ``confirmed`` (at most one, first)
+    and its line.
+
+    A variant is named only when
+
+    1. it explains the failing call: every compared output (and weight) within the
+       tolerance rule of its prediction, NaN and inf where it predicts them (``rank``);
+    2. the agreement is not NaN-only: it predicts some finite value that differs from
+       the oracle's and the output has it (``V.finite_evidence``), or it names what
+       fully masked rows output (``row_policy``: their NaN is the behaviour named), or,
+       where it differs only by NaN or inf, it also fits another case on which the
+       output is wrong and not all NaN (the failing case before shrinking, or a case
+       derived from the failing one: many bugs make NaN, so agreeing NaN positions
+       alone are weak evidence);
+    3. it is distinguishable from the other candidates on the evidence gathered: it
+       fits strictly more of the other cases (before shrinking, discriminating) than
+       every other variant that explains the failing call.
+
+    Otherwise the cause is unknown and the candidates that fit the most cases are
+    listed as closest, not confirmed."""
+    causes = [dict(c) for c in verdict.causes]
+    if not causes:
+        return verdict
+    for c in causes:
+        c.setdefault("fitted", 0)
+        c.setdefault("telling", 0)
+        c["confirmed"] = False
+    best = max(c["fitted"] for c in causes)
+    leaders = [c for c in causes if c["fitted"] == best]
+    lead = leaders[0]
+    if len(leaders) == 1 and (_evidence(lead) or lead["telling"] > 0):
+        lead["confirmed"] = True
+        return Verdict(causes, _line(causes), verdict.call)
+    if len(leaders) > 1:
+        why = ("they explain the failing call equally and no case gathered tells them apart"
+               if best == 0 else f"each also fits the same {best} other case(s)")
+    else:
+        why = ("it agrees only where it predicts NaN or inf, and no other case where the output "
+               "is wrong confirms it")
+    closest = ", ".join(c["variant"] for c in leaders[:SHOWN]) + (
+        f" and {len(leaders) - SHOWN} more" if len(leaders) > SHOWN else "")
+    line = f"probable cause: {UNKNOWN} — closest, not confirmed: {closest} ({why})"
+    return Verdict(causes, line, verdict.call)
+
+
+def _hint(cause: dict[str, Any]) -> str:
+    """What to do about a named variant that is a convention: its declaration, or why
+    there is none."""
+    variant = V.VARIANTS[cause["variant"]]
+    if variant.declaration:
+        return f"; if this is intended, declare {variant.declaration_for(cause.get('kind') or 'bool')}"
+    if variant.undeclarable:
+        return f"; {variant.undeclarable}"
+    return ""
+
+
+def _mask_kind(call: _Call) -> str:
+    """The fully-masked-row kind of a call (``Capabilities.fully_masked_policy``)."""
+    case = call.case
+    if call.level == "mha":
+        floats = [m for m in (case.key_padding_mask, case.attn_mask) if m is not None and m.dtype != np.bool_]
+        return "additive" if floats else "bool"
+    return sdpa_mask_kind(case)
+
+
+def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdict:
+    """``verdict`` with the built-ins' known deviations that cover this failure (same
+    property, same call attributes, matched as ``--xfail-file`` entries are): an
+    implementation that calls a built-in (a plain wrapper of PyTorch's SDPA) fails
+    where the built-in deviates from the contract, and the cause is that deviation."""
+    from implementations.registry.expected_failures import BUILTIN_LIBRARIES, builtin_deviations
+
+    property_id = getattr(record, "property", "")
+    if not property_id or record.failing_case is None:
+        return verdict
+    calls = getattr(record, "failing_calls", ()) or ()
+    attrs = [c.attrs() for c in calls if hasattr(c, "attrs")] or [record.failing_case.attrs()]
+    own = list(getattr(target.impl, "expected_failures", ()) or ())
+    named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
+    found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
+             if entry not in own and _specific(entry)]
+    used = _libraries_used(target) & set(BUILTIN_LIBRARIES.values())
+    if used:                              # the built-ins of the libraries the implementation calls
+        found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
+    if not found:
+        return verdict
+    name, path, entry = found[0]
+    reference = f" ({entry.reference})" if entry.reference else ""
+    avoid = ", ".join(f"{k}={v!r}" for k, v in entry.match.items()) or f"every case of {property_id}"
+    known = (f"known deviation of the built-in `{name}`: {entry.reason}{reference}. If the implementation "
+             f"calls it, excuse the failure with --xfail-file {path} (or avoid {avoid})")
+    others = sorted({n for n, _, _ in found[1:]} - {name})
+    if others:
+        known += "; also listed for " + ", ".join(f"`{n}`" for n in others)
+    deviation = {"name": name, "path": str(path), "property": entry.property, "reason": entry.reason,
+                 "reference": entry.reference, "match": dict(entry.match), "specific": _specific(entry)}
+    if named:
+        causes = [dict(verdict.causes[0], known_deviation=deviation), *verdict.causes[1:]]
+        return Verdict(causes, verdict.line + f"; this matches a {known}", verdict.call)
+    # no variant named: the deviation is the cause
+    pseudo = {"variant": f"{KNOWN_DEVIATION}:{name}",
+              "summary": f"a known deviation of the built-in `{name}` (--xfail-file {path})",
+              "fit": None, "relative_error": None, "note": entry.reason, "finite_evidence": True,
+              "confirmed": True, "known_deviation": deviation}
+    line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
+                                          if verdict.line else "")
+    return Verdict([pseudo, *verdict.causes], line, verdict.call)
+
+
+def _libraries_used(target: Any) -> set[str]:
+    """Top-level packages the implementation's callables reference (their module and
+    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA. When none
+    of them is a built-in's library, every built-in's deviations are considered."""
+    import inspect
+    import types
+
+    used: set[str] = set()
+    impl = target.impl
+    for attr in ("sdpa", "mha", "flash"):
+        fn = getattr(impl, attr, None)
+        if fn is None:
+            continue
+        if not inspect.isfunction(fn) and not inspect.ismethod(fn):
+            fn = type(fn).__call__                         # a callable object: its method
+        fn = inspect.unwrap(fn)
+        module = getattr(fn, "__module__", None) or ""
+        used.add(module.split(".")[0])
+        for value in getattr(fn, "__globals__", {}).values():
+            if isinstance(value, types.ModuleType):
+                used.add(value.__name__.split(".")[0])
+            elif getattr(value, "__module__", None):
+                used.add(str(value.__module__).split(".")[0])
+    return used
+
+
+#: Case attributes that only say where an entry applies, not which deviation it is.
+_SCOPE_ATTRIBUTES = frozenset({"dtype", "device", "level"})
+
+
+def _specific(entry: Any) -> bool:
+    """Whether a known deviation says which failure it is: it names its property, or
+    its match constrains the call beyond dtype and device. A "*" entry matching every
+    float64 call (JAX's float32 softmax) covers failures of any cause, so it names none
+    (its effect, when that is the cause, is a variant: ``softmax_float32``)."""
+    return entry.property != "*" or bool(set(entry.match) - _SCOPE_ATTRIBUTES)
 
 
 def _fits_note(cases: list[str]) -> str:
@@ -258,7 +448,9 @@ def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
     if not matches:
         return True
     relative = _relative_error(observed, V.reference(problem))
-    causes = [_cause(m.variant_id, m.fit, relative) for m in matches]
+    causes = [dict(_cause(m.variant_id, m.fit, relative),
+                   finite_evidence=V.finite_evidence(observed, problem, m.variant_id, allowed),
+                   kind=_mask_kind(call)) for m in matches]
     return Verdict(causes, _line(causes), call)
 
 
@@ -268,10 +460,15 @@ def _cause(variant_id: str, fit: float | None, relative: float | None, note: str
 
 
 def _line(causes: list[dict[str, Any]]) -> str:
-    named = [f"{c['variant']} — {c['summary']}" + (f" ({c['note']})" if c["note"] else "")
-             for c in causes[:SHOWN]]
-    more = f"; and {len(causes) - SHOWN} more" if len(causes) > SHOWN else ""
-    return "probable cause: " + "; or ".join(named) + more
+    """The line of a named cause (the first), with the candidates it was told apart from."""
+    first = causes[0]
+    line = (f"probable cause: {first['variant']} — {first['summary']}"
+            + (f" ({first['note']})" if first["note"] else "") + _hint(first))
+    rest = [c["variant"] for c in causes[1:]]
+    if rest:
+        shown = ", ".join(rest[:SHOWN]) + (f" and {len(rest) - SHOWN} more" if len(rest) > SHOWN else "")
+        line += f" [also explained the failing call, fewer other cases: {shown}]"
+    return line
 
 
 def _unknown(why: str) -> Verdict:
@@ -304,9 +501,7 @@ def _sdpa_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
 
     case, observed = call.case, call.output
     # The case as passed: causality still in it only when the flag carries it alone.
-    kind = "causal" if case.causal is not None and case.mask_kind == "none" else \
-        "additive" if case.additive_mask is not None else "bool"
-    policy = target.caps.fully_masked_policy(kind)
+    policy = target.caps.fully_masked_policy(sdpa_mask_kind(case))
     if call.dropout_p > 0:
         stacked = _unstacked(case, observed)
         if stacked is None:
@@ -383,7 +578,8 @@ def _random_in_eval(calls: list[_Call]) -> Verdict | None:
         key = (id(call.module), tuple(sorted(call.overrides.items())), id(call.case))
         if key in seen:
             if not np.array_equal(np.nan_to_num(seen[key], nan=7.0), np.nan_to_num(call.output, nan=7.0)):
-                cause = _cause(_RANDOM_IN_EVAL, None, None, "two eval-mode calls on the same inputs differ")
+                cause = dict(_cause(_RANDOM_IN_EVAL, None, None, "two eval-mode calls on the same inputs differ"),
+                             finite_evidence=True, confirmed=True)  # the sign itself, not a fit
                 return Verdict([cause], _line([cause]))
         else:
             seen[key] = call.output

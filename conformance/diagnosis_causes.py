@@ -10,12 +10,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["UNKNOWN", "cause_line", "cause_groups", "cause_lines", "cause_markdown"]
+__all__ = ["UNKNOWN", "confirmed", "named_cause", "cause_line", "cause_groups", "cause_lines", "cause_markdown"]
 
 #: The group id of failures that no variant explains.
 UNKNOWN = "unknown"
 #: Matches named on one failure line (the rest are in the record).
 SHOWN = 3
+
+
+def confirmed(cause: dict[str, Any]) -> bool:
+    """Whether a recorded cause was named under the naming rule (docs/DIAGNOSIS.md);
+    records written before the rule carry no flag and count as named."""
+    return cause.get("confirmed", True) is not False
+
+
+def named_cause(causes: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The cause a failure names: its first cause when confirmed, else None (unknown)."""
+    first = (causes or [None])[0]
+    return first if first is not None and confirmed(first) else None
 
 
 def cause_line(result: dict[str, Any]) -> str | None:
@@ -24,9 +36,15 @@ def cause_line(result: dict[str, Any]) -> str | None:
     if result.get("outcome") != "failed" or "causes" not in result:
         return None
     causes = result["causes"] or []
+    named = named_cause(causes)
+    known = next((c["known_deviation"] for c in causes if c.get("known_deviation")), None)
+    tail = f" (known deviation of the built-in `{known['name']}`: --xfail-file {known['path']})" if known else ""
+    if named is not None:
+        return f"probable cause: {named['variant']}" + tail
     if not causes:
-        return f"probable cause: {UNKNOWN}"
-    return "probable cause: " + ", ".join(c["variant"] for c in causes[:SHOWN])
+        return f"probable cause: {UNKNOWN}" + tail
+    return (f"probable cause: {UNKNOWN} (closest, not confirmed: "
+            + ", ".join(c["variant"] for c in causes[:SHOWN]) + ")" + tail)
 
 
 def cause_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -39,7 +57,7 @@ def cause_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         if r.get("outcome") != "failed" or "causes" not in r:
             continue
-        first = (r["causes"] or [None])[0]
+        first = named_cause(r["causes"])
         variant = first["variant"] if first else UNKNOWN
         group = groups.setdefault(variant, {
             "variant": variant,

@@ -117,7 +117,7 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
 
     case = decode_case(header["case"], unprefixed(arrays, "case/"))
     first = decode_case(header["first"], unprefixed(arrays, "first/")) if header.get("first") else None
-    record = SimpleNamespace(failing_case=first if first is not None else case)
+    record = SimpleNamespace(failing_case=first if first is not None else case, property=header["property"])
     if first is not None:
         diagnosis.start_example(first, record)
         try:
@@ -132,6 +132,7 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
         check(replace(target, log=log), case)
     except runner.PropertyFailure as exc:
         failure = exc
+    record.failing_calls = tuple(log.calls)  # matched against the built-ins' known deviations
     try:
         verdict = diagnosis.diagnose(target, record, failure)
         causes, line = verdict.causes, verdict.line

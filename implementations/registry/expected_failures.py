@@ -20,7 +20,8 @@ from implementations.base import (
     ImplementationError,
 )
 
-__all__ = ["XFAIL_DIR", "load_expected_failures", "load_expected_failures_file", "with_expected_failures"]
+__all__ = ["XFAIL_DIR", "load_expected_failures", "load_expected_failures_file", "with_expected_failures",
+           "builtin_deviations", "BUILTIN_LIBRARIES"]
 
 #: Where the built-ins' expected-failures files live.
 XFAIL_DIR = Path(__file__).resolve().parent.parent / "xfail"
@@ -111,3 +112,29 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
         property=entry["property"], reason=entry["reason"],
         match=match, reference=entry.get("reference", ""),
     )
+
+
+#: The library each built-in with an expected-failures file calls: a user's function
+#: that calls the same library may inherit its deviations.
+BUILTIN_LIBRARIES = {"sdpa": "torch", "sdpa-flash": "torch", "torch-mha": "torch", "jax": "jax"}
+
+
+def builtin_deviations(property_id: str, attrs: list[dict], directory: Path | None = None,
+                       ) -> list[tuple[str, Path, ExpectedFailure]]:
+    """The built-ins' known deviations that cover a failure of ``property_id`` whose
+    calls had ``attrs`` (case attributes, as the runner matches ``--xfail-file``
+    entries: an entry covers the failure when it covers any of the calls), as
+    ``(built-in name, path of its file, entry)``, the files in name order (``sdpa``
+    before ``sdpa-flash``). An
+    implementation that wraps a built-in inherits its deviations; this says which
+    one a failure is (``conformance.diagnosis``)."""
+    found = []
+    for path in sorted((directory or XFAIL_DIR).glob("*.toml"), key=lambda p: p.stem):
+        try:
+            entries = _load(path, str(path))
+        except ImplementationError:
+            continue                                    # a broken file is reported where it is loaded
+        for entry in entries:
+            if any(entry.applies(property_id, a) for a in attrs):
+                found.append((path.stem, path, entry))
+    return found

@@ -20,7 +20,9 @@ Public API::
     rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
     correct_fit(observed, problem, allowed=None) -> float  # <= 1: the oracle explains it
     variant_fit(observed, problem, variant, allowed=None) -> float   # <= 1: the variant explains it
-    partition(problem, variants, allowed=None) -> [[id, ...], ...]  # variants grouped by output
+    partition(problem, variants, allowed=None, outputs_only=False) -> [[id, ...], ...]  # grouped by output
+    finite_evidence(observed, problem, variant, allowed=None) -> bool  # False: NaN-only agreement
+    as_correct(level) -> Variant                           # the oracle as a pseudo-variant "correct"
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
 
 Conventions are the spec's: SDPA bool masks True = may attend, MHA bool masks True =
@@ -32,8 +34,9 @@ variant with the real bug it stands for.
 from __future__ import annotations
 
 from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
-from ._rank import (COARSE_ERROR_FLOOR, DEFAULT_ULPS, Allowed, Match, Observed, correct_fit, default_allowed, fit, partition,
-                    precision_factor, rank, reference, variant_fit)
+from ._rank import (COARSE_ERROR_FLOOR, CONCRETE_POLICIES, DEFAULT_ULPS, Allowed, Match, Observed, as_correct,
+                    correct_fit, default_allowed, finite_evidence, fit, partition, precision_factor, rank, reference,
+                    variant_fit)
 from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
 from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
@@ -54,6 +57,9 @@ __all__ = [
     "correct_fit",
     "variant_fit",
     "partition",
+    "finite_evidence",
+    "as_correct",
+    "CONCRETE_POLICIES",
     "precision_factor",
     "Match",
     "fit",

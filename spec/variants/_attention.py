@@ -15,7 +15,7 @@ from .._sdpa import prepare, sdpa
 from ._core import SDPAProblem, VariantResult
 
 __all__ = ["declared_policy", "oracle_with", "reference", "allowed_keys", "blocks_differ", "scores_of",
-           "apply_policy", "softmax", "finish", "magnitude", "compute_dtype", "valid_rows"]
+           "apply_policy", "softmax", "sdpa_of", "finish", "magnitude", "compute_dtype", "valid_rows"]
 
 
 def declared_policy(p: SDPAProblem) -> str:
@@ -29,6 +29,15 @@ def oracle_with(p: SDPAProblem, *, key: Any = None, value: Any = None, **changes
                 scale=p.scale, fully_masked=declared_policy(p))
     args.update(changes)
     result = sdpa(p.query, p.key if key is None else key, p.value if value is None else value, **args)
+    return VariantResult(result.output, result.weights)
+
+
+def sdpa_of(p: SDPAProblem, *, query: Any, key: Any, value: Any, **changes: Any) -> VariantResult:
+    """The oracle on other q, k, v (same masks, scale and policy unless changed)."""
+    args = dict(attend_mask=p.attend_mask, additive_mask=p.additive_mask, causal=p.causal,
+                scale=p.scale, fully_masked=declared_policy(p))
+    args.update(changes)
+    result = sdpa(query, key, value, **args)
     return VariantResult(result.output, result.weights)
 
 

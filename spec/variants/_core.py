@@ -184,6 +184,15 @@ class Variant:
     dtype (a float32 softmax of float64 inputs), that precision; ``rank`` then matches
     the observation against it with the allowed error scaled up to that precision
     (a real implementation of the mistake rounds in its own order, not the model's).
+    ``declaration``: for a variant that is a valid convention a user may intend (the
+    other causal alignment, keys used as values, another fully-masked-row policy), the
+    ``--impl-option`` that declares it (``{kind}`` stands for the mask kind of the
+    failing call: bool, additive or causal). ``undeclarable``: for a variant that looks
+    like a convention but has no declaration (a causal flag with no effect, an SDPA bool
+    mask read as True = blocked), why it is a bug. At most one of the two.
+    ``row_policy``: for a variant that only changes what rows with no attendable key
+    output, that output ("nan", "uniform", "zero"): its NaN prediction is the behaviour
+    it names (those rows are NaN), not a mechanism inferred from NaN positions.
     """
 
     id: str
@@ -194,14 +203,27 @@ class Variant:
     compute: Callable[[Any], VariantResult] | None = field(repr=False)
     detect: str = ""
     precision: str | None = None
+    declaration: str = ""
+    undeclarable: str = ""
+    row_policy: str | None = None
 
     def __post_init__(self) -> None:
         _checks.check_choice("level", self.level, LEVELS)
+        if self.declaration and self.undeclarable:
+            fail("undeclarable", self.undeclarable, "a variant with a declaration cannot also be undeclarable",
+                 "keep the one that is true")
+        if self.declaration and not self.declaration.startswith("--impl-option "):
+            fail("declaration", self.declaration, "must be the --impl-option text that declares the convention",
+                 "write it as '--impl-option name=value'")
         if self.precision is not None:
             _checks.check_choice("precision", self.precision, tuple(UNIT_ROUNDOFF))
         if self.compute is None and not self.detect:
             fail("detect", self.detect, "a variant without compute must say how it is detected",
                  "describe the observation that reveals it")
+
+    def declaration_for(self, kind: str = "bool") -> str:
+        """``declaration`` with ``{kind}`` filled in ("" when the variant has none)."""
+        return self.declaration.replace("{kind}", kind)
 
     @property
     def deterministic(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Union
 
+import dataclasses
+
 import numpy as np
 
 from . import _attention, mha
@@ -12,7 +14,13 @@ from .registry import VARIANTS, lookup
 
 __all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "COARSE_ERROR_FLOOR", "default_allowed", "fit", "rank",
            "reference",
-           "correct_fit", "precision_factor", "variant_fit", "partition"]
+           "correct_fit", "precision_factor", "variant_fit", "partition", "finite_evidence", "as_correct",
+           "CONCRETE_POLICIES"]
+
+#: The policies a variant is computed under when the problem's is "unspecified": a
+#: variant that empties a row the correct convention does not may fill it any way
+#: the implementation does (its own policy is free), so each is tried.
+CONCRETE_POLICIES = ("zero", "nan", "uniform")
 
 #: An output, or an ``(output, weights)`` pair (weights None when there are none).
 Observed = Union[np.ndarray, tuple]
@@ -173,6 +181,56 @@ def _as_callable(allowed: Allowed | None, problem: Problem) -> Callable[[str, Va
     return lambda part, result: allowed if part == "output" else fallback(part, result)
 
 
+def _results(variant: Variant, problem: Problem) -> list[VariantResult]:
+    """What ``variant`` outputs on ``problem``: one result, or, under the policy
+    "unspecified", one per :data:`CONCRETE_POLICIES` (rows the variant empties get any
+    policy; rows the correct convention empties are not compared anyway)."""
+    if problem.fully_masked != "unspecified":
+        return [variant.compute(problem)]
+    return [variant.compute(dataclasses.replace(problem, fully_masked=policy)) for policy in CONCRETE_POLICIES]
+
+
+def as_correct(level: str) -> Variant:
+    """The correct convention as a pseudo-variant (id ``"correct"``) of ``level``: what
+    :func:`partition` groups with the variants to find a case where a variant's
+    prediction differs from the oracle's."""
+    return Variant(id="correct", level=level, summary="the correct convention", models="",
+                   applies=lambda p: False, compute=reference)
+
+
+def finite_evidence(observed: Observed, problem: Problem, variant: Variant | str,
+                    allowed: Allowed | None = None) -> bool:
+    """Whether ``variant`` explains ``observed`` on finite values: some element where the
+    observation is finite and the variant's prediction differs from the oracle's beyond
+    the allowed error (or the oracle is not finite there). False when the variant and
+    the oracle differ only where the variant predicts NaN or inf: agreeing NaN positions
+    are weak evidence, many bugs make NaN (an overflow, exp(-inf - -inf), 0 * inf), and
+    ``conformance.diagnosis`` names such a variant only when another case confirms it."""
+    variant = lookup(variant) if isinstance(variant, str) else variant
+    if variant.compute is None or variant.level != problem.level:
+        return False
+    output, weights = _split(observed)
+    bound = _as_callable(allowed, problem)
+    correct = reference(problem)
+    for result in _results(variant, problem):
+        for part in _parts(weights, result, correct):
+            seen = np.asarray(output if part == "output" else weights, dtype=np.float64)
+            predicted = np.asarray(getattr(result, part), dtype=np.float64)
+            right = np.asarray(getattr(correct, part), dtype=np.float64)
+            if not seen.shape == predicted.shape == right.shape:
+                continue
+            limit = np.broadcast_to(np.asarray(bound(part, result), dtype=np.float64), predicted.shape)
+            rows = _compared_rows(problem, part, predicted.shape)
+            with np.errstate(all="ignore"):
+                differs = ~np.isfinite(right) | (np.abs(predicted - right) > limit)
+            telling = np.isfinite(seen) & np.isfinite(predicted) & differs
+            if rows is not None:
+                telling &= rows
+            if telling.any():
+                return True
+    return False
+
+
 def _selected(variants: Iterable[Variant | str] | Mapping[str, Variant] | None, level: str) -> list[Variant]:
     if variants is None:
         variants = VARIANTS.values()
@@ -223,20 +281,23 @@ def rank(observed: Observed, problem: Problem,
     for variant in _selected(variants, problem.level):
         if not variant.applies(problem):
             continue
-        result = variant.compute(problem)
-        parts = _parts(weights, result, correct)
-        # each within the other's allowed error (the variant's own may be far wider)
-        distance = max(max(_part_fit(problem, part, getattr(correct, part), result, bound),
-                           _part_fit(problem, part, getattr(result, part), correct, bound)) for part in parts)
-        if distance <= 1.0:
-            continue                                                      # indistinguishable here
-        factor = precision_factor(variant, problem)
-        if factor > 1.0 and _too_fine_for(output, result, correct):
-            continue                                                      # wrong, but not that coarse
-        observed_fit = max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
-                           for part in parts)
-        if observed_fit <= 1.0:
-            matches.append((factor > 1.0, Match(variant.id, observed_fit)))
+        best = None
+        for result in _results(variant, problem):
+            parts = _parts(weights, result, correct)
+            # each within the other's allowed error (the variant's own may be far wider)
+            distance = max(max(_part_fit(problem, part, getattr(correct, part), result, bound),
+                               _part_fit(problem, part, getattr(result, part), correct, bound)) for part in parts)
+            if distance <= 1.0:
+                continue                                                  # indistinguishable here
+            factor = precision_factor(variant, problem)
+            if factor > 1.0 and _too_fine_for(output, result, correct):
+                continue                                                  # wrong, but not that coarse
+            observed_fit = max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
+                               for part in parts)
+            if observed_fit <= 1.0 and (best is None or observed_fit < best[1].fit):
+                best = (factor > 1.0, Match(variant.id, observed_fit))
+        if best is not None:
+            matches.append(best)
     return [match for _, match in sorted(matches, key=lambda item: (item[0], item[1].fit))]
 
 
@@ -256,23 +317,27 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
         return float("inf")
     output, weights = _split(observed)
     bound = _as_callable(allowed, problem)
-    result = variant.compute(problem)
     correct = reference(problem)
-    parts = _parts(weights, result, correct)
     factor = precision_factor(variant, problem)
-    if (factor > 1.0 and _correct_fit(observed, problem, bound, correct) > 1.0
-            and _too_fine_for(output, result, correct)):
-        return float("inf")                                               # wrong, but not that coarse
     observed_parts = {"output": output, "weights": weights}
-    return max(_part_fit(problem, part, observed_parts[part], result, bound, factor) for part in parts)
+    wrong = factor > 1.0 and _correct_fit(observed, problem, bound, correct) > 1.0
+    best = float("inf")
+    for result in _results(variant, problem):
+        if wrong and _too_fine_for(output, result, correct):
+            continue                                                      # wrong, but not that coarse
+        parts = _parts(weights, result, correct)
+        best = min(best, max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
+                             for part in parts))
+    return best
 
 
 def partition(problem: Problem, variants: Iterable[Variant | str],
-              allowed: Allowed | None = None) -> list[list[str]]:
+              allowed: Allowed | None = None, outputs_only: bool = False) -> list[list[str]]:
     """``variants`` (deterministic ones of the problem's level) grouped by output on
     ``problem``: two variants are in one group when their results are each within
     the other's allowed error. More than one group: an observation on ``problem``
-    can tell the groups apart. Groups and their members keep the given order."""
+    can tell the groups apart. Groups and their members keep the given order.
+    ``outputs_only``: compare the outputs alone (an observation without weights)."""
     bound = _as_callable(allowed, problem)
     chosen = [lookup(v) if isinstance(v, str) else v for v in variants]
     chosen = [v for v in chosen if v.compute is not None and v.level == problem.level]
@@ -283,7 +348,8 @@ def partition(problem: Problem, variants: Iterable[Variant | str],
         mine = results[v.id]
         for group in groups:
             other = results[group[0]]
-            parts = _parts(mine.weights, other, correct) if mine.weights is not None else ["output"]
+            parts = _parts(mine.weights, other, correct) if mine.weights is not None and not outputs_only \
+                else ["output"]
             close = max(max(_part_fit(problem, part, getattr(mine, part), other, bound),
                             _part_fit(problem, part, getattr(other, part), mine, bound)) for part in parts)
             if close <= 1.0:

@@ -295,7 +295,16 @@ def _table() -> list[Variant]:
              models="nn.MultiheadAttention with need_weights=True and on its fast path (pytorch#41508, "
                     "#160064; bug zoo: mha_fully_masked_nan)",
              applies=lambda p: p.fully_masked not in ("nan", "unspecified") and bool(_blocked_rows(p).any()),
-             compute=steps(fully_masked="nan")),
+             compute=steps(fully_masked="nan"), declaration="--impl-option fully_masked={kind}:nan",
+             row_policy="nan"),
+        dict(id="mha_fully_masked_uniform",
+             summary="a query row whose keys are all blocked gets uniform weights over every key, so its "
+                     "attention output is the mean of the projected values",
+             models="a module filling blocked scores with a finite value (-1e9, finfo.min) instead of "
+                    "-inf, so a fully blocked row's scores are all equal",
+             applies=lambda p: p.fully_masked not in ("uniform", "unspecified") and bool(_blocked_rows(p).any()),
+             compute=steps(fully_masked="uniform"), declaration="--impl-option fully_masked={kind}:uniform",
+             row_policy="uniform"),
         dict(id="mha_weights_summed_over_heads",
              summary="average_attn_weights=True sums the per-head weights instead of averaging them",
              models="per-head and averaged weights confused (pytorch#70055; bug zoo: mha_weights_summed)",

@@ -16,7 +16,10 @@ from ._core import UNIT_ROUNDOFF, SDPAProblem, VariantResult
 
 __all__ = ["KERNEL_BLOCK", "softmax_float32", "products_in_dtype", "float16_overflow", "no_max_subtraction",
            "no_max_subtraction_applies", "global_max", "global_max_applies", "low_precision_accumulation",
-           "bfloat16_accumulator", "visited_keys", "online_softmax_no_rescale", "no_rescale_applies"]
+           "bfloat16_accumulator", "visited_keys", "online_softmax_no_rescale", "no_rescale_applies",
+           "FINITE_FILLS", "input_round_trip", "input_round_trip_applies", "finite_fill_added",
+           "finite_fill_applies", "first_block_nan", "first_block_nan_applies", "causal_before_scale",
+           "causal_before_scale_applies"]
 
 #: Key block of the tiled-kernel variants (the bug zoo's tiled and Triton kernels use 16).
 KERNEL_BLOCK = 16
@@ -190,3 +193,112 @@ def online_softmax_no_rescale(p: SDPAProblem) -> VariantResult:
 def no_rescale_applies(p: SDPAProblem) -> bool:
     _, allowed, _, running = _running_max(p)
     return bool((allowed & (running < running[..., -1:])).any())
+
+
+# --------------------------------------------------------------------------- inputs, fills, blocks, scale
+
+
+#: Finite fills real code adds to the scores of blocked keys instead of -inf: BERT's
+#: ``(1 - mask) * -10000.0``, the common ``-1e9``, and ``torch.finfo(dtype).min``.
+FINITE_FILLS = {"1e4": -1e4, "1e9": -1e9, "finfo_min": None}
+
+
+def _fill_value(name: str, dtype: str) -> float:
+    """The fill ``name`` in ``dtype`` (``finfo_min``: the dtype's most negative finite value)."""
+    value = FINITE_FILLS[name]
+    if value is not None:
+        return value
+    return {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": float(np.finfo(np.float32).min),
+            "float64": float(np.finfo(np.float64).min)}[dtype]
+
+
+def input_round_trip(p: SDPAProblem, to: str) -> VariantResult:
+    """The oracle on q, k, v (and a float mask) rounded to ``to`` first: an
+    implementation that casts its inputs to ``to`` and computes in the problem's
+    precision (exact up to that precision's rounding, which the tolerance allows)."""
+    rounded = {name: round_to(getattr(p, name), to) for name in ("query", "key", "value")}
+    additive = None if p.additive_mask is None else round_to(p.additive_mask, to)
+    return A.sdpa_of(p, query=rounded["query"], key=rounded["key"], value=rounded["value"],
+                     additive_mask=additive)
+
+
+def input_round_trip_applies(p: SDPAProblem, to: str) -> bool:
+    """The inputs are finer than ``to`` and some of them change when rounded to it."""
+    if UNIT_ROUNDOFF[p.dtype] >= UNIT_ROUNDOFF[to]:
+        return False
+    return any(bool((round_to(getattr(p, name), to) != getattr(p, name)).any())
+               for name in ("query", "key", "value"))
+
+
+def finite_fill_added(p: SDPAProblem, fill_name: str) -> VariantResult:
+    """The bool mask and the causal rule applied by *adding* a finite fill to the
+    blocked keys' scores (in the problem's precision, so in float16 ``s + fill`` rounds
+    to a coarse grid or overflows to -inf), then a softmax over every key. A row with
+    attendable keys comes out right (its blocked weights underflow); a fully blocked row
+    is a softmax of the rounded filled scores instead of the declared policy."""
+    _, scores, _, value = A.scores_of(p)
+    blocked = ~A.allowed_keys(p, additive_mask=None)                      # bool and causal only
+    fill = _fill_value(fill_name, p.dtype)
+    rounding = p.dtype if p.dtype != "float64" else "float64"
+    with np.errstate(all="ignore"):
+        filled = np.where(blocked, round_to(round_to(scores, rounding) + fill, rounding), scores)
+    # the additive mask's own -inf entries stay -inf: softmax over every key
+    allowed = np.ones(filled.shape, dtype=bool)
+    # (a row whose filled scores all overflowed to -inf is NaN, as exp(-inf - -inf) is;
+    # a row the additive mask alone blocks keeps the declared policy)
+    weights = A.softmax(filled, allowed, A.declared_policy(p), dtype=A.compute_dtype(p))
+    additive_empty = ~A.allowed_keys(p, attend_mask=None, causal=None).any(axis=-1, keepdims=True)
+    return A.finish(A.apply_policy(weights, additive_empty, A.declared_policy(p)), value)
+
+
+def finite_fill_applies(p: SDPAProblem, fill_name: str) -> bool:
+    """Some key blocked by the bool mask or the causal rule gets a nonzero (or NaN)
+    weight under the fill: in a fully blocked row always, elsewhere only when the
+    attended scores lie far below the fill (where they do not, the output is right)."""
+    blocked = ~A.allowed_keys(p, additive_mask=None)
+    if not blocked.any():
+        return False
+    weights = finite_fill_added(p, fill_name).weights
+    return bool((blocked & ((weights != 0) | np.isnan(weights))).any())
+
+
+def first_block_nan(p: SDPAProblem) -> VariantResult:
+    """An online softmax that computes ``exp(s - m)`` with the running max ``m`` still
+    -inf: a row whose first key block (KERNEL_BLOCK keys) is fully blocked is NaN
+    (``exp(-inf - -inf)``), whatever comes later; other rows are right."""
+    correct = A.reference(p)
+    allowed = A.allowed_keys(p)
+    first = allowed[..., :KERNEL_BLOCK]
+    nan_rows = ~first.any(axis=-1, keepdims=True)                         # (B, N, L, 1)
+    output = np.where(nan_rows, np.nan, correct.output)
+    weights = np.where(nan_rows, np.nan, correct.weights)
+    return VariantResult(output, weights)
+
+
+def first_block_nan_applies(p: SDPAProblem) -> bool:
+    allowed = A.allowed_keys(p)
+    nan_rows = ~allowed[..., :KERNEL_BLOCK].any(axis=-1)
+    if not nan_rows.any():
+        return False
+    if p.fully_masked in ("nan", "unspecified"):
+        # rows empty anyway are NaN (or free) already: only rows with later keys differ
+        return bool((nan_rows & allowed.any(axis=-1)).any())
+    return True
+
+
+def causal_before_scale(p: SDPAProblem) -> VariantResult:
+    """The causal rule's -inf is put into q·kᵀ before the scale multiplies it: with
+    scale 0 a blocked score is -inf·0 = NaN, with a negative scale +inf, so every row
+    with a causally blocked key is NaN; with a positive scale nothing changes."""
+    correct = A.reference(p)
+    if p.causal is None or p.resolved_scale > 0:
+        return correct
+    causal_blocked = ~A.allowed_keys(p, attend_mask=None, additive_mask=None)
+    nan_rows = causal_blocked.any(axis=-1, keepdims=True)
+    return VariantResult(np.where(nan_rows, np.nan, correct.output), np.where(nan_rows, np.nan, correct.weights))
+
+
+def causal_before_scale_applies(p: SDPAProblem) -> bool:
+    if p.causal is None or p.resolved_scale > 0:
+        return False
+    return bool((~A.allowed_keys(p, attend_mask=None, additive_mask=None)).any())

@@ -120,7 +120,7 @@ def _fully_masked_as(policy: str) -> dict[str, Callable]:
     def applies(p: SDPAProblem) -> bool:
         return p.fully_masked not in (policy, "unspecified") and not A.valid_rows(p).all()
 
-    return dict(applies=applies, compute=lambda p: A.oracle_with(p, fully_masked=policy))
+    return dict(applies=applies, compute=lambda p: A.oracle_with(p, fully_masked=policy), row_policy=policy)
 
 
 # --------------------------------------------------------------------------- numerics (computed in numerics.py)
@@ -147,6 +147,42 @@ def _dropout_no_rescale(p: SDPAProblem) -> VariantResult:
     return VariantResult(correct.output * keep, correct.weights * keep)
 
 
+# --------------------------------------------------------------------------- fills and round trips
+
+
+def _finite_fill_rows() -> list[dict[str, Any]]:
+    texts = {"1e4": ("-1e4", "BERT-style (1 - mask) * -10000.0 added to the scores"),
+             "1e9": ("-1e9", "a bool mask turned into an additive one with -1e9"),
+             "finfo_min": ("finfo(dtype).min", "a bool mask turned into an additive one with "
+                           "torch.finfo(dtype).min (transformers' eager attention)")}
+    rows = []
+    for name, (fill, models) in texts.items():
+        rows.append(dict(
+            id=f"mask_fill_{name}",
+            summary=f"the bool mask and the causal rule are applied by adding {fill} to the blocked scores "
+                    "instead of -inf, so a fully blocked row is a softmax of the filled scores (rounded in "
+                    "the input precision: uniform, the unmasked row, or NaN where the sum overflows) and "
+                    "blocked keys keep weight where the scores lie far below the fill",
+            models=models,
+            applies=lambda p, name=name: numerics.finite_fill_applies(p, name),
+            compute=lambda p, name=name: numerics.finite_fill_added(p, name)))
+    return rows
+
+
+def _round_trip_rows() -> list[dict[str, Any]]:
+    rows = []
+    for to in ("float16", "bfloat16"):
+        rows.append(dict(
+            id=f"inputs_rounded_to_{to}",
+            summary=f"q, k, v (and a float mask) are rounded to {to} and the attention computed in the "
+                    "input precision: an input round trip, not a low-precision accumulator",
+            models=f"a kernel that casts its inputs to {to} (a half-precision-only kernel behind a float32 "
+                   "entry point, autocast left on)",
+            applies=lambda p, to=to: numerics.input_round_trip_applies(p, to),
+            compute=lambda p, to=to: numerics.input_round_trip(p, to)))
+    return rows
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -162,22 +198,28 @@ def _table() -> list[Variant]:
              models="transformers' SDPA integration passes is_causal only when L > 1 (a decode-step "
                     "assumption), wrong for a one-query chunk of a longer prompt",
              applies=lambda p: p.query.shape[2] == 1 and _flag_read_as_changes(p, None),
-             compute=_causal_dropped_when_decoding),
+             compute=_causal_dropped_when_decoding,
+             undeclarable="a causal flag that has no effect on a one-query call is a bug, not a convention: "
+                          "no declaration makes it conform"),
         dict(id="causal_ignored", summary="the causal flag is ignored: every key is attended",
              models="x-transformers' Attend(flash=True) dropped the per-call causal argument; any "
                     "wrapper that forgets to pass is_causal on",
+             undeclarable="a causal flag that has no effect is a bug, not a convention: no declaration "
+                          "makes it conform",
              **_causal_as(None)),
         dict(id="causal_upper_left",
              summary="the causal flag applies the upper-left triangle (query i sees keys j <= i) where "
                      "lower-right was declared",
              models="PyTorch's is_causal alignment in code declaring FlashAttention's (pytorch#108108, "
                     "#103082); x-transformers' flash path used it whenever L > S",
+             declaration="--impl-option causal=upper_left",
              **_causal_as("upper_left")),
         dict(id="causal_lower_right",
              summary="the causal flag applies the lower-right triangle (query i sees keys j <= i + S - L) "
                      "where upper-left was declared",
              models="FlashAttention >= 2.1, xformers and cuDNN align the last query with the last key; "
                     "code declaring PyTorch's alignment that calls them (pytorch#108108, #103082)",
+             declaration="--impl-option causal=lower_right",
              **_causal_as("lower_right")),
         dict(id="causal_excludes_diagonal",
              summary="the causal mask also blocks the diagonal: query i sees only keys strictly before it",
@@ -218,7 +260,9 @@ def _table() -> list[Variant]:
              models="SDPA and nn.MultiheadAttention bool masks have opposite polarity; PyTorch's own "
                     "documented reference had it wrong in 2.0/2.1 (pytorch#170400)",
              applies=lambda p: p.attend_mask is not None and A.blocks_differ(p, attend_mask=_inverted(p)),
-             compute=lambda p: A.oracle_with(p, attend_mask=_inverted(p))),
+             compute=lambda p: A.oracle_with(p, attend_mask=_inverted(p)),
+             undeclarable="an SDPA-level bool mask read as True = blocked has no declaration: the SDPA "
+                          "contract is True = may attend, so invert the mask inside the implementation"),
         dict(id="float_mask_as_bool",
              summary="the float mask is read as a bool one: every nonzero entry blocks its key and the "
                      "biases are dropped",
@@ -241,12 +285,22 @@ def _table() -> list[Variant]:
              summary="a row with no attendable key is NaN (softmax of all -inf)",
              models="plain softmax on fully-masked rows; nn.MultiheadAttention with need_weights=True "
                     "and its fast path (pytorch#41508, #160064)",
+             declaration="--impl-option fully_masked={kind}:nan",
              **_fully_masked_as("nan")),
         dict(id="fully_masked_uniform",
              summary="a row with no attendable key gets uniform weights, so its output is the mean of V",
              models="masked_fill with a finite value (-1e9, finfo.min) instead of -inf: a fully-masked "
                     "row's scores are all equal",
+             declaration="--impl-option fully_masked={kind}:uniform",
              **_fully_masked_as("uniform")),
+        dict(id="fully_masked_zero",
+             summary="a row with no attendable key outputs zeros (weights 0) where another policy was "
+                     "declared",
+             models="PyTorch SDPA's policy since 2.5 (and FlashAttention's) in code declaring NaN or "
+                    "uniform rows",
+             declaration="--impl-option fully_masked={kind}:zero",
+             **_fully_masked_as("zero")),
+        *_finite_fill_rows(),
         dict(id="softmax_float32",
              summary="float64 inputs go through a float32 softmax, so the output has float32 precision",
              models="transformers' eager attention (softmax(..., dtype=float32)) and JAX's default "
@@ -292,6 +346,27 @@ def _table() -> list[Variant]:
              models="FlashAttention-style kernels missing acc *= exp(m_old - m_new) (bug zoo: "
                     "tiled_no_rescale, triton_no_rescale)",
              applies=numerics.no_rescale_applies, compute=numerics.online_softmax_no_rescale),
+        dict(id="first_block_nan",
+             summary=f"an online softmax over key blocks of {KERNEL_BLOCK} computes exp(s - m) while the "
+                     "running max m is still -inf, so a row whose first key block is fully blocked is NaN "
+                     "(exp(-inf - -inf)) even when later keys attend",
+             models="a FlashAttention-style kernel without the guard for a fully masked block (m_new = "
+                    "-inf), seen in hand-written Triton kernels",
+             applies=numerics.first_block_nan_applies, compute=numerics.first_block_nan),
+        dict(id="causal_before_scale",
+             summary="the causal -inf is put into q·kᵀ before the scale multiplies it, so with scale 0 "
+                     "(-inf·0) or a negative scale (+inf) every row with a causally blocked key is NaN",
+             models="a kernel applying the causal mask to the unscaled scores; PyTorch's CPU flash "
+                    "kernel with is_causal=True and scale <= 0 (implementations/xfail/sdpa.toml)",
+             applies=numerics.causal_before_scale_applies, compute=numerics.causal_before_scale),
+        dict(id="value_is_key",
+             summary="the keys are used as the values (the value argument is ignored)",
+             models="a kernel for shared-kv attention (MLA-style, or k = v models) handed separate "
+                    "values; a wrapper passing key twice",
+             applies=lambda p: p.key.shape == p.value.shape and not np.array_equal(p.key, p.value),
+             compute=lambda p: A.oracle_with(p, value=p.key) if p.key.shape == p.value.shape else A.reference(p),
+             declaration="--impl-option shared_kv=true"),
+        *_round_trip_rows(),
         dict(id="dropout_no_rescale",
              summary="dropout does not divide the kept weights by 1 - p, so the expected output shrinks "
                      "by 1 - p",

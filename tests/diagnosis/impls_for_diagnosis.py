@@ -37,3 +37,11 @@ softmax_float32_impl = Implementation(
     capabilities=Capabilities(dtypes=("float64",), autograd=False, mask_grad=False),
     sdpa=softmax_in_float32,
 )
+
+
+def my_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """A plain wrapper of PyTorch's SDPA, as a user writes one: it inherits the built-in
+    ``sdpa``'s known deviations (implementations/xfail/sdpa.toml) without its file."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa)

@@ -32,6 +32,11 @@ _PLAIN = [name for name in WITH_CAUSE if not name.startswith("triton_")]
 CHUNKS = {"plain0": _PLAIN[0::2], "plain1": _PLAIN[1::2],
           "triton": [name for name in WITH_CAUSE if name.startswith("triton_")]}
 TIMEOUT_S = 1800
+#: Mutants whose bug two variants explain equally on every case the diagnosis can
+#: gather: the honest verdict is "unknown — closest, not confirmed" listing both.
+#: logits_in_input_dtype computes q·kᵀ in float16; low_precision_accumulation does that
+#: too (and sums in float16, which the tolerance rule cannot see on these cases).
+HONEST_TIES = {"logits_in_input_dtype": {"float16_overflow", "low_precision_accumulation"}}
 
 
 def certify(impl: str, workdir: Path, *args: str) -> tuple[dict, str]:
@@ -82,8 +87,14 @@ def test_the_diagnosis_names_the_mutants_bug_first(chunk, tmp_path):
         if not failed:
             problems.append(f"mutant {name} survived")
             continue
-        named = [c["variant"] for c in failed[0]["causes"]]
-        if not named or named[0] != mutant.expected_cause:
+        causes = failed[0]["causes"]
+        named = [c["variant"] for c in causes]
+        if name in HONEST_TIES:
+            closest = {c["variant"] for c in causes if not c.get("confirmed", True)}
+            if any(c.get("confirmed", True) for c in causes) or not HONEST_TIES[name] <= closest:
+                problems.append(f"{name}: expected unknown with {sorted(HONEST_TIES[name])} closest, got {causes}")
+            continue
+        if not named or named[0] != mutant.expected_cause or causes[0].get("confirmed") is False:
             problems.append(f"{name} ({mutant.bug}) failed {failed[0]['property']}[{failed[0]['dtype']}]; the "
                             f"diagnosis named {named or 'nothing'}, expected {mutant.expected_cause} first")
         elif not cert["causes"] or cert["causes"][0]["variant"] != mutant.expected_cause:

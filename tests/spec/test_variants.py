@@ -77,6 +77,19 @@ def ascending_keys(S: int = 20) -> V.SDPAProblem:
     return V.SDPAProblem(np.ones((1, 1, 1, 1)), key, value, scale=1.0)
 
 
+def in_dtype(problem: V.SDPAProblem, dtype: str, **changes) -> V.SDPAProblem:
+    """``problem`` with its inputs rounded to ``dtype`` and computed in it."""
+    values = {name: spec.emulate.round_to(getattr(problem, name), dtype) for name in ("query", "key", "value")}
+    return V.SDPAProblem(**{**problem.__dict__, **values, "dtype": dtype, **changes})
+
+
+def first_block_blocked(S: int = 20) -> V.SDPAProblem:
+    # query row 0 may attend only the keys of the second block; row 1 every key
+    mask = np.ones((2, S), dtype=bool)
+    mask[0, :V.KERNEL_BLOCK] = False
+    return sdpa_problem(8, S=S, attend_mask=mask)
+
+
 SDPA_CASES: dict[str, Callable[[], V.SDPAProblem]] = {
     "causal_ignored_when_L1": lambda: sdpa_problem(1, L=1, S=3, causal="upper_left"),
     "causal_ignored": lambda: sdpa_problem(1, L=3, S=3, causal="upper_left"),
@@ -107,6 +120,18 @@ SDPA_CASES: dict[str, Callable[[], V.SDPAProblem]] = {
     "ragged_tail_dropped": lambda: sdpa_problem(6, S=20),
     "online_softmax_no_rescale": ascending_keys,
     "dropout_no_rescale": lambda: sdpa_problem(7, dropout_p=0.25),
+    "fully_masked_zero": lambda: V.SDPAProblem(**{**fully_masked_case().__dict__, "fully_masked": "nan"}),
+    # float16: s - 1e4 rounds to a grid of 8, s + finfo.min (-65504) overflows below s = -16
+    "mask_fill_1e4": lambda: in_dtype(sdpa_problem(3, spread=2.0, attend_mask=fully_masked_case().attend_mask),
+                                      "float16"),
+    "mask_fill_1e9": fully_masked_case,
+    "mask_fill_finfo_min": lambda: in_dtype(sdpa_problem(3, spread=4.0, attend_mask=fully_masked_case().attend_mask),
+                                            "float16"),
+    "first_block_nan": first_block_blocked,
+    "causal_before_scale": lambda: sdpa_problem(9, L=3, S=3, causal="upper_left", scale=-0.5),
+    "value_is_key": lambda: sdpa_problem(10),
+    "inputs_rounded_to_float16": lambda: in_dtype(sdpa_problem(11, S=4), "float32"),
+    "inputs_rounded_to_bfloat16": lambda: in_dtype(sdpa_problem(11, S=4), "float32"),
 }
 
 
@@ -144,6 +169,7 @@ MHA_CASES: dict[str, Callable[[], V.MHAProblem]] = {
     "mha_padding_mask_on_queries": lambda: mha_problem(2, key_padding_mask=padding()),
     "mha_causal_hint_dropped": lambda: mha_problem(2, attn_mask=causal_blocked(), is_causal=True),
     "mha_fully_masked_nan": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
+    "mha_fully_masked_uniform": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
     "mha_weights_summed_over_heads": lambda: mha_problem(1),
 }
 
@@ -157,6 +183,14 @@ TIES = {
     "scale_zero_falsy": {"scale_arg_ignored"},
     # the float16 product overflows whether or not the sums are float16 too
     "float16_overflow": {"low_precision_accumulation"},
+    # -1e9 added in float64 keeps the scores: a fully blocked row is the unmasked row, as
+    # a -1e4 fill makes it too (float64 rounding of s - 1e4 and s - 1e9 is far below the
+    # tolerance); only the precision of the fill's sum tells them apart
+    "mask_fill_1e9": {"mask_fill_1e4"},
+    # s + finfo.min rounds every score of a fully blocked float64 row to finfo.min: uniform
+    "fully_masked_uniform": {"mask_fill_finfo_min"},
+    # with S <= 16 a fully blocked first key block is a fully blocked row
+    "fully_masked_nan": {"first_block_nan"},
 }
 
 
@@ -499,6 +533,133 @@ def test_kernel_block_variants_by_hand():
     acc = spec.emulate.round_to(exps @ p.value[0, 0].astype(np.float32), "bfloat16")
     assert_variant_output("bfloat16_accumulator", p, (acc / row_sum)[None, None], rtol=1e-6)
     np.testing.assert_allclose(acc / row_sum, weights @ p.value[0, 0], rtol=2**-7)   # near the oracle
+
+
+def online_softmax_loop(scores: list[float | None], values: list[list[float]], block: int) -> list[float]:
+    """One query row of a FlashAttention-style loop over key blocks, written with no
+    guard for a fully blocked block: m = -inf, then per block m_new = max(m, block max),
+    p = exp(s - m_new), alpha = exp(m - m_new); acc and l rescaled by alpha."""
+    inf = float("inf")
+    m, total, acc = -inf, 0.0, [0.0] * len(values[0])
+    for start in range(0, len(scores), block):
+        chunk = [(-inf if s is None else s) for s in scores[start:start + block]]
+        m_new = max([m, *chunk])
+        with np.errstate(all="ignore"):
+            p = [float(np.exp(np.float64(s) - np.float64(m_new))) for s in chunk]      # exp(-inf - -inf) = NaN
+            alpha = float(np.exp(np.float64(m) - np.float64(m_new)))
+        total = alpha * total + sum(p)
+        acc = [alpha * a + sum(pj * values[start + j][c] for j, pj in enumerate(p)) for c, a in enumerate(acc)]
+        m = m_new
+    return [a / total if total else float("nan") for a in acc]
+
+
+def test_first_block_nan_against_an_unguarded_online_softmax_loop():
+    mask = np.ones((3, 40), dtype=bool)
+    mask[0, :V.KERNEL_BLOCK] = False                      # the first block fully blocked: NaN
+    mask[1, 17] = False                                   # a blocked key in a later block: harmless
+    mask[2, :V.KERNEL_BLOCK // 2] = False                 # half the first block blocked: harmless
+    p = sdpa_problem(8, L=3, S=40, attend_mask=mask)
+    scale = 1 / math.sqrt(2)
+    expected = np.zeros((1, 1, 3, 2))
+    for i in range(3):
+        scores = [scale * float(p.query[0, 0, i] @ p.key[0, 0, j]) if mask[i, j] else None for j in range(40)]
+        expected[0, 0, i] = online_softmax_loop(scores, p.value[0, 0].tolist(), V.KERNEL_BLOCK)
+    assert np.isnan(expected[0, 0, 0]).all() and np.isfinite(expected[0, 0, 1:]).all()
+    result = V.VARIANTS["first_block_nan"].compute(p).output
+    np.testing.assert_array_equal(np.isnan(result), np.isnan(expected))
+    np.testing.assert_allclose(result[0, 0, 1:], expected[0, 0, 1:], rtol=1e-12)
+
+
+def test_causal_before_scale_against_a_loop():
+    for scale in (0.0, -0.5):
+        p = sdpa_problem(9, L=3, S=4, causal="lower_right", scale=scale)
+        expected = np.zeros((1, 1, 3, 2))
+        for i in range(3):
+            with np.errstate(all="ignore"):
+                # the causal -inf enters q·k before the scale multiplies it
+                raw = [float(p.query[0, 0, i] @ p.key[0, 0, j]) + (0.0 if j <= i + 1 else -np.inf) for j in range(4)]
+                scores = np.array(raw) * scale
+                exps = np.exp(scores - scores.max())
+                expected[0, 0, i] = (exps / exps.sum()) @ p.value[0, 0]
+        assert_variant_output("causal_before_scale", p, expected)
+        assert np.isnan(expected[0, 0, :2]).all() and np.isfinite(expected[0, 0, 2]).all()
+    positive = sdpa_problem(9, L=3, S=4, causal="lower_right", scale=0.5)
+    assert not V.VARIANTS["causal_before_scale"].applies(positive)
+
+
+def test_value_is_key_against_a_loop():
+    p = sdpa_problem(10, L=2, S=3)
+    assert_variant_output("value_is_key", p, loop_attention(p.query, p.key, p.key, scale=1 / math.sqrt(2),
+                                                            kv_head=lambda h: h))
+    assert not V.VARIANTS["value_is_key"].applies(sdpa_problem(10, E=2, Ev=3))
+
+
+def test_finite_fills_against_float16_scalars():
+    # a fully blocked float16 row: s + fill in float16, softmax of the filled scores
+    p = CASES["mask_fill_1e4"]()
+    scale = 1 / math.sqrt(2)
+    for name, fill in (("mask_fill_1e4", -1e4), ("mask_fill_finfo_min", -65504.0)):
+        p = CASES[name]()
+        expected = V.reference(p).output.copy()
+        row = 1                                            # row 1 attends nothing
+        scores = [float(np.float16(np.float16(scale * float(p.query[0, 0, row] @ p.key[0, 0, j])) + np.float16(fill)))
+                  for j in range(3)]
+        top = max(scores)
+        exps = [0.0 if s == -np.inf else math.exp(s - top) for s in scores]
+        expected[0, 0, row] = np.array(exps) @ p.value[0, 0] / sum(exps)
+        result = V.VARIANTS[name].compute(p)
+        np.testing.assert_allclose(result.output, expected, rtol=1e-6, atol=1e-6)
+    # float64 and -1e9: the fill cancels in s - max, the blocked row is the unmasked row
+    p = fully_masked_case()
+    unmasked = V.reference(V.SDPAProblem(p.query, p.key, p.value)).output
+    np.testing.assert_allclose(V.VARIANTS["mask_fill_1e9"].compute(p).output[0, 0, 1], unmasked[0, 0, 1],
+                               rtol=1e-6)
+    # where every score of the row overflows to -inf in float16, the row is NaN
+    low = in_dtype(V.SDPAProblem(-4.0 * np.ones((1, 1, 2, 2)), 4.0 * np.ones((1, 1, 3, 2)),
+                                 np.ones((1, 1, 3, 2)), attend_mask=fully_masked_case().attend_mask), "float16")
+    assert np.isnan(V.VARIANTS["mask_fill_finfo_min"].compute(low).output[0, 0, 1]).all()
+
+
+def test_input_round_trip_against_torch_and_apart_from_accumulators():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    p = CASES["inputs_rounded_to_float16"]()
+    q, k, v = (torch.tensor(getattr(p, n), dtype=torch.float32) for n in ("query", "key", "value"))
+    for to, torch_dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        out = F.scaled_dot_product_attention(*(x.to(torch_dtype).float() for x in (q, k, v))).double().numpy()
+        matches = V.rank(out, p)
+        assert matches and matches[0].variant_id == f"inputs_rounded_to_{to}", (to, matches)
+        assert "bfloat16_accumulator" not in {m.variant_id for m in matches}
+    # a bfloat16 accumulator is not an input round trip
+    accumulated = V.VARIANTS["bfloat16_accumulator"].compute(p).output
+    assert not {"inputs_rounded_to_float16", "inputs_rounded_to_bfloat16"} & {m.variant_id for m in
+                                                                               V.rank(accumulated, p)}
+
+
+def test_fully_masked_zero_and_mha_uniform_by_hand():
+    p = CASES["fully_masked_zero"]()
+    result = V.VARIANTS["fully_masked_zero"].compute(p)
+    assert (result.output[0, 0, 1] == 0).all() and np.isnan(V.reference(p).output[0, 0, 1]).all()
+    m = MHA_CASES["mha_fully_masked_uniform"]()
+    out, weights = V.VARIANTS["mha_fully_masked_uniform"].compute(m)[:2]
+    # batch item 1 has every key padded: uniform weights over the 3 keys, the mean of the values
+    np.testing.assert_allclose(weights[1], np.full((3, 3), 1 / 3))
+    values = m.value[:, 1] @ m.params.in_proj_weight[8:].T + m.params.in_proj_bias[8:]    # (S, D)
+    expected = values.mean(axis=0) @ m.params.out_proj_weight.T + m.params.out_proj_bias
+    np.testing.assert_allclose(out[:, 1], np.broadcast_to(expected, (3, 4)), rtol=1e-12)
+
+
+def test_declarations_are_one_place_per_fact():
+    declared = {v.id: v.declaration for v in V.VARIANTS.values() if v.declaration}
+    assert declared["causal_lower_right"] == "--impl-option causal=lower_right"
+    assert declared["causal_upper_left"] == "--impl-option causal=upper_left"
+    assert declared["value_is_key"] == "--impl-option shared_kv=true"
+    assert V.VARIANTS["fully_masked_nan"].declaration_for("additive") == "--impl-option fully_masked=additive:nan"
+    for bug in ("causal_ignored", "causal_ignored_when_L1", "mask_inverted"):
+        assert not V.VARIANTS[bug].declaration and "no declaration" in V.VARIANTS[bug].undeclarable
+    with pytest.raises(spec.SpecError, match="declaration="):
+        V.Variant(id="x", level="sdpa", summary="s", models="m", applies=lambda p: True,
+                  compute=V.reference, declaration="causal=lower_right")
 
 
 def test_softmax_float32_has_float32_precision():
