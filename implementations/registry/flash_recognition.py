@@ -173,7 +173,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         features.add("alibi")
     if _probe_lse(probe, fn, q, k, v, notes):
         features.add("lse")
-    causal = _probe_causal(probe, fn, q, k, v, q64, k64, v64, base, notes)
+    causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64, base, notes)
 
     def backward(qq, kk, vv) -> str | None:
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (qq, kk, vv))
@@ -199,7 +199,9 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         }
 
     found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes)
-    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes) if causal else ("zero", "contract"))
+    # Rows attend no key only where causal=True is the lower-right rule it should be.
+    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes) if causal_seen == "lower_right"
+                            else ("zero", "contract"))
     return Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
@@ -249,7 +251,8 @@ def _probe_fully_masked(probe: _Prober, fn, qkv, notes: list[str]) -> tuple[str,
             policy = "zero"
         elif torch.allclose(rows, v.expand_as(rows), atol=1e-5):  # one key: its mean is itself
             policy = "uniform"
-    return _fully_masked_declaration({"causal": policy}, notes, level="flash")
+    return _fully_masked_declaration({"causal": policy}, notes, level="flash",
+                                     blocked_by={"causal": "causal=True alone (query length 3, key length 1)"})
 
 
 def _probe_lse(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
@@ -267,33 +270,36 @@ def _probe_lse(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
     return True
 
 
-def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, base, notes: list[str]) -> str | None:
-    """``causal=True`` means FlashAttention-2's lower-right rule: declared ``lower_right``
-    whatever it does (noted when it is upper-left, has no effect, or matches neither; L=2 <
-    S=3: the alignments differ); None (no causal flag) only when it raises."""
+def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, base,
+                  notes: list[str]) -> tuple[str | None, str]:
+    """(declaration, what was seen). ``causal=True`` means FlashAttention-2's lower-right
+    rule: declared ``lower_right`` whatever it does (noted when it is upper-left, has no
+    effect, or matches neither; L=2 < S=3: the alignments differ); None (no causal flag)
+    only when it raises. Seen: lower_right, upper_left, no_effect, neither, raised, bad_output."""
     try:
         got = _output_of(probe.call("causal=True", lambda: fn(q, k, v, causal=True)))
     except CallRaised as exc:
         notes.append(f"causal: causal=True raised {summarise(exc.error)}; declared as no causal flag "
                      "(not supported)")
-        return None
+        return None, "raised"
     contract = f"the contract ({_FLASH_CONTRACT}) is lower-right, which is tested"
     if not _is_tensor(got, (1, 2, 2, 4)):
         notes.append(f"causal: causal=True returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
                      f"{contract}")
-        return "lower_right"
+        return "lower_right", "bad_output"
     got = got.detach().double().numpy()
     if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True), atol=1e-4):
-        return "lower_right"
+        return "lower_right", "lower_right"
     lengths = "query length 2, key length 3"
     if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True, alignment="upper_left"), atol=1e-4):
         notes.append(f"causal: causal=True behaved as the upper-left triangle ({lengths}; flash-attn < 2.1's); "
                      f"{contract} and fails; no flash-level declaration expresses upper-left (the SDPA "
                      "level's is_causal is upper-left)")
-    elif np.allclose(got, base, atol=1e-4):
+        return "lower_right", "upper_left"
+    if np.allclose(got, base, atol=1e-4):
         notes.append(f"causal: causal=True has no effect (the output equals the non-causal one, {lengths}); "
                      f"{contract} and fails; no declaration expresses a causal flag without effect")
-    else:
-        notes.append(f"causal: causal=True matches neither alignment ({lengths}); {contract} and fails")
-    return "lower_right"
+        return "lower_right", "no_effect"
+    notes.append(f"causal: causal=True matches neither alignment ({lengths}); {contract} and fails")
+    return "lower_right", "neither"
 

@@ -330,8 +330,8 @@ _BLOCKED_BY = {"bool": "a bool mask", "additive": "a -inf additive mask",
                "causal": "the causal flag alone (query length 3, key length 2)"}
 
 
-def _fully_masked_declaration(observed: dict[str, str], notes: list[str],
-                              level: str = "") -> tuple[str, str]:
+def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level: str = "",
+                              blocked_by: dict[str, str] | None = None) -> tuple[str, str]:
     """The declared fully-masked policy and its source, from the policies ``observed`` per
     kind of blocking. The contract leaves the value open, so a probed policy is adopted
     (source ``probed``) when every probed kind gives the same non-attending one (zero or
@@ -345,7 +345,8 @@ def _fully_masked_declaration(observed: dict[str, str], notes: list[str],
         return "zero", "contract"
     seen = set(observed.values())
     text = _kinds_text(observed)
-    said = "; ".join(f"{_BLOCKED_BY.get(kind, kind)}: {policy}" for kind, policy in observed.items())
+    blocked_by = {**_BLOCKED_BY, **(blocked_by or {})}
+    said = "; ".join(f"{blocked_by.get(kind, kind)}: {policy}" for kind, policy in observed.items())
     if len(seen) == 1 and seen <= {"zero", "nan"}:
         notes.append(f"fully_masked: a row with every key blocked came out {seen.pop()} ({said}){where}; "
                      "the contract leaves it open, so this probed policy is adopted")
@@ -507,7 +508,9 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     dtypes = _dtypes_that_run(probe, built, notes)
     if "key_padding_mask" in mha_features:
         observed = _probe_mha_fully_masked(probe, factory, x)
-        fully_masked, source = _fully_masked_declaration(observed, notes, level="MHA")
+        fully_masked, source = _fully_masked_declaration(
+            observed, notes, level="MHA",
+            blocked_by={"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"})
     else:
         fully_masked, source = "zero", "contract"
 
