@@ -30,6 +30,7 @@ from implementations.base import (
     CAUSAL_ALIGNMENTS,
     FULLY_MASKED_KINDS,
     FULLY_MASKED_POLICIES,
+    SEMANTIC_FIELDS,
     Capabilities,
     Implementation,
     ImplementationError,
@@ -191,6 +192,8 @@ def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implement
         # user sets holds in every dtype, and is declared (Capabilities.sources).
         notes = tuple(n for n in caps.probe_notes if n.split(":", 1)[0] not in changes)
         sources = {name: source for name, source in caps.sources if name not in changes}
+        if caps.sources:  # a probed implementation: say which values the user declared
+            sources.update({name: "declared" for name in changes if name in SEMANTIC_FIELDS})
         by_dtype = {dtype: {name: value for name, value in values if name not in changes}
                     for dtype, values in caps.by_dtype}
         return caps.replace(**changes, probe_notes=notes, sources=sources, by_dtype=by_dtype)
