@@ -287,6 +287,7 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         kv_paged="block_table" in has,
         kv_append={"k", "v"} <= has,
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
+        sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )
     return Implementation(name=name, capabilities=caps, version=_version_of(fn),
                           description=f"{level}-level function {origin} (FlashAttention's signature)",
