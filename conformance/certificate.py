@@ -91,7 +91,8 @@ def per_dtype(caps: dict[str, Any]) -> str:
     if not by_dtype:
         return ""
     return "per dtype (probed): " + "; ".join(
-        f"{dtype}: " + ", ".join(f"{k}={_policy_text(v)}" for k, v in values.items())
+        f"{dtype}: " + ", ".join(f"{k}={','.join(v) if isinstance(v, (list, tuple)) else v}"
+                                 for k, v in values.items())
         for dtype, values in by_dtype.items())
 
 

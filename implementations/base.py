@@ -264,12 +264,12 @@ class Capabilities:
     def for_dtype(self, dtype: str) -> "Capabilities":
         """The capabilities in ``dtype``: :attr:`by_dtype`'s values for it applied."""
         values = dict(self.by_dtype).get(dtype)
-        return dataclasses.replace(self, **dict(values)) if values else self
+        return dataclasses.replace(self, **{k: _per_dtype_value(k, v) for k, v in values}) if values else self
 
     def dtype_differences(self, name: str) -> dict[str, Any]:
         """dtype -> the value of ``name`` there, for each dtype where it differs."""
-        return {dtype: dict(values)[name] for dtype, values in self.by_dtype
-                if name in dict(values) and dict(values)[name] != getattr(self, name)}
+        return {dtype: _per_dtype_value(name, dict(values)[name]) for dtype, values in self.by_dtype
+                if name in dict(values) and _per_dtype_value(name, dict(values)[name]) != getattr(self, name)}
 
     def fully_masked_policy(self, kind: str) -> str:
         """The policy for a row emptied by ``kind`` (one of :data:`FULLY_MASKED_KINDS`)."""
@@ -345,11 +345,16 @@ def _by_dtype_value(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]]
                                               else f"{bad} cannot differ per dtype")
                 + f"; give dtype -> {{field: value}} with fields among {PER_DTYPE_FIELDS}"
             )
-        if "mask_kinds" in values:
-            values["mask_kinds"] = frozenset(values["mask_kinds"])
+        if "mask_kinds" in values:  # kept as a sorted tuple: plain data (JSON), read as a set
+            values["mask_kinds"] = tuple(sorted(values["mask_kinds"]))
         if values:
             out.append((dtype, tuple(sorted(values.items()))))
     return tuple(out)
+
+
+def _per_dtype_value(name: str, value: Any) -> Any:
+    """A ``by_dtype`` value as the field holds it (``mask_kinds``: a frozenset)."""
+    return frozenset(value) if name == "mask_kinds" else value
 
 
 @dataclass(frozen=True)

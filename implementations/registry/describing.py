@@ -33,7 +33,7 @@ def _per_dtype(c: Capabilities) -> list[str]:
     parts = []
     for dtype, values in c.by_dtype:
         for name, value in values:
-            shown = ",".join(sorted(value)) if isinstance(value, frozenset) else _yes(value)
+            shown = ",".join(sorted(value)) if name == "mask_kinds" else _yes(value)
             parts.append(f"{name}={shown} in {dtype} (probed)")
     return parts
 

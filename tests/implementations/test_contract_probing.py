@@ -174,3 +174,12 @@ def test_a_float64_only_backward_certifies_float64_gradients(tmp_path):
     assert got["float32"]["outcome"] == "skipped" and "autograd" in got["float32"]["reason"]
     assert "autograd (probe: backward through query, key, value in float32 raised" in \
         "\n".join(certificate.details(cert))
+
+
+def test_sources_and_by_dtype_survive_the_isolated_workers_json():
+    from conformance.isolation_protocol import _caps_from_json, _caps_to_json
+
+    caps = recognise(no_half_masks, name="no_half_masks").capabilities
+    again = _caps_from_json(json.loads(json.dumps(_caps_to_json(caps))))
+    assert again == caps
+    assert again.for_dtype("float16").mask_kinds == {"none"} and again.source("causal") == "contract"
