@@ -183,3 +183,47 @@ def test_sources_and_by_dtype_survive_the_isolated_workers_json():
     again = _caps_from_json(json.loads(json.dumps(_caps_to_json(caps))))
     assert again == caps
     assert again.for_dtype("float16").mask_kinds == {"none"} and again.source("causal") == "contract"
+
+
+class NanForBoolPadding(torch.nn.MultiheadAttention):
+    """nn.MultiheadAttention whose rows a bool key_padding_mask blocks entirely are NaN
+    (a float -inf mask gives torch's own zero): a policy that differs per kind."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        out, weights = super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                       need_weights=need_weights, attn_mask=attn_mask,
+                                       average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+            dead = key_padding_mask.all(dim=-1)  # (B,): every key of that batch item blocked
+            batch_dim = 0 if self.batch_first or out.dim() == 2 else 1
+            if out.dim() == 2:
+                dead = dead.reshape(())
+                out = torch.where(dead, torch.full_like(out, float("nan")), out)
+            else:
+                shape = [1, 1, 1]
+                shape[batch_dim] = -1
+                out = torch.where(dead.reshape(shape), torch.full_like(out, float("nan")), out)
+        return out, weights
+
+
+def test_an_mha_policy_that_differs_per_kind_is_not_adopted_and_fails_with_the_hint(tmp_path):
+    caps = recognise(NanForBoolPadding, name="nan_bool").capabilities
+    assert caps.fully_masked == "zero" and caps.source("fully_masked") == "contract"
+    assert caps.probe_note("fully_masked").endswith("declare --impl-option fully_masked=bool:nan,additive:zero")
+    source = tmp_path / "mha.py"
+    source.write_text("from tests.implementations.test_contract_probing import NanForBoolPadding\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def certify() -> tuple[int, dict]:
+        cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={source}:NanForBoolPadding",
+               "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", "mha_fully_masked_rows",
+               "--dtype=float64", "--conformance-report", str(tmp_path / "cert")]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+        [result] = json.loads((tmp_path / "cert.json").read_text())["results"]
+        return proc.returncode, result
+
+    code, result = certify()
+    assert code == 1 and result["outcome"] == "failed", result
+    assert "probe: fully_masked: probed bool:nan,additive:zero at the MHA level" in result["message"]
