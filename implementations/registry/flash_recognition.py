@@ -81,7 +81,8 @@ def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter],
     flash = fn if accepted == set(FLASH_PARAMETERS) else FlashAdapter(fn, accepted)
     caps = probe_flash(flash, origin=origin, timeout=timeout)
     return Implementation(name=name, capabilities=caps, flash=flash, version=version,
-                          description=f"flash_attn_func-signature function {origin}; capabilities probed")
+                          description=f"flash_attn_func-signature function {origin}; capabilities probed, "
+                                      "semantics flash_attn_func's")
 
 
 class FlashAdapter:

@@ -1,8 +1,18 @@
 """Probing: what a bare SDPA function or nn.MultiheadAttention drop-in supports.
 
-Each optional feature is tried on a tiny CPU input and recorded as unsupported when
-the call raises. The causal alignment is read off the float64 oracle ``spec.sdpa``,
-so probing depends on nothing but ``spec`` (and torch, to make the calls).
+Probes find *capabilities*, never semantics. What an argument or a result means is the
+contract of the signature the callable was recognised by (scaled_dot_product_attention's:
+``is_causal`` upper-left, bool mask True = attend, ``value`` used; nn.MultiheadAttention's),
+so a bug stays inside the claims and the suite's properties fail on it. Each optional
+feature is tried on a tiny CPU input and declared unsupported when the call raises, with a
+note of what was tried, in which dtype, and what it raised; autograd, the mask kinds, GQA
+and Ev != E are tried in every dtype a plain call runs in (``Capabilities.by_dtype``). A
+flag that runs but behaves otherwise than the contract (``is_causal`` without effect, the
+other alignment, ``value`` ignored) keeps the contract's declaration and gets a note of
+what the probe saw and the ``--impl-option`` that would declare it if intended, read off
+the float64 oracle ``spec.sdpa``. Only the value of a fully-masked row, which the contract
+leaves open, may be probed (:func:`_fully_masked_declaration`: adopted when consistent).
+``Capabilities.sources`` says which values are the contract's and which probed.
 
 Every call goes through :func:`implementations.guard.guarded_call` (timeout, every
 exception captured, global state and random generators restored), so a probe cannot
@@ -10,9 +20,7 @@ hang the run, end it with an exception the registry does not expect, or change t
 NumPy or torch settings the suite computes under. A probe that does not return in
 time is an :class:`~implementations.base.ImplementationError` naming it; an
 implementation that cannot be probed declares its capabilities itself (an
-``Implementation``). Where a probe's answer is not a plain yes or no (``is_causal``
-has no effect, say) the capability is declared unsupported and
-``Capabilities.probe_notes`` says why.
+``Implementation``).
 """
 
 from __future__ import annotations
