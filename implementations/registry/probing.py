@@ -578,7 +578,9 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
 def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
     """Kind -> policy of a query row whose keys a key_padding_mask blocks all of, bool
     (``bool``) and -inf float (``additive``): ``nan``, ``zero`` (module output =
-    out_proj.bias) or ``unspecified`` (anything else, or the call raised)."""
+    out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
+    nn.MultiheadAttention's parameter names) or ``unspecified`` (anything else, or the
+    call raised)."""
     import torch
 
     blocked = torch.tensor([[True, True, True], [False, False, False]])
@@ -589,10 +591,10 @@ def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
             m = factory(_D, _N)
             m.eval()
             out = m(x, x, x, key_padding_mask=mask, need_weights=False)[0]
-            return out, getattr(getattr(m, "out_proj", None), "bias", None)
+            return out, m
 
         try:
-            out, bias = probe.call("a fully-masked row", run)
+            out, module = probe.call("a fully-masked row", run)
         except CallRaised:
             return "unspecified"
         if not _is_output(out, (_L, _B, _D)):
@@ -600,8 +602,32 @@ def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
         out = out.detach()[:, 0]  # (L, D), batch 0
         if torch.isnan(out).all():
             return "nan"
+        out_proj = getattr(module, "out_proj", None)
+        bias = getattr(out_proj, "bias", None)
         if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
             return "zero"  # attention output 0, so the module output is out_proj.bias
+        uniform = _mha_uniform_row(module, x[:, 0])
+        if uniform is not None and torch.allclose(out, uniform.expand_as(out), atol=1e-5):
+            return "uniform"
         return "unspecified"
 
     return {kind: policy(mask) for kind, mask in masks.items()}
+
+
+def _mha_uniform_row(module: Any, keys: Any) -> Any:
+    """out_proj(mean over keys of the value projection), the output of a row attending
+    every key equally, from nn.MultiheadAttention's parameter names; None without them."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            weight, bias = module.in_proj_weight, module.in_proj_bias
+            if not isinstance(weight, torch.Tensor):
+                return None
+            w_v = weight[2 * _D:]
+            b_v = bias[2 * _D:] if isinstance(bias, torch.Tensor) else 0.0
+            mean_v = (keys @ w_v.T + b_v).mean(dim=0)
+            out_bias = module.out_proj.bias if module.out_proj.bias is not None else 0.0
+            return mean_v @ module.out_proj.weight.T + out_bias
+    except (AttributeError, RuntimeError, TypeError, IndexError):
+        return None

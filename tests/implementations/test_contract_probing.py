@@ -227,3 +227,27 @@ def test_an_mha_policy_that_differs_per_kind_is_not_adopted_and_fails_with_the_h
     code, result = certify()
     assert code == 1 and result["outcome"] == "failed", result
     assert "probe: fully_masked: probed bool:nan,additive:zero at the MHA level" in result["message"]
+
+
+class FiniteFillPadding(torch.nn.MultiheadAttention):
+    """nn.MultiheadAttention that turns a bool key_padding_mask into a finite -1e30 float
+    one: a row with every key blocked attends them all equally (uniform)."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+            key_padding_mask = torch.zeros(key_padding_mask.shape, dtype=query.dtype).masked_fill(
+                key_padding_mask, -1e30)
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+                               is_causal=is_causal)
+
+
+def test_mha_uniform_rows_are_recognised_and_not_adopted():
+    caps = recognise(FiniteFillPadding, name="finite_fill").capabilities
+    assert caps.fully_masked == "zero" and caps.source("fully_masked") == "contract"
+    note = caps.probe_note("fully_masked")
+    assert "uniform rows attend the keys" in note
+    assert note.endswith("declare --impl-option fully_masked=bool:uniform,additive:zero"), note
+    plain = recognise(torch.nn.MultiheadAttention, name="torch").capabilities
+    assert plain.source("fully_masked") == "probed" and plain.source("causal") == "contract"
