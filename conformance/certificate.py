@@ -27,6 +27,9 @@ from implementations.base import ALL_DTYPES, Implementation
 
 __all__ = [
     "OUTCOME_SYMBOLS",
+    "SOURCE_MEANINGS",
+    "per_dtype",
+    "provenance",
     "implementation_entry",
     "certificate",
     "comparison",
@@ -46,11 +49,51 @@ OUTCOME_SYMBOLS = {"passed": "PASS", "failed": "FAIL", "skipped": "skip", "xfail
                    "stale-xfail": "STALE", "error": "ERROR"}
 
 
+def _plain(value: Any) -> Any:
+    return sorted(value) if isinstance(value, (set, frozenset)) else value
+
+
 def _capabilities(caps: Any) -> dict[str, Any]:
     d = asdict(caps)
     if not isinstance(caps.fully_masked, str):  # a policy per kind: {"bool": "uniform", ...}
         d["fully_masked"] = dict(caps.fully_masked)
-    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in d.items()}
+    d["sources"] = dict(caps.sources)  # semantic field -> declared / contract / probed
+    d["by_dtype"] = {dtype: {k: _plain(v) for k, v in values} for dtype, values in caps.by_dtype}
+    return {k: _plain(v) for k, v in d.items()}
+
+
+#: What each source of a semantic value means, for the certificate's provenance line.
+SOURCE_MEANINGS = {
+    "declared": "by the implementation or --impl-option",
+    "contract": "the signature's documented meaning, tested whatever a probe saw",
+    "probed": "read off the implementation where the contract leaves it open; not a declaration",
+}
+_SHOWN = {"fully_masked": "fully-masked rows", "causal": "causal flag", "shared_kv": "key is value",
+          "flash_features": "flash features"}
+
+
+def provenance(caps: dict[str, Any]) -> str:
+    """``semantics: contract (...): causal flag, key is value; probed (...): fully-masked rows``
+    ("" when every semantic value is declared)."""
+    sources = caps.get("sources") or {}
+    if not sources or set(sources.values()) == {"declared"}:
+        return ""
+    groups = {}
+    for name, source in sorted(sources.items()):
+        groups.setdefault(source, []).append(f"{_SHOWN.get(name, name)}={_policy_text(caps.get(name))}")
+    return "semantics: " + "; ".join(f"{source} ({SOURCE_MEANINGS[source]}): {', '.join(groups[source])}"
+                                      for source in ("declared", "contract", "probed") if source in groups)
+
+
+def per_dtype(caps: dict[str, Any]) -> str:
+    """``per dtype: float16: autograd=False`` for the capabilities that differ in a dtype ("" if none)."""
+    by_dtype = caps.get("by_dtype") or {}
+    if not by_dtype:
+        return ""
+    return "per dtype (probed): " + "; ".join(
+        f"{dtype}: " + ", ".join(f"{k}={','.join(v) if isinstance(v, (list, tuple)) else v}"
+                                 for k, v in values.items())
+        for dtype, values in by_dtype.items())
 
 
 def _policy_text(policy: Any) -> str:
@@ -170,15 +213,22 @@ def details(cert: dict[str, Any]) -> list[str]:
     failure, stale entry and (once per reason) skip."""
     lines = []
     caps = cert["implementation"]["capabilities"]
-    # A probe note ("causal: ...") says how probing decided that policy.
-    notes = {n.split(": ", 1)[0]: f" (probe: {n.split(': ', 1)[-1]})" for n in caps.get("probe_notes") or ()}
+    # A probe note ("causal: ...") says how probing decided that policy (several notes of
+    # one field are joined).
+    notes: dict[str, str] = {}
+    for n in caps.get("probe_notes") or ():
+        key, _, said = n.partition(": ")
+        notes[key] = f"{notes[key][:-1]}; {said})" if key in notes else f" (probe: {said})"
+    sources = caps.get("sources") or {}
+    tag = {name: f" [{source}]" for name, source in sources.items() if source != "declared"}
     lines.append(
-        f"declared policies: fully-masked rows={_policy_text(caps['fully_masked'])}"
-        f"{notes.pop('fully_masked', '')}, "
-        f"causal flag={caps['causal']}{notes.pop('causal', '')}, tf32={caps['tf32']}"
+        f"{'policies' if tag else 'declared policies'}: fully-masked rows={_policy_text(caps['fully_masked'])}"
+        f"{tag.get('fully_masked', '')}{notes.pop('fully_masked', '')}, "
+        f"causal flag={caps['causal']}{tag.get('causal', '')}{notes.pop('causal', '')}, tf32={caps['tf32']}"
         + _input_declarations(caps)
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
+    lines += [text for text in (provenance(caps), per_dtype(caps)) if text]
     flash = cert["implementation"].get("flash_capabilities") or {}
     # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
     lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]

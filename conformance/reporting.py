@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from conformance import certificate
+from conformance.compare import PropertyFailure
 from conformance.session import Session, session_of
 from conformance.subjects import devices
 
-__all__ = ["header_lines", "check_writable", "write_certificate"]
+__all__ = ["header_lines", "check_writable", "probe_saw", "write_certificate"]
 
 
 def header_lines(config: pytest.Config) -> list[str]:
@@ -51,10 +52,19 @@ def header_lines(config: pytest.Config) -> list[str]:
             lines.append(f"  {subject.label}: {subject.impl.name} {subject.impl.version}")
             indent = "    "
         caps = subject.impl.capabilities
+        # The source of each semantic value: declared, the signature's contract, or probed.
+        src = {name: f"({source})" for name, source in caps.sources if source != "declared"}
         lines.append(
-            f"{indent}declared: causal={caps.causal} fully_masked={caps.fully_masked_text()} dtypes={caps.dtypes} "
+            f"{indent}capabilities: causal={caps.causal}{src.get('causal', '')} "
+            f"fully_masked={caps.fully_masked_text()}{src.get('fully_masked', '')} dtypes={caps.dtypes} "
             f"devices={caps.devices} autograd={caps.autograd} gqa={caps.gqa}"
+            + (" (contract: the signature's meaning, tested; probed: read off the implementation, "
+               "not a declaration; the rest declared)" if src else "")
         )
+        for name in ("autograd", "gqa", "different_v_dim", "mask_kinds"):
+            for dtype, value in caps.dtype_differences(name).items():
+                shown = sorted(value) if isinstance(value, frozenset) else value
+                lines.append(f"{indent}in {dtype}: {name}={shown} (probed)")
         lines += [f"{indent}probe note: {note}" for note in caps.probe_notes]
         isolated = "in a worker process" if subject.isolation is not None else "in-process"
         lines.append(f"{indent}implementation runs {isolated} ({subject.isolate_reason})")
@@ -158,3 +168,22 @@ def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
     ]
     return certificate.comparison(certificates=certificates, environment=environment,
                                   profile=session.profile, seconds=time.time() - session.started)
+
+
+class probe_saw:
+    """Around a check: a failure's message gets, after its first line, what probing saw
+    of ``name`` (``Capabilities.probe_note``: e.g. that ``is_causal`` behaved as the
+    lower-right triangle, and the ``--impl-option`` that declares it if intended)."""
+
+    def __init__(self, target: Any, name: str) -> None:
+        self.note = target.caps.probe_note(name)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if self.note and isinstance(error, PropertyFailure):
+            first, _, rest = str(error).partition("\n")
+            raise PropertyFailure(f"{first}\nprobe: {self.note}" + (f"\n{rest}" if rest else ""),
+                                  ratio=error.ratio) from None
+        return False

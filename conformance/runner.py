@@ -104,7 +104,8 @@ class Target:
 
     @property
     def caps(self) -> Capabilities:
-        return self.impl.caps(self.level)
+        """The implementation's capabilities at this level, in this dtype (``by_dtype``)."""
+        return self.impl.caps(self.level).for_dtype(self.dtype)
 
     @property
     def id(self) -> str:

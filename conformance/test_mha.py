@@ -28,6 +28,7 @@ from conformance.mha_calls import (
     run_mha,
     upstream_gradient,
 )
+from conformance.reporting import probe_saw
 from conformance.runner import Target, conformance_property
 from conformance.tensors import dtype_of, mha_inputs
 
@@ -63,8 +64,9 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
                    grad_output=upstream_gradient(case) if backward else None)
     if policy == "unspecified":
         return check_mha(target, case, call)
-    ratio = check_mha(target, case, call, fully_masked=policy, include_dead=True,
-                      what=f"module output with fully-masked rows (declared policy {policy!r})")
+    with probe_saw(target, "fully_masked"):
+        ratio = check_mha(target, case, call, fully_masked=policy, include_dead=True,
+                          what=f"module output with fully-masked rows (declared policy {policy!r})")
     if backward:
         check_parameter_grads(call.module, require_all=False)
     return ratio

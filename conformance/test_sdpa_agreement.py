@@ -11,6 +11,7 @@ from conformance.calls import (
     check_fully_masked_policy,
     check_gradients,
     expect_sdpa_raises,
+    uses_causal_flag,
     fully_masked_policy,
     run_sdpa,
 )
@@ -23,6 +24,7 @@ from conformance.helpers import (
     needs_separate_values,
     skip_unless,
 )
+from conformance.reporting import probe_saw
 from conformance.runner import Target, conformance_property
 from conformance.tensors import sdpa_inputs
 from spec.emulate import round_to
@@ -40,7 +42,10 @@ def test_forward_agreement(target: Target, case: SDPACase) -> float:
     (rows with every key blocked are checked by fully_masked_rows)."""
     call = run_sdpa(target, case)
     assert_output_contract(target, case, call)
-    return check_against_oracle(target, case, call.output).ratio
+    if not uses_causal_flag(target, case):
+        return check_against_oracle(target, case, call.output).ratio
+    with probe_saw(target, "causal"):
+        return check_against_oracle(target, case, call.output).ratio
 
 
 @conformance_property(
@@ -73,7 +78,8 @@ def test_fully_masked_rows(target: Target, case: SDPACase) -> float:
     autograd, under policy zero) give gradients that match the VJP."""
     call = run_sdpa(target, case)
     policy = fully_masked_policy(target, case)
-    check_fully_masked_policy(target, case, call.output)
+    with probe_saw(target, "fully_masked"):
+        check_fully_masked_policy(target, case, call.output)
     ratio = check_against_oracle(target, case, call.output, what="output of the other rows").ratio
     if policy == "zero" and target.caps.autograd and target.dtype in ("float64", "float32"):
         ratio = max(ratio, check_gradients(target, case))

@@ -59,6 +59,9 @@ __all__ = [
     "FULLY_MASKED_KINDS",
     "FULLY_MASKED_POLICIES",
     "MATCH_COMPARISONS",
+    "PER_DTYPE_FIELDS",
+    "SEMANTIC_FIELDS",
+    "SOURCES",
     "VARLEN_LEVELS",
     "Capabilities",
     "ExpectedFailure",
@@ -76,6 +79,16 @@ FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
 #: emptied by a lower-right flag with L > S). A causal constraint the runner folds into a
 #: mask is that mask's kind. ``Capabilities.fully_masked`` may give a policy per kind.
 FULLY_MASKED_KINDS = ("bool", "additive", "causal")
+#: Where a semantic value came from (``Capabilities.sources``): ``declared`` by the
+#: implementation's author or ``--impl-option``; ``contract``, the documented meaning of
+#: the signature it was recognised by (probing never changes it); ``probed``, read off the
+#: implementation on a point the contract leaves open (the value of a fully-masked row).
+SOURCES = ("declared", "contract", "probed")
+#: The capabilities that say what a result *means* (not which inputs are accepted).
+SEMANTIC_FIELDS = ("causal", "fully_masked", "shared_kv", "flash_features")
+#: The capabilities that may differ per dtype (``Capabilities.by_dtype``).
+PER_DTYPE_FIELDS = ("mask_kinds", "gqa", "different_v_dim", "autograd", "mask_grad", "custom_scale",
+                    "dropout", "non_contiguous")
 #: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
 ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
 #: Optional features of an MHA-level implementation (constructor options and
@@ -192,6 +205,15 @@ class Capabilities:
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
+    #: Where each semantic value (:data:`SEMANTIC_FIELDS`) came from, as ``(field, source)``
+    #: pairs (a mapping is accepted), source one of :data:`SOURCES`; a field not listed is
+    #: ``declared``. Read it with :meth:`source`.
+    sources: tuple[tuple[str, str], ...] = ()
+    #: Values that differ in one dtype, as ``(dtype, ((field, value), ...))`` pairs (a mapping
+    #: ``{"float16": {"autograd": False}}`` is accepted), fields among
+    #: :data:`PER_DTYPE_FIELDS`; the other fields hold in every dtype. Read the capabilities
+    #: of one dtype with :meth:`for_dtype` (``conformance.runner.Target.caps`` does).
+    by_dtype: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         bad = [d for d in self.dtypes if d not in ALL_DTYPES]
@@ -215,6 +237,8 @@ class Capabilities:
                 f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
             )
         check_mha_feature_names(self.mha_features)
+        object.__setattr__(self, "sources", _sources_value(self.sources))
+        object.__setattr__(self, "by_dtype", _by_dtype_value(self.by_dtype))
 
         if not set(self.flash_features) <= ALL_FLASH_FEATURES:
             raise ImplementationError(
@@ -225,6 +249,27 @@ class Capabilities:
 
     def replace(self, **changes: Any) -> "Capabilities":
         return dataclasses.replace(self, **changes)
+
+    def source(self, name: str) -> str:
+        """Where the value of ``name`` came from: ``declared``, ``contract`` or ``probed``."""
+        return dict(self.sources).get(name, "declared")
+
+    def probe_note(self, name: str) -> str:
+        """The probe notes about ``name`` (``"causal: ..."``), joined; "" when there are none
+        or the value is declared (the notes then no longer describe it)."""
+        if self.source(name) == "declared" and name in SEMANTIC_FIELDS:
+            return ""
+        return " ".join(n for n in self.probe_notes if n.split(":", 1)[0] == name)
+
+    def for_dtype(self, dtype: str) -> "Capabilities":
+        """The capabilities in ``dtype``: :attr:`by_dtype`'s values for it applied."""
+        values = dict(self.by_dtype).get(dtype)
+        return dataclasses.replace(self, **{k: _per_dtype_value(k, v) for k, v in values}) if values else self
+
+    def dtype_differences(self, name: str) -> dict[str, Any]:
+        """dtype -> the value of ``name`` there, for each dtype where it differs."""
+        return {dtype: _per_dtype_value(name, dict(values)[name]) for dtype, values in self.by_dtype
+                if name in dict(values) and _per_dtype_value(name, dict(values)[name]) != getattr(self, name)}
 
     def fully_masked_policy(self, kind: str) -> str:
         """The policy for a row emptied by ``kind`` (one of :data:`FULLY_MASKED_KINDS`)."""
@@ -275,6 +320,41 @@ def _fully_masked_value(value: Any) -> str | tuple[tuple[str, str], ...]:
     if len({policy for _, policy in full}) == 1:
         return full[0][1]
     return full
+
+
+def _sources_value(value: Any) -> tuple[tuple[str, str], ...]:
+    pairs = dict(value.items() if isinstance(value, Mapping) else value)
+    bad = {k: v for k, v in pairs.items() if k not in SEMANTIC_FIELDS or v not in SOURCES}
+    if bad:
+        raise ImplementationError(
+            f"sources={pairs!r}: {bad!r} is not (semantic field, source); fields: "
+            f"{SEMANTIC_FIELDS}, sources: {SOURCES}"
+        )
+    return tuple(sorted(pairs.items()))
+
+
+def _by_dtype_value(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    per_dtype = dict(value.items() if isinstance(value, Mapping) else value)
+    out = []
+    for dtype, values in sorted(per_dtype.items()):
+        values = dict(values.items() if isinstance(values, Mapping) else values)
+        bad = sorted(set(values) - set(PER_DTYPE_FIELDS))
+        if dtype not in ALL_DTYPES or bad:
+            raise ImplementationError(
+                f"by_dtype={per_dtype!r}: " + (f"{dtype!r} is not a dtype of {ALL_DTYPES}" if dtype not in ALL_DTYPES
+                                              else f"{bad} cannot differ per dtype")
+                + f"; give dtype -> {{field: value}} with fields among {PER_DTYPE_FIELDS}"
+            )
+        if "mask_kinds" in values:  # kept as a sorted tuple: plain data (JSON), read as a set
+            values["mask_kinds"] = tuple(sorted(values["mask_kinds"]))
+        if values:
+            out.append((dtype, tuple(sorted(values.items()))))
+    return tuple(out)
+
+
+def _per_dtype_value(name: str, value: Any) -> Any:
+    """A ``by_dtype`` value as the field holds it (``mask_kinds``: a frozenset)."""
+    return frozenset(value) if name == "mask_kinds" else value
 
 
 @dataclass(frozen=True)
@@ -416,18 +496,23 @@ class Implementation:
         if level not in ("sdpa", "mha") and getattr(self, level, None) is None:
             return [f"{self.name} has no {level}-level callable"]
         c = self.caps(level)
+        in_dtype: dict[str, str] = {}  # field -> " in float16" where that dtype's value differs
+        if "dtype" in case:
+            in_dtype = {name: f" in {case['dtype']}" for name in dict(dict(c.by_dtype).get(case["dtype"], ()))}
+            c = c.for_dtype(case["dtype"])
         if "device" in case and case["device"] not in c.devices:
             reasons.append(f"device={case['device']!r} not in declared devices {c.devices}")
         if "dtype" in case and case["dtype"] not in c.dtypes:
             reasons.append(f"dtype={case['dtype']!r} not in declared dtypes {c.dtypes}")
         if case.get("mask_kind", "none") not in c.mask_kinds:
-            reasons.append(f"mask_kind={case['mask_kind']!r} not in declared {sorted(c.mask_kinds)}")
+            reasons.append(f"mask_kind={case['mask_kind']!r} not in declared {sorted(c.mask_kinds)}"
+                           f"{in_dtype.get('mask_kinds', '')}")
         causal = case.get("causal")
         if causal is not None and c.causal != causal:
             reasons.append(f"causal={causal!r} but the causal flag means {c.causal!r}")
         if case.get("E") is not None and case.get("Ev") is not None:
             if case["E"] != case["Ev"] and not c.different_v_dim:
-                reasons.append("Ev != E not supported")
+                reasons.append(f"Ev != E not supported{in_dtype.get('different_v_dim', '')}")
             elif case["E"] != case["Ev"] and c.shared_kv and level == "sdpa":
                 reasons.append("Ev != E but shared_kv declares key is value")
         if level == "sdpa" and c.self_attention_lengths and case.get("L") is not None \
@@ -435,15 +520,15 @@ class Implementation:
             reasons.append(f"L={case['L']} != S={case['S']} but self_attention_lengths declares L == S only")
         if case.get("N") is not None and case.get("K") is not None:
             if case["N"] != case["K"] and not c.gqa:
-                reasons.append("GQA (K < N) not supported")
+                reasons.append(f"GQA (K < N) not supported{in_dtype.get('gqa', '')}")
         if case.get("dropout_p", 0.0) and not c.dropout:
             reasons.append("dropout not supported")
         if case.get("scale") is not None and not c.custom_scale:
             reasons.append("custom scale not supported")
         if case.get("grad") and not c.autograd:
-            reasons.append("autograd not supported")
+            reasons.append(f"autograd not supported{in_dtype.get('autograd', '')}")
         if case.get("mask_grad") and not c.mask_grad:
-            reasons.append("gradient w.r.t. the additive mask not supported")
+            reasons.append(f"gradient w.r.t. the additive mask not supported{in_dtype.get('mask_grad', '')}")
         if case.get("layout", "contiguous") != "contiguous" and not c.non_contiguous:
             reasons.append(f"layout={case['layout']!r} but only contiguous inputs are supported")
         for dim in ("E", "Ev"):

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from implementations.mutants import MUTANTS
+from implementations.mutants.contract_mutants import CONTRACT_CONTROLS
 from implementations.mutants.controls import CONTROLS
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Correct built-ins (registry names) and the zoo's own correct bases (module:attr).
 CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref", "triton", "jax", "varlen-reference"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
+] + [  # bare functions with a declared non-default convention (--impl-option)
+    f"implementations.mutants.contract_mutants:{name}" for name in CONTRACT_CONTROLS
 ]
 TIMEOUT_S = 1800
 #: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them

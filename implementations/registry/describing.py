@@ -22,13 +22,29 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _source(c: Capabilities, name: str) -> str:
+    """``(contract)`` / ``(probed)`` after a semantic value not declared ("" if declared)."""
+    source = c.source(name)
+    return "" if source == "declared" else f"({source})"
+
+
+def _per_dtype(c: Capabilities) -> list[str]:
+    """``autograd=no in float16 (probed)`` for each capability that differs in a dtype."""
+    parts = []
+    for dtype, values in c.by_dtype:
+        for name, value in values:
+            shown = ",".join(sorted(value)) if name == "mask_kinds" else _yes(value)
+            parts.append(f"{name}={shown} in {dtype} (probed)")
+    return parts
+
+
 def _caps_line(c: Capabilities, level: str) -> str:
     parts = [
         f"devices={','.join(c.devices)}",
         f"dtypes={','.join(c.dtypes)}",
         f"masks={','.join(sorted(c.mask_kinds))}",
-        f"causal={c.causal or 'no'}",
-        f"fully_masked={c.fully_masked_text()}",
+        f"causal={c.causal or 'no'}{_source(c, 'causal')}",
+        f"fully_masked={c.fully_masked_text()}{_source(c, 'fully_masked')}",
     ]
     if level == "sdpa":
         parts += [f"Ev!=E={_yes(c.different_v_dim)}", f"gqa={_yes(c.gqa)}"]
@@ -46,7 +62,7 @@ def _caps_line(c: Capabilities, level: str) -> str:
     if level == "mha":
         missing = sorted(ALL_MHA_FEATURES - set(c.mha_features))
         parts.append(f"mha_features=all but {missing}" if missing else "mha_features=all")
-    return " ".join(parts)
+    return " ".join(parts + _per_dtype(c))
 
 
 def _input_conventions(c: Capabilities) -> list[str]:
@@ -76,7 +92,7 @@ def describe(impl: Implementation) -> str:
         c = impl.caps("flash")
         derived = " (derived from the SDPA level through masks)" if is_derived_flash(impl) else ""
         lines.append(f"  flash level{derived}: {_caps_line(c, 'sdpa')} "
-                     f"flash_features={','.join(sorted(c.flash_features)) or 'none'}")
+                     f"flash_features={','.join(sorted(c.flash_features)) or 'none'}{_source(c, 'flash_features')}")
         lines += [f"  flash probe note: {note}" for note in c.probe_notes
                   if impl.flash_capabilities is not None and note not in impl.capabilities.probe_notes]
     for level in VARLEN_LEVELS:  # varlen / kvcache
@@ -90,6 +106,10 @@ def describe(impl: Implementation) -> str:
         lines.append(f"  expected failure: {entry.property}{match}: {entry.reason}{ref}")
     for note in impl.capabilities.probe_notes:
         lines.append(f"  probe note: {note}")
+    if any(c.sources for c in (impl.capabilities, impl.caps("mha"), impl.caps("flash"))):
+        lines.append("  (contract): the signature's documented meaning, tested whatever a probe saw; "
+                     "(probed): read off the implementation where the contract leaves it open, not a "
+                     "declaration; unmarked values are declared")
     return "\n".join(lines)
 
 
@@ -100,7 +120,7 @@ def _listing_row(name: str, impl: Implementation) -> tuple[str, ...]:
     return (
         name, _yes(impl.available), levels or "-", ",".join(c.devices),
         ",".join(_SHORT_DTYPES[d] for d in c.dtypes), ",".join(sorted(c.mask_kinds - {"none"})) or "-",
-        c.causal or "-", c.fully_masked_text(),
+        (c.causal or "-") + _source(c, "causal"), c.fully_masked_text() + _source(c, "fully_masked"),
         _yes(c.gqa) if impl.sdpa is not None else "-",
         _yes(c.different_v_dim) if impl.sdpa is not None else "-",
         _yes(c.dropout), _yes(c.autograd), _inputs_cell(c) if impl.sdpa is not None else "-",

@@ -8,10 +8,13 @@ lower-right (``spec.flash``). A function whose first three parameters are named
 its default and refused otherwise (:class:`FlashAdapter`), so that feature probes as
 unsupported.
 
-Each feature is probed with a tiny CPU call and declared supported when the call runs
-and the feature has an effect; a feature that runs without effect is declared
-unsupported with a note (``Capabilities.probe_notes``). A wrong but effective feature is
-declared, so the suite tests it.
+What the parameters *mean* is FlashAttention's contract, never what a probe sees:
+``causal`` is lower-right, ``window_size``, ``softcap`` and ``alibi_slopes`` mean what
+``flash_attn_func`` says. Probes find capabilities only: a feature whose call raises (a
+parameter the function lacks, a NotImplementedError) is declared unsupported with a note;
+a feature that runs is declared, and when it behaves otherwise than the contract (no
+effect, the other causal alignment) a note says what the probe saw, so the properties
+run and fail (``Capabilities.probe_notes``; ``Capabilities.sources`` says ``contract``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import numpy as np
 
 import spec
 from implementations.base import (
-    ALL_DTYPES,
     Capabilities,
     Implementation,
     ImplementationError,
@@ -34,13 +36,19 @@ from implementations.registry._errors import summarise
 from implementations.registry.probing import (
     DEFAULT_PROBE_TIMEOUT,
     _describe_result,
+    _dtypes_that_run,
+    _fully_masked_declaration,
+    _per_dtype_capabilities,
     _Prober,
+    _supports,
 )
 
 __all__ = ["FLASH_PARAMETERS", "FlashAdapter", "is_flash_signature", "probe_flash", "recognise_flash"]
 
 FLASH_PARAMETERS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
                     "alibi_slopes", "deterministic", "return_attn_probs")
+#: The contract of flash_attn_func's signature, as the notes name it.
+_FLASH_CONTRACT = "flash_attn_func's"
 _DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
              "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False}
 
@@ -73,7 +81,8 @@ def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter],
     flash = fn if accepted == set(FLASH_PARAMETERS) else FlashAdapter(fn, accepted)
     caps = probe_flash(flash, origin=origin, timeout=timeout)
     return Implementation(name=name, capabilities=caps, flash=flash, version=version,
-                          description=f"flash_attn_func-signature function {origin}; capabilities probed")
+                          description=f"flash_attn_func-signature function {origin}; capabilities probed, "
+                                      "semantics flash_attn_func's")
 
 
 class FlashAdapter:
@@ -133,65 +142,87 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     base = out.detach().double().numpy()
     notes: list[str] = []
 
-    def effective(feature: str, call: Callable[[], Any], **options: Any) -> bool:
-        """The call runs, returns the output, differs from the plain one and matches the
-        oracle's change in direction (not checked here: the suite checks values)."""
+    def feature_runs(feature: str, what: str, call: Callable[[], Any], **options: Any) -> bool:
+        """Whether the feature is declared: its call runs (a call that raises: unsupported,
+        noted). One that runs but returns no output, or has no effect where the oracle
+        changes, stays declared (the contract's meaning is tested) with a note."""
         try:
             got = _output_of(probe.call(feature, call))
-        except CallRaised:
+        except CallRaised as exc:
+            notes.append(f"{feature}: {what} raised {summarise(exc.error)}; declared unsupported")
             return False
+        contract = (f"the contract ({_FLASH_CONTRACT}) is tested and fails; if the feature is not "
+                    f"meant to be supported, make it raise (or leave it out with --impl-option flash_features=...)")
         if not _is_tensor(got, (1, 2, 2, 4)):
-            notes.append(f"{feature}: returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
-                         "declared unsupported")
-            return False
+            notes.append(f"{feature}: {what} returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
+                         + contract)
+            return True
         got = got.detach().double().numpy()
         want = spec.flash_attention(q64, k64, v64, **options)
         if np.allclose(got, base, atol=1e-6) and not np.allclose(want, base, atol=1e-6):
-            notes.append(f"{feature}: has no effect (the output equals the plain call's); declared "
-                         f"unsupported (--impl-option flash_features=... tests it anyway)")
-            return False
+            notes.append(f"{feature}: {what} has no effect (the output equals the plain call's); " + contract)
         return True
 
     slopes = torch.tensor([0.5, 0.25])
     features = set()
-    if effective("window", lambda: fn(q, k, v, window_size=(0, 0)), window=(0, 0)):
+    if feature_runs("window", "window_size=(0, 0)", lambda: fn(q, k, v, window_size=(0, 0)), window=(0, 0)):
         features.add("window")
-    if effective("softcap", lambda: fn(q, k, v, softcap=0.05), softcap=0.05):
+    if feature_runs("softcap", "softcap=0.05", lambda: fn(q, k, v, softcap=0.05), softcap=0.05):
         features.add("softcap")
-    if effective("alibi", lambda: fn(q, k, v, alibi_slopes=slopes), alibi_slopes=slopes.numpy()):
+    if feature_runs("alibi", "alibi_slopes=[0.5, 0.25]", lambda: fn(q, k, v, alibi_slopes=slopes),
+                    alibi_slopes=slopes.numpy()):
         features.add("alibi")
-    if _probe_lse(probe, fn, q, k, v):
+    if _probe_lse(probe, fn, q, k, v, notes):
         features.add("lse")
-    causal = "lower_right" if _probe_causal(probe, fn, q, k, v, q64, k64, v64, notes) else None
+    causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64, base, notes)
 
-    def backward() -> bool:
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    def backward(qq, kk, vv) -> str | None:
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (qq, kk, vv))
         try:
             got = _output_of(probe.call("backward", lambda: fn(qq, kk, vv)))
             if not isinstance(got, torch.Tensor):
-                return False
+                return f"returned {_describe_result(got)}"
             probe.call("backward", lambda: got.sum().backward())
-        except CallRaised:
-            return False
-        return qq.grad is not None and kk.grad is not None and vv.grad is not None
+        except CallRaised as exc:
+            return f"raised {summarise(exc.error)}"
+        if qq.grad is None or kk.grad is None or vv.grad is None:
+            return "left q, k or v without a gradient"
+        return None
 
-    runs = probe.runs
-    dtypes = tuple(d for d in ALL_DTYPES if runs(f"dtype {d}", lambda d=d: fn(*qkv(dtype=getattr(torch, d)))))
+    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv(dtype=getattr(torch, d))), notes)
+
+    def capability_probes(dtype: str) -> dict[str, tuple]:
+        t = getattr(torch, dtype)
+        return {
+            "different_v_dim": ("Ev=3 != E=4", lambda: fn(*qkv(Ev=3, dtype=t))),
+            "gqa": ("GQA (N=2, K=1)", lambda: fn(*qkv(N=2, K=1, dtype=t))),
+            "autograd": ("backward through q, k, v", lambda: backward(*(x.to(t) for x in (q, k, v))), "direct"),
+        }
+
+    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes)
+    # Rows attend no key only where causal=True is the lower-right rule it should be.
+    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes) if causal_seen == "lower_right"
+                            else ("zero", "contract"))
     return Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
         mask_kinds=frozenset({"none"}),
         causal=causal,
-        fully_masked=_probe_fully_masked(probe, fn, qkv) if causal else "zero",
-        different_v_dim=runs("Ev != E", lambda: fn(*qkv(Ev=3))),
-        gqa=runs("GQA", lambda: fn(*qkv(N=2, K=1))),
+        fully_masked=fully_masked,
+        different_v_dim=found["different_v_dim"],
+        gqa=found["gqa"],
         dropout=False,
-        custom_scale=runs("softmax_scale=", lambda: fn(q, k, v, softmax_scale=0.5)),
-        autograd=backward(),
+        custom_scale=_supports(probe, "custom_scale", "softmax_scale=0.5",
+                               lambda: fn(q, k, v, softmax_scale=0.5), notes),
+        autograd=found["autograd"],
         mask_grad=False,
-        non_contiguous=runs("a transposed input", lambda: fn(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)),
+        non_contiguous=_supports(probe, "non_contiguous", "a transposed q",
+                                 lambda: fn(q.transpose(1, 2).contiguous().transpose(1, 2), k, v), notes),
         flash_features=frozenset(features),
+        by_dtype=by_dtype,
         probe_notes=tuple(notes),
+        sources={"causal": "contract" if causal else "probed", "flash_features": "contract",
+                 "fully_masked": source},
     )
 
 
@@ -201,48 +232,75 @@ def _is_tensor(out: Any, shape: tuple[int, ...]) -> bool:
     return isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.device.type == "cpu"
 
 
-def _probe_fully_masked(probe: _Prober, fn, qkv) -> str:
-    """The output of a row attending no key (causal with L = 3 > S = 1 empties rows 0 and 1):
-    zero (FlashAttention's), nan, or unspecified."""
+def _probe_fully_masked(probe: _Prober, fn, qkv, notes: list[str]) -> tuple[str, str]:
+    """The declared policy (and its source) for rows attending no key (causal with L = 3 >
+    S = 1 empties rows 0 and 1): zero or nan adopted as probed; a uniform or unclassified
+    row is not adopted (:func:`~implementations.registry.probing._fully_masked_declaration`)."""
     import torch
 
     q, k, v = qkv(L=3, S=1)
+    policy = "unspecified"
     try:
         got = _output_of(probe.call("a row attending no key", lambda: fn(q, k, v, causal=True)))
     except CallRaised:
-        return "unspecified"
-    if not _is_tensor(got, (1, 3, 2, 4)):
-        return "unspecified"
-    rows = got.detach()[:, :2]
-    if torch.isnan(rows).all():
-        return "nan"
-    return "zero" if torch.equal(rows, torch.zeros_like(rows)) else "unspecified"
+        got = None
+    if _is_tensor(got, (1, 3, 2, 4)):
+        rows = got.detach()[:, :2]
+        if torch.isnan(rows).all():
+            policy = "nan"
+        elif torch.equal(rows, torch.zeros_like(rows)):
+            policy = "zero"
+        elif torch.allclose(rows, v.expand_as(rows), atol=1e-5):  # one key: its mean is itself
+            policy = "uniform"
+    return _fully_masked_declaration({"causal": policy}, notes, level="flash",
+                                     blocked_by={"causal": "causal=True alone (query length 3, key length 1)"})
 
 
-def _probe_lse(probe: _Prober, fn, q, k, v) -> bool:
-    """``return_attn_probs=True`` returns a sequence whose second entry is a (B, N, L) LSE."""
+def _probe_lse(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
+    """``return_attn_probs=True`` runs (declared: the contract's (output, lse, ...) is tested);
+    a note when it raises, or returns no (B, N, L) LSE second."""
     try:
         got = probe.call("lse", lambda: fn(q, k, v, return_attn_probs=True))
-    except CallRaised:
+    except CallRaised as exc:
+        notes.append(f"lse: return_attn_probs=True raised {summarise(exc.error)}; declared unsupported")
         return False
-    return isinstance(got, (tuple, list)) and len(got) >= 2 and _is_tensor(got[1], (1, 2, 2))
+    if not (isinstance(got, (tuple, list)) and len(got) >= 2 and _is_tensor(got[1], (1, 2, 2))):
+        notes.append(f"lse: return_attn_probs=True returned {_describe_result(_output_of(got))}"
+                     f"{' first' if isinstance(got, (tuple, list)) else ''}, not (output, lse (1, 2, 2), ...); "
+                     f"the contract ({_FLASH_CONTRACT}) is tested and fails")
+    return True
 
 
-def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, notes: list[str]) -> bool:
-    """``causal=True`` is FlashAttention's lower-right rule (L=2 < S=3: the alignments differ)."""
+def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, base,
+                  notes: list[str]) -> tuple[str | None, str]:
+    """(declaration, what was seen). ``causal=True`` means FlashAttention-2's lower-right
+    rule: declared ``lower_right`` whatever it does (noted when it is upper-left, has no
+    effect, or matches neither; L=2 < S=3: the alignments differ); None (no causal flag)
+    only when it raises. Seen: lower_right, upper_left, no_effect, neither, raised, bad_output."""
     try:
         got = _output_of(probe.call("causal=True", lambda: fn(q, k, v, causal=True)))
-    except CallRaised:
-        return False
+    except CallRaised as exc:
+        notes.append(f"causal: causal=True raised {summarise(exc.error)}; declared as no causal flag "
+                     "(not supported)")
+        return None, "raised"
+    contract = f"the contract ({_FLASH_CONTRACT}) is lower-right, which is tested"
     if not _is_tensor(got, (1, 2, 2, 4)):
-        return False
+        notes.append(f"causal: causal=True returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
+                     f"{contract}")
+        return "lower_right", "bad_output"
     got = got.detach().double().numpy()
     if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True), atol=1e-4):
-        return True
+        return "lower_right", "lower_right"
+    lengths = "query length 2, key length 3"
     if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True, alignment="upper_left"), atol=1e-4):
-        notes.append("causal: causal=True is aligned upper-left (flash-attn < 2.1), not FlashAttention-2's "
-                     "lower-right; declared as no causal flag (--impl-option causal=lower_right tests it)")
-    else:
-        notes.append("causal: causal=True matches neither alignment; declared as no causal flag "
-                     "(--impl-option causal=lower_right tests it)")
-    return False
+        notes.append(f"causal: causal=True behaved as the upper-left triangle ({lengths}; flash-attn < 2.1's); "
+                     f"{contract} and fails; no flash-level declaration expresses upper-left (the SDPA "
+                     "level's is_causal is upper-left)")
+        return "lower_right", "upper_left"
+    if np.allclose(got, base, atol=1e-4):
+        notes.append(f"causal: causal=True has no effect (the output equals the non-causal one, {lengths}); "
+                     f"{contract} and fails; no declaration expresses a causal flag without effect")
+        return "lower_right", "no_effect"
+    notes.append(f"causal: causal=True matches neither alignment ({lengths}); {contract} and fails")
+    return "lower_right", "neither"
+

@@ -1,5 +1,9 @@
 """``--impl-option key=value``: override any declared or probed capability.
 
+A value given here is the user's declaration: it wins over the signature's contract and
+over whatever probing saw, holds in every dtype (``Capabilities.by_dtype`` loses that
+field), and its source becomes ``declared`` (``Capabilities.sources``).
+
 Keys are :class:`~implementations.base.Capabilities` fields, e.g. ``causal=lower_right``,
 ``fully_masked=nan``, ``dtypes=float32,float16``, ``gqa=false``; each value is parsed and
 validated, and a bad key or value raises ImplementationError listing what is valid.
@@ -26,6 +30,7 @@ from implementations.base import (
     CAUSAL_ALIGNMENTS,
     FULLY_MASKED_KINDS,
     FULLY_MASKED_POLICIES,
+    SEMANTIC_FIELDS,
     Capabilities,
     Implementation,
     ImplementationError,
@@ -183,9 +188,15 @@ def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implement
                 f"--impl-option {key_name}={text}: bad value for {key_name!r}; expected {exc}"
             ) from exc
     def overridden(caps: Capabilities) -> Capabilities:
-        # A probe note ("causal: ...") no longer describes a value the user set.
+        # A probe note ("causal: ...") no longer describes a value the user set; a value the
+        # user sets holds in every dtype, and is declared (Capabilities.sources).
         notes = tuple(n for n in caps.probe_notes if n.split(":", 1)[0] not in changes)
-        return caps.replace(**changes, probe_notes=notes)
+        sources = {name: source for name, source in caps.sources if name not in changes}
+        if caps.sources:  # a probed implementation: say which values the user declared
+            sources.update({name: "declared" for name in changes if name in SEMANTIC_FIELDS})
+        by_dtype = {dtype: {name: value for name, value in values if name not in changes}
+                    for dtype, values in caps.by_dtype}
+        return caps.replace(**changes, probe_notes=notes, sources=sources, by_dtype=by_dtype)
 
     try:
         caps = overridden(impl.capabilities)

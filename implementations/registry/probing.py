@@ -1,8 +1,18 @@
 """Probing: what a bare SDPA function or nn.MultiheadAttention drop-in supports.
 
-Each optional feature is tried on a tiny CPU input and recorded as unsupported when
-the call raises. The causal alignment is read off the float64 oracle ``spec.sdpa``,
-so probing depends on nothing but ``spec`` (and torch, to make the calls).
+Probes find *capabilities*, never semantics. What an argument or a result means is the
+contract of the signature the callable was recognised by (scaled_dot_product_attention's:
+``is_causal`` upper-left, bool mask True = attend, ``value`` used; nn.MultiheadAttention's),
+so a bug stays inside the claims and the suite's properties fail on it. Each optional
+feature is tried on a tiny CPU input and declared unsupported when the call raises, with a
+note of what was tried, in which dtype, and what it raised; autograd, the mask kinds, GQA
+and Ev != E are tried in every dtype a plain call runs in (``Capabilities.by_dtype``). A
+flag that runs but behaves otherwise than the contract (``is_causal`` without effect, the
+other alignment, ``value`` ignored) keeps the contract's declaration and gets a note of
+what the probe saw and the ``--impl-option`` that would declare it if intended, read off
+the float64 oracle ``spec.sdpa``. Only the value of a fully-masked row, which the contract
+leaves open, may be probed (:func:`_fully_masked_declaration`: adopted when consistent).
+``Capabilities.sources`` says which values are the contract's and which probed.
 
 Every call goes through :func:`implementations.guard.guarded_call` (timeout, every
 exception captured, global state and random generators restored), so a probe cannot
@@ -10,9 +20,7 @@ hang the run, end it with an exception the registry does not expect, or change t
 NumPy or torch settings the suite computes under. A probe that does not return in
 time is an :class:`~implementations.base.ImplementationError` naming it; an
 implementation that cannot be probed declares its capabilities itself (an
-``Implementation``). Where a probe's answer is not a plain yes or no (``is_causal``
-has no effect, say) the capability is declared unsupported and
-``Capabilities.probe_notes`` says why.
+``Implementation``).
 """
 
 from __future__ import annotations
@@ -59,6 +67,15 @@ class _Prober:
                 "capabilities=Capabilities(...))"
             ) from None
 
+    def tried(self, what: str, fn: Callable[[], Any]) -> str | None:
+        """None when ``fn()`` returns (and not False), else what it did, for a note
+        (``"raised ValueError('...')"``)."""
+        try:
+            result = self.call(what, fn)
+        except CallRaised as exc:
+            return f"raised {summarise(exc.error)}"
+        return "returned False" if result is False else None
+
     def runs(self, what: str, fn: Callable[[], Any]) -> bool:
         """Whether ``fn()`` returns without raising (and does not return False)."""
         try:
@@ -83,11 +100,15 @@ def _is_output(out: Any, shape: tuple[int, ...]) -> bool:
 
 # --------------------------------------------------------------------------- SDPA
 
+#: The contract of scaled_dot_product_attention's signature, as the notes name it.
+_SDPA_CONTRACT = "scaled_dot_product_attention's"
+
 
 def probe_sdpa(fn: Callable[..., Any], *, origin: str,
                timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
     """Capabilities of an SDPA-signature function, found by tiny calls on CPU
-    (each limited to ``timeout`` seconds)."""
+    (each limited to ``timeout`` seconds). Semantics are the signature's contract
+    (``is_causal`` upper-left, ``value`` used); probes find what it accepts, per dtype."""
     import torch
 
     probe = _Prober(origin, timeout)
@@ -122,9 +143,8 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             f"return a torch.Tensor of shape (1, 2, {L}, 4) (B, N, L, Ev) on the inputs' device, "
             "as torch.nn.functional.scaled_dot_product_attention does"
         )
-    shared_kv = _probe_shared_kv(out, q, k, v, notes)
-    if shared_kv:
-        v = k  # what it attends over: the probes below compare with the oracle on (q, k, k)
+    # What it attends over, for the notes below: the values, or the keys where it ignores value.
+    seen_v = k if _value_ignored(out, q, k, v, notes) else v
     runs = probe.runs
     batch_dims = None
     if not runs("3-D inputs", lambda: fn(q[0], k[0], v[0])) and \
@@ -142,32 +162,57 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
         return qkv(**sizes)
 
     # The order of the calls below fixes what each draw from ``gen`` is: keep it.
-    dtypes = tuple(d for d in ALL_DTYPES if runs(f"dtype {d}", lambda d=d: fn(*qkv_for(dtype=getattr(torch, d)))))
-    mask_kinds = {"none"}
+    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv_for(dtype=getattr(torch, d))), notes)
     bool_mask = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])[:L]
-    if runs("a bool mask", lambda: fn(q, k, v, attn_mask=as_mask(bool_mask))):
-        mask_kinds.add("bool")
-    if runs("a float mask", lambda: fn(q, k, v, attn_mask=as_mask(torch.randn(L, 3, generator=gen)))):
-        mask_kinds.add("additive")
+    float_mask = torch.randn(L, 3, generator=gen)
 
-    def backward(mask_grad: bool = False) -> bool:
+    def backward(qq, kk, vv, mask: Any = None) -> str | None:
+        """None when backward gives query (and ``mask``) a gradient, else what happened."""
         # Forward and backward are two guarded calls: the suite's own ``.sum()`` runs
         # under the suite's grad mode, whatever the forward did to its thread's.
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        mask = torch.randn(L, 3, generator=gen).requires_grad_() if mask_grad else None
-        what = "a mask gradient" if mask_grad else "backward"
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (qq, kk, vv))
+        mask = None if mask is None else mask.detach().clone().requires_grad_()
+        what = "backward" if mask is None else "a mask gradient"
         try:
-            out = probe.call(what, lambda: fn(qq, kk, vv, attn_mask=None if mask is None else as_mask(mask)))
-            if not isinstance(out, torch.Tensor):
-                return False
-            probe.call(what, lambda: out.sum().backward())
-        except CallRaised:
-            return False
-        return qq.grad is not None and (mask is None or mask.grad is not None)
+            got = probe.call(what, lambda: fn(qq, kk, vv, attn_mask=None if mask is None else as_mask(mask)))
+            if not isinstance(got, torch.Tensor):
+                return f"returned {_describe_result(got)}"
+            probe.call(what, lambda: got.sum().backward())
+        except CallRaised as exc:
+            return f"raised {summarise(exc.error)}"
+        if qq.grad is None:
+            return "left query without a gradient"
+        return "left the mask without a gradient" if mask is not None and mask.grad is None else None
 
-    causal = _probe_causal(probe, fn, q, k, v, notes, equal_lengths)
-    fully_masked = {
-        kind: _probe_fully_masked(probe, fn, q, k, v, kind, as_mask)
+    def capability_probes(dtype: str) -> dict[str, tuple[str, Callable[[], Any]]]:
+        """Capability -> (what is tried, the call) of the probes that may differ per dtype."""
+        t = getattr(torch, dtype)
+        qd, kd, vd = (x.to(t) for x in (q, k, v))
+        return {
+            "mask_kinds:bool": ("a bool mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(bool_mask))),
+            "mask_kinds:additive": ("a float mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(float_mask.to(t)))),
+            "gqa": ("GQA (N=2, K=1, enable_gqa=True)", lambda: fn(*qkv_for(N=2, K=1, dtype=t), enable_gqa=True)),
+            "different_v_dim": ("Ev=3 != E=4", lambda: fn(*qkv_for(Ev=3, dtype=t))),
+            # backward makes its own guarded calls: it returns None or what happened.
+            "autograd": ("backward through query, key, value", lambda: backward(qd, kd, vd), "direct"),
+        }
+
+    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes)
+    mask_kinds = {"none"} | {kind for kind in ("bool", "additive") if found[f"mask_kinds:{kind}"]}
+    for values in by_dtype.values():
+        kinds = {"none"} | {kind for kind in ("bool", "additive")
+                            if values.pop(f"mask_kinds:{kind}", found[f"mask_kinds:{kind}"])}
+        if kinds != mask_kinds:
+            values["mask_kinds"] = frozenset(kinds)
+    mask_grad = False
+    if "additive" in mask_kinds and found["autograd"]:
+        said = backward(q, k, v, mask=torch.randn(L, 3, generator=gen))
+        mask_grad = said is None
+        if said:
+            notes.append(f"mask_grad: a gradient w.r.t. a float mask in float32 {said}; declared unsupported")
+    causal, causal_seen = _probe_causal(probe, fn, q, k, seen_v, notes, equal_lengths)
+    observed = {
+        kind: _probe_fully_masked(probe, fn, q, k, seen_v, kind, as_mask)
         for kind in ("bool", "additive") if kind in mask_kinds
     }
     caps = Capabilities(
@@ -175,21 +220,26 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
         dtypes=dtypes or ("float32",),
         mask_kinds=frozenset(mask_kinds),
         causal=causal,
-        different_v_dim=not shared_kv and runs("Ev != E", lambda: fn(*qkv_for(Ev=3))),
-        gqa=runs("GQA", lambda: fn(*qkv_for(N=2, K=1), enable_gqa=True)),
-        dropout=runs("dropout", lambda: fn(q, k, v, dropout_p=0.5)),
-        custom_scale=runs("scale=", lambda: fn(q, k, v, scale=0.5)),
-        autograd=backward(),
-        mask_grad="additive" in mask_kinds and backward(mask_grad=True),
-        non_contiguous=runs("a transposed input", lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)),
+        different_v_dim=found["different_v_dim"],
+        gqa=found["gqa"],
+        dropout=_supports(probe, "dropout", "dropout_p=0.5", lambda: fn(q, k, v, dropout_p=0.5), notes),
+        custom_scale=_supports(probe, "custom_scale", "scale=0.5", lambda: fn(q, k, v, scale=0.5), notes),
+        autograd=found["autograd"],
+        mask_grad=mask_grad,
+        non_contiguous=_supports(probe, "non_contiguous", "a transposed query",
+                                 lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), notes),
         self_attention_lengths=equal_lengths,
-        shared_kv=shared_kv,
+        shared_kv=False,
         batch_dims=batch_dims,
-        probe_notes=tuple(notes),
+        by_dtype=by_dtype,
     )
-    if causal == "lower_right" and not equal_lengths:  # the flag alone empties row 0 at L=3 > S=2
-        fully_masked["causal"] = _probe_fully_masked(probe, fn, *qkv(L=3, S=2), "causal", as_mask)
-    return caps.replace(fully_masked=_fully_masked_declaration(fully_masked))
+    if causal_seen == "lower_right" and not equal_lengths:  # the flag alone empties row 0 at L=3 > S=2
+        q3, k2, v2 = qkv(L=3, S=2)
+        observed["causal"] = _probe_fully_masked(probe, fn, q3, k2, k2 if seen_v is k else v2, "causal", as_mask)
+    fully_masked, source = _fully_masked_declaration(observed, notes)
+    return caps.replace(fully_masked=fully_masked, probe_notes=tuple(notes),
+                        sources={"causal": "contract" if causal else "probed", "shared_kv": "contract",
+                                 "fully_masked": source})
 
 
 def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
@@ -200,43 +250,152 @@ def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
-def _probe_shared_kv(out: Any, q, k, v, notes: list[str]) -> bool:
-    """Whether the plain call's output is attention over the keys with the keys as
-    values (one memory tensor; ``value`` ignored) rather than over the values."""
+def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes: list[str],
+              dtype: str = "float32") -> bool:
+    """Whether ``fn()`` runs; when not, a note of what it raised (``name: what in dtype raised ...``)."""
+    said = probe.tried(what, fn)
+    if said:
+        notes.append(f"{name}: {what} in {dtype} {said}; declared unsupported")
+    return said is None
+
+
+def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str]) -> tuple[str, ...]:
+    """The dtypes in which a plain call runs; a note for each one that does not."""
+    dtypes = []
+    for dtype in ALL_DTYPES:
+        said = probe.tried(f"dtype {dtype}", lambda d=dtype: call(d))
+        if said:
+            notes.append(f"dtypes: a plain call in {dtype} {said}; {dtype} not declared")
+        else:
+            dtypes.append(dtype)
+    return tuple(dtypes)
+
+
+def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tuple]],
+                            dtypes: tuple[str, ...], notes: list[str]) -> tuple[dict[str, bool], dict[str, dict]]:
+    """Each capability of ``probes(dtype)`` (key -> ``(what, call)``, or ``(what, call,
+    "direct")`` for a call that makes its own guarded calls and returns None or what
+    happened) in float32 (the declaration) and in every other dtype that runs
+    (``Capabilities.by_dtype`` where it differs). A guarded call is supported when it
+    returns (not False). Every limitation found is a note naming what was tried, in which
+    dtype, and what it did."""
+    def outcome(what: str, call: Callable[[], Any], *direct: str) -> str | None:
+        if direct:
+            return call()
+        try:
+            result = probe.call(what, call)
+        except CallRaised as exc:
+            return f"raised {summarise(exc.error)}"
+        if result is False:
+            return "returned False"
+        return None
+
+    def field(key: str) -> str:
+        return key.split(":", 1)[0]
+
+    base = {}
+    for key, (what, *call) in probes("float32").items():
+        said = outcome(f"{what} in float32", *call)
+        base[key] = said is None
+        if said:
+            notes.append(f"{field(key)}: {what} in float32 {said}; declared unsupported")
+    by_dtype: dict[str, dict] = {}
+    for dtype in dtypes:
+        if dtype == "float32":
+            continue
+        for key, (what, *call) in probes(dtype).items():
+            said = outcome(f"{what} in {dtype}", *call)
+            if (said is None) != base[key]:
+                by_dtype.setdefault(dtype, {})[key] = said is None
+                notes.append(f"{field(key)}: {what} in {dtype} {said}; unsupported in {dtype}" if said else
+                             f"{field(key)}: {what} in {dtype} works (not in float32); supported in {dtype}")
+    return base, by_dtype
+
+
+def _value_ignored(out: Any, q, k, v, notes: list[str]) -> bool:
+    """Whether the plain call's output is attention with the keys as values (``value``
+    ignored). The contract uses ``value``: that is not declared (the suite's properties
+    fail on it), but noted with the declaration that would express it if intended."""
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
     got = out.detach().double().numpy()
     if np.allclose(got, spec.sdpa(q64, k64, v64).output, atol=1e-4):
         return False
     if np.allclose(got, spec.sdpa(q64, k64, k64).output, atol=1e-4):
-        notes.append("shared_kv: the output is attention with the keys as values (value is "
-                     "ignored); declared key is value, the suite passes one tensor as both")
+        notes.append(f"shared_kv: the output is attention with the keys as values (value is ignored); "
+                     f"the contract ({_SDPA_CONTRACT}) uses value, which is tested; if one memory "
+                     "tensor as both key and value is intended, declare --impl-option shared_kv=true")
         return True
     return False
 
 
-def _fully_masked_declaration(policies: dict[str, str]) -> str | dict[str, str]:
-    """One policy when the probed kinds agree (kinds not probed take it), else per kind."""
-    if not policies:
-        return "unspecified"
-    if len(set(policies.values())) == 1:
-        return next(iter(policies.values()))
-    default = policies.get("bool", "unspecified")
-    return {kind: policies.get(kind, default) for kind in ("bool", "additive", "causal")}
+def _kinds_text(policies: dict[str, str]) -> str:
+    """``bool:zero,additive:nan`` (the ``--impl-option fully_masked=`` syntax)."""
+    return ",".join(f"{kind}:{policy}" for kind, policy in policies.items())
 
 
-def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str], equal_lengths: bool = False) -> str | None:
-    """The alignment ``is_causal=True`` means; None, with a note in ``notes``, when the
-    flag raises, has no effect, or matches neither alignment. With L == S only the
-    alignments coincide: a flag that matches them is declared ``upper_left``."""
+#: What blocks every key of a probed row, per kind, for the notes.
+_BLOCKED_BY = {"bool": "a bool mask", "additive": "a -inf additive mask",
+               "causal": "the causal flag alone (query length 3, key length 2)"}
+
+
+def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level: str = "",
+                              blocked_by: dict[str, str] | None = None) -> tuple[str, str]:
+    """The declared fully-masked policy and its source, from the policies ``observed`` per
+    kind of blocking. The contract leaves the value open, so a probed policy is adopted
+    (source ``probed``) when every probed kind gives the same non-attending one (zero or
+    nan). A policy that differs between kinds, attends blocked keys (``uniform``) or could
+    not be classified (``unspecified``) is not: the declaration stays at the agreeing
+    kinds' zero or nan, else the contract default zero (source ``contract``), so the
+    fully-masked property fails on the offending rows; the note names what was seen and
+    the ``--impl-option`` that would declare it."""
+    where = f" at the {level} level" if level else ""
+    if not observed:
+        return "zero", "contract"
+    seen = set(observed.values())
+    text = _kinds_text(observed)
+    blocked_by = {**_BLOCKED_BY, **(blocked_by or {})}
+    said = "; ".join(f"{blocked_by.get(kind, kind)}: {policy}" for kind, policy in observed.items())
+    if len(seen) == 1 and seen <= {"zero", "nan"}:
+        notes.append(f"fully_masked: a row with every key blocked came out {seen.pop()} ({said}){where}; "
+                     "the contract leaves it open, so this probed policy is adopted")
+        return observed[next(iter(observed))], "probed"
+    why = []
+    if len(seen) > 1:
+        why.append("it differs between the kinds of blocking")
+    if "uniform" in seen:
+        why.append("uniform rows attend the keys the mask or causal rule blocks")
+    if "unspecified" in seen:
+        why.append("the probe could not classify " + ", ".join(
+            k for k, p in observed.items() if p == "unspecified") + " rows (neither zero, NaN nor the mean of V, "
+            "or the call raised)")
+    agreeing = seen & {"zero", "nan"}
+    fallback = agreeing.pop() if len(agreeing) == 1 else "zero"
+    hint = text if len(seen) > 1 else seen.pop()
+    notes.append(f"fully_masked: probed {text}{where} ({said}); not adopted: {'; '.join(why)}; declared "
+                 f"{fallback}, so the fully-masked property tests it and fails on those rows; if the "
+                 f"probed behaviour is intended, declare --impl-option fully_masked={hint}")
+    return fallback, "contract"
+
+
+def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str],
+                  equal_lengths: bool = False) -> tuple[str | None, str]:
+    """(declaration, what was seen). ``is_causal=True`` means the contract's upper-left
+    triangle; only a flag that raises is declared unsupported (None). Seen: ``upper_left``,
+    ``lower_right``, ``no_effect``, ``neither``, ``raised`` or ``bad_output``; each but the
+    first is noted with what the probe saw (and the declaration that expresses it, if any)."""
     shape = (1, 2, q.shape[2], 4)
+    lengths = f"query length {q.shape[2]}, key length {k.shape[2]}"
+    contract = f"the contract ({_SDPA_CONTRACT}) is upper-left, which is tested"
     try:
         got = probe.call("is_causal=True", lambda: fn(q, k, v, is_causal=True))  # L=2, S=3: alignments differ
-    except CallRaised:
-        return None
+    except CallRaised as exc:
+        notes.append(f"causal: is_causal=True raised {summarise(exc.error)}; declared as no causal flag "
+                     "(not supported)")
+        return None, "raised"
     if not _is_output(got, shape):
-        notes.append(f"causal: is_causal=True returned {_describe_result(got)}, not the {shape} "
-                     "output; declared as no causal flag")
-        return None
+        notes.append(f"causal: is_causal=True returned {_describe_result(got)}, not the {shape} output; "
+                     f"{contract}")
+        return "upper_left", "bad_output"
     got = got.detach().double().numpy()
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
 
@@ -244,23 +403,26 @@ def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str], equal_lengths: 
         return bool(np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=1e-4))
 
     upper, lower = close_to("upper_left"), close_to("lower_right")
-    if equal_lengths and upper:
-        return "upper_left"
-    if upper != lower:
-        return "upper_left" if upper else "lower_right"
-    fix = ("; declared as no causal flag (--impl-option causal=upper_left or lower_right "
-           "tests it anyway)")
+    if upper:
+        return "upper_left", "upper_left"
+    if lower:
+        notes.append(f"causal: is_causal=True behaved as the lower-right triangle ({lengths}); {contract}; "
+                     "if lower-right is intended, declare --impl-option causal=lower_right")
+        return "upper_left", "lower_right"
     if close_to(None):
-        notes.append("causal: is_causal=True has no effect (the output equals the non-causal one)" + fix)
-    else:
-        notes.append("causal: is_causal=True matches neither alignment, upper_left nor lower_right "
-                     "(query length 2, key length 3)" + fix)
-    return None
+        notes.append(f"causal: is_causal=True has no effect (the output equals the non-causal one, {lengths}); "
+                     f"{contract} and fails; no declaration expresses a causal flag without effect: apply "
+                     "the causal mask, or raise on is_causal=True (then it is declared not supported)")
+        return "upper_left", "no_effect"
+    notes.append(f"causal: is_causal=True matches neither alignment, upper-left nor lower-right ({lengths}; "
+                 f"e.g. a triangle that also blocks the diagonal); {contract} and fails")
+    return "upper_left", "neither"
 
 
 def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callable[[Any], Any]) -> str:
     """The policy for a query row whose every key is blocked by ``kind``: a bool mask,
-    a -inf additive mask, or (``causal``: L > S) the lower-right causal flag alone."""
+    a -inf additive mask, or (``causal``: L > S) a lower-right causal flag alone;
+    ``unspecified`` when the call raises or the row is none of zero, NaN, mean of V."""
     import torch
 
     L, S = q.shape[2], k.shape[2]
@@ -277,7 +439,7 @@ def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callabl
         out = probe.call(f"a fully-masked row ({kind})", call)
     except CallRaised:
         return "unspecified"
-    if not _is_output(out, (1, 2, L, 4)):
+    if not _is_output(out, (1, 2, L, v.shape[-1])):
         return "unspecified"
     row = out.detach()[0, :, 0]  # (N, Ev)
     if torch.isnan(row).all():
@@ -339,35 +501,53 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     # The order below (features, dtypes, fully-masked rows, backward) fixes what each
     # module built from torch's global generator is: keep it. (Probe calls restore the
     # global generator afterwards, so each module is built from the same state.)
-    mha_features = frozenset(f for f, run in _mha_feature_probes(factory, call, x, kv).items()
-                             if probe.runs(f"feature {f}", run))
-    dtypes = tuple(
-        d for d in ALL_DTYPES
-        if probe.runs(f"dtype {d}", lambda d=d: call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3))
-    )
-    fully_masked = (_probe_mha_fully_masked(probe, factory, x) if "key_padding_mask" in mha_features
-                    else "unspecified")
+    mha_features = set()
+    notes: list[str] = []
+    for feature, run in _mha_feature_probes(factory, call, x, kv).items():
+        said = probe.tried(f"feature {feature}", run)
+        if said:
+            notes.append(f"mha_features: {feature} in float32 {said}; declared unsupported")
+        else:
+            mha_features.add(feature)
 
-    def backward() -> bool:
-        xx = x.clone().requires_grad_()
+    def built(d: str) -> Any:
+        return call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3)
+
+    dtypes = _dtypes_that_run(probe, built, notes)
+    if "key_padding_mask" in mha_features:
+        observed = _probe_mha_fully_masked(probe, factory, x)
+        fully_masked, source = _fully_masked_declaration(
+            observed, notes, level="MHA",
+            blocked_by={"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"})
+    else:
+        fully_masked, source = "zero", "contract"
+
+    def backward(d: str) -> str | None:
+        xx = x.to(getattr(torch, d)).clone().requires_grad_()
         try:
-            out = probe.call("backward", lambda: factory(_D, _N)(xx, xx, xx))
+            out = probe.call("backward", lambda: factory(_D, _N, dtype=getattr(torch, d))(xx, xx, xx))
             if not (isinstance(out, (tuple, list)) and isinstance(out[0], torch.Tensor)):
-                return False
+                return f"returned {_describe_result(out)}"
             probe.call("backward", lambda: out[0].sum().backward())
-        except CallRaised:
-            return False
-        return xx.grad is not None
+        except CallRaised as exc:
+            return f"raised {summarise(exc.error)}"
+        return None if xx.grad is not None else "left the input without a gradient"
 
+    found, by_dtype = _per_dtype_capabilities(
+        probe, lambda d: {"autograd": ("backward through query, key, value", lambda: backward(d), "direct")},
+        dtypes, notes)
     return Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
         causal="upper_left",
         fully_masked=fully_masked,
         dropout="dropout" in mha_features,
-        autograd=backward(),
+        autograd=found["autograd"],
         mask_grad=False,
-        mha_features=mha_features,
+        mha_features=frozenset(mha_features),
+        by_dtype=by_dtype,
+        probe_notes=tuple(notes),
+        sources={"causal": "contract", "fully_masked": source},
     )
 
 
@@ -395,27 +575,59 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _probe_mha_fully_masked(probe: _Prober, factory, x) -> str:
-    """``nan``, ``zero`` (module output = out_proj.bias) or ``unspecified``."""
+def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
+    """Kind -> policy of a query row whose keys a key_padding_mask blocks all of, bool
+    (``bool``) and -inf float (``additive``): ``nan``, ``zero`` (module output =
+    out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
+    nn.MultiheadAttention's parameter names) or ``unspecified`` (anything else, or the
+    call raised)."""
     import torch
 
     blocked = torch.tensor([[True, True, True], [False, False, False]])
+    masks = {"bool": blocked, "additive": torch.zeros(2, 3).masked_fill(blocked, float("-inf"))}
 
-    def run() -> tuple[Any, Any]:
-        m = factory(_D, _N)
-        m.eval()
-        out = m(x, x, x, key_padding_mask=blocked, need_weights=False)[0]
-        return out, getattr(getattr(m, "out_proj", None), "bias", None)
+    def policy(mask: Any) -> str:
+        def run() -> tuple[Any, Any]:
+            m = factory(_D, _N)
+            m.eval()
+            out = m(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+            return out, m
+
+        try:
+            out, module = probe.call("a fully-masked row", run)
+        except CallRaised:
+            return "unspecified"
+        if not _is_output(out, (_L, _B, _D)):
+            return "unspecified"
+        out = out.detach()[:, 0]  # (L, D), batch 0
+        if torch.isnan(out).all():
+            return "nan"
+        out_proj = getattr(module, "out_proj", None)
+        bias = getattr(out_proj, "bias", None)
+        if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
+            return "zero"  # attention output 0, so the module output is out_proj.bias
+        uniform = _mha_uniform_row(module, x[:, 0])
+        if uniform is not None and torch.allclose(out, uniform.expand_as(out), atol=1e-5):
+            return "uniform"
+        return "unspecified"
+
+    return {kind: policy(mask) for kind, mask in masks.items()}
+
+
+def _mha_uniform_row(module: Any, keys: Any) -> Any:
+    """out_proj(mean over keys of the value projection), the output of a row attending
+    every key equally, from nn.MultiheadAttention's parameter names; None without them."""
+    import torch
 
     try:
-        out, bias = probe.call("a fully-masked row", run)
-    except CallRaised:
-        return "unspecified"
-    if not _is_output(out, (_L, _B, _D)):
-        return "unspecified"
-    out = out.detach()[:, 0]  # (L, D), batch 0
-    if torch.isnan(out).all():
-        return "nan"
-    if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
-        return "zero"  # attention output 0, so the module output is out_proj.bias
-    return "unspecified"
+        with torch.no_grad():
+            weight, bias = module.in_proj_weight, module.in_proj_bias
+            if not isinstance(weight, torch.Tensor):
+                return None
+            w_v = weight[2 * _D:]
+            b_v = bias[2 * _D:] if isinstance(bias, torch.Tensor) else 0.0
+            mean_v = (keys @ w_v.T + b_v).mean(dim=0)
+            out_bias = module.out_proj.bias if module.out_proj.bias is not None else 0.0
+            return mean_v @ module.out_proj.weight.T + out_bias
+    except (AttributeError, RuntimeError, TypeError, IndexError):
+        return None

@@ -18,7 +18,8 @@ Accepted, in this order:
   need_weights, attn_mask, average_attn_weights, is_causal)``; weights are loaded by
   nn.MultiheadAttention's parameter names).
 
-For SDPA functions and MHA classes the capabilities are probed (:mod:`.probing`); the adapters here
+For SDPA functions and MHA classes the capabilities are probed (:mod:`.probing`; the
+semantics are the signature's contract, probes find only what is accepted); the adapters here
 (:class:`_SDPAAdapter`, :class:`_MHAFactory`) fill in a missing optional parameter
 while it keeps its default and refuse it otherwise.
 """
@@ -175,7 +176,8 @@ def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter],
         capabilities=probe_sdpa(sdpa, origin=origin, timeout=timeout),
         sdpa=sdpa,
         version=_version_of(fn),
-        description=f"SDPA-signature function {origin}; capabilities probed",
+        description=f"SDPA-signature function {origin}; capabilities probed, semantics "
+                    "scaled_dot_product_attention's",
     )
 
 
@@ -228,7 +230,8 @@ def _recognise_class(cls: type, *, name: str, origin: str, timeout: float | None
         mha=factory,
         load_weights=load_mha_weights,
         version=_version_of(cls),
-        description=f"nn.MultiheadAttention drop-in {origin}; capabilities probed",
+        description=f"nn.MultiheadAttention drop-in {origin}; capabilities probed, semantics "
+                    "nn.MultiheadAttention's",
     )
 
 
@@ -287,6 +290,7 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         kv_paged="block_table" in has,
         kv_append={"k", "v"} <= has,
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
+        sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )
     return Implementation(name=name, capabilities=caps, version=_version_of(fn),
                           description=f"{level}-level function {origin} (FlashAttention's signature)",

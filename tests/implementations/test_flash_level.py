@@ -105,18 +105,47 @@ def test_missing_optional_parameters_are_unsupported_features(user_file):
     assert reasons == ["flash features not supported: ['window']"]
 
 
-def test_a_feature_without_effect_is_undeclared_with_a_note(user_file):
+def test_a_feature_without_effect_stays_declared_with_a_note(user_file):
+    """softcap= runs but has no effect: the contract's softcap is declared (so
+    softcap_agreement runs and fails), the note says what the probe saw."""
     impl = registry.resolve(f"{user_file}:ignores_softcap")
     caps = impl.caps("flash")
-    assert "softcap" not in caps.flash_features
-    assert any(note.startswith("softcap: has no effect") for note in caps.probe_notes)
+    assert "softcap" in caps.flash_features and caps.source("flash_features") == "contract"
+    [note] = [n for n in caps.probe_notes if n.startswith("softcap:")]
+    assert note.startswith("softcap: softcap=0.05 has no effect") and "is tested and fails" in note
 
 
-def test_top_left_causal_is_not_claimed_as_flash_causal(user_file):
+def test_top_left_causal_keeps_the_contracts_lower_right(user_file):
     impl = registry.resolve(f"{user_file}:top_left")
     caps = impl.caps("flash")
-    assert caps.causal is None
-    assert any("upper-left" in note for note in caps.probe_notes), caps.probe_notes
+    assert caps.causal == "lower_right" and caps.source("causal") == "contract"
+    [note] = [n for n in caps.probe_notes if n.startswith("causal:")]
+    assert "behaved as the upper-left triangle (query length 2, key length 3" in note, note
+
+
+def test_a_feature_that_raises_is_unsupported_with_a_note(user_file):
+    caps = registry.resolve(f"{user_file}:no_extras").caps("flash")
+    assert "window" not in caps.flash_features
+    assert any(n.startswith("window: window_size=(0, 0) raised NotImplementedError") for n in caps.probe_notes)
+
+
+def test_contract_deviations_fail_their_properties(user_file, tmp_path):
+    """What the old probe declared away (softcap without effect -> unsupported, upper-left
+    causal -> no causal flag) now fails: softcap_agreement and flash_agreement."""
+    report = tmp_path / "cert"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"),
+           f"--impl={user_file}:ignores_softcap,{user_file}:top_left", "--impl-exitfirst",
+           "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--dtype=float64",
+           "-k", "softcap_agreement or flash_agreement", "--conformance-report", str(report)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    certs = {c["implementation"]["spec"].rsplit(":", 1)[1]: c
+             for c in json.loads(report.with_suffix(".json").read_text())["certificates"]}
+    failed = {name: {r["property"] for r in c["results"] if r["outcome"] == "failed"} for name, c in certs.items()}
+    assert "softcap_agreement" in failed["ignores_softcap"], failed
+    assert "flash_agreement" in failed["top_left"], failed
 
 
 def test_options_override_flash_features(user_file):

@@ -98,7 +98,9 @@ def test_implementation_instance_and_zero_arg_factory(tmp_path):
     assert registry.resolve(f"{path}:make").name == "explicit"
 
 
-def test_lower_right_causal_is_detected(tmp_path):
+def test_lower_right_causal_is_noted_not_declared(tmp_path):
+    """SDPA's contract (upper-left) stays declared; the note gives the declaration, and the
+    user's --impl-option causal=lower_right wins."""
     path = tmp_path / "lower_right.py"
     path.write_text(textwrap.dedent(
         """
@@ -113,7 +115,12 @@ def test_lower_right_causal_is_detected(tmp_path):
                                                   enable_gqa=enable_gqa)
         """
     ))
-    assert registry.resolve(f"{path}:attention").capabilities.causal == "lower_right"
+    caps = registry.resolve(f"{path}:attention").capabilities
+    assert caps.causal == "upper_left" and caps.source("causal") == "contract"
+    assert "behaved as the lower-right triangle" in caps.probe_note("causal")
+    assert "declare --impl-option causal=lower_right" in caps.probe_note("causal")
+    declared = registry.resolve(f"{path}:attention", {"causal": "lower_right"}).capabilities
+    assert declared.causal == "lower_right" and declared.source("causal") == "declared"
 
 
 def test_mutant_prefix_is_not_a_module_name(tmp_path, monkeypatch):

@@ -316,6 +316,14 @@ def test_capabilities_are_the_bases(name):
     mutant = MUTANTS[name]
     caps = mutant.build().capabilities
     base = {"sdpa": SDPA_CAPABILITIES, "mha": MHA_CAPABILITIES, "flash": FLASH_CAPABILITIES}[mutant.level]
+    if name.startswith("contract_"):
+        # Recognised and probed like a bare function: the semantics are the contract's (or
+        # the user's declaration), whatever the probe saw of the bug, and the probe said it.
+        causal = caps.causal if caps.source("causal") == "declared" else base.causal
+        assert (caps.causal, caps.shared_kv, caps.fully_masked) == (causal, False, base.fully_masked)
+        assert {caps.source(f) for f in ("causal", "shared_kv")} <= {"contract", "declared"}
+        assert caps.probe_notes, "the probe saw nothing of the bug"
+        return
     if name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
         from implementations.builtins.triton_attention import make_implementation
 

@@ -90,15 +90,27 @@ def test_other_options_parse_and_refuse_bad_values():
         resolve("float32_softmax", batch_dims="3")
 
 
-def test_probing_finds_each_declaration_with_a_note():
+def test_probing_finds_each_capability_with_a_note():
     caps = resolve("self_attention").capabilities
     assert caps.self_attention_lengths and caps.causal == "upper_left"
     assert any(n.startswith("self_attention_lengths:") for n in caps.probe_notes)
-    caps = resolve("memory_attention").capabilities
-    assert caps.shared_kv and not caps.different_v_dim and caps.causal == "upper_left"
-    caps = resolve("jax_style_attention").capabilities
-    assert caps.fully_masked_policies == {"bool": "uniform", "additive": "nan", "causal": "uniform"}
     assert resolve("per_head_kernel").capabilities.batch_dims == 1
+
+
+def test_probing_never_turns_a_contract_deviation_into_a_declaration():
+    """value ignored is not shared_kv (SDPA's contract uses value), and a fully-masked
+    policy that differs per kind or attends blocked keys is not adopted: the note names
+    what was seen and the declaration that would express it."""
+    caps = resolve("memory_attention").capabilities
+    assert not caps.shared_kv and caps.different_v_dim and caps.source("shared_kv") == "contract"
+    assert "declare --impl-option shared_kv=true" in caps.probe_note("shared_kv")
+    caps = resolve("jax_style_attention").capabilities
+    assert caps.fully_masked == "nan" and caps.source("fully_masked") == "contract"
+    note = caps.probe_note("fully_masked")
+    assert "probed bool:uniform,additive:nan" in note and "not adopted" in note
+    assert note.endswith("declare --impl-option fully_masked=bool:uniform,additive:nan")
+    declared = resolve("jax_style_attention", fully_masked="bool:uniform,additive:nan").capabilities
+    assert declared.source("fully_masked") == "declared" and declared.probe_note("fully_masked") == ""
     plain = resolve("float32_softmax").capabilities
     assert (plain.self_attention_lengths, plain.shared_kv, plain.batch_dims, plain.fully_masked) == \
         (False, False, None, "zero")
@@ -187,13 +199,13 @@ def test_self_attention_lengths_certifies_and_fails_without_it(tmp_path):
 
 
 def test_shared_kv_certifies_gradients_as_dk_plus_dv_and_fails_without_it(tmp_path):
+    """Declared shared_kv certifies; undeclared (the contract: value is used), it fails."""
     chosen = ["-k", "forward_agreement or gradient_agreement or value_linearity", "--dtype=float64"]
-    proc = run(f"--impl={IMPLS}:memory_attention", *chosen, tmp_path=tmp_path)
+    proc = run(f"--impl={IMPLS}:memory_attention", "--impl-option", "shared_kv=true", *chosen, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
     got = outcomes(tmp_path)
     assert got["gradient_agreement[float64]"] == "passed" and got["value_linearity[float64]"] == "skipped"
-    proc = run(f"--impl={IMPLS}:memory_attention", "--impl-option", "shared_kv=false", *chosen,
-               tmp_path=tmp_path)
+    proc = run(f"--impl={IMPLS}:memory_attention", *chosen, tmp_path=tmp_path)
     assert proc.returncode == 1 and outcomes(tmp_path)["forward_agreement[float64]"] == "failed"
 
 
@@ -206,6 +218,13 @@ def test_fully_masked_policy_per_kind_certifies_where_one_policy_fails(tmp_path)
                tmp_path=tmp_path)
     assert proc.returncode == 1 and outcomes(tmp_path)["fully_masked_rows[float32]"] == "failed"
     assert "for additive rows" in proc.stdout
+    # Undeclared, the probed policy is not adopted: the failure names what the probe saw.
+    proc = run(f"--impl={IMPLS}:jax_style_attention", *chosen, tmp_path=tmp_path)
+    assert proc.returncode == 1 and outcomes(tmp_path)["fully_masked_rows[float32]"] == "failed"
+    [message] = [r["message"] for r in json.loads((tmp_path / "cert.json").read_text())["results"]
+                 if r["property"] == "fully_masked_rows"]
+    assert "probe: fully_masked: probed bool:uniform,additive:nan" in message, message
+    assert "--impl-option fully_masked=bool:uniform,additive:nan" in message
 
 
 def test_batch_dims_certifies_a_4d_only_kernel_and_fails_without_it(tmp_path):

@@ -202,26 +202,33 @@ def test_grad_mode_switched_off_during_probing_does_not_hide_autograd():
     ("ignores_causal", "is_causal=True has no effect"),
     ("odd_causal", "is_causal=True matches neither alignment"),
 ])
-def test_a_causal_flag_that_is_not_an_alignment_is_said_so(attr, said):
+def test_a_causal_flag_that_is_not_the_contracts_keeps_the_contract_with_a_note(attr, said):
+    """The contract's upper-left is declared (so the causal properties run and fail), the
+    note says what the probe saw; no probed value turns it into "no causal flag"."""
     impl = registry.resolve(f"{HOSTILE}:{attr}", timeout=30)
-    assert impl.capabilities.causal is None
-    [note] = impl.capabilities.probe_notes
-    assert note.startswith("causal: " + said)
+    caps = impl.capabilities
+    assert caps.causal == "upper_left" and caps.source("causal") == "contract"
+    note = caps.probe_note("causal")
+    assert note.startswith("causal: " + said) and "upper-left, which is tested and fails" in note
     entry = certificate.implementation_entry(impl, attr, {})
     cert = certificate.certificate(implementation=entry, environment={"torch": "x", "devices": ["cpu"]},
                                    profile="ci", seconds=1.0, results=[])
-    assert f"causal flag=None (probe: {said}" in certificate.details(cert)[0]
-    # A value the user sets is no longer the probe's: its note goes.
-    overridden = registry.resolve(f"{HOSTILE}:{attr}", {"causal": "upper_left"}, timeout=30)
-    assert overridden.capabilities.causal == "upper_left" and overridden.capabilities.probe_notes == ()
+    lines = certificate.details(cert)
+    assert f"causal flag=upper_left [contract] (probe: {said}" in lines[0]
+    assert lines[1].startswith("semantics: contract (") and "causal flag=upper_left" in lines[1]
+    # A value the user sets is no longer the probe's: its note goes, its source is declared.
+    overridden = registry.resolve(f"{HOSTILE}:{attr}", {"causal": "upper_left"}, timeout=30).capabilities
+    assert overridden.causal == "upper_left" and overridden.source("causal") == "declared"
+    assert not any(n.startswith("causal:") for n in overridden.probe_notes)
 
 
-def test_causal_flag_skip_reason_carries_the_probe_note(tmp_path):
-    proc = certify("ignores_causal", tmp_path, keyword="causal_flag_equivalence")
-    assert proc.returncode == 0
-    r = results(tmp_path)["causal_flag_equivalence"]
-    assert r["outcome"] == "skipped"
-    assert r["reason"].startswith("no causal flag declared (probe: is_causal=True has no effect")
+def test_a_causal_flag_without_effect_fails_and_the_failure_says_what_the_probe_saw(tmp_path):
+    proc = certify("ignores_causal", tmp_path, keyword="causal_flag_equivalence or forward_agreement")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    got = results(tmp_path)
+    assert got["causal_flag_equivalence"]["outcome"] == "failed"
+    assert got["forward_agreement"]["outcome"] == "failed"
+    assert "probe: causal: is_causal=True has no effect" in got["forward_agreement"]["message"]
 
 
 def test_mha_causal_flag_skip_reason_names_the_missing_feature():
