@@ -28,6 +28,7 @@ from conformance.call_specs import call_directly
 from conformance.calls import assert_returned_tensor
 from conformance.cases import SDPACase
 from conformance.compare import PropertyFailure, compare_values, fail
+from conformance.declarations import require_inside
 from conformance.replay import CallReport
 from conformance.runner import Target, call_guarded
 from conformance.tensors import dtype_of, to_numpy
@@ -285,6 +286,7 @@ def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
     the output (T_q, N, Ev)."""
     __tracebackhide__ = True
     call = VarlenCallSpec(case)
+    require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
     return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
