@@ -50,10 +50,11 @@ def _probe_directed(t: Target, **kw):
 )
 def test_weights_are_distributions(target: Target, case: SDPACase) -> float:
     """Weights (observed with V = identity) are non-negative and each row sums to 1."""
-    probe = identity_probe(case)
-    weights = run_sdpa(target, probe).output  # (B, N, L, S)
+    probe = identity_probe(case, target.caps.min_head_dim)
+    weights = run_sdpa(target, probe).output[..., :case.S]  # (B, N, L, S)
     rows = valid_rows(probe)
     allowed, ref = allowed_for(target, probe)
+    allowed = allowed[..., :case.S]
     negative = rows & (weights < -allowed)
     if negative.any():
         i = tuple(int(x) for x in np.argwhere(negative)[0])
@@ -89,7 +90,7 @@ def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     padded = _padded(case, rng, target)
     blocked = ~attend_matrix(padded)  # (B, N, L, S)
     if target.caps.different_v_dim:
-        weights = run_sdpa(target, identity_probe(padded)).output
+        weights = run_sdpa(target, identity_probe(padded, target.caps.min_head_dim)).output[..., :case.S]
         leak = blocked & (weights != 0)
         if leak.any():
             i = tuple(int(x) for x in np.argwhere(leak)[0])
@@ -341,14 +342,18 @@ def test_head_independence(target: Target, case: SDPACase) -> float:
 
 
 def _variance_case(target: Target, seed: int) -> SDPACase:
-    """q, k iid N(0, 1), V = identity: B·N·L = 64 query rows over S = 64 keys."""
+    """q, k iid N(0, 1), V = identity: B·N·L = 64 query rows over S = 64 keys; E = 16
+    (Ev = 64: a scale of 1/sqrt(Ev) shows), or the declared head dims' nearest to it
+    (V padded with zero columns to Ev = min_head_dim above 64)."""
     rng = np.random.default_rng(seed)
-    E = 16 if target.caps.different_v_dim else 64
     S = 64
+    lo, hi = target.caps.min_head_dim or 1, target.caps.max_head_dim or 64
+    Ev = max(S, lo)
+    E = min(max(16, lo), hi) if target.caps.different_v_dim else Ev
     q = round_to(rng.standard_normal((1, 1, 64, E)), target.dtype)
     k = round_to(rng.standard_normal((1, 1, S, E)), target.dtype)
     base = SDPACase(q, k, np.zeros((1, 1, S, S)), dtype=target.dtype, device=target.device)
-    return identity_probe(base)
+    return identity_probe(base, Ev)
 
 
 @conformance_property(
@@ -369,7 +374,7 @@ def test_scaling_variance(target: Target, case: SDPACase) -> float:
     a sum of 64 independent terms: below 1e-12 per example by Bernstein's
     inequality. A scale of 1/sqrt(Ev), 1/sqrt(D) or 1 moves it to 0.25, ≤ 1/N or E.
     """
-    weights = run_sdpa(target, case).output[0, 0]  # (L, S)
+    weights = run_sdpa(target, case).output[0, 0, :, :case.S]  # (L, S)
     if (weights <= 0).any() or not np.isfinite(weights).all():
         fail("some weights are 0, negative or non-finite for unit-normal q and k with the default "
              "scale, but all should be positive (logits of variance ~1 cannot underflow)")

@@ -98,7 +98,7 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
     can_causal = caps is None or caps.causal == "lower_right"
     bounds = size_bounds(caps, min_batch=1, max_batch=2, min_heads=1, max_heads=max_heads, gqa=gqa,
                          min_L=1, max_L=max_L, min_S=max(min_S, 2 if split else 1), max_S=max_S,
-                         min_head_dim=None, max_head_dim=16, different_v_dim=None,
+                         min_head_dim=None, max_head_dim=None, different_v_dim=None,
                          default_max_length=33, default_max_head_dim=16)
     budget = check_shape_budget(shape_budget)
     pool = None
