@@ -147,7 +147,7 @@ def fit_head_dims(caps: Any, E: int, Ev: int) -> tuple[int, int] | None:
     difference (Ev = E ± 1) where the bounds leave two head dims and Ev != E is declared.
     None when the bounds leave no head dim."""
     lo = caps.min_head_dim or 1
-    hi = caps.max_head_dim if caps.max_head_dim is not None else max(E, Ev, lo)
+    hi = caps.max_head_dim if caps.max_head_dim is not None else max(E, Ev, lo) + 1
     if lo > hi:
         return None
     e, ev = min(max(E, lo), hi), min(max(Ev, lo), hi)

@@ -90,7 +90,8 @@ def _layouts(target: Target, E: int) -> list[_Layout]:
 
 
 def _head_dim(target: Target) -> int:
-    lo, hi = target.caps.min_head_dim or 1, target.caps.max_head_dim or HEAD_DIM
+    lo = target.caps.min_head_dim or 1
+    hi = target.caps.max_head_dim or max(HEAD_DIM, lo)
     return min(max(HEAD_DIM, lo), hi)
 
 
