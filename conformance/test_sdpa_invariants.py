@@ -15,6 +15,7 @@ from conformance import tolerance
 from conformance.calls import allowed_for, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
+from conformance.equivalence import compare_equivalent, sdpa_side
 from conformance.helpers import (
     attend_matrix,
     case_rng,
@@ -103,8 +104,12 @@ def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     changed = padded.replace(key=np.where(sel, junk_k, padded.key), value=np.where(sel, junk_v, padded.value))
     second = run_sdpa(target, changed).output
     allowed, _ = allowed_for(target, padded)
-    return compare_values("output after changing blocked keys/values", second, first, 2 * allowed,
-                          where=valid_rows(padded)).ratio
+    return compare_equivalent(
+        "output after changing blocked keys/values",
+        sdpa_side(target, "the call with other blocked keys and values", changed, second,
+                  path="masking of blocked keys"),
+        sdpa_side(target, "the padded call", padded, first, path="padded call"),
+        2 * allowed, where=valid_rows(padded)).ratio
 
 
 def _permute(mask: np.ndarray | None, axis: int, perm: np.ndarray) -> np.ndarray | None:
@@ -129,8 +134,12 @@ def test_query_permutation(target: Target, case: SDPACase) -> float:
     first = run_sdpa(target, case).output
     second = run_sdpa(target, permuted).output
     allowed, _ = allowed_for(target, case)
-    return compare_values("output with permuted queries", second, first[:, :, perm],
-                          2 * allowed[:, :, perm], where=valid_rows(permuted)).ratio
+    return compare_equivalent(
+        "output with permuted queries",
+        sdpa_side(target, "the call with permuted queries", permuted, second, path="handling of the permuted rows"),
+        sdpa_side(target, "the call in the original order", case, first[:, :, perm], path="original order",
+                  view=lambda a: a[:, :, perm]),
+        2 * allowed[:, :, perm], where=valid_rows(permuted)).ratio
 
 
 @conformance_property(
@@ -150,8 +159,11 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
     first = run_sdpa(target, case).output
     second = run_sdpa(target, permuted).output
     allowed, _ = allowed_for(target, case)
-    return compare_values("output with permuted keys", second, first, 2 * allowed,
-                          where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "output with permuted keys",
+        sdpa_side(target, "the call with permuted keys", permuted, second, path="handling of the permuted keys"),
+        sdpa_side(target, "the call in the original order", case, first, path="original order"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -185,8 +197,11 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
     second = run_sdpa(target, shifted).output
     allowed, _ = allowed_for(target, case)
     allowed2, _ = allowed_for(target, shifted)
-    return compare_values("output after a softmax-invariant shift", second, first,
-                          allowed + allowed2 + extra, where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "output after a softmax-invariant shift",
+        sdpa_side(target, "the shifted call", shifted, second, path="handling of the shifted logits"),
+        sdpa_side(target, "the unshifted call", case, first, path="unshifted call"),
+        allowed + allowed2 + extra, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -202,11 +217,15 @@ def test_temperature(target: Target, case: SDPACase) -> float:
     two, so c·q is exact in every dtype)."""
     c = float(case_rng(case, "temperature").choice([0.5, 2.0, 4.0]))
     s = case.scale if case.scale is not None else 1 / np.sqrt(case.E)
-    first = run_sdpa(target, case.replace(query=case.query * c, scale=s)).output
-    second = run_sdpa(target, case.replace(scale=c * s)).output
-    allowed, _ = allowed_for(target, case.replace(scale=c * s))
-    return compare_values(f"output for ({c}·q, scale={s:.4g}) vs (q, scale={c * s:.4g})",
-                          first, second, 2 * allowed, where=valid_rows(case)).ratio
+    scaled_q, scaled_s = case.replace(query=case.query * c, scale=s), case.replace(scale=c * s)
+    first = run_sdpa(target, scaled_q).output
+    second = run_sdpa(target, scaled_s).output
+    allowed, _ = allowed_for(target, scaled_s)
+    return compare_equivalent(
+        f"output for ({c}·q, scale={s:.4g}) vs (q, scale={c * s:.4g})",
+        sdpa_side(target, f"the ({c}·q, scale={s:.4g}) call", scaled_q, first, path="larger-logit path"),
+        sdpa_side(target, f"the (q, scale={c * s:.4g}) call", scaled_s, second, path="scale argument"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -302,8 +321,12 @@ def test_batch_independence(target: Target, case: SDPACase) -> float:
             additive_mask=_stack(first.additive_mask, second.additive_mask, 0),
         )
         together = run_sdpa(target, both).output[mine]
-        ratio = max(ratio, compare_values("batch item computed with another item beside it", together,
-                                          alone, 2 * allowed, where=valid_rows(case)).ratio)
+        ratio = max(ratio, compare_equivalent(
+            "batch item computed with another item beside it",
+            sdpa_side(target, f"the call with B={both.B} (the item at {mine.start})", both, together,
+                      path="batched path", view=lambda a, mine=mine: a[mine]),
+            sdpa_side(target, "the call of the item alone", case, alone, path="single-item call"),
+            2 * allowed, where=valid_rows(case)).ratio)
     return ratio
 
 
@@ -337,8 +360,12 @@ def test_head_independence(target: Target, case: SDPACase) -> float:
     alone = run_sdpa(target, case).output
     together = run_sdpa(target, both).output[:, : case.N]
     allowed, _ = allowed_for(target, case)
-    return compare_values("heads computed with other heads beside them", together, alone,
-                          2 * allowed, where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "heads computed with other heads beside them",
+        sdpa_side(target, f"the call with N={both.N} heads", both, together, path="multi-head path",
+                  view=lambda a: a[:, : case.N]),
+        sdpa_side(target, f"the call with the N={case.N} heads alone", case, alone, path="call with fewer heads"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 def _variance_case(target: Target, seed: int) -> SDPACase:
