@@ -1,7 +1,9 @@
 """Hypothesis strategies for flash-level cases (``conformance.flash_calls.FlashCase``).
 
 Sizes and values are the SDPA strategies' (``sizes.draw_sizes``, ``values.sdpa_values``),
-drawn heads first and handed over in FlashAttention's layout. The features are drawn
+drawn heads first and handed over in FlashAttention's layout; head dims mostly up to 16,
+or from a declared ``min_head_dim`` up to twice it (within ``max_head_dim``: 64..128 for a
+kernel declaring 64 and 128). The features are drawn
 where they matter:
 
 * ``window`` sides at and around their edges: -1 (unbounded), 0, 1, a random width,

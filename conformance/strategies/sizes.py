@@ -169,7 +169,8 @@ def _draw_length(draw: Draw, lo: int, hi: int, block_weight: int = 2) -> int:
 
 
 def _draw_head_dim(draw: Draw, lo: int, hi: int) -> int:
-    """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 or a prime above 16."""
+    """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 (and 65, 80, 96, 127-129, 160, 192,
+    255, 256 where a declared min_head_dim takes the bounds there) or a prime above 16."""
     return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, _BLOCK_HEAD_DIMS)
 
 
