@@ -226,3 +226,19 @@ def test_flash_draws_declared_head_dims_above_16_and_keeps_default_draws_small()
     assert max(_head_dims(Capabilities(causal="lower_right"))) <= 16
     dims = _head_dims(Capabilities(min_head_dim=16, causal="lower_right"))
     assert min(dims) >= 16 and len(dims) > 1                       # Ev != E still drawn
+
+
+@pytest.mark.parametrize("level, builtin", LEVELS, ids=[level for level, _ in LEVELS])
+def test_directed_examples_are_adapted_to_min_head_dim_not_dropped(level, builtin):
+    """Head dims are incidental to every directed example's bug class: under
+    min_head_dim=16 each property runs as many directed cases as without a bound."""
+    at = "flash" if level.startswith("flash") else level
+
+    def counts(changes):
+        impl = _impl(level, builtin, changes)
+        target = Target(impl, at, impl.caps(at).dtypes[0], "cpu")
+        return {pid: len(info.directed(target)) for pid, info in registered_properties().items()
+                if info.level == at and info.directed is not None and not skip_reasons(info, target)}
+
+    plain, bounded = counts({}), counts({"min_head_dim": 16})
+    assert sum(plain.values()) > 0 and bounded == plain
