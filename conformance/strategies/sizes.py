@@ -28,10 +28,11 @@ __all__ = ["BLOCK_LENGTHS", "LENGTH_RELATIONS", "SeededDraw", "dtypes", "head_co
 
 #: Lengths around kernel block sizes: ≡ -1, 0, 1 mod 16, 32 and 64.
 BLOCK_LENGTHS = (15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65)
-#: Head dims around kernel tile widths (and the common 80, 96, 128, 160, 192, 256), drawn
-#: more often than other sizes above 16; the ones above 64 only where a declared
-#: min_head_dim widens the range (:func:`_head_dim_bounds`).
-_BLOCK_HEAD_DIMS = (31, 32, 33, 48, 63, 64, 65, 80, 96, 127, 128, 129, 160, 192, 255, 256)
+_BLOCK_HEAD_DIMS = (31, 32, 33, 48, 63, 64)
+#: Head dims of real kernels above 64 and their tile edges, drawn more often than other
+#: sizes only where a declared min_head_dim above 16 widens the range (the default draws
+#: are unchanged by them).
+_LARGE_HEAD_DIMS = (65, 80, 96, 127, 128, 129, 160, 192, 255, 256)
 
 _SMALL_LENGTH = 12
 _SMALL_HEAD_DIM = 16
@@ -170,8 +171,9 @@ def _draw_length(draw: Draw, lo: int, hi: int, block_weight: int = 2) -> int:
 
 def _draw_head_dim(draw: Draw, lo: int, hi: int) -> int:
     """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 (and 65, 80, 96, 127-129, 160, 192,
-    255, 256 where a declared min_head_dim takes the bounds there) or a prime above 16."""
-    return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, _BLOCK_HEAD_DIMS)
+    255, 256 when the lower bound is above 16) or a prime above 16."""
+    specials = _BLOCK_HEAD_DIMS + _LARGE_HEAD_DIMS if lo > _SMALL_HEAD_DIM else _BLOCK_HEAD_DIMS
+    return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, specials)
 
 
 # ---------------------------------------------------------------------------
