@@ -39,6 +39,8 @@ DECLARATIONS = {
     "no GQA, no Ev != E": dict(gqa=False, different_v_dim=False),
     "bool masks, no custom scale": dict(mask_kinds=frozenset({"none", "bool"}), custom_scale=False),
     "no causal flag, contiguous only": dict(causal=None, non_contiguous=False),
+    "4-D only, no autograd, window only, no paged cache or append": dict(
+        batch_dims=1, autograd=False, flash_features=frozenset({"window"}), kv_paged=False, kv_append=False),
 }
 #: (level, the built-in it is checked on); "flash-derived": the flash level derived from SDPA.
 LEVELS = [("sdpa", "sdpa"), ("flash-derived", "sdpa"), ("flash", "flash-ref"), ("mha", "torch-mha"),
