@@ -19,6 +19,7 @@ import spec
 from conformance import diagnosis, tolerance
 from conformance.cases import SDPACase
 from conformance.compare import Comparison, assert_contract, compare_values, fail
+from conformance.declarations import require_inside
 from conformance.helpers import case_rng
 from conformance.replay import SDPACallSpec, content_seed, fold_causal, run_sdpa_call
 from conformance.runner import ImplementationRaised, Target, call_guarded
@@ -179,6 +180,7 @@ def run_sdpa(
                             extra=f"{case.scale!r}|{case.causal}|{dropout_p!r}|{samples}")
     call = SDPACallSpec(case, is_causal=uses_causal_flag(target, case), dropout_p=dropout_p,
                         dropout_seed=seed, grad_output=grad_output, mask_grad=mask_grad, samples=samples)
+    require_inside(target, call)
     _record(target, call)
     outcome = run_sdpa_call(target.impl, call, invoke=partial(call_guarded, target), inputs=inputs)
     assert_returned_tensor("output", outcome.tensor, device=case.device)

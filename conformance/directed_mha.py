@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from conformance.cases import MHACase
+from conformance.declarations import fit_head_dims
 from conformance.directed_admission import MAX_DIRECTED, _pick, _seed, admitted
 from spec import MHAParams
 from spec.emulate import round_arrays_to, round_to
@@ -127,7 +128,10 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     B = 1 if unbatched else example.B
     L = example.L
     S = L if self_attention else example.S
-    D = example.N * example.E
+    dims = fit_head_dims(target.caps, example.E, example.E)  # inside the declared head dims
+    if dims is None:
+        return None
+    D = example.N * dims[0]
     rng = _seed(example.name, target.dtype)
     params = round_arrays_to(MHAParams.random(
         rng, D, example.N, bias="no_bias" not in features, add_bias_kv="bias_kv" in features,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from conformance.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
+from conformance.declarations import fit_head_dims
 from conformance.directed_admission import MAX_DIRECTED, _pick, _seed, admitted
 from conformance.strategies import MASK_KINDS, REGIMES
 from conformance.strategies.values import sdpa_values
@@ -199,10 +200,16 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     N, K = heads
     B = max(example.B, 2) if layout == "stride0" else example.B
     Ev = example.Ev if example.Ev is not None and True in options.different_v_dim else example.E
+    # The head dims inside the declared bounds (an example's E is incidental to its bug
+    # class; Ev != E is kept where two head dims are allowed).
+    dims = fit_head_dims(target.caps, example.E, Ev)
+    if dims is None:
+        return None
+    E, Ev = dims
     regime = _pick([example.regime, "normal"], options.regimes)
     scale = example.scale if example.scale is not None else \
-        _incidental_scale(example.E, options.scale_kinds)
-    sizes = {"B": B, "N": N, "K": K, "L": L, "S": S, "E": example.E, "Ev": Ev}
+        _incidental_scale(E, options.scale_kinds)
+    sizes = {"B": B, "N": N, "K": K, "L": L, "S": S, "E": E, "Ev": Ev}
     attend, additive, notes = _sdpa_mask(kind, dead_row, B, L, S)
     stride0 = [0] if layout == "stride0" else []
     query, key, value = sdpa_values(_seed(example.name, target.dtype), sizes, regime, target.dtype,

@@ -36,6 +36,7 @@ from conformance.compare import (
     compare_values,
     fail,
 )
+from conformance.declarations import require_inside
 from conformance.flash_bounds import _forward, allowed_lse, allowed_output, emulate_flash, oracle
 from conformance.flash_cases import FLASH_ATTRIBUTES, FlashCase
 from conformance.helpers import case_rng
@@ -214,6 +215,7 @@ def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
     """Call ``target.impl.flash`` on ``case`` through ``runner.call_guarded`` and log the call."""
     __tracebackhide__ = True
     call = FlashCallSpec(case, lse=lse, grad_output=grad_output)
+    require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
     outcome = run_flash_call(target.impl, call, invoke=partial(call_guarded, target))

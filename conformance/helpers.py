@@ -75,9 +75,12 @@ def case_rng(case: SDPACase, salt: str = "") -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(h.digest(), "little"))
 
 
-def identity_probe(case: SDPACase) -> SDPACase:
-    """The case with V = I (Ev = S): the output is then the attention weights."""
-    eye = np.broadcast_to(np.eye(case.S), (case.B, case.K, case.S, case.S)).copy()
+def identity_probe(case: SDPACase, min_head_dim: int | None = None) -> SDPACase:
+    """The case with V = I (Ev = S): the output's first S columns are then the attention
+    weights. With ``min_head_dim`` (a declared lower bound) V is I padded with zero
+    columns to Ev = max(S, min_head_dim), so the call stays inside the declarations."""
+    Ev = max(case.S, min_head_dim or 0)
+    eye = np.broadcast_to(np.eye(case.S, Ev), (case.B, case.K, case.S, Ev)).copy()
     return case.replace(value=eye, layout="contiguous")
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import spec
 from conformance.call_specs import call_directly
 from conformance.compare import PropertyFailure, compare_values, fail
+from conformance.declarations import require_inside
 from conformance.replay import CallReport
 from conformance.runner import Target, call_guarded
 from conformance.tensors import to_numpy
@@ -291,6 +292,7 @@ def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None)
     (paged when the case has pages, unless ``paged`` says otherwise)."""
     __tracebackhide__ = True
     call = KVCacheCallSpec(case, paged=paged)
+    require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
     return run_kvcache_call(target.impl, call, invoke=partial(call_guarded, target))

@@ -23,6 +23,7 @@ from conformance import diagnosis, mha_bounds, tolerance
 from conformance.calls import assert_returned_tensor
 from conformance.cases import MHACase
 from conformance.compare import compare_values, fail
+from conformance.declarations import require_inside
 from conformance.replay import (
     MHACallSpec,
     build_module,
@@ -106,6 +107,7 @@ def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *,
     seed = mha_content_seed(case, f"dropout|{dropout!r}|{samples}{seed_salt}") if dropout else None
     call = MHACallSpec(case, dropout=dropout, training=training, grad=requires_grad or grad_output is not None,
                        grad_output=grad_output, dropout_seed=seed, samples=samples)
+    require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
     outcome = run_mha_call(target.impl, call, invoke=partial(call_guarded, target),

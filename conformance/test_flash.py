@@ -15,6 +15,7 @@ import numpy as np
 
 import spec
 from conformance.compare import compare_values
+from conformance.declarations import fit_head_dims, fit_lengths
 from conformance.flash_calls import (
     FlashCase,
     allowed_lse,
@@ -51,10 +52,14 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
         shapes = [(B, N, N, L, S, E, Ev) for B, N, _, L, S, E, Ev in shapes]
     if not caps.different_v_dim:
         shapes = [(B, N, K, L, S, E, E) for B, N, K, L, S, E, _ in shapes]
-    if caps.self_attention_lengths:  # L == S only (e.g. derived from such an SDPA)
-        shapes = [(B, N, K, max(L, S), max(L, S), E, Ev) for B, N, K, L, S, E, Ev in shapes]
     out = []
     for B, N, K, L, S, E, Ev in shapes:
+        # Inside the declared bounds: L == S only (e.g. derived from such an SDPA), the
+        # lengths under max_seq_len, the head dims in [min_head_dim, max_head_dim].
+        lengths, dims = fit_lengths(caps, L, S), fit_head_dims(caps, E, Ev)
+        if lengths is None or dims is None:
+            continue
+        (L, S), (E, Ev) = lengths, dims
         q, k, v = (round_to(rng.standard_normal(s), dtype)
                    for s in ((B, L, N, E), (B, S, K, E), (B, S, K, Ev)))
         base = FlashCase(q, k, v, dtype=dtype, device=device, notes=("directed",))
@@ -208,7 +213,9 @@ rounding of the dtype it is returned in: FlashAttention-2's is float32); -inf
     "split_merge", level="flash", section="spec.merge_partials",
     cases=lambda t: _cases(t, causal=False, softcap=None, split=True),
     directed=lambda t: _directed(t, split=True),
-    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared")
+    or skip_unless(not t.caps.self_attention_lengths, "self_attention_lengths declares L == S only, and "
+                   "each key split has fewer keys than queries"),
 )
 def test_split_merge(target: Target, case: FlashCase) -> float:
     """Attention over keys [0, t) and [t, S) (t drawn from the case), merged with their LSEs

@@ -14,7 +14,7 @@ from conformance.calls import (
     valid_rows,
 )
 from conformance.cases import SDPACase
-from conformance.compare import compare_values
+from conformance.equivalence import compare_equivalent, sdpa_side
 from conformance.helpers import (
     cases_for,
     directed_for,
@@ -39,8 +39,11 @@ def test_bool_additive_equivalence(target: Target, case: SDPACase) -> float:
     out_bool = run_sdpa(target, case).output
     out_add = run_sdpa(target, additive).output
     allowed, _ = allowed_for(target, case)
-    ratio = compare_values("output with the additive 0/-inf form of the bool mask", out_add, out_bool,
-                           2 * allowed, where=valid_rows(case)).ratio
+    ratio = compare_equivalent(
+        "output with the additive 0/-inf form of the bool mask",
+        sdpa_side(target, "the additive-mask call", additive, out_add, path="additive mask path"),
+        sdpa_side(target, "the bool-mask call", case, out_bool, path="bool mask path"),
+        2 * allowed, where=valid_rows(case)).ratio
     return max(ratio, check_against_oracle(target, case, out_bool, what="output with the bool mask").ratio)
 
 
@@ -71,8 +74,11 @@ def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     if set(target.caps.mask_kinds) - {"none"}:
         by_mask = run_sdpa(target, explicit).output
         allowed, _ = allowed_for(target, case)
-        ratio = max(ratio, compare_values("output with is_causal=True vs the explicit causal mask",
-                                          flagged, by_mask, 2 * allowed, where=valid_rows(case)).ratio)
+        ratio = max(ratio, compare_equivalent(
+            "output with is_causal=True vs the explicit causal mask",
+            sdpa_side(target, "the is_causal=True call", case, flagged, path="causal flag"),
+            sdpa_side(target, "the explicit-mask call", explicit, by_mask, path="masked path"),
+            2 * allowed, where=valid_rows(case)).ratio)
     return ratio
 
 
@@ -90,8 +96,13 @@ def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     grouped = run_sdpa(target, case).output
     expanded = run_sdpa(target, repeated).output
     allowed, _ = allowed_for(target, case)
-    ratio = compare_values(f"output with K={case.K} kv heads vs the same heads repeated to N={case.N}",
-                           grouped, expanded, 2 * allowed, where=valid_rows(case)).ratio
+    ratio = compare_equivalent(
+        f"output with K={case.K} kv heads vs the same heads repeated to N={case.N}",
+        sdpa_side(target, f"the grouped call (K={case.K}, enable_gqa=True)", case, grouped,
+                  path="grouped-query path"),
+        sdpa_side(target, f"the call with the kv heads repeated (K={case.N})", repeated, expanded,
+                  path="path without grouping"),
+        2 * allowed, where=valid_rows(case)).ratio
     return max(ratio, check_against_oracle(target, case, grouped).ratio)
 
 
@@ -107,8 +118,13 @@ def test_layout_independence(target: Target, case: SDPACase) -> float:
     strided = run_sdpa(target, case).output
     contiguous = run_sdpa(target, case.replace(layout="contiguous")).output
     allowed, _ = allowed_for(target, case)
-    ratio = compare_values(f"output with layout={case.layout} vs contiguous", strided, contiguous,
-                           2 * allowed, where=valid_rows(case)).ratio
+    plain = case.replace(layout="contiguous")
+    ratio = compare_equivalent(
+        f"output with layout={case.layout} vs contiguous",
+        sdpa_side(target, f"the layout={case.layout} call", case, strided,
+                  path=f"handling of {case.layout} inputs"),
+        sdpa_side(target, "the contiguous call", plain, contiguous, path="contiguous path"),
+        2 * allowed, where=valid_rows(case)).ratio
     return max(ratio, check_against_oracle(target, case, strided, what=f"output with layout={case.layout}").ratio)
 
 

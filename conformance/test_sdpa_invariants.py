@@ -15,6 +15,7 @@ from conformance import tolerance
 from conformance.calls import allowed_for, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import compare_values, fail
+from conformance.equivalence import compare_equivalent, sdpa_side
 from conformance.helpers import (
     attend_matrix,
     case_rng,
@@ -50,10 +51,11 @@ def _probe_directed(t: Target, **kw):
 )
 def test_weights_are_distributions(target: Target, case: SDPACase) -> float:
     """Weights (observed with V = identity) are non-negative and each row sums to 1."""
-    probe = identity_probe(case)
-    weights = run_sdpa(target, probe).output  # (B, N, L, S)
+    probe = identity_probe(case, target.caps.min_head_dim)
+    weights = run_sdpa(target, probe).output[..., :case.S]  # (B, N, L, S)
     rows = valid_rows(probe)
     allowed, ref = allowed_for(target, probe)
+    allowed = allowed[..., :case.S]
     negative = rows & (weights < -allowed)
     if negative.any():
         i = tuple(int(x) for x in np.argwhere(negative)[0])
@@ -89,7 +91,7 @@ def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     padded = _padded(case, rng, target)
     blocked = ~attend_matrix(padded)  # (B, N, L, S)
     if target.caps.different_v_dim:
-        weights = run_sdpa(target, identity_probe(padded)).output
+        weights = run_sdpa(target, identity_probe(padded, target.caps.min_head_dim)).output[..., :case.S]
         leak = blocked & (weights != 0)
         if leak.any():
             i = tuple(int(x) for x in np.argwhere(leak)[0])
@@ -102,8 +104,12 @@ def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     changed = padded.replace(key=np.where(sel, junk_k, padded.key), value=np.where(sel, junk_v, padded.value))
     second = run_sdpa(target, changed).output
     allowed, _ = allowed_for(target, padded)
-    return compare_values("output after changing blocked keys/values", second, first, 2 * allowed,
-                          where=valid_rows(padded)).ratio
+    return compare_equivalent(
+        "output after changing blocked keys/values",
+        sdpa_side(target, "the call with other blocked keys and values", changed, second,
+                  path="masking of blocked keys"),
+        sdpa_side(target, "the padded call", padded, first, path="padded call"),
+        2 * allowed, where=valid_rows(padded)).ratio
 
 
 def _permute(mask: np.ndarray | None, axis: int, perm: np.ndarray) -> np.ndarray | None:
@@ -128,8 +134,12 @@ def test_query_permutation(target: Target, case: SDPACase) -> float:
     first = run_sdpa(target, case).output
     second = run_sdpa(target, permuted).output
     allowed, _ = allowed_for(target, case)
-    return compare_values("output with permuted queries", second, first[:, :, perm],
-                          2 * allowed[:, :, perm], where=valid_rows(permuted)).ratio
+    return compare_equivalent(
+        "output with permuted queries",
+        sdpa_side(target, "the call with permuted queries", permuted, second, path="handling of the permuted rows"),
+        sdpa_side(target, "the call in the original order", case, first[:, :, perm], path="original order",
+                  view=lambda a: a[:, :, perm]),
+        2 * allowed[:, :, perm], where=valid_rows(permuted)).ratio
 
 
 @conformance_property(
@@ -149,8 +159,11 @@ def test_key_permutation(target: Target, case: SDPACase) -> float:
     first = run_sdpa(target, case).output
     second = run_sdpa(target, permuted).output
     allowed, _ = allowed_for(target, case)
-    return compare_values("output with permuted keys", second, first, 2 * allowed,
-                          where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "output with permuted keys",
+        sdpa_side(target, "the call with permuted keys", permuted, second, path="handling of the permuted keys"),
+        sdpa_side(target, "the call in the original order", case, first, path="original order"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -184,8 +197,11 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
     second = run_sdpa(target, shifted).output
     allowed, _ = allowed_for(target, case)
     allowed2, _ = allowed_for(target, shifted)
-    return compare_values("output after a softmax-invariant shift", second, first,
-                          allowed + allowed2 + extra, where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "output after a softmax-invariant shift",
+        sdpa_side(target, "the shifted call", shifted, second, path="handling of the shifted logits"),
+        sdpa_side(target, "the unshifted call", case, first, path="unshifted call"),
+        allowed + allowed2 + extra, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -201,11 +217,15 @@ def test_temperature(target: Target, case: SDPACase) -> float:
     two, so c·q is exact in every dtype)."""
     c = float(case_rng(case, "temperature").choice([0.5, 2.0, 4.0]))
     s = case.scale if case.scale is not None else 1 / np.sqrt(case.E)
-    first = run_sdpa(target, case.replace(query=case.query * c, scale=s)).output
-    second = run_sdpa(target, case.replace(scale=c * s)).output
-    allowed, _ = allowed_for(target, case.replace(scale=c * s))
-    return compare_values(f"output for ({c}·q, scale={s:.4g}) vs (q, scale={c * s:.4g})",
-                          first, second, 2 * allowed, where=valid_rows(case)).ratio
+    scaled_q, scaled_s = case.replace(query=case.query * c, scale=s), case.replace(scale=c * s)
+    first = run_sdpa(target, scaled_q).output
+    second = run_sdpa(target, scaled_s).output
+    allowed, _ = allowed_for(target, scaled_s)
+    return compare_equivalent(
+        f"output for ({c}·q, scale={s:.4g}) vs (q, scale={c * s:.4g})",
+        sdpa_side(target, f"the ({c}·q, scale={s:.4g}) call", scaled_q, first, path="larger-logit path"),
+        sdpa_side(target, f"the (q, scale={c * s:.4g}) call", scaled_s, second, path="scale argument"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 @conformance_property(
@@ -301,8 +321,12 @@ def test_batch_independence(target: Target, case: SDPACase) -> float:
             additive_mask=_stack(first.additive_mask, second.additive_mask, 0),
         )
         together = run_sdpa(target, both).output[mine]
-        ratio = max(ratio, compare_values("batch item computed with another item beside it", together,
-                                          alone, 2 * allowed, where=valid_rows(case)).ratio)
+        ratio = max(ratio, compare_equivalent(
+            "batch item computed with another item beside it",
+            sdpa_side(target, f"the call with B={both.B} (the item at {mine.start})", both, together,
+                      path="batched path", view=lambda a, mine=mine: a[mine]),
+            sdpa_side(target, "the call of the item alone", case, alone, path="single-item call"),
+            2 * allowed, where=valid_rows(case)).ratio)
     return ratio
 
 
@@ -336,19 +360,27 @@ def test_head_independence(target: Target, case: SDPACase) -> float:
     alone = run_sdpa(target, case).output
     together = run_sdpa(target, both).output[:, : case.N]
     allowed, _ = allowed_for(target, case)
-    return compare_values("heads computed with other heads beside them", together, alone,
-                          2 * allowed, where=valid_rows(case)).ratio
+    return compare_equivalent(
+        "heads computed with other heads beside them",
+        sdpa_side(target, f"the call with N={both.N} heads", both, together, path="multi-head path",
+                  view=lambda a: a[:, : case.N]),
+        sdpa_side(target, f"the call with the N={case.N} heads alone", case, alone, path="call with fewer heads"),
+        2 * allowed, where=valid_rows(case)).ratio
 
 
 def _variance_case(target: Target, seed: int) -> SDPACase:
-    """q, k iid N(0, 1), V = identity: B·N·L = 64 query rows over S = 64 keys."""
+    """q, k iid N(0, 1), V = identity: B·N·L = 64 query rows over S = 64 keys; E = 16
+    (Ev = 64: a scale of 1/sqrt(Ev) shows), or the declared head dims' nearest to it
+    (V padded with zero columns to Ev = min_head_dim above 64)."""
     rng = np.random.default_rng(seed)
-    E = 16 if target.caps.different_v_dim else 64
     S = 64
+    lo, hi = target.caps.min_head_dim or 1, target.caps.max_head_dim or 64
+    Ev = max(S, lo)
+    E = min(max(16, lo), hi) if target.caps.different_v_dim else Ev
     q = round_to(rng.standard_normal((1, 1, 64, E)), target.dtype)
     k = round_to(rng.standard_normal((1, 1, S, E)), target.dtype)
     base = SDPACase(q, k, np.zeros((1, 1, S, S)), dtype=target.dtype, device=target.device)
-    return identity_probe(base)
+    return identity_probe(base, Ev)
 
 
 @conformance_property(
@@ -369,7 +401,7 @@ def test_scaling_variance(target: Target, case: SDPACase) -> float:
     a sum of 64 independent terms: below 1e-12 per example by Bernstein's
     inequality. A scale of 1/sqrt(Ev), 1/sqrt(D) or 1 moves it to 0.25, ≤ 1/N or E.
     """
-    weights = run_sdpa(target, case).output[0, 0]  # (L, S)
+    weights = run_sdpa(target, case).output[0, 0, :, :case.S]  # (L, S)
     if (weights <= 0).any() or not np.isfinite(weights).all():
         fail("some weights are 0, negative or non-finite for unit-normal q and k with the default "
              "scale, but all should be positive (logits of variance ~1 cannot underflow)")

@@ -20,6 +20,7 @@ from conformance import tolerance
 from conformance.calls import allowed_error, logit_scale, magnitude, run_sdpa, valid_rows
 from conformance.cases import SDPACase
 from conformance.compare import PropertyFailure, compare_values, fail
+from conformance.declarations import fit_head_dims, require_inside
 from conformance.helpers import needs_separate_values, skip_unless
 from conformance.runner import Target, call_guarded
 from conformance.sweep import Sweep, sweep_property
@@ -80,13 +81,17 @@ def _layouts(target: Target, E: int) -> list[_Layout]:
     grouped = (2, 1) if caps.gqa else (1, 1)
     if caps.causal or caps.gqa:
         out.append(_Layout(*grouped, E, caps.causal))
-    if caps.different_v_dim and E != OTHER_VALUE_DIM:
-        out.append(_Layout(1, 1, OTHER_VALUE_DIM, None))
+    if caps.different_v_dim and not caps.shared_kv:
+        # OTHER_VALUE_DIM, or the declared head dim nearest it that differs from E.
+        dims = fit_head_dims(caps, E, OTHER_VALUE_DIM)
+        if dims is not None and dims[1] != E:
+            out.append(_Layout(1, 1, dims[1], None))
     return out
 
 
 def _head_dim(target: Target) -> int:
-    lo, hi = target.caps.min_head_dim or 1, target.caps.max_head_dim or HEAD_DIM
+    lo = target.caps.min_head_dim or 1
+    hi = target.caps.max_head_dim or max(HEAD_DIM, lo)
     return min(max(HEAD_DIM, lo), hi)
 
 
@@ -240,6 +245,8 @@ def _sweep(target: Target, sweep: Sweep) -> None:
     layouts = _layouts(target, E)
     length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
     pool = _Pool(target, E, {layout.Ev for layout in layouts}, length)
+    for layout in layouts:  # the pool's calls go to the implementation directly: inside, checked
+        require_inside(target, pool.case(target, layout, length, length), what="small_sizes_sweep")
     order = size_order(length)
     if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
         order = [(L, S) for L, S in order if L == S]

@@ -65,14 +65,16 @@ def test_varlen_equivalence(target: Target, case: VarlenCase) -> float:
     S_b]); a query that reads a neighbour's keys differs from its call alone. Each call
     is within the tolerance rule of the oracle, so they may differ by twice it."""
     packed = run_varlen(target, case)
-    _, allowed, live = varlen_bounds(target, case)
+    expected, allowed, live = varlen_bounds(target, case)
     worst = 0.0
     for b, (rows, _) in enumerate(case.sequences()):
         if rows.stop == rows.start:
             continue
         alone = run_varlen(target, case.alone(b))
         worst = max(worst, compare_pair(target, f"sequence {b} packed vs alone", packed[rows], alone,
-                                        allowed[rows], live[rows]))
+                                        allowed[rows], live[rows], expected=expected[rows],
+                                        names=("the packed call", f"the call of sequence {b} alone"),
+                                        paths=("packing (cu_seqlens)", "single-sequence call")))
     return worst
 
 
@@ -98,7 +100,7 @@ def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
     valid = case.valid_lengths()
     assert_same_cache("k_cache after the call", call.k_cache, ref.k_cache, valid)
     assert_same_cache("v_cache after the call", call.v_cache, ref.v_cache, valid)
-    _, allowed, live = kvcache_bounds(target, case)
+    expected, allowed, live = kvcache_bounds(target, case)
     worst = 0.0
     for b, S_b in enumerate(valid):
         prefix = case.replace(query=case.query[b:b + 1], k_cache=ref.k_cache[b:b + 1, :S_b],
@@ -106,7 +108,11 @@ def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
                               k_new=None, v_new=None, page_size=None, page_order=None)
         alone = run_kvcache(target, prefix).output
         worst = max(worst, compare_pair(target, f"sequence {b} with cache_seqlens vs its valid prefix alone",
-                                        call.output[b:b + 1], alone, allowed[b:b + 1], live[b:b + 1]))
+                                        call.output[b:b + 1], alone, allowed[b:b + 1], live[b:b + 1],
+                                        expected=expected[b:b + 1],
+                                        names=("the call with cache_seqlens", f"the call of sequence {b}'s "
+                                               "valid prefix alone"),
+                                        paths=("cache_seqlens (and append) handling", "plain cache call")))
     return worst
 
 
@@ -123,6 +129,8 @@ def test_paged_equivalence(target: Target, case: KVCacheCase) -> float:
     valid = case.valid_lengths()
     assert_same_cache("paged k_cache after the call (logical rows)", paged.k_cache, contiguous.k_cache, valid)
     assert_same_cache("paged v_cache after the call (logical rows)", paged.v_cache, contiguous.v_cache, valid)
-    _, allowed, live = kvcache_bounds(target, case)
-    return compare_pair(target, "paged output vs contiguous", paged.output, contiguous.output, allowed, live)
+    expected, allowed, live = kvcache_bounds(target, case)
+    return compare_pair(target, "paged output vs contiguous", paged.output, contiguous.output, allowed, live,
+                        expected=expected, names=("the paged call", "the contiguous call"),
+                        paths=("paged cache (block_table) path", "contiguous cache path"))
 

@@ -28,6 +28,8 @@ from conformance.call_specs import call_directly
 from conformance.calls import assert_returned_tensor
 from conformance.cases import SDPACase
 from conformance.compare import PropertyFailure, compare_values, fail
+from conformance.declarations import require_inside
+from conformance.equivalence import Side, compare_equivalent
 from conformance.replay import CallReport
 from conformance.runner import Target, call_guarded
 from conformance.tensors import dtype_of, to_numpy
@@ -195,11 +197,20 @@ def _compared_rows(target: Target, live: np.ndarray) -> np.ndarray | None:
 
 
 def compare_pair(target: Target, what: str, actual: np.ndarray, other: np.ndarray,
-                 allowed: np.ndarray, live: np.ndarray) -> float:
+                 allowed: np.ndarray, live: np.ndarray, *, expected: np.ndarray | None = None,
+                 names: tuple[str, str] = ("the first call", "the second call"),
+                 paths: tuple[str, str] = ("", "")) -> float:
     """Two outputs of the implementation that must agree: each is within ``allowed`` of
-    the oracle, so they may differ by twice that."""
+    the oracle, so they may differ by twice that. With ``expected`` (the oracle's output,
+    the same for both), a disagreement says which call (``names``; ``other`` is the
+    reference side) disagrees with the spec, and so which path (``paths``) is wrong."""
     __tracebackhide__ = True
-    return compare_values(what, actual, other, 2 * allowed, where=_compared_rows(target, live)).ratio
+    where = _compared_rows(target, live)
+    if expected is None:
+        return compare_values(what, actual, other, 2 * allowed, where=where).ratio
+    sides = [Side(name, output, expected, allowed, where, path)
+             for name, output, path in zip(names, (actual, other), paths, strict=True)]
+    return compare_equivalent(what, *sides, 2 * allowed, where=where).ratio
 
 
 def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.ndarray) -> float:
@@ -285,6 +296,7 @@ def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
     the output (T_q, N, Ev)."""
     __tracebackhide__ = True
     call = VarlenCallSpec(case)
+    require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
     return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))

@@ -1,7 +1,9 @@
 """Hypothesis strategies for flash-level cases (``conformance.flash_calls.FlashCase``).
 
 Sizes and values are the SDPA strategies' (``sizes.draw_sizes``, ``values.sdpa_values``),
-drawn heads first and handed over in FlashAttention's layout. The features are drawn
+drawn heads first and handed over in FlashAttention's layout; head dims mostly up to 16,
+or from a declared ``min_head_dim`` up to twice it (within ``max_head_dim``: 64..128 for a
+kernel declaring 64 and 128). The features are drawn
 where they matter:
 
 * ``window`` sides at and around their edges: -1 (unbounded), 0, 1, a random width,
@@ -98,7 +100,7 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
     can_causal = caps is None or caps.causal == "lower_right"
     bounds = size_bounds(caps, min_batch=1, max_batch=2, min_heads=1, max_heads=max_heads, gqa=gqa,
                          min_L=1, max_L=max_L, min_S=max(min_S, 2 if split else 1), max_S=max_S,
-                         min_head_dim=None, max_head_dim=16, different_v_dim=None,
+                         min_head_dim=None, max_head_dim=None, different_v_dim=None,
                          default_max_length=33, default_max_head_dim=16)
     budget = check_shape_budget(shape_budget)
     pool = None

@@ -29,6 +29,10 @@ __all__ = ["BLOCK_LENGTHS", "LENGTH_RELATIONS", "SeededDraw", "dtypes", "head_co
 #: Lengths around kernel block sizes: ≡ -1, 0, 1 mod 16, 32 and 64.
 BLOCK_LENGTHS = (15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65)
 _BLOCK_HEAD_DIMS = (31, 32, 33, 48, 63, 64)
+#: Head dims of real kernels above 64 and their tile edges, drawn more often than other
+#: sizes only where a declared min_head_dim above 16 widens the range (the default draws
+#: are unchanged by them).
+_LARGE_HEAD_DIMS = (65, 80, 96, 127, 128, 129, 160, 192, 255, 256)
 
 _SMALL_LENGTH = 12
 _SMALL_HEAD_DIM = 16
@@ -166,8 +170,10 @@ def _draw_length(draw: Draw, lo: int, hi: int, block_weight: int = 2) -> int:
 
 
 def _draw_head_dim(draw: Draw, lo: int, hi: int) -> int:
-    """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 or a prime above 16."""
-    return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, _BLOCK_HEAD_DIMS)
+    """Mostly 1..16; sometimes 31, 32, 33, 48, 63, 64 (and 65, 80, 96, 127-129, 160, 192,
+    255, 256 when the lower bound is above 16) or a prime above 16."""
+    specials = _BLOCK_HEAD_DIMS + _LARGE_HEAD_DIMS if lo > _SMALL_HEAD_DIM else _BLOCK_HEAD_DIMS
+    return draw_size(draw, lo, hi, _SMALL_HEAD_DIM, specials)
 
 
 # ---------------------------------------------------------------------------
@@ -221,7 +227,11 @@ def _head_dim_bounds(caps: Capabilities | None, min_head_dim: int | None,
     """Checked (min, max) head dim: the user's, or the defaults, tightened by the caps."""
     dim_caps = (caps.min_head_dim, caps.max_head_dim) if caps else (None, None)
     lo = _cap_bound(min_head_dim, 1, dim_caps[0], upper=False)
-    hi = _cap_bound(max_head_dim, max(default_max, lo), dim_caps[1], upper=True)
+    # A declared minimum within a factor of two of the default maximum widens the default
+    # to twice the minimum (min_head_dim=16 at a default of 16: E in 16..32; 64: 64..128),
+    # so Ev != E and more than one head dim are drawn; smaller minimums keep the default.
+    default_hi = default_max if 2 * lo <= default_max else max(default_max, 2 * lo)
+    hi = _cap_bound(max_head_dim, default_hi, dim_caps[1], upper=True)
     check_capped_range("min_head_dim", lo, "max_head_dim", hi, min_head_dim, max_head_dim,
                        f"caps.min_head_dim={dim_caps[0]}, caps.max_head_dim={dim_caps[1]}")
     return lo, hi
@@ -319,7 +329,7 @@ def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
     if differ is None:
         differ = _boolean(draw)
     Ev = E
-    if differ:
+    if differ and b.max_head_dim > b.min_head_dim:  # one head dim allowed: Ev == E
         Ev = _draw_head_dim(draw, b.min_head_dim, b.max_head_dim)
         if Ev == E:
             Ev = E + 1 if E < b.max_head_dim else E - 1

@@ -20,8 +20,9 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from conformance.strategies._drawing import draw_seed, named_strategy, weighted
+from conformance.declarations import fit_head_dims
 from conformance.kvcache_calls import KVCacheCase
+from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.varlen_calls import VarlenCase
 from implementations.base import Capabilities
 from spec.emulate import round_to
@@ -41,9 +42,31 @@ def _heads(draw: st.DrawFn, caps: Capabilities | None) -> tuple[int, int, int, i
     """(N, K, E, Ev) within the claims."""
     K = draw(st.integers(1, 2))
     group = draw(st.integers(1, 3)) if caps is None or caps.gqa else 1
-    E = draw(st.sampled_from((1, 2, 3, 4, 8)))
-    Ev = E if caps is not None and not caps.different_v_dim else draw(st.sampled_from((E, 1, 2, 5)))
+    E = draw(st.sampled_from(_head_dims(caps, (1, 2, 3, 4, 8))))
+    if caps is not None and not caps.different_v_dim:
+        return K * group, K, E, E
+    Ev = draw(st.sampled_from([E] + [d for d in _head_dims(caps, (1, 2, 5)) if d != E]))
     return K * group, K, E, Ev
+
+
+def _head_dims(caps: Capabilities | None, typical: tuple[int, ...]) -> list[int]:
+    """The ``typical`` head dims inside the declared [min_head_dim, max_head_dim]; where
+    none is, the bound's smallest ones (min_head_dim, + 1, twice it)."""
+    lo = (caps.min_head_dim if caps is not None else None) or 1
+    hi = caps.max_head_dim if caps is not None and caps.max_head_dim is not None else None
+    if hi is not None and lo > hi:
+        raise InvalidArgument(f"caps.min_head_dim={lo} > caps.max_head_dim={hi} leaves no head dim; "
+                              "declare bounds that overlap")
+    inside = [d for d in typical if d >= lo and (hi is None or d <= hi)]
+    if inside:
+        return inside
+    return sorted({d for d in (lo, lo + 1, 2 * lo) if hi is None or d <= hi})
+
+
+def _max_length(caps: Capabilities | None, wanted: int) -> int:
+    """``wanted`` within the declared ``max_seq_len``."""
+    bound = caps.max_seq_len if caps is not None else None
+    return wanted if bound is None else min(wanted, bound)
 
 
 def _causal(draw: st.DrawFn, caps: Capabilities | None, causal: bool | None) -> bool:
@@ -73,12 +96,15 @@ def varlen_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilit
         raise InvalidArgument(f"causal={causal!r} but caps.causal={caps.causal!r}; FlashAttention's "
                               "flag is bottom-right: declare causal='lower_right' or pass causal=None")
 
+    longest = _max_length(caps, max_len)
+    equal = caps is not None and caps.self_attention_lengths
+
     def draw_example(draw: st.DrawFn) -> VarlenCase:
         B = draw(st.integers(1, max_batch))
         lengths = []
         for _ in range(B):
-            L = _length(draw, max_len)
-            S = L if draw(st.booleans()) else _length(draw, max_len)   # self-attention often
+            L = _length(draw, longest)
+            S = L if equal or draw(st.booleans()) else _length(draw, longest)   # self-attention often
             lengths.append((L, S))
         N, K, E, Ev = _heads(draw, caps)
         is_causal = _causal(draw, caps, causal)
@@ -110,11 +136,14 @@ def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabili
     if paged and caps is not None and not caps.kv_paged:
         raise InvalidArgument("paged=True but caps.kv_paged is False; check paged layouts only where declared")
 
+    max_query, max_cache = _max_length(caps, max_query), _max_length(caps, max_cache)
+
     def draw_example(draw: st.DrawFn) -> KVCacheCase:
         B = draw(st.integers(1, max_batch))
         L = draw(st.integers(1, max_query))
         N, K, E, Ev = _heads(draw, caps)
         new = draw(st.integers(0, 2)) if (append is None and can_append) else (draw(st.integers(1, 2)) if append else 0)
+        new = min(new, max_cache)
         seqlens = tuple(_length(draw, max_cache - new) for _ in range(B))
         capacity = max(seqlens) + new + draw(st.integers(0, 3))           # room past the valid rows
         page_size = order = None
@@ -146,6 +175,15 @@ def _seeded(seed: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return round_to(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
+def _fit_sequence(caps: Capabilities, L: int, S: int) -> tuple[int, int]:
+    """One packed sequence's (L, S) inside the declarations (an empty side stays empty
+    unless L == S is declared: then both are the longer)."""
+    if caps.self_attention_lengths:
+        L = S = max(L, S)
+    bound = caps.max_seq_len
+    return (L, S) if bound is None else (min(L, bound), min(S, bound))
+
+
 def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
                     caps: Capabilities | None = None) -> list[VarlenCase]:
     """A query whose neighbour's first key sits right after its own (B = 2, the second
@@ -157,6 +195,12 @@ def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
     layouts = [([(1, 1), (0, 1)], False), ([(0, 2), (1, 0), (1, 1), (2, 3)], False)]
     if causal_ok:
         layouts.append(([(3, 1), (1, 3), (2, 2)], True))
+    if caps is not None:  # inside the declared head dims and lengths
+        dims = fit_head_dims(caps, E, Ev)
+        if dims is None:
+            return []
+        E, Ev = dims
+        layouts = [([_fit_sequence(caps, L, S) for L, S in lengths], causal) for lengths, causal in layouts]
     cases = []
     for i, (lengths, causal) in enumerate(layouts):
         T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
@@ -178,6 +222,11 @@ def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capab
     N, K, E, Ev = 2, 1, 2, 2
     if caps is not None and not caps.gqa:
         N = 1
+    if caps is not None:  # inside the declared head dims
+        dims = fit_head_dims(caps, E, Ev)
+        if dims is None:
+            return []
+        E, Ev = dims
     append = caps is None or caps.kv_append
     causal = caps is None or caps.causal == "lower_right"
     specs = [((0, 2), 0, 4, 1, False), ((1, 0), 1 if append else 0, 4, 1, False)]

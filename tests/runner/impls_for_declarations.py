@@ -106,3 +106,63 @@ def float32_softmax(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return out.to(dtype)
+
+
+def _check_tiles(name: str, *dims: int) -> None:
+    if min(dims) < 16:
+        raise ValueError(f"{name}: head dims {dims} below the 16-wide tensor-core tile")
+
+
+def tile_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    """A tensor-core kernel's SDPA: right for head dims of at least 16 (its tile width),
+    raising below. Needs ``min_head_dim=16``; its derived flash level too. Rows with
+    every key blocked give 0, with finite gradients."""
+    _check_tiles("tile_kernel", query.shape[-1], value.shape[-1])
+    N, K = query.shape[-3], key.shape[-3]
+    if K != N and not (enable_gqa and N % K == 0):
+        raise ValueError(f"tile_kernel: {N} query heads and {K} kv heads (enable_gqa={enable_gqa})")
+    if key.shape[-1] != query.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"tile_kernel: shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    key, value = _expand_kv(query, key, value, enable_gqa)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale  # (B, N, L, S)
+    if is_causal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    live = torch.isfinite(scores).any(dim=-1, keepdim=True)  # rows attending a key
+    scores = torch.where(live, scores, torch.zeros_like(scores))
+    return (torch.softmax(scores, dim=-1) * live) @ value
+
+
+def tile_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """The same kernel at the flash level (``flash_attn_func``'s signature): right for
+    head dims of at least 16, raising below. Needs ``min_head_dim=16``."""
+    from implementations.builtins.flash_reference import flash_attn_func
+
+    _check_tiles("tile_flash", q.shape[-1], v.shape[-1])
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           deterministic=deterministic, return_attn_probs=return_attn_probs)
+
+
+def tile_kernel_impl():
+    """``tile_kernel`` declared as it is: ``min_head_dim=16`` (no probing: a plain call
+    with small head dims would raise). Its flash level is derived from the SDPA."""
+    from implementations.base import Capabilities, Implementation
+
+    return Implementation(name="tile-kernel", sdpa=tile_kernel,
+                          capabilities=Capabilities(min_head_dim=16, causal="upper_left"))
+
+
+def tile_flash_impl():
+    """``tile_flash`` declared as it is: a flash level with ``min_head_dim=16``."""
+    from implementations.base import ALL_FLASH_FEATURES, Capabilities, Implementation
+
+    return Implementation(name="tile-flash", flash=tile_flash,
+                          capabilities=Capabilities(min_head_dim=16, causal="lower_right",
+                                                    flash_features=ALL_FLASH_FEATURES))

@@ -236,6 +236,20 @@ def test_batch_dims_certifies_a_4d_only_kernel_and_fails_without_it(tmp_path):
     assert proc.returncode == 1 and outcomes(tmp_path)["forward_agreement[float32]"] == "failed"
 
 
+@pytest.mark.parametrize("name, levels", [("tile_kernel_impl", {"sdpa", "flash"}), ("tile_flash_impl", {"flash"})])
+def test_a_kernel_that_raises_below_its_min_head_dim_certifies_at_every_level(tmp_path, name, levels):
+    """A tensor-core kernel declaring min_head_dim=16 raises on E < 16 and is otherwise
+    right: every case at every level it has (SDPA, the flash level derived from it, a flash
+    callable of its own) is inside the bound, so it certifies with no failure and no error."""
+    proc = run(f"--impl={IMPLS}:{name}", "--dtype=float32", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cert = json.loads((tmp_path / "cert.json").read_text())
+    ran = [r for r in cert["results"] if r["outcome"] != "skipped"]
+    assert {r["level"] for r in ran} == levels
+    assert all(r["outcome"] == "passed" for r in ran), [(r["property"], r["outcome"]) for r in ran]
+    assert "flash_agreement" in {r["property"] for r in ran}
+
+
 # --------------------------------------------------------------------------- --xfail-file
 
 XFAIL = '''
