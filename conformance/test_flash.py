@@ -28,6 +28,7 @@ from conformance.flash_calls import (
     run_flash,
 )
 from conformance.helpers import skip_unless
+from conformance.reporting import probe_saw
 from conformance.runner import Target, conformance_property
 from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
 from spec.emulate import round_to
@@ -100,7 +101,10 @@ def test_flash_agreement(target: Target, case: FlashCase) -> float:
     (causal with L > S) follow the declared policy."""
     call = run_flash(target, case)
     assert_output_contract(target, case, call)
-    return check_output(target, case, call.output).ratio
+    if not case.causal:
+        return check_output(target, case, call.output).ratio
+    with probe_saw(target, "causal"):
+        return check_output(target, case, call.output).ratio
 
 
 @conformance_property(
@@ -127,6 +131,11 @@ def test_window_equivalence(target: Target, case: FlashCase) -> float:
     mask spec.window_mask (query i attends key j iff p_i - left <= j <= p_i + right,
     p_i = i + S - L); through the same function, causal=True equals window (left, 0), and a
     side of L + S or more equals that side unbounded (-1); gradients (float64/32) equal the VJP."""
+    with probe_saw(target, "window"):
+        return _window_equivalence(target, case)
+
+
+def _window_equivalence(target: Target, case: FlashCase) -> float:
     heads_first = case.heads_first()
     masked = spec.sdpa(heads_first.query, heads_first.key, heads_first.value,
                        attend_mask=heads_first.attend_mask, scale=case.scale).output.transpose(0, 2, 1, 3)
@@ -162,6 +171,11 @@ def test_softcap_agreement(target: Target, case: FlashCase) -> float:
     """With softcap=c the scaled logits s become c·tanh(s / c) before bias and masks: the
     output equals spec.flash_attention for caps far below, near and far above the logits;
     gradients (float64/32, through 1 - tanh²(s / c)) equal spec.flash_attention_vjp."""
+    with probe_saw(target, "softcap"):
+        return _softcap_agreement(target, case)
+
+
+def _softcap_agreement(target: Target, case: FlashCase) -> float:
     call = run_flash(target, case)
     ratio = check_output(target, case, call.output).ratio
     if _grads_too(target):
@@ -179,6 +193,11 @@ def test_alibi_equivalence(target: Target, case: FlashCase) -> float:
     """alibi_slopes (N,) or (B, N) equal their additive bias -slope_h·|p_i - j| (p_i = i + S - L)
     added to the scaled scores: the output equals spec.sdpa with spec.alibi_bias as the
     additive mask; gradients (float64/32) equal the VJP (the bias is a constant)."""
+    with probe_saw(target, "alibi"):
+        return _alibi_equivalence(target, case)
+
+
+def _alibi_equivalence(target: Target, case: FlashCase) -> float:
     heads_first = case.heads_first()
     biased = spec.sdpa(heads_first.query, heads_first.key, heads_first.value,
                        additive_mask=heads_first.additive_mask, scale=case.scale).output.transpose(0, 2, 1, 3)

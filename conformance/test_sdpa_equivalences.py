@@ -21,6 +21,7 @@ from conformance.helpers import (
     needs_separate_values,
     skip_unless,
 )
+from conformance.reporting import probe_saw
 from conformance.runner import Target, conformance_property
 from spec.emulate import round_to
 
@@ -63,6 +64,11 @@ def test_causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     """is_causal=True equals the explicit causal mask of the declared alignment
     (upper_left: tril(ones(L, S)); lower_right: tril(ones(L, S), S - L)), for
     L < S, L = S and L > S, and agrees with the oracle."""
+    with probe_saw(target, "causal"):
+        return _causal_flag_equivalence(target, case)
+
+
+def _causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     flagged = run_sdpa(target, case).output
     explicit_mask = spec.masks.causal_mask(case.L, case.S, case.causal)  # (L, S)
     if "bool" in target.caps.mask_kinds:
