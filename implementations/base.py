@@ -88,7 +88,9 @@ SOURCES = ("declared", "contract", "probed")
 SEMANTIC_FIELDS = ("causal", "fully_masked", "shared_kv", "flash_features")
 #: The capabilities that may differ per dtype (``Capabilities.by_dtype``).
 PER_DTYPE_FIELDS = ("mask_kinds", "gqa", "different_v_dim", "autograd", "mask_grad", "custom_scale",
-                    "dropout", "non_contiguous")
+                    "dropout", "non_contiguous", "flash_features")
+#: The per-dtype fields that hold sets (kept in ``by_dtype`` as sorted tuples: plain data).
+_SET_FIELDS = ("mask_kinds", "flash_features")
 #: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
 ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
 #: Optional features of an MHA-level implementation (constructor options and
@@ -345,16 +347,17 @@ def _by_dtype_value(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]]
                                               else f"{bad} cannot differ per dtype")
                 + f"; give dtype -> {{field: value}} with fields among {PER_DTYPE_FIELDS}"
             )
-        if "mask_kinds" in values:  # kept as a sorted tuple: plain data (JSON), read as a set
-            values["mask_kinds"] = tuple(sorted(values["mask_kinds"]))
+        for name in _SET_FIELDS:  # kept as a sorted tuple: plain data (JSON), read as a set
+            if name in values:
+                values[name] = tuple(sorted(values[name]))
         if values:
             out.append((dtype, tuple(sorted(values.items()))))
     return tuple(out)
 
 
 def _per_dtype_value(name: str, value: Any) -> Any:
-    """A ``by_dtype`` value as the field holds it (``mask_kinds``: a frozenset)."""
-    return frozenset(value) if name == "mask_kinds" else value
+    """A ``by_dtype`` value as the field holds it (``mask_kinds``, ``flash_features``: a frozenset)."""
+    return frozenset(value) if name in _SET_FIELDS else value
 
 
 @dataclass(frozen=True)

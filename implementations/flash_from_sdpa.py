@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from implementations.base import Capabilities, Implementation
+from implementations.base import PER_DTYPE_FIELDS, Capabilities, Implementation
 
 __all__ = [
     "DERIVED_FLASH_FEATURES",
@@ -81,6 +81,27 @@ def _window_kind(caps: Capabilities) -> str | None:
 
 
 def derived_flash_capabilities(caps: Capabilities) -> Capabilities:
+    """The flash-level capabilities of :class:`FlashFromSDPA` over an SDPA with ``caps``,
+    dtype by dtype: where the SDPA's capabilities differ in a dtype (``by_dtype``: masks
+    that raise in float16, say), the flash level's differ there too (no window without a
+    mask). Its causal alignment and fully-masked rows are FlashAttention's, set by the
+    adapter: their source is the contract."""
+    flash = _derived_flash_capabilities(caps)
+    per_dtype = {}
+    for dtype, _ in caps.by_dtype:
+        there = _derived_flash_capabilities(caps.for_dtype(dtype))
+        changed = {name: getattr(there, name) for name in PER_DTYPE_FIELDS
+                   if getattr(there, name) != getattr(flash, name)}
+        if changed:
+            per_dtype[dtype] = changed
+    sources = {name: source for name, source in caps.sources if name not in ("causal", "fully_masked")}
+    if flash.causal is not None:
+        sources["causal"] = "contract"
+    sources["fully_masked"] = "contract"
+    return flash.replace(by_dtype=per_dtype, sources=sources)
+
+
+def _derived_flash_capabilities(caps: Capabilities) -> Capabilities:
     """The flash-level capabilities of :class:`FlashFromSDPA` over an SDPA with ``caps``.
 
     Devices, dtypes, GQA, Ev != E, scale, autograd, size bounds and length declarations are
