@@ -43,7 +43,10 @@ process that runs property tests keeps ``running-<pid>.json`` (implementation an
 current test) and removes it when it finishes cleanly. A later run that finds one
 whose process is gone records a crash of that implementation in ``crashes.json``; so
 does a worker that dies in isolated mode and an xdist worker that crashes. ``auto``
-isolates every implementation recorded there (delete the file to forget).
+isolates every implementation recorded there (delete the file to forget). An
+interrupted run is no crash (``conformance.crash_markers.catch_interrupts``): the
+worker ignores SIGINT (the pytest process stops the run and kills it), and a worker
+ended by SIGINT, SIGTERM or SIGHUP stops the run as an interrupt, recording nothing.
 
 Modules: this one holds the pytest side (:class:`Worker`) and re-exports the rest:
 :mod:`conformance.isolation_protocol` (frames, cases and the implementation as
@@ -67,7 +70,9 @@ from typing import Any
 import numpy as np
 
 from conformance.crash_markers import (
+    INTERRUPT_SIGNALS,
     ISOLATE_MODES,
+    Interrupted,
     choose,
     crash_seen,
     forget_running,
@@ -264,12 +269,19 @@ class Worker:
             self.process.wait()
 
     def _died(self, during_call: bool) -> WorkerDied:
+        """What ended the worker. A worker ended by a user's signal (SIGTERM sent to the
+        process group, SIGINT, SIGHUP) did not crash: the run is being stopped, so this
+        raises :class:`~conformance.crash_markers.Interrupted` instead (nothing recorded)."""
         assert self.process is not None
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._kill()
-        return WorkerDied(_how_it_ended(self.process.returncode), self._log_tail(), during_call)
+        returncode = self.process.returncode
+        if returncode is not None and -returncode in INTERRUPT_SIGNALS:
+            self.close()
+            raise Interrupted(-returncode)
+        return WorkerDied(_how_it_ended(returncode), self._log_tail(), during_call)
 
     def check(self, property_id: str, target: Any, case: Any) -> float | None:
         """Run property ``property_id``'s check on ``case`` in the worker; returns its

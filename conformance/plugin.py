@@ -117,8 +117,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 "path/to/file.py:attr or mutant:NAME); see `pytest conformance --impl=list`"
             )
         return
+    from conformance import crash_markers
     from implementations import registry
 
+    # SIGTERM and Ctrl-C end the run cleanly and are not counted as crashes.
+    config.stash[_RESTORE_SIGNALS] = crash_markers.catch_interrupts()
     if impl_spec == "list":
         print(registry.listing(), flush=True)
         pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
@@ -403,7 +406,20 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     reporting.write_certificate(terminalreporter, config)
 
 
+_RESTORE_SIGNALS = pytest.StashKey[Any]()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    restore_signals = config.stash.get(_RESTORE_SIGNALS, None)
+    try:
+        _end_session(config)
+    finally:
+        if restore_signals is not None:  # after the marker is gone: no window without a handler
+            del config.stash[_RESTORE_SIGNALS]
+            restore_signals()
+
+
+def _end_session(config: pytest.Config) -> None:
     session = session_of(config)
     if session is None or not session.impl_spec:
         return
