@@ -94,6 +94,7 @@ from conformance.isolation_protocol import (
 from conformance.isolation_protocol import read_frame as _read_frame
 from conformance.isolation_protocol import write_frame as _write_frame
 from implementations.base import ImplementationError
+from implementations.guard import COMPILE_FACTOR, CallTimedOut, CpuWait, judge
 
 __all__ = [
     "ISOLATE_MODES",
@@ -122,7 +123,12 @@ class WorkerDied(Exception):
 
 
 class WorkerTimedOut(Exception):
-    """A call in the worker did not return within the timeout; the worker was killed."""
+    """A call in the worker did not return within its limit; the worker was killed.
+    ``timed_out``: the limit, how it was stretched (``guard.CallTimedOut``)."""
+
+    def __init__(self, timed_out: CallTimedOut | None = None) -> None:
+        self.timed_out = timed_out
+        super().__init__(str(timed_out or "did not return"))
 
 
 def _how_it_ended(returncode: int | None) -> str:
@@ -153,6 +159,9 @@ class Worker:
         self._to_worker = self._from_worker = -1
         self._log: Any = None
         self._clock: Any = None  # the call clock: 8 bytes, a float64 time.monotonic() or 0
+        #: (dtype, device) this worker process has called the implementation with: the first
+        #: call of each may compile (guard.COMPILE_FACTOR x the timeout), as in the worker.
+        self._warm: set[tuple[str, str]] = set()
 
     # -- life cycle
 
@@ -175,8 +184,10 @@ class Worker:
         os.close(reply_w)
         self._to_worker, self._from_worker = request_w, reply_r
         self.starts += 1
-        # Resolution probes with ~20 calls, each limited by the worker's own guard.
-        limit = None if not self.timeout else 30 * self.timeout + 120
+        self._warm = set()
+        # Resolution probes with ~20 calls, each limited by the worker's own guard (the
+        # first one may compile: COMPILE_FACTOR x the timeout).
+        limit = None if not self.timeout else (30 + COMPILE_FACTOR) * self.timeout + 120
         reply, _ = self._request({"op": "resolve", "spec": self.spec, "options": self.options,
                                   "timeout": self.timeout}, limit=limit)
         if "error" in reply:
@@ -225,9 +236,13 @@ class Worker:
     # -- requests
 
     def _request(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None, *,
-                 limit: float | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                 limit: float | None, first_call: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Send a request; read replies until the answer. ``limit``: seconds the whole
-        request may take (None: only the per-call timeout applies)."""
+        request may take (None: only the per-call timeout applies); ``first_call``: the
+        request's first call is the worker's first of its dtype and device, and may
+        compile. Each call is judged as ``guard.guarded_call`` judges one: the time the
+        worker's threads waited for a CPU other processes held is not counted
+        (``guard.CpuWait``), up to ``guard.MAX_STRETCH`` x the limit."""
         try:
             _write_frame(self._to_worker, header, arrays)
         except OSError:
@@ -235,6 +250,7 @@ class Worker:
         start = last_call_end = time.monotonic()
         # Between waits, read the call clock: how long the current call has run.
         poll = min(max(self.timeout / 10, 0.02), 1.0) if self.timeout else 1.0
+        seen, call_limit, first, wait = 0.0, self.timeout, False, None
         while True:
             ready, _, _ = select.select([self._from_worker], [], [], poll)
             if ready:
@@ -245,9 +261,17 @@ class Worker:
             now, call_started = time.monotonic(), self._call_started()
             if call_started:
                 last_call_end = now
-                if self.timeout and now - call_started > self.timeout:
-                    self._kill()
-                    raise WorkerTimedOut()
+                if call_started != seen:  # a new call
+                    seen, first, first_call = call_started, first_call, False
+                    call_limit = COMPILE_FACTOR * self.timeout if first else self.timeout
+                    wait = CpuWait(pid=self.process.pid if self.process is not None else None)
+                elapsed = now - call_started
+                if self.timeout and elapsed > call_limit:
+                    waited = wait.waited() if wait is not None else 0.0
+                    if judge(call_limit, elapsed, waited) <= 0:
+                        self._kill()
+                        raise WorkerTimedOut(CallTimedOut(self.timeout, limit=call_limit, first=first,
+                                                          waited=waited, seconds=elapsed))
             elif (limit is not None and now - start > limit) or now - last_call_end > self.SUITE_LIMIT:
                 self._kill()
                 raise RuntimeError(
@@ -315,11 +339,15 @@ class Worker:
         name = target.impl.name
         hung = (f"{name} did not return within {target.timeout:g}s (per-example timeout, "
                 "--example-timeout); its isolated worker process was killed and a fresh one continues")
+        first = (target.dtype, target.device) not in self._warm
+        self._warm.add((target.dtype, target.device))
         try:
-            reply, reply_arrays = self._request(header, arrays, limit=None)
-        except WorkerTimedOut:
+            reply, reply_arrays = self._request(header, arrays, limit=None, first_call=first)
+        except WorkerTimedOut as timed_out:
             self.close()
-            raise runner.ImplementationHung(hung) from None
+            raise runner.ImplementationHung(
+                f"{name} {timed_out} (per-example timeout, --example-timeout); its isolated worker "
+                "process was killed and a fresh one continues") from None
         except WorkerDied as died:
             self.close()
             record_crash(self.spec, f"{died.how} during {property_id}[{target.id}]")
