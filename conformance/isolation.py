@@ -264,10 +264,14 @@ class Worker:
                 if call_started != seen:  # a new call
                     seen, first, first_call = call_started, first_call, False
                     call_limit = COMPILE_FACTOR * self.timeout if first else self.timeout
-                    wait = CpuWait(pid=self.process.pid if self.process is not None else None)
+                    wait = None
                 elapsed = now - call_started
                 if self.timeout and elapsed > call_limit:
-                    waited = wait.waited() if wait is not None else 0.0
+                    if wait is None:  # overdue: measure how long the machine keeps it waiting
+                        wait = CpuWait(pid=self.process.pid if self.process is not None else None,
+                                       since=call_started)
+                        continue
+                    waited = wait.waited()
                     if judge(call_limit, elapsed, waited) <= 0:
                         self._kill()
                         raise WorkerTimedOut(CallTimedOut(self.timeout, limit=call_limit, first=first,
@@ -365,7 +369,11 @@ class Worker:
             target.log.calls.extend(decode_calls(reply["calls"], reply_arrays, case))
         if reply.get("failure") == "ImplementationHung":  # the worker's own guard saw it first
             self.close()  # its call thread is still running
-            raise runner.ImplementationHung(hung)
+            # Its message says the limit it applied (a first call's allowance, a stretch).
+            said = str(reply.get("message", "")).split(" (per-example timeout", 1)[0]
+            raise runner.ImplementationHung(
+                f"{said} (per-example timeout, --example-timeout); its isolated worker process was "
+                "killed and a fresh one continues" if said.startswith(f"{name} did not return") else hung)
         if "failure" in reply:
             cls = getattr(runner, reply["failure"], None)
             if not (isinstance(cls, type) and issubclass(cls, runner.PropertyFailure)):

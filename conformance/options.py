@@ -66,7 +66,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add(group, taken, "--replay", default=None, metavar="FILE",
                     help="re-run the one failing case saved in FILE (.npz)")
     _add(group, taken, "--example-timeout", default=60.0, type=float, metavar="SECONDS",
-                    help="fail a property when one call takes longer than this (0: no limit)")
+                    help="fail a property when one call takes longer than this (0: no limit); "
+                         "the first call of each dtype and device may take 5x as long (compilation), "
+                         "and time spent waiting for a CPU other processes hold is not counted, "
+                         "up to 4x the limit (docs/DESIGN.md, Timeouts)")
     _add(group, taken, "--shape-budget", default=None, type=int, metavar="N",
                     help="at most N distinct shapes per property (JIT implementations compile once "
                          "per shape); default 8 when the implementation declares jit; 0: no budget")
