@@ -57,7 +57,7 @@ class _Prober:
 
         started = time.monotonic()
         try:
-            return guarded_call(fn, timeout=self.timeout, rng=True, warm_key=self.__dict__.setdefault("_warm_key", ("probe", object())))
+            return guarded_call(fn, timeout=self.timeout, rng=True, warm_key=self.__dict__.setdefault("_warm_key", ("probe", self.origin, object())))
         except CallTimedOut as exc:
             raise ImplementationError(
                 f"{self.origin}: probing {what} {exc} (--example-timeout); fix the hang, or "

@@ -116,3 +116,45 @@ def test_a_slow_first_probe_call_passes_and_a_slow_later_one_fails():
     assert prober.call("a second call", slow_first) is True
     with pytest.raises(ImplementationError, match=r"probing a slow call did not return within 0.2s"):
         prober.call("a slow call", lambda: time.sleep(1.0))
+
+
+def test_a_slow_first_call_is_named_at_the_end_of_the_run():
+    from types import SimpleNamespace
+
+    from conformance.plugin import slow_first_calls
+    from conformance.session import Session
+
+    impl = SimpleNamespace()
+    session = Session(profile="ci", started=0.0, impl=impl, impl_spec="mine.py:f")
+    guard.guarded_call(_sleeps, 0.4, timeout=0.2, warm_key=(id(impl), "float32", "cpu"))
+    [line] = [x for x in slow_first_calls(session) if "mine.py:f" in x]
+    assert line.startswith("the first float32 call on cpu of mine.py:f took 0.")
+    assert line.endswith("s: compile time allowed (up to 5 x --example-timeout)")
+
+
+def test_an_implementation_whose_first_call_compiles_passes(tmp_path):
+    """Its first call takes 2.5 s under a 1 s timeout: within the compile allowance, the
+    property passes and the run says why the call was allowed."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", "--impl=tests/runner/hostile_impls.py:slow_first", "--dtype=float64",
+         "-k", "forward_agreement", "--impl-option", "derived_flash=false", "--example-timeout=1",
+         f"--conformance-report={tmp_path}/cert"],
+        cwd=root, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    [r] = [r for r in json.loads((tmp_path / "cert.json").read_text())["results"] if r["level"] == "sdpa"]
+    assert r["outcome"] == "passed"
+    import re
+
+    took = re.search(r"the first float64 call on cpu of tests/runner/hostile_impls.py:slow_first took "
+                     r"([\d.]+) s: compile time allowed", proc.stdout)
+    assert took and float(took[1]) >= 2.5, proc.stdout[-2000:]
