@@ -17,6 +17,14 @@ project's conftest.py registers a plain name the suite also uses (``--device``),
 suite keeps that option only as ``--conformance-device``.
 
 ``pytest -p no:attention_conformance`` switches this module off.
+
+pytest picks its rootdir (and ini file) from the command line's paths before it loads
+any plugin, so a suite option's value given after a space (``--xfail-file PATH``, the
+README's spelling) would count as a test path there, and the rootdir, the initial
+conftest.py files and every test id would differ from the run with
+``--xfail-file=PATH``. :func:`_consume_option_values` takes the values of the suite's
+value-taking options (``conformance.options.VALUE_OPTIONS``) out of those paths and
+picks the rootdir again, before the initial conftest.py files are found.
 """
 
 from __future__ import annotations
@@ -91,11 +99,72 @@ def without_assertion_rewriting(config: pytest.Config) -> bool:
     return True
 
 
+def option_values(args: Sequence[str]) -> list[str]:
+    """The values the suite's value-taking options take from the argument after them
+    (``--impl X``: ``X``; ``--impl=X`` takes none from the next argument), in order."""
+    from conformance.options import VALUE_OPTIONS
+
+    values, i = [], 0
+    while i < len(args):
+        arg = str(args[i])
+        if arg == "--":
+            break
+        if arg in VALUE_OPTIONS and i + 1 < len(args):
+            values.append(str(args[i + 1]))
+            i += 2
+            continue
+        i += 1
+    return values
+
+
+def _consume_option_values(early_config: pytest.Config, args: Sequence[str]) -> None:
+    """Take the suite's option values out of pytest's early test paths and, when they
+    changed, pick the rootdir again (see the module docstring). A pytest whose
+    internals differ (``determine_setup``, the attributes set here) is left as it
+    was, unless a value is an existing path, which would move its rootdir: then a
+    usage error says to write ``--NAME=VALUE``."""
+    namespace = early_config.known_args_namespace
+    paths = list(getattr(namespace, "file_or_dir", None) or [])
+    values = [v for v in option_values(args) if v in paths]
+    if not values:
+        return
+    for value in values:
+        paths.remove(value)
+    try:
+        from _pytest.config.findpaths import determine_setup
+
+        rootpath, inipath, _inicfg, _ignored = determine_setup(
+            inifile=namespace.inifilename, override_ini=namespace.override_ini, args=paths,
+            rootdir_cmd_arg=namespace.rootdir or None,
+            invocation_dir=early_config.invocation_params.dir)
+        old_root, old_ini = early_config.rootpath, early_config.inipath
+        if inipath != old_ini:
+            raise pytest.UsageError(
+                f"the value {values[0]!r} of a conformance option written after a space made pytest "
+                f"read its settings from {old_ini or 'no ini file'} instead of {inipath}; write "
+                "the option as --NAME=VALUE (e.g. --xfail-file=PATH)")
+        namespace.file_or_dir = paths
+        if rootpath != old_root:
+            early_config._rootpath = rootpath
+            early_config._parser.extra_info["rootdir"] = str(rootpath)
+            if inipath is None and namespace.confcutdir == str(old_root):
+                namespace.confcutdir = str(rootpath)  # pytest's default: the rootdir
+    except pytest.UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - another pytest's internals: say what to write
+        if any(Path(early_config.invocation_params.dir, v).exists() for v in values):
+            raise pytest.UsageError(
+                f"pytest took {values[0]!r}, the value of a conformance option written after a "
+                f"space, for a test path ({type(err).__name__}: {err}); write the option as "
+                "--NAME=VALUE (e.g. --xfail-file=PATH)") from None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
                                   args: list[str]):
     requested = suite_requested(args, early_config.invocation_params.dir)
     if requested:
+        _consume_option_values(early_config, args)
         without_assertion_rewriting(early_config)
     # After the initial conftest.py files: options they register (a project's own
     # --device) are seen by the plugin, which then keeps only --conformance-device.

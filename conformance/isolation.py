@@ -43,7 +43,10 @@ process that runs property tests keeps ``running-<pid>.json`` (implementation an
 current test) and removes it when it finishes cleanly. A later run that finds one
 whose process is gone records a crash of that implementation in ``crashes.json``; so
 does a worker that dies in isolated mode and an xdist worker that crashes. ``auto``
-isolates every implementation recorded there (delete the file to forget).
+isolates every implementation recorded there (delete the file to forget). An
+interrupted run is no crash (``conformance.crash_markers.catch_interrupts``): the
+worker ignores SIGINT (the pytest process stops the run and kills it), and a worker
+ended by SIGINT, SIGTERM or SIGHUP stops the run as an interrupt, recording nothing.
 
 Modules: this one holds the pytest side (:class:`Worker`) and re-exports the rest:
 :mod:`conformance.isolation_protocol` (frames, cases and the implementation as
@@ -67,7 +70,9 @@ from typing import Any
 import numpy as np
 
 from conformance.crash_markers import (
+    INTERRUPT_SIGNALS,
     ISOLATE_MODES,
+    Interrupted,
     choose,
     crash_seen,
     forget_running,
@@ -89,6 +94,7 @@ from conformance.isolation_protocol import (
 from conformance.isolation_protocol import read_frame as _read_frame
 from conformance.isolation_protocol import write_frame as _write_frame
 from implementations.base import ImplementationError
+from implementations.guard import COMPILE_FACTOR, CallTimedOut, CpuWait, judge
 
 __all__ = [
     "ISOLATE_MODES",
@@ -117,7 +123,12 @@ class WorkerDied(Exception):
 
 
 class WorkerTimedOut(Exception):
-    """A call in the worker did not return within the timeout; the worker was killed."""
+    """A call in the worker did not return within its limit; the worker was killed.
+    ``timed_out``: the limit, how it was stretched (``guard.CallTimedOut``)."""
+
+    def __init__(self, timed_out: CallTimedOut | None = None) -> None:
+        self.timed_out = timed_out
+        super().__init__(str(timed_out or "did not return"))
 
 
 def _how_it_ended(returncode: int | None) -> str:
@@ -148,6 +159,9 @@ class Worker:
         self._to_worker = self._from_worker = -1
         self._log: Any = None
         self._clock: Any = None  # the call clock: 8 bytes, a float64 time.monotonic() or 0
+        #: (dtype, device) this worker process has called the implementation with: the first
+        #: call of each may compile (guard.COMPILE_FACTOR x the timeout), as in the worker.
+        self._warm: set[tuple[str, str]] = set()
 
     # -- life cycle
 
@@ -170,8 +184,10 @@ class Worker:
         os.close(reply_w)
         self._to_worker, self._from_worker = request_w, reply_r
         self.starts += 1
-        # Resolution probes with ~20 calls, each limited by the worker's own guard.
-        limit = None if not self.timeout else 30 * self.timeout + 120
+        self._warm = set()
+        # Resolution probes with ~20 calls, each limited by the worker's own guard (the
+        # first one may compile: COMPILE_FACTOR x the timeout).
+        limit = None if not self.timeout else (30 + COMPILE_FACTOR) * self.timeout + 120
         reply, _ = self._request({"op": "resolve", "spec": self.spec, "options": self.options,
                                   "timeout": self.timeout}, limit=limit)
         if "error" in reply:
@@ -220,9 +236,13 @@ class Worker:
     # -- requests
 
     def _request(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None, *,
-                 limit: float | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                 limit: float | None, first_call: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Send a request; read replies until the answer. ``limit``: seconds the whole
-        request may take (None: only the per-call timeout applies)."""
+        request may take (None: only the per-call timeout applies); ``first_call``: the
+        request's first call is the worker's first of its dtype and device, and may
+        compile. Each call is judged as ``guard.guarded_call`` judges one: the time the
+        worker's threads waited for a CPU other processes held is not counted
+        (``guard.CpuWait``), up to ``guard.MAX_STRETCH`` x the limit."""
         try:
             _write_frame(self._to_worker, header, arrays)
         except OSError:
@@ -230,6 +250,7 @@ class Worker:
         start = last_call_end = time.monotonic()
         # Between waits, read the call clock: how long the current call has run.
         poll = min(max(self.timeout / 10, 0.02), 1.0) if self.timeout else 1.0
+        seen, call_limit, first, wait = 0.0, self.timeout, False, None
         while True:
             ready, _, _ = select.select([self._from_worker], [], [], poll)
             if ready:
@@ -240,9 +261,21 @@ class Worker:
             now, call_started = time.monotonic(), self._call_started()
             if call_started:
                 last_call_end = now
-                if self.timeout and now - call_started > self.timeout:
-                    self._kill()
-                    raise WorkerTimedOut()
+                if call_started != seen:  # a new call
+                    seen, first, first_call = call_started, first_call, False
+                    call_limit = COMPILE_FACTOR * self.timeout if first else self.timeout
+                    wait = None
+                elapsed = now - call_started
+                if self.timeout and elapsed > call_limit:
+                    if wait is None:  # overdue: measure how long the machine keeps it waiting
+                        wait = CpuWait(pid=self.process.pid if self.process is not None else None,
+                                       since=call_started)
+                        continue
+                    waited = wait.waited()
+                    if judge(call_limit, elapsed, waited) <= 0:
+                        self._kill()
+                        raise WorkerTimedOut(CallTimedOut(self.timeout, limit=call_limit, first=first,
+                                                          waited=waited, seconds=elapsed))
             elif (limit is not None and now - start > limit) or now - last_call_end > self.SUITE_LIMIT:
                 self._kill()
                 raise RuntimeError(
@@ -264,12 +297,19 @@ class Worker:
             self.process.wait()
 
     def _died(self, during_call: bool) -> WorkerDied:
+        """What ended the worker. A worker ended by a user's signal (SIGTERM sent to the
+        process group, SIGINT, SIGHUP) did not crash: the run is being stopped, so this
+        raises :class:`~conformance.crash_markers.Interrupted` instead (nothing recorded)."""
         assert self.process is not None
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._kill()
-        return WorkerDied(_how_it_ended(self.process.returncode), self._log_tail(), during_call)
+        returncode = self.process.returncode
+        if returncode is not None and -returncode in INTERRUPT_SIGNALS:
+            self.close()
+            raise Interrupted(-returncode)
+        return WorkerDied(_how_it_ended(returncode), self._log_tail(), during_call)
 
     def check(self, property_id: str, target: Any, case: Any) -> float | None:
         """Run property ``property_id``'s check on ``case`` in the worker; returns its
@@ -303,11 +343,15 @@ class Worker:
         name = target.impl.name
         hung = (f"{name} did not return within {target.timeout:g}s (per-example timeout, "
                 "--example-timeout); its isolated worker process was killed and a fresh one continues")
+        first = (target.dtype, target.device) not in self._warm
+        self._warm.add((target.dtype, target.device))
         try:
-            reply, reply_arrays = self._request(header, arrays, limit=None)
-        except WorkerTimedOut:
+            reply, reply_arrays = self._request(header, arrays, limit=None, first_call=first)
+        except WorkerTimedOut as timed_out:
             self.close()
-            raise runner.ImplementationHung(hung) from None
+            raise runner.ImplementationHung(
+                f"{name} {timed_out} (per-example timeout, --example-timeout); its isolated worker "
+                "process was killed and a fresh one continues") from None
         except WorkerDied as died:
             self.close()
             record_crash(self.spec, f"{died.how} during {property_id}[{target.id}]")
@@ -325,7 +369,11 @@ class Worker:
             target.log.calls.extend(decode_calls(reply["calls"], reply_arrays, case))
         if reply.get("failure") == "ImplementationHung":  # the worker's own guard saw it first
             self.close()  # its call thread is still running
-            raise runner.ImplementationHung(hung)
+            # Its message says the limit it applied (a first call's allowance, a stretch).
+            said = str(reply.get("message", "")).split(" (per-example timeout", 1)[0]
+            raise runner.ImplementationHung(
+                f"{said} (per-example timeout, --example-timeout); its isolated worker process was "
+                "killed and a fresh one continues" if said.startswith(f"{name} did not return") else hung)
         if "failure" in reply:
             cls = getattr(runner, reply["failure"], None)
             if not (isinstance(cls, type) and issubclass(cls, runner.PropertyFailure)):

@@ -151,8 +151,13 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
 def main(argv: list[str]) -> int:
     """``python -m conformance.isolation_worker REQUEST_FD REPLY_FD CLOCK_FD``: serve one pytest process."""
     import faulthandler
+    import signal
 
     faulthandler.enable()  # a segfault leaves its traceback in the log quoted on a crash
+    # A Ctrl-C in the terminal reaches the whole process group: it is the pytest process's
+    # to handle (it ends the run and kills this worker), not a death of this worker that
+    # the pytest process could take for a crash of the implementation.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return _serve(int(argv[0]), int(argv[1]), int(argv[2]))
 
 

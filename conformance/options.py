@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-__all__ = ["NAMESPACED_OPTIONS", "pytest_addoption"]
+__all__ = ["NAMESPACED_OPTIONS", "VALUE_OPTIONS", "pytest_addoption"]
 
 
 #: Options whose plain names are common in other projects' conftest.py files: each is
@@ -13,6 +13,16 @@ __all__ = ["NAMESPACED_OPTIONS", "pytest_addoption"]
 #: one is already taken (by a conftest.py loaded before this plugin, or another plugin).
 NAMESPACED_OPTIONS = ("--xfail-file", "--device", "--dtype", "--replay", "--example-timeout",
                       "--shape-budget", "--torch-threads", "--isolate")
+
+
+#: Every option of the suite that takes a value (``--NAME VALUE`` or ``--NAME=VALUE``), its
+#: ``--conformance-`` names included. pytest picks its rootdir from the command line's
+#: paths before it loads this plugin, so ``--xfail-file PATH`` would make PATH count as
+#: a test path there; ``conformance.activation`` reads the command line with this list
+#: first, so that both spellings give the same run (tests/runner/test_option_spelling.py
+#: checks that the list is every value-taking option ``pytest_addoption`` registers).
+VALUE_OPTIONS = ("--impl", "--impl-option", "--conformance-report",
+                 *NAMESPACED_OPTIONS, *("--conformance-" + n[2:] for n in NAMESPACED_OPTIONS))
 
 
 def _registered_names(parser: pytest.Parser) -> set[str]:
@@ -56,7 +66,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add(group, taken, "--replay", default=None, metavar="FILE",
                     help="re-run the one failing case saved in FILE (.npz)")
     _add(group, taken, "--example-timeout", default=60.0, type=float, metavar="SECONDS",
-                    help="fail a property when one call takes longer than this (0: no limit)")
+                    help="fail a property when one call takes longer than this (0: no limit); "
+                         "the first call of each dtype and device may take 5x as long (compilation), "
+                         "and time spent waiting for a CPU other processes hold is not counted, "
+                         "up to 4x the limit (docs/DESIGN.md, Timeouts)")
     _add(group, taken, "--shape-budget", default=None, type=int, metavar="N",
                     help="at most N distinct shapes per property (JIT implementations compile once "
                          "per shape); default 8 when the implementation declares jit; 0: no budget")

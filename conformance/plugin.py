@@ -117,8 +117,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 "path/to/file.py:attr or mutant:NAME); see `pytest conformance --impl=list`"
             )
         return
+    from conformance import crash_markers
     from implementations import registry
 
+    # SIGTERM and Ctrl-C end the run cleanly and are not counted as crashes.
+    config.stash[_RESTORE_SIGNALS] = crash_markers.catch_interrupts()
     if impl_spec == "list":
         print(registry.listing(), flush=True)
         pytest.exit("listed the registered implementations (--impl=list)", returncode=0)
@@ -401,9 +404,46 @@ class _ResultCollector:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     reporting.write_certificate(terminalreporter, config)
+    for line in slow_first_calls(session_of(config)):
+        terminalreporter.write_line(line)
+
+
+def slow_first_calls(session: Session | None) -> list[str]:
+    """A line for each first call into an implementation (of a dtype, on a device; its
+    first probe call) in this process that took longer than --example-timeout and passed
+    only because a first call may compile (``implementations.guard.COMPILE_FACTOR``)."""
+    from implementations import guard
+
+    if session is None or not session.impl_spec:
+        return []
+    names = {id(s.impl): s.impl_spec for s in (session.subjects.values() or [session]) if s.impl is not None}
+    lines = []
+    for key, seconds in guard.slow_first_calls().items():
+        if key[0] == "probe":
+            what = f"the first probe call of {key[1]}"
+        elif key[0] in names:
+            what = f"the first {key[1]} call on {key[2]} of {names[key[0]]}"
+        else:
+            continue
+        lines.append(f"{what} took {seconds:.1f} s: compile time allowed "
+                     f"(up to {guard.COMPILE_FACTOR:g} x --example-timeout)")
+    return lines
+
+
+_RESTORE_SIGNALS = pytest.StashKey[Any]()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    restore_signals = config.stash.get(_RESTORE_SIGNALS, None)
+    try:
+        _end_session(config)
+    finally:
+        if restore_signals is not None:  # after the marker is gone: no window without a handler
+            del config.stash[_RESTORE_SIGNALS]
+            restore_signals()
+
+
+def _end_session(config: pytest.Config) -> None:
     session = session_of(config)
     if session is None or not session.impl_spec:
         return

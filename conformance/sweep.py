@@ -10,8 +10,11 @@ failing case with its reproducer, and ``--replay`` of that case.
 A sweep is ``run(target, sweep)``: it calls the implementation through
 ``runner.call_guarded`` (or, when the implementation runs in an isolated worker
 process, ``sweep.isolated``, has each case checked whole there by :meth:`Sweep.check`:
-only the worker may call it), reports each visited size with :meth:`Sweep.visited`, asks
-:meth:`Sweep.out_of_time` before each, and on a failure raises the
+only the worker may call it), reports each visited size with :meth:`Sweep.visited`, visits the first
+:meth:`Sweep.budget` of its cases (a count per Hypothesis profile: a certificate never
+depends on the machine's speed; a slow machine visits the same cases, in more time),
+asks :meth:`Sweep.out_of_time` (a generous wall-clock safety limit, a hang guard that
+says so on the certificate when it stops a sweep) before each, and on a failure raises the
 :class:`~conformance.compare.PropertyFailure` of the smallest failing case after
 :meth:`Sweep.failing` (which saves that case; a case an expected failure covers is
 counted by :meth:`Sweep.expected` and the sweep goes on). ``check(target, case)``
@@ -21,7 +24,7 @@ re-checks one saved case (``--replay``).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import pytest
 
@@ -38,22 +41,33 @@ from conformance.runner import (
 )
 from conformance.session import Session
 
-__all__ = ["Sweep", "sweep_property"]
+__all__ = ["SAFETY_S", "Sweep", "sweep_property"]
+
+#: Wall-clock seconds a sweep may run per target before it stops: a hang guard, never a
+#: budget (the cases a sweep visits are its profile's count; each call has its own
+#: timeout). A sweep it stops says so on the certificate.
+SAFETY_S = 900.0
 
 
 class Sweep:
     """What one sweep test reports into: sizes visited, headroom, expected failures,
-    the failing case, and its time budget (``budget_s`` seconds per target).
+    the failing case, and its budget: ``sizes``, the number of cases it visits per
+    target (None: all), and ``safety_s``, the wall-clock hang guard.
     ``check(case)`` runs the property's one-case check on ``case`` where the
     implementation runs (in its isolated worker process when ``isolated``)."""
 
-    def __init__(self, property_id: str, target: Target, record: Record, budget_s: float,
+    def __init__(self, property_id: str, target: Target, record: Record, sizes: int | None,
                  check: Callable[[Target, Any], float | None] | None = None,
-                 session: Session | None = None) -> None:
+                 session: Session | None = None, safety_s: float = SAFETY_S,
+                 profile: str = "") -> None:
         self.property_id = property_id
         self.target = target
         self.record = record
-        self.budget_s = budget_s
+        self.sizes = sizes
+        self.profile = profile or (session.profile if session is not None else "")
+        self.safety_s = safety_s
+        #: True once the safety limit stopped the sweep (:meth:`out_of_time`).
+        self.stopped_by_safety = False
         self._check = check
         self._session = session
         self.isolated = session is not None and subject_of(session, target).isolation is not None
@@ -72,9 +86,27 @@ class Sweep:
         assert self._check is not None and self._session is not None, "a Sweep made without its check"
         return _check_example(self._session, self.property_id, self._check, self.target, case)
 
-    def out_of_time(self) -> bool:
-        return time.perf_counter() - self.started > self.budget_s
+    def budget(self, order: list[Any]) -> list[Any]:
+        """The cases of ``order`` this sweep visits: its first ``sizes``."""
+        return list(order) if self.sizes is None else list(order)[:self.sizes]
 
+    def out_of_time(self) -> bool:
+        """Whether the wall-clock safety limit has passed (a hang guard: then the
+        sweep stops, and :meth:`describe` says so)."""
+        if time.perf_counter() - self.started > self.safety_s:
+            self.stopped_by_safety = True
+        return self.stopped_by_safety
+
+    def describe(self, total: int, what: str = "sizes") -> str:
+        """How many of the ``total`` cases were visited and why no more, for the certificate."""
+        visited = self.record.examples
+        text = f"visited {visited} of {total} {what}"
+        if self.sizes is not None and self.sizes < total:
+            text += f" (the {self.profile or 'run'} profile's first {self.sizes}, block edges first)"
+        if self.stopped_by_safety:
+            text += (f"; stopped by the {self.safety_s:g} s safety limit (a hang guard, not a budget: "
+                     "this machine was too slow to visit the profile's count)")
+        return text
     def visited(self, ratio: float | None, cases: tuple[Any, ...] = ()) -> None:
         """One size done and passed, with worst error/allowed ``ratio``; ``cases``:
         the cases it called (only needed when expected failures could cover them)."""
@@ -127,19 +159,30 @@ def sweep_property(
     level: str,
     section: str,
     check: Callable[[Target, Any], float | None],
-    budget_s: float,
+    sizes: Mapping[str, int | None],
+    safety_s: float = SAFETY_S,
     skip_reason: Callable[[Target], str | None] | None = None,
 ) -> Callable[[Callable[[Target, Sweep], None]], Callable[..., None]]:
     """Register ``run(target, sweep)`` as property ``property_id`` and return its pytest test.
 
     ``section``, ``skip_reason``: as for ``conformance_property``; ``check(target, case)``
-    re-checks one case (``--replay``); ``budget_s``: the seconds a sweep may spend per
-    target before it stops (the certificate records how many sizes it visited).
+    re-checks one case (``--replay``); ``sizes``: the number of cases a sweep visits per
+    target, by Hypothesis profile (None: all; a profile not named gets ``dev``'s), so
+    that a certificate never depends on the machine's speed; ``safety_s``: the
+    wall-clock hang guard (the certificate says when it stopped a sweep).
     """
+    bad = [(name, n) for name, n in sizes.items() if n is not None and (not isinstance(n, int) or n < 1)]
+    if "dev" not in sizes or bad:
+        raise ValueError(f"sweep_property({property_id!r}, sizes={dict(sizes)!r}): sizes must name "
+                         "the dev profile and give each profile a count >= 1 (or None: all cases)")
+
+    def budget(session: Session | None) -> int | None:
+        profile = session.profile if session is not None else "dev"
+        return sizes[profile] if profile in sizes else sizes["dev"]
 
     def decorate(run: Callable[[Target, Sweep], None]) -> Callable[..., None]:
         def sweep_whole(target: Target, session: Session, record: Record) -> Sweep:
-            sweep = Sweep(property_id, target, record, budget_s, check, session)
+            sweep = Sweep(property_id, target, record, budget(session), check, session, safety_s)
             run(target, sweep)
             sweep.seconds = time.perf_counter() - sweep.started
             return sweep
@@ -162,7 +205,8 @@ def sweep_property(
                 record.outcome = "skipped"
                 record.reason = "; ".join(reasons)
                 pytest.skip(record.reason)
-            sweep = Sweep(property_id, target, record, budget_s, check, conformance_session)
+            sweep = Sweep(property_id, target, record, budget(conformance_session), check,
+                          conformance_session, safety_s)
             replay = conformance_session.replay
             try:
                 if replay is not None:

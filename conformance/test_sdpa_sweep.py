@@ -31,9 +31,10 @@ from spec.emulate import round_to
 MAX_LENGTH = 33
 #: Lengths at block edges, visited first.
 EDGE_LENGTHS = (1, 2, 15, 16, 17, 31, 32, 33)
-#: Seconds the sweep may spend per target (the Triton interpreter costs 10-600 ms a
-#: call; a fast implementation visits every size in a few seconds).
-BUDGET_S = 20.0
+#: Sizes the sweep visits per target, by Hypothesis profile (``size_order``: block
+#: edges first), a count and never a time, so that a certificate does not depend on the
+#: machine's speed (a slow machine visits the same sizes, in more time).
+SIZES = {"dev": 400, "ci": 361, "thorough": None}
 #: q/k head dim, and the value head dim of the Ev != E pass.
 HEAD_DIM, OTHER_VALUE_DIM = 4, 2
 #: Every key's value in the last value column: the output there is exactly this
@@ -217,7 +218,7 @@ def _oracle(pool: _Pool, layouts: list[_Layout], L: int, S: int) -> dict[_Layout
 
 @sweep_property(
     "small_sizes_sweep", level="sdpa", section="spec.sdpa (every L, S in 1..33)",
-    check=_check_case, budget_s=BUDGET_S,
+    check=_check_case, sizes=SIZES,
     skip_reason=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared")
     or needs_separate_values(t),
 )
@@ -227,7 +228,7 @@ def test_small_sizes_sweep(target: Target, sweep: Sweep) -> None:
     K = 1 (GQA declared) with the declared causal flag; N = K = 1 with Ev != E. A value
     column that is 1.5 for every key comes back as 1.5 to one ulp
     (``tolerance.constant_column_allowed``). The smallest failing (L, S) is reported.
-    A sweep stops after 20 s per target; its examples are the sizes visited."""
+    A sweep visits its profile's count of sizes (``SIZES``); its examples are the sizes visited."""
     import torch
 
     # Problems this small gain nothing from intra-op threads but pay their
@@ -250,11 +251,11 @@ def _sweep(target: Target, sweep: Sweep) -> None:
     order = size_order(length)
     if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
         order = [(L, S) for L, S in order if L == S]
+    total, order = len(order), sweep.budget(order)
     smallest: tuple[tuple[int, int], SDPACase, PropertyFailure] | None = None
-    stopped, chunk, position = False, 1, 0
+    chunk, position = 1, 0
     while position < len(order):
-        if sweep.out_of_time():
-            stopped = True
+        if sweep.out_of_time():  # the safety limit (a hang guard); the reason says so
             break
         # Sizes still worth a call: only one smaller than the smallest failure can be reported.
         sizes = [(L, S) for L, S in order[position:position + chunk]
@@ -276,9 +277,8 @@ def _sweep(target: Target, sweep: Sweep) -> None:
                 smallest = ((L + S, L), *failure)
                 break
     lengths = "L = S" if target.caps.self_attention_lengths else "L, S"
-    sweep.record.reason = (f"visited {sweep.record.examples} of {len(order)} sizes ({lengths} in 1..{length}), "
-                           f"{len(layouts)} calls each" + (f"; stopped at the {BUDGET_S:g} s budget"
-                                                           if stopped else ""))
+    sweep.record.reason = (sweep.describe(total, f"sizes ({lengths} in 1..{length}), "
+                                             f"{len(layouts)} calls each"))
     if smallest is not None:
         (_, _), case, exc = smallest
         sweep.failing(case)

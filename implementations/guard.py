@@ -18,6 +18,16 @@ property failures). A guarded call
   mode, autocast or torch function/dispatch mode left over from an earlier call (a
   call that leaves one of those on retires its thread, and the next call gets a new
   one), see :class:`_CallThread`;
+* judges a hang by **what the machine gave the call**, not by the wall clock alone
+  (see :func:`guarded_call`, "Timeouts" in docs/DESIGN.md): the first call with a
+  ``warm_key`` (the first call into an implementation, of a dtype, on a device: it may
+  compile, autotune or initialise lazily) may take :data:`COMPILE_FACTOR` times the
+  timeout, and the time the call's thread spent waiting for a CPU that other processes
+  held (the run-queue wait the kernel reports in ``/proc/self/task/<tid>/schedstat``;
+  elsewhere, the load average above the CPU count) does not count against it, up to
+  :data:`MAX_STRETCH` times the limit in wall-clock time. A call that sleeps forever
+  times out after the limit; one that spins on a loaded machine after at most
+  ``MAX_STRETCH`` times the limit;
 * **captures every exception** the call raises, ``SystemExit`` included, as
   :class:`CallRaised` (``KeyboardInterrupt`` still stops the run);
 * **restores the global state the suite's own arithmetic depends on** when the call
@@ -40,10 +50,12 @@ library, NumPy, and torch when torch is already imported.
 from __future__ import annotations
 
 import contextvars
+import os
 import queue
 import random
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,12 +64,19 @@ import numpy as np
 
 __all__ = [
     "CALL_THREAD_NAME",
+    "COMPILE_FACTOR",
+    "MAX_STRETCH",
+    "CpuWait",
+    "overdue_wait",
     "CallRaised",
     "CallTimedOut",
     "GlobalState",
     "GuardedCallFailed",
     "guarded_call",
+    "first_call_limit",
+    "judge",
     "leftover_threads",
+    "slow_first_calls",
     "summarise",
 ]
 
@@ -77,12 +96,116 @@ class CallRaised(GuardedCallFailed):
         super().__init__(summarise(error))
 
 
-class CallTimedOut(GuardedCallFailed):
-    """The call did not return within ``timeout`` seconds (its thread is left running)."""
+#: The first call with a ``warm_key`` may take this many times the timeout: it may
+#: compile (JIT, autotuning, lazy initialisation); 5 x the default 60 s is 300 s, the
+#: time an import or a build may take (``implementations.registry.probing.BUILD_TIMEOUT``).
+COMPILE_FACTOR = 5.0
+#: A loaded machine may stretch a call's limit to at most this many times in wall-clock
+#: time (the CPU time other processes took from the call is not counted against it).
+MAX_STRETCH = 4.0
+#: Seconds above its timeout a first call took, by ``warm_key`` (see :func:`slow_first_calls`).
+_slow_first: dict[Any, float] = {}
+_warm: set[Any] = set()
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        super().__init__(f"did not return within {timeout:g}s")
+
+class CallTimedOut(GuardedCallFailed):
+    """The call did not return within its limit (its thread is left running).
+
+    ``timeout``: the timeout asked for; ``limit``: the seconds it was given (a first
+    call's compile allowance, ``COMPILE_FACTOR`` x ``timeout``); ``waited``: seconds its
+    thread waited for a CPU held by other processes, not counted; ``seconds``: the
+    wall-clock time it ran. The message says each of these that applied."""
+
+    def __init__(self, timeout: float, *, limit: float | None = None, first: bool = False,
+                 waited: float = 0.0, seconds: float | None = None) -> None:
+        self.timeout, self.first, self.waited = timeout, first, waited
+        self.limit = timeout if limit is None else limit
+        self.seconds = self.limit + waited if seconds is None else seconds
+        notes = []
+        if first:
+            notes.append(f"its first call: {COMPILE_FACTOR:g} x the {timeout:g}s timeout allowed "
+                         "for compilation and lazy initialisation")
+        if waited >= 0.05 * self.limit:
+            notes.append(f"{self.seconds:.1f}s of wall-clock time, {waited:.1f}s of it waiting for a "
+                         "CPU that other processes held, not counted")
+        detail = f" ({'; '.join(notes)})" if notes else ""
+        super().__init__(f"did not return within {self.limit:g}s{detail}")
+
+
+class CpuWait:
+    """Seconds a call's threads have waited, runnable, for a CPU other processes held,
+    since ``since`` (the call's start): the kernel's run-queue wait
+    (``/proc/<pid>/task/<tid>/schedstat``, its second field), the largest over the
+    threads watched (``tid``: that one thread; None: every thread of ``pid``), observed
+    from when this is made, and before that extrapolated at the rate observed since.
+    Made only once a call is overdue, so a call that returns in time costs no read of
+    ``/proc`` (26 us, a third of a tiny guarded call). Where the kernel does not report
+    it, an estimate from the load average: of the wall time, the share by which the
+    load oversubscribes the CPUs this process may use."""
+
+    def __init__(self, pid: int | None = None, tid: int | None = None,
+                 since: float | None = None) -> None:
+        self.pid, self.tid = pid or os.getpid(), tid
+        self.started = time.monotonic()
+        self.since = self.started if since is None else min(since, self.started)
+        self.base = self._read()
+
+    def _read(self) -> dict[int, int] | None:
+        task = f"/proc/{self.pid}/task"
+        try:
+            tids = [self.tid] if self.tid is not None else [int(t) for t in os.listdir(task)]
+            out = {}
+            for tid in tids:
+                try:
+                    with open(f"{task}/{tid}/schedstat") as f:
+                        out[tid] = int(f.read().split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+            return out or None
+        except (OSError, ValueError):
+            return None
+
+    def waited(self) -> float:
+        now, read = time.monotonic(), self._read()
+        if self.base is not None and read is not None:
+            observed = max([(ns - self.base.get(tid, ns)) / 1e9 for tid, ns in read.items()], default=0.0)
+            span = now - self.started
+            rate = min(1.0, observed / span) if span > 0 else 0.0
+            return observed + rate * (self.started - self.since)
+        try:  # no schedstat: the load average above the CPUs this process may use
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            oversubscribed = max(0.0, 1.0 - (cpus or 1) / max(os.getloadavg()[0], 1e-9))
+        except (OSError, AttributeError):
+            return 0.0
+        return oversubscribed * (now - self.since)
+
+
+def overdue_wait(limit: float) -> float:
+    """Seconds an overdue call is watched before it is judged (how long the machine keeps
+    it waiting is measured over them): a tenth of its limit, 20 ms at least."""
+    return max(0.02, 0.1 * limit)
+
+
+def judge(limit: float, elapsed: float, waited: float) -> float:
+    """Seconds more a call that has run ``elapsed`` seconds, ``waited`` of them waiting
+    for a CPU, may run under ``limit`` (0: it timed out): ``elapsed - waited`` may reach
+    ``limit``, ``elapsed`` may reach ``MAX_STRETCH`` x ``limit``."""
+    return max(0.0, min(limit - (elapsed - waited), MAX_STRETCH * limit - elapsed))
+
+
+def slow_first_calls() -> dict[Any, float]:
+    """``warm_key`` -> seconds, of every first call that took longer than its timeout
+    (and passed only because of the compile allowance), in this process."""
+    return dict(_slow_first)
+
+
+def first_call_limit(timeout: float, warm_key: Any) -> tuple[float, bool]:
+    """The limit of the next call with ``warm_key`` under ``timeout`` and whether it is
+    a first call (then the key is warm from now on, whatever the call does)."""
+    if warm_key is None or warm_key in _warm:
+        return timeout, False
+    _warm.add(warm_key)
+    return COMPILE_FACTOR * timeout, True
 
 
 def summarise(exc: BaseException) -> str:
@@ -197,6 +320,7 @@ class _CallThread(threading.Thread):
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Lock]] = queue.SimpleQueue()
         self.busy = False
         self.retired = False
+        self.tid: int | None = None  # the kernel's id of the thread (its schedstat)
 
     def submit(self, job: Callable[[], None]) -> threading.Lock:
         done = threading.Lock()
@@ -206,6 +330,7 @@ class _CallThread(threading.Thread):
         return done
 
     def run(self) -> None:
+        self.tid = threading.get_native_id()
         while True:
             job, done = self._jobs.get()
             clean = False
@@ -243,13 +368,17 @@ def _return_call_thread(thread: _CallThread) -> None:
 
 
 def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng: bool = False,
-                 **kwargs: Any) -> Any:
+                 warm_key: Any = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under the guard (see the module docstring).
 
     Returns what ``fn`` returns; raises :class:`CallRaised` (``.error`` is the
     exception, chained as the cause) or :class:`CallTimedOut`. ``timeout``: seconds,
     ``0``/``None`` for no limit (the call then runs in the caller's thread); ``rng``:
-    restore the random generators afterwards too. A ``KeyboardInterrupt`` the call
+    restore the random generators afterwards too; ``warm_key``: what the call's first
+    call is the first of (an implementation, a dtype, a device): the first call with a
+    key gets ``COMPILE_FACTOR`` x ``timeout``. The time the call's thread waits for a
+    CPU other processes hold is not counted, up to ``MAX_STRETCH`` x the limit in
+    wall-clock time (:class:`CpuWait`, :func:`judge`). A ``KeyboardInterrupt`` the call
     raises is raised again in the caller.
     """
     state = GlobalState.capture(rng=rng)
@@ -271,9 +400,26 @@ def guarded_call(fn: Callable[..., Any], *args: Any, timeout: float | None, rng:
                 state.enter_thread()
                 context.run(run)
 
+            limit, first = first_call_limit(timeout, warm_key)
             worker = _take_call_thread()
-            if not worker.submit(in_thread).acquire(timeout=timeout):
-                raise CallTimedOut(timeout)
+            started = time.monotonic()
+            done = worker.submit(in_thread)
+            remaining, wait = limit, None
+            while not done.acquire(timeout=remaining):
+                elapsed = time.monotonic() - started
+                if wait is None:  # overdue: measure how long the machine keeps it waiting
+                    wait = CpuWait(tid=worker.tid, since=started)
+                    remaining = min(overdue_wait(limit), max(0.0, MAX_STRETCH * limit - elapsed))
+                    if remaining > 0:
+                        continue
+                waited = wait.waited()
+                remaining = judge(limit, elapsed, waited)
+                if remaining <= 0:
+                    raise CallTimedOut(timeout, limit=limit, first=first, waited=waited, seconds=elapsed)
+                remaining = max(remaining, 0.01)
+            seconds = time.monotonic() - started
+            if first and seconds > timeout:
+                _slow_first[warm_key] = seconds
             _return_call_thread(worker)
         else:
             run()

@@ -57,15 +57,26 @@ class _Prober:
         self.origin, self.timeout = origin, timeout
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        # The first probe call is the first call into the implementation: it may compile
+        # (guard.COMPILE_FACTOR x the timeout); a slow one is noted in ``slow_first_call``.
+        import time
+
+        from implementations.guard import COMPILE_FACTOR
+
+        started = time.monotonic()
         try:
-            return guarded_call(fn, timeout=self.timeout, rng=True)
-        except CallTimedOut:
+            return guarded_call(fn, timeout=self.timeout, rng=True, warm_key=self.__dict__.setdefault("_warm_key", ("probe", self.origin, object())))
+        except CallTimedOut as exc:
             raise ImplementationError(
-                f"{self.origin}: probing {what} did not return within {self.timeout:g}s "
-                "(--example-timeout); fix the hang, or skip probing by declaring the "
-                "capabilities yourself with implementations.Implementation(..., "
-                "capabilities=Capabilities(...))"
+                f"{self.origin}: probing {what} {exc} (--example-timeout); fix the hang, or "
+                "skip probing by declaring the capabilities yourself with "
+                "implementations.Implementation(..., capabilities=Capabilities(...))"
             ) from None
+        finally:
+            seconds = time.monotonic() - started
+            if self.timeout and not getattr(self, "slow_first_call", "") and seconds > self.timeout:
+                self.slow_first_call = (f"first call took {seconds:.0f} s: compile time allowed "
+                                        f"(up to {COMPILE_FACTOR:g} x --example-timeout)")
 
     def tried(self, what: str, fn: Callable[[], Any]) -> str | None:
         """None when ``fn()`` returns (and not False), else what it did, for a note

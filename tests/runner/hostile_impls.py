@@ -184,3 +184,17 @@ def _first_time_wrong(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
 
 #: Wrong the first time it sees an input, right afterwards: Hypothesis calls it flaky.
 first_time_wrong = Implementation(name="first-time-wrong", capabilities=_caps, sdpa=_first_time_wrong)
+
+
+_first_calls = [0]
+
+
+def _slow_first(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    _first_calls[0] += 1
+    if _first_calls[0] == 1:
+        time.sleep(2.5)  # compiles on its first call
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+#: Correct; its first call takes 2.5 s (as a JIT compiling on its first call would).
+slow_first = Implementation(name="slow-first", capabilities=_caps, sdpa=_slow_first)

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from conformance.test_sdpa_sweep import EDGE_LENGTHS, length_order, size_order
+from conformance.sweep import Sweep, sweep_property
+from conformance.test_sdpa_sweep import EDGE_LENGTHS, SIZES, length_order, size_order
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_tests.py"
@@ -61,7 +63,9 @@ def test_the_correct_computation_passes_every_size(tmp_path):
     for dtype in DTYPES:
         r = results[dtype]
         assert r["outcome"] == "passed" and 0 <= r["worst_ratio"] < 1, (dtype, r)
-        assert r["examples"] > 0 and f"visited {r['examples']} of 1089 sizes" in r["reason"]
+        # A count, not what fits in a time: the ci profile's sizes on any machine.
+        assert r["examples"] == SIZES["ci"] and f"visited {SIZES['ci']} of 1089 sizes" in r["reason"]
+        assert f"the ci profile's first {SIZES['ci']}" in r["reason"]
 
 
 def test_an_isolated_implementation_is_swept_in_its_worker(tmp_path):
@@ -70,7 +74,7 @@ def test_an_isolated_implementation_is_swept_in_its_worker(tmp_path):
     and its saved case replays (in a worker too)."""
     proc, results = sweep("math_impl", tmp_path, "--isolate=always", "--dtype=float64")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert results["float64"]["outcome"] == "passed" and results["float64"]["examples"] == 33 * 33
+    assert results["float64"]["outcome"] == "passed" and results["float64"]["examples"] == SIZES["ci"]
     proc, results = sweep("scaled_at_one_size_impl", tmp_path, "--isolate=always", "--dtype=float32")
     assert proc.returncode == 1, proc.stdout[-3000:]
     r = results["float32"]
@@ -78,3 +82,31 @@ def test_an_isolated_implementation_is_swept_in_its_worker(tmp_path):
     assert "smallest failing size of the sweep: L=7, S=13" in proc.stdout
     again, _ = sweep("scaled_at_one_size_impl", tmp_path, "--isolate=always", f"--replay={r['failure_file']}")
     assert again.returncode == 1 and "1 failed" in again.stdout, again.stdout[-3000:]
+
+
+def test_the_profiles_counts_cover_the_block_edges_and_grow():
+    edges = len(EDGE_LENGTHS) ** 2
+    assert edges <= SIZES["ci"] <= SIZES["dev"] and SIZES["thorough"] is None
+    order = size_order(33)
+    assert set(order[:edges]) <= set(order[:SIZES["ci"]])
+
+
+def test_a_sweep_visits_its_profiles_count_and_says_when_the_safety_limit_stopped_it():
+    from conformance.runner import Record
+
+    record = Record("small_sizes_sweep", "sdpa", "float32", "cpu")
+    target = SimpleNamespace(impl=SimpleNamespace(expected_failures=()))
+    sweep = Sweep("small_sizes_sweep", target, record, 5, profile="ci", safety_s=0.0)
+    assert sweep.budget(list(range(10))) == [0, 1, 2, 3, 4]
+    assert sweep.out_of_time()  # a 0 s safety limit has passed
+    record.examples = 3
+    said = sweep.describe(10)
+    assert said.startswith("visited 3 of 10 sizes (the ci profile's first 5, block edges first)")
+    assert "stopped by the 0 s safety limit (a hang guard, not a budget" in said
+
+
+def test_sweep_sizes_are_checked():
+    with pytest.raises(ValueError, match="sizes must name the dev profile"):
+        sweep_property("x", level="sdpa", section="", check=lambda t, c: None, sizes={"ci": 5})
+    with pytest.raises(ValueError, match="count >= 1"):
+        sweep_property("x", level="sdpa", section="", check=lambda t, c: None, sizes={"dev": 0})
