@@ -19,12 +19,14 @@ every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
 modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
 (bugs that live at one (L, S) size); :mod:`.flash_mutants` (``flash_attn_func`` with
 one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-sequence
-and KV-cache bugs, at the varlen and kvcache levels).
+and KV-cache bugs, at the varlen and kvcache levels); :mod:`.learner_mutants` (hand-written
+modules with no adapter, each with a classic tutorial mistake, probed through the learner level).
 """
 
 from __future__ import annotations
 
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
+from implementations.mutants.learner_mutants import LEARNER_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
 from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
@@ -40,5 +42,6 @@ __all__ = ["MUTANTS", "Mutant"]
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
-              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS)
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
+              *LEARNER_MUTANTS)
 }

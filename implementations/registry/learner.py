@@ -221,7 +221,7 @@ def _make_learner_mha(plan: LearnerPlan):
             kwargs = {}
             mask = _merged_mask(key_padding_mask, attn_mask, B, self.num_heads, L, S, q.dtype)
             if mask is not None:
-                kwargs[plan.mask_arg] = _render_mask(plan, mask, q.dtype)
+                kwargs[plan.mask_arg] = _render_mask(plan, mask, (B, self.num_heads, L, S))
             if plan.inputs == "self":
                 if not (key is query or torch.equal(k, q)) or not (value is query or torch.equal(v, q)):
                     raise _Unsupported(f"{plan.cls.__name__} is self-attention only: forward takes one input")
@@ -288,18 +288,20 @@ def _merged_mask(key_padding_mask, attn_mask, B, H, L, S, dtype):
     return total
 
 
-def _render_mask(plan: LearnerPlan, additive, dtype):
+def _render_mask(plan: LearnerPlan, additive, sizes_bhls):
     """The merged additive (B|1, H|1, L|1, S) mask in the module's convention and in the
-    smallest accepted shape that holds it."""
+    smallest accepted shape that holds it (``sizes_bhls``: the call's B, H, L, S)."""
     import torch
 
-    B, H, L, S = additive.shape
+    B, H, L, S = sizes_bhls
     varies = {"B": B > 1 and not bool((additive == additive[:1]).all()),
               "H": H > 1 and not bool((additive == additive[:, :1]).all()),
               "L": L > 1 and not bool((additive == additive[:, :, :1]).all())}
     if plan.mask != "additive" and not bool((torch.isneginf(additive) | (additive == 0)).all()):
         raise _Unsupported(f"{plan.cls.__name__}'s mask is {plan.mask}: a float bias has no such form")
-    for shape in plan.mask_shapes:
+    # The smallest shape that holds the mask: key padding goes as (B, 1, 1, S) where the
+    # module takes it, so a convention the module reads differently there shows.
+    for shape in sorted(plan.mask_shapes, key=lambda s: sum(d in s for d in ("B", "H", "L"))):
         if (varies["B"] and "B" not in shape) or (varies["H"] and "H" not in shape) or \
                 (varies["L"] and "L" not in shape):
             continue
@@ -380,8 +382,10 @@ def is_learner_candidate(cls: type) -> bool:
 
 
 def _usage(origin: str, what: str, fix: str) -> ImplementationError:
-    return ImplementationError(f"{origin}: not recognised as a hand-written attention module: {what}; {fix} "
-                               "(or write an implementations.Implementation adapter)")
+    return ImplementationError(
+        f"{origin}: not recognised as a hand-written attention module: {what}; {fix}. It is not a drop-in "
+        "for torch.nn.MultiheadAttention either (__init__(embed_dim, num_heads, ...), forward(query, key, "
+        "value, key_padding_mask, need_weights, attn_mask, ...)); or write an implementations.Implementation")
 
 
 def _signature(fn: Any, origin: str) -> list[inspect.Parameter]:
@@ -495,7 +499,7 @@ def _projections(module: Any, D: int, cls: type, origin: str,
         o = next(n for n in square if n != q)
         return (("q", q), ("kv", fused2[0]), ("o", o)), "by name and shape (one fused k, v Linear of 2·d_model)"
     if len(square) == 4 and not fused2 and not fused3:
-        roles = {r: names[0] for r, names in by_role.items() if r in "qkvo" and r and len(names) == 1}
+        roles = {r: names[0] for r, names in by_role.items() if r in ("q", "k", "v", "o") and len(names) == 1}
         if set(roles) == {"q", "k", "v", "o"}:
             return tuple((r, roles[r]) for r in "qkvo"), "by name"
         return tuple(zip("qkvo", square, strict=True)), "in definition order, assumed q, k, v, o"
@@ -707,11 +711,7 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
             if shape in found:
                 break
     if not found:
-        tried = "keep, blocked, additive" if "learner_mask" not in options else options["learner_mask"]
-        return replace(plan, mask=None, mask_how=(
-            f"no convention ({tried}) in any shape made a query row that is left one key attend only it "
-            f"(shapes tried: {', '.join(_shape_text(s) for s in _SHAPES)}); masks are not certified "
-            "(--impl-option learner_mask=keep|blocked|additive sets the convention)"))
+        return _assumed_mask(probe, plan, module, x, options)
     first = next(iter(found))
     convention, dtype = found[first]
     disagree = [s for s, (c, _) in found.items() if c != convention]
@@ -719,19 +719,57 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
              "additive": "additive (0 = keep, -inf = blocked)"}[convention]
     how = f"{words}{' as ' + dtype if dtype == 'long' else ''} ({'--impl-option learner_mask' if 'learner_mask' in options else 'probed'})"
     if disagree:
-        how += (f"; shapes {', '.join(_shape_text(s) for s in disagree)} read the other way, and are certified "
-                "as the module treats them")
+        how += (f"; but shapes {', '.join(_shape_text(s) for s in disagree)} read the other way (inconsistent): "
+                "the suite hands them over in this convention too, so the inconsistency fails")
     return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(found), mask_how=how)
+
+
+def _assumed_mask(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
+    """No convention passed the probe (the module may have a mistake that breaks it):
+    assume the most common one (1 = keep, or ``learner_mask``) in the shapes where a mask
+    of it runs and changes the output, and say so; none: masks are not certified."""
+    convention = options.get("learner_mask", "keep")
+    dtype = "float" if convention == "additive" else "bool"
+    plain = probe.value("a plain call", lambda: _raw(module, plan, x))
+    shapes = []
+    for shape in _SHAPES:
+        keep = _keep_pattern(shape, per_row=True)
+        tensor = _convention_tensor(keep, convention, dtype)
+        got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
+        if got is not None and tuple(got.shape) == (_B, _L, _D) and plain is not None and \
+                not bool(torch_allclose(got, plain)):
+            shapes.append(shape)
+    tried = "keep, blocked, additive" if "learner_mask" not in options else options["learner_mask"]
+    if not shapes:
+        return replace(plan, mask=None, mask_how=(
+            f"no convention ({tried}) in any shape made a query row that is left one key attend only it, "
+            f"and no {convention} mask changed the output (shapes tried: "
+            f"{', '.join(_shape_text(s) for s in _SHAPES)}); masks are not certified "
+            "(--impl-option learner_mask=keep|blocked|additive sets the convention)"))
+    words = {"keep": "1/True = keep", "blocked": "True = blocked", "additive": "additive"}[convention]
+    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(shapes), mask_how=(
+        f"{words} ASSUMED: no convention ({tried}) made a query row that is left one key attend only it, "
+        "which a correct module does whatever its convention, so the module's attention itself is "
+        "suspect (see the failures); --impl-option learner_mask=keep|blocked|additive sets it"))
+
+
+def torch_allclose(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True))
 
 
 def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> tuple[str, str]:
     import torch
 
     if plan.mask is None:
-        return "unspecified", "no mask"
+        return "unspecified", "nothing certified (no mask is certified)"
     blocked = torch.zeros(_B, _L, dtype=torch.bool)
     blocked[0] = True
     xs = x.double().numpy()
+    # Probed in the shape that fixed the convention (the first one found), so that a
+    # shape the module reads the other way does not change the declaration.
+    plan = replace(plan, mask_shapes=plan.mask_shapes[:1])
     got = probe.value("a fully-masked row", lambda: _build(plan, params, batch_first=True)(
         x, x, x, key_padding_mask=blocked, need_weights=False)[0])
     if got is None:
