@@ -22,13 +22,15 @@ one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-se
 and KV-cache bugs, at the varlen and kvcache levels); :mod:`.contract_mutants` (bare
 functions resolved through recognition and probing, whose bug a behaviour-driven probe
 used to turn into a declaration; its ``CONTRACT_CONTROLS`` declare a non-default
-convention and must pass).
+convention and must pass); :mod:`.learner_mutants` (hand-written modules with no adapter,
+each with a classic tutorial mistake, probed through the learner level).
 """
 
 from __future__ import annotations
 
 from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
+from implementations.mutants.learner_mutants import LEARNER_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
 from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
@@ -45,5 +47,5 @@ MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
               *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
-              *CONTRACT_MUTANTS)
+              *CONTRACT_MUTANTS, *LEARNER_MUTANTS)
 }

@@ -213,6 +213,10 @@ def mha_call(case: dict, seed: int = 0) -> MHACall:
         query, key, value = randn(L, D), randn(S, D), randn(S, D)
     else:
         query, key, value = randn(L, B, D), randn(S, B, D), randn(S, B, D)
+    if case.get("self_attention"):  # one input as query, key and value (L = S)
+        if L != S:
+            raise ValueError(f"self_attention=True needs L = S, got L={L}, S={S}")
+        key = value = query
     padding = _mha_mask(case.get("key_padding_mask"), (B, S), g)
     if unbatched and padding is not None:
         padding = padding[0]                                                    # (S,)

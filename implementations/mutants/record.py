@@ -27,7 +27,8 @@ vocabulary that ``tests/mutants/test_mutant_records.py`` turns into tensors:
   ``"float"`` (randn), ``"causal_bool"``; ``is_causal``, ``need_weights``,
   ``average_attn_weights``, ``dropout`` (module p), ``training`` (default False;
   with ``dropout`` the mean over many calls is compared), ``unbatched`` (2-D
-  (L, D) inputs, B = 1);
+  (L, D) inputs, B = 1), ``self_attention`` (one input as query, key and value, L = S:
+  modules that take one input);
 * ``expect: "raise"``: the correct behaviour is an error (invalid input).
 """
 

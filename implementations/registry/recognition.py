@@ -37,6 +37,7 @@ from implementations.registry.flash_recognition import (
     is_flash_signature,
     recognise_flash,
 )
+from implementations.registry.learner import is_learner_candidate, recognise_learner
 from implementations.registry.probing import (
     DEFAULT_PROBE_TIMEOUT,
     build_limit,
@@ -213,6 +214,8 @@ def _recognise_class(cls: type, *, name: str, origin: str, timeout: float | None
     missing_init = [n for n in ("embed_dim", "num_heads") if n not in init]
     missing_forward = [n for n in MHA_FORWARD_PARAMETERS if n not in forward]
     if missing_init or missing_forward:
+        if is_learner_candidate(cls):  # a hand-written module: the learner level reads it
+            return recognise_learner(cls, name=name, origin=origin, timeout=timeout)
         raise ImplementationError(
             f"{origin} is the class {cls.__name__}({', '.join(init)}) with forward"
             f"({', '.join(forward) or 'missing'}), which is not a drop-in for "

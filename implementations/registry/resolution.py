@@ -46,6 +46,7 @@ from implementations.registry.options import (
     derived_flash_wanted,
 )
 from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit
+from implementations.registry.learner import learner_options, split_learner_options
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
 
 __all__ = ["ACCEPTED", "ENTRY_POINT_GROUP", "registered", "resolve"]
@@ -103,8 +104,14 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     if not isinstance(spec, str) or not spec.strip():
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
+    learner, options = split_learner_options(options)
     wanted = derived_flash_wanted(options)
-    impl = _resolve(spec, timeout)
+    with learner_options(learner) as held:
+        impl = _resolve(spec, timeout)
+    if learner and "_used" not in held:
+        raise ImplementationError(
+            f"--impl-option {', '.join(learner)}: learner options apply to a hand-written attention module "
+            f"class (not an nn.MultiheadAttention drop-in), and --impl={spec!r} is not one")
     derived = wanted if wanted is not None else not impl.capabilities.jit
     capability_options = {k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION}
     if capability_options:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -54,6 +54,7 @@ class _Steps:
     merge: str = "transpose"                             # or "view": reshape(B, L, D)
     out_proj: bool = True
     heads: str = "mean"                                  # weights averaged with "mean" or "sum"
+    softmax_axis: str = "keys"                           # or "queries": normalised over the L axis
     fully_masked: str | None = None                      # None: the declared policy
 
 
@@ -148,6 +149,8 @@ def _forward(p: MHAProblem, steps: _Steps) -> VariantResult:
     with np.errstate(invalid="ignore"):
         result = sdpa(heads.query, heads.key, heads.value, additive_mask=heads.additive, scale=scale,
                       fully_masked=steps.fully_masked or _policy(p))
+    if steps.softmax_axis == "queries":
+        result = _softmax_over_queries(heads, scale)
     # 7. merge heads and project out                            (B, N, L, hd) -> (B, L, D)
     output = _merge(result.output, steps.merge)
     if steps.out_proj:
@@ -165,6 +168,25 @@ def _forward(p: MHAProblem, steps: _Steps) -> VariantResult:
     if p.average_attn_weights:
         weights = weights.sum(axis=1) if steps.heads == "sum" else weights.mean(axis=1)
     return VariantResult(output, weights if heads.batched else weights[0])
+
+
+class _Attended(NamedTuple):
+    output: np.ndarray
+    weights: np.ndarray
+
+
+def _softmax_over_queries(heads: _Heads, scale: float | None) -> _Attended:
+    """Attention whose softmax runs over the query axis: each key's column of weights sums
+    to 1 over the queries (a column every query blocks gets weight 0)."""
+    E = heads.query.shape[-1]
+    scores = heads.query @ np.swapaxes(heads.key, -1, -2) * (1.0 / math.sqrt(E) if scale is None else scale)
+    if heads.additive is not None:
+        scores = scores + heads.additive
+    dead = np.isneginf(scores).all(axis=-2, keepdims=True)
+    scores = np.where(dead, 0.0, scores)
+    shifted = np.exp(scores - scores.max(axis=-2, keepdims=True))
+    weights = np.where(dead, 0.0, shifted / shifted.sum(axis=-2, keepdims=True))
+    return _Attended(weights @ heads.value, weights)
 
 
 def _blocked_rows(p: MHAProblem) -> np.ndarray:
@@ -239,6 +261,11 @@ def _table() -> list[Variant]:
              summary="heads are merged from (B, N, L, hd) straight into (B, L, D) without the transpose",
              models="a reshape where transpose(1, 2).reshape is meant (bug zoo: mha_merge_without_transpose)",
              applies=lambda p: p.params.num_heads > 1 and _length(p, p.query) > 1, compute=steps(merge="view")),
+        dict(id="mha_softmax_over_queries",
+             summary="the softmax runs over the query axis (dim=-2): each key's weights sum to 1 over the "
+                     "queries instead of each query's over the keys",
+             models="softmax(scores, dim=-2) in a hand-written module (bug zoo: learner_softmax_over_queries)",
+             applies=lambda p: max(_length(p, p.query), _key_count(p)) > 1, compute=steps(softmax_axis="queries")),
         dict(id="mha_no_out_proj", summary="the output projection out_proj is never applied",
              models="a hand-written module returning the merged heads (bug zoo: mha_no_out_proj)",
              applies=lambda p: True, compute=steps(out_proj=False)),

@@ -64,34 +64,38 @@ def test_mha_dropin_example(batch_first):
 
 
 def test_learner_module_example():
-    impl = registry.resolve(f"{EXAMPLES / 'learner_module.py'}:implementation")
-    assert impl.name == "learner-self-attention" and impl.mha is not None
-    assert "cross_attention" not in impl.caps("mha").mha_features
+    """The learner's class resolves with no adapter: the learner level reads and probes it."""
+    impl = registry.resolve(f"{EXAMPLES / 'learner_module.py'}:SelfAttention")
+    caps = impl.caps("mha")
+    assert impl.mha is not None and "cross_attention" not in caps.mha_features
+    assert {"key_padding_mask", "batch_first", "unbatched"} <= caps.mha_features
+    assert caps.fully_masked == "zero"
+    notes = " ".join(caps.probe_notes)
+    assert "w_q, w_k, w_v, w_o" in notes and "1/True = keep" in notes and "forward(x, mask)" in notes
     rng = np.random.default_rng(2)
     params = spec.MHAParams.random(rng, 8, 2)
     x = rng.standard_normal((4, 2, 8))  # (L, B, D), self-attention
-    causal_blocked = ~np.tril(np.ones((4, 4), dtype=bool))  # MHA convention: True = blocked
-    kpm = np.array([[False, False, False, True], [False, False, False, False]])
+    kpm = np.array([[False, False, False, True], [True, True, True, True]])  # item 1: every key padded
     module = impl.mha(8, 2, dtype=torch.float64)
     impl.load_weights(module, params)
     t = torch.from_numpy
-    got, _ = module(t(x), t(x), t(x), key_padding_mask=t(kpm), attn_mask=t(causal_blocked), is_causal=True)
-    expected, _ = spec.mha_forward(params, x, x, x, key_padding_mask=kpm, attn_mask=causal_blocked, is_causal=True)
+    got, _ = module(t(x), t(x), t(x), key_padding_mask=t(kpm))
+    expected, _ = spec.mha_forward(params, x, x, x, key_padding_mask=kpm)
     np.testing.assert_allclose(got.detach().numpy(), expected, atol=1e-12)
-    # a float 0/-inf mask means the same as the bool mask
-    float_mask = np.where(causal_blocked, -np.inf, 0.0)
-    got_float, _ = module(t(x), t(x), t(x), attn_mask=t(float_mask))
-    expected, _ = spec.mha_forward(params, x, x, x, attn_mask=causal_blocked)
+    # a float 0/-inf key padding mask means the same as the bool one
+    got_float, _ = module(t(x), t(x), t(x), key_padding_mask=t(np.where(kpm, -np.inf, 0.0)))
     np.testing.assert_allclose(got_float.detach().numpy(), expected, atol=1e-12)
 
 
 def test_learner_module_refuses_what_it_cannot_do():
-    impl = registry.resolve(f"{EXAMPLES / 'learner_module.py'}:implementation")
+    impl = registry.resolve(f"{EXAMPLES / 'learner_module.py'}:SelfAttention")
     module = impl.mha(8, 2)
     x, other = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     with pytest.raises(NotImplementedError, match="self-attention only"):
         module(x, other, other)
-    with pytest.raises(NotImplementedError, match="0/-inf"):
+    with pytest.raises(NotImplementedError, match="float bias"):
         module(x, x, x, attn_mask=torch.randn(4, 4))
     with pytest.raises(NotImplementedError):
         impl.mha(8, 2, add_bias_kv=True)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        impl.mha(8, 2, dropout=0.1)

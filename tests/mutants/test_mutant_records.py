@@ -324,7 +324,11 @@ def test_capabilities_are_the_bases(name):
         assert {caps.source(f) for f in ("causal", "shared_kv")} <= {"contract", "declared"}
         assert caps.probe_notes, "the probe saw nothing of the bug"
         return
-    if name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
+    if name.startswith("learner_"):  # probed through the learner level: its correct module's claims
+        from implementations.mutants.learner_mutants import control_of
+
+        caps, base = caps.replace(probe_notes=()), control_of(name).capabilities.replace(probe_notes=())
+    elif name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
         from implementations.builtins.triton_attention import make_implementation
 
         base = make_implementation().capabilities

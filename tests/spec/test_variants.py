@@ -171,6 +171,7 @@ MHA_CASES: dict[str, Callable[[], V.MHAProblem]] = {
     "mha_fully_masked_nan": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
     "mha_fully_masked_uniform": lambda: mha_problem(2, key_padding_mask=padding(all_of_item=1)),
     "mha_weights_summed_over_heads": lambda: mha_problem(1),
+    "mha_softmax_over_queries": lambda: mha_problem(1),
 }
 
 CASES = {**SDPA_CASES, **MHA_CASES}
@@ -218,7 +219,7 @@ def test_table_is_well_formed():
                 "mha_scale_model_dim", "mha_heads_split_without_transpose",
                 "mha_heads_merged_without_transpose", "mha_no_out_proj", "mha_mask_inverted",
                 "mha_padding_mask_on_queries", "mha_weights_summed_over_heads", "mha_dropout_in_eval",
-                "mha_batch_first_ignored", "mha_packed_projection_order"}
+                "mha_batch_first_ignored", "mha_packed_projection_order", "mha_softmax_over_queries"}
     assert required <= set(V.VARIANTS)
     assert V.lookup("fully_masked_mean") is V.VARIANTS["fully_masked_uniform"]
     with pytest.raises(spec.SpecError, match="name="):
@@ -824,6 +825,35 @@ def test_mha_variants_against_reformulations():
                                V.reference(V.MHAProblem(identity, p.query, p.key, p.value)).output, rtol=1e-12)
 
 
+def test_softmax_over_queries_against_a_loop():
+    """Each key's column of weights sums to 1 over the queries; a column every query
+    blocks gets weight 0 (here key 2 of batch item 0 is padding)."""
+    kpm = np.zeros((2, 4), dtype=bool)
+    kpm[0, 2] = True
+    p = mha_problem(35, L=3, S=4, key_padding_mask=kpm)
+    params, N, D = p.params, p.params.num_heads, p.params.embed_dim
+    hd = D // N
+    w_q, w_k, w_v = np.split(params.in_proj_weight, 3)
+    b_q, b_k, b_v = np.split(params.in_proj_bias, 3)
+    expected = np.zeros((3, 2, D))
+    for b in range(2):
+        q, k, v = p.query[:, b] @ w_q.T + b_q, p.key[:, b] @ w_k.T + b_k, p.value[:, b] @ w_v.T + b_v
+        heads = []
+        for n in range(N):
+            cols = slice(n * hd, (n + 1) * hd)
+            weights = np.zeros((3, 4))
+            for s_ in range(4):
+                if kpm[b, s_]:
+                    continue
+                column = [math.exp(float(q[t, cols] @ k[s_, cols]) / math.sqrt(hd)) for t in range(3)]
+                weights[:, s_] = np.array(column) / sum(column)
+            heads.append(weights @ v[:, cols])
+        expected[:, b] = np.concatenate(heads, axis=-1) @ params.out_proj_weight.T + params.out_proj_bias
+    got = V.VARIANTS["mha_softmax_over_queries"].compute(p)
+    np.testing.assert_allclose(got.output, expected, rtol=1e-12)
+    assert not np.allclose(got.output, V.reference(p).output)
+
+
 def test_mha_mask_variants_against_reformulations():
     blocked = causal_blocked()
     p = mha_problem(33, attn_mask=blocked)
@@ -989,6 +1019,30 @@ def run_mutant(name: str, problem):
                                     average_attn_weights=problem.average_attn_weights,
                                     is_causal=problem.is_causal)
     return output.detach().numpy(), (None if weights is None else weights.detach().numpy())
+
+
+#: Learner-level mutants (self-attention modules with no adapter) -> their variant.
+LEARNER_ZOO = {
+    "learner_scale_d_model": "mha_scale_model_dim",
+    "learner_view_without_transpose": "mha_heads_split_without_transpose",
+    "learner_softmax_over_queries": "mha_softmax_over_queries",
+    "learner_padding_mask_inverted": "mha_padding_mask_inverted",
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(LEARNER_ZOO))
+def test_learner_mutants_are_explained_by_their_variant(mutant):
+    """Through the learner level (probed conventions, no adapter) each classic mistake
+    is still named: the probes did not absorb it."""
+    variant_id = LEARNER_ZOO[mutant]
+    base = mha_problem(36, B=2, N=2, L=3, S=3, D=4)
+    kpm = padding(2, 3) if variant_id == "mha_padding_mask_inverted" else None
+    problem = V.MHAProblem(base.params, base.query, base.query, base.query, key_padding_mask=kpm,
+                           fully_masked="zero")
+    matches = V.rank(run_mutant(mutant, problem), problem)
+    assert matches, mutant
+    best = {m.variant_id for m in matches if m.fit == matches[0].fit}
+    assert variant_id in best and best - {variant_id} <= TIES.get(variant_id, set()), matches
 
 
 @pytest.mark.parametrize("mutant", sorted(ZOO))

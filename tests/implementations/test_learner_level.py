@@ -1,0 +1,78 @@
+"""The learner level: tutorial-style modules certify with no adapter, and the probes
+choose conventions without absorbing the classic mistakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from implementations import ImplementationError, registry
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = "tests/implementations/learner_modules/tutorial_modules.py"
+CONTROLS = ["KeepMaskAttention", "AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "CrossAttention",
+            "GPTStyleAttention", "PerHeadFusedAttention", "SDPAAttention"]
+
+
+def _certify(impl: str, tmp_path: Path) -> dict:
+    report = tmp_path / "cert"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", "--hypothesis-profile=ci",
+                    "-q", "-k", "mha", "--dtype", "float64,float32", f"--conformance-report={report}"],
+                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return json.loads(Path(f"{report}.json").read_text())
+
+
+@pytest.mark.parametrize("name", CONTROLS)
+def test_tutorial_module_certifies_with_no_adapter(name, tmp_path):
+    cert = _certify(f"{MODULES}:{name}", tmp_path)
+    outcomes = {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}
+    assert "failed" not in outcomes.values() and "error" not in outcomes.values(), outcomes
+    assert outcomes["mha_agreement-float64"] == "passed" and outcomes["mha_agreement-float32"] == "passed"
+
+
+@pytest.mark.parametrize("name, cause", [("learner_scale_d_model", "mha_scale_model_dim"),
+                                         ("learner_softmax_over_queries", "mha_softmax_over_queries")])
+def test_classic_mistake_fails_with_its_cause(name, cause, tmp_path):
+    cert = _certify(f"mutant:{name}", tmp_path)
+    failed = [r for r in cert["results"] if r["outcome"] == "failed"]
+    assert any(r["property"] == "mha_agreement" for r in failed)
+    assert cause in {c["variant"] for c in cert["causes"]}
+
+
+def test_probed_conventions_are_on_the_notes():
+    caps = registry.resolve(f"{MODULES}:FusedBlockedAttention").caps("mha")
+    notes = " ".join(caps.probe_notes)
+    assert "qkv, proj" in notes and "True = blocked" in notes and "(B, S)" in notes
+    assert {"need_weights", "per_head_weights", "key_padding_mask"} <= caps.mha_features
+    assert "attn_mask" not in caps.mha_features and "cross_attention" not in caps.mha_features
+    annotated = registry.resolve(f"{MODULES}:AnnotatedMultiHeadedAttention").caps("mha")
+    assert {"attn_mask", "is_causal", "cross_attention"} <= annotated.mha_features
+    assert "heads first" in annotated.probe_notes[0] and "definition order" in annotated.probe_notes[0]
+
+
+def test_learner_options_are_validated_and_override():
+    with pytest.raises(ImplementationError, match="learner_fused"):
+        registry.resolve(f"{MODULES}:GPTStyleAttention", {"learner_fused": "nonsense"})
+    with pytest.raises(ImplementationError, match="valid: learner_mask"):
+        registry.resolve(f"{MODULES}:GPTStyleAttention", {"learner_colour": "red"})
+    with pytest.raises(ImplementationError, match="apply to a hand-written"):
+        registry.resolve("torch-mha", {"learner_mask": "keep"})
+    impl = registry.resolve(f"{MODULES}:GPTStyleAttention", {"learner_fused": "kqv"})
+    assert impl.mha.plan.fused == "kqv" and "learner_fused" in impl.caps("mha").probe_notes[0]
+
+
+def test_unusual_module_is_a_one_line_usage_error(tmp_path):
+    path = tmp_path / "odd.py"
+    path.write_text("import torch.nn as nn\n\nclass Odd(nn.Module):\n    def __init__(self, d_model, n_heads):\n"
+                    "        super().__init__()\n        self.a = nn.Linear(d_model, d_model)\n\n"
+                    "    def forward(self, x, mask=None):\n        return self.a(x)\n")
+    with pytest.raises(ImplementationError) as info:
+        registry.resolve(f"{path}:Odd")
+    message = str(info.value)
+    assert "\n" not in message and "learner_projections" in message and "a (8x8)" in message
