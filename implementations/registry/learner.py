@@ -772,8 +772,11 @@ def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -
     plan = replace(plan, mask_shapes=plan.mask_shapes[:1])
     got = probe.value("a fully-masked row", lambda: _build(plan, params, batch_first=True)(
         x, x, x, key_padding_mask=blocked, need_weights=False)[0])
+    # A row the probe cannot classify is not a convention: the contract's zero is tested
+    # (mha_fully_masked_rows fails on it), never "unspecified", which would check nothing.
     if got is None:
-        return "unspecified", "a row with every key blocked raised"
+        return "zero", ("an error (a row with every key blocked raised); zero is tested, "
+                        "declare --impl-option fully_masked=... if another policy is intended")
     row = got.detach().double().numpy()[0]
     if np.isnan(row).all():
         return "nan", "NaN"
@@ -784,7 +787,8 @@ def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -
             text = ("zero (attention output 0, module output = the output bias)" if policy == "zero" else
                     "uniform over all keys (a finite fill such as -1e9)")
             return policy, text
-    return "unspecified", "neither zero, NaN nor uniform"
+    return "zero", ("neither zero, NaN nor uniform; zero is tested, declare "
+                    "--impl-option fully_masked=... if another policy is intended")
 
 
 def _probe_dropout(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> bool:
@@ -872,7 +876,11 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     caps = Capabilities(
         devices=("cpu",), dtypes=_probe_dtypes(probe, plan, params) or ("float32",), causal="upper_left",
         fully_masked=fully_masked, dropout=dropout_on, autograd=_probe_backward(probe, plan), mask_grad=False,
-        gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=notes)
+        gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=notes,
+        # The module's own conventions, as the probes found them (its fully-masked rows
+        # among them: a learner's -1e9 fill is its convention), shown as probed.
+        sources={"causal": "contract", "fully_masked": "probed" if plan.mask is not None and
+                 not fm_text.startswith(("an error", "neither")) else "contract"})
     factory = _PlannedFactory(plan)
     return Implementation(name=name, capabilities=caps, mha=factory, load_weights=load_learner_weights,
                           description=f"learner module {origin}: " + "; ".join(n.split(": ", 1)[-1] for n in notes[:1]))
