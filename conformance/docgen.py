@@ -194,30 +194,30 @@ def render(text: str, path: Path, props: Mapping[str, Any]) -> str:
     return "".join(out) + text[last:]
 
 
-def check(root: Path = ROOT, props: Mapping[str, Any] | None = None) -> list[str]:
-    """Each stale region as ``page:line: region 'name' is stale``; [] when all are fresh."""
+def _stale_pages(root: Path, props: Mapping[str, Any] | None):
+    """(page, its text, the text rendered afresh) for each page a region of which is stale."""
     props = _properties() if props is None else props
-    stale = []
     for path in pages(root):
         text = path.read_text(encoding="utf-8")
         fresh = render(text, path, props)
         if fresh != text:
-            for region in regions(path, text):
-                if text[region.start:region.end] != GENERATORS[region.name](props) + "\n":
-                    stale.append(f"{path.relative_to(root)}:{region.line}: region {region.name!r} is stale")
-    return stale
+            yield path, text, fresh, props
+
+
+def check(root: Path = ROOT, props: Mapping[str, Any] | None = None) -> list[str]:
+    """Each stale region as ``page:line: region 'name' is stale``; [] when all are fresh."""
+    return [f"{path.relative_to(root)}:{region.line}: region {region.name!r} is stale"
+            for path, text, _, props in _stale_pages(root, props)
+            for region in regions(path, text)
+            if text[region.start:region.end] != GENERATORS[region.name](props) + "\n"]
 
 
 def write(root: Path = ROOT, props: Mapping[str, Any] | None = None) -> list[Path]:
     """Rewrite every page whose regions are stale; the pages written."""
-    props = _properties() if props is None else props
     written = []
-    for path in pages(root):
-        text = path.read_text(encoding="utf-8")
-        fresh = render(text, path, props)
-        if fresh != text:
-            path.write_text(fresh, encoding="utf-8")
-            written.append(path)
+    for path, _, fresh, _ in _stale_pages(root, props):
+        path.write_text(fresh, encoding="utf-8")
+        written.append(path)
     return written
 
 

@@ -21,9 +21,9 @@ def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enab
     return key, value
 
 
-def _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    """Attention written out: upper-left causal flag, bool (True = may attend) or additive
-    mask, a row with every key blocked giving 0."""
+def _masked_scores(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """The scaled scores (B, N, L, S) with the upper-left causal flag and a bool (True = may
+    attend) or additive mask applied (blocked: -inf), and the values GQA-expanded."""
     key, value = _expand_kv(query, key, value, enable_gqa)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = (query @ key.transpose(-2, -1)) * scale  # (B, N, L, S)
@@ -33,6 +33,13 @@ def _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
+    return scores, value
+
+
+def _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """Attention written out: upper-left causal flag, bool (True = may attend) or additive
+    mask, a row with every key blocked giving 0."""
+    scores, value = _masked_scores(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # all blocked: 0
     return weights @ value
 
@@ -124,15 +131,7 @@ def tile_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         raise ValueError(f"tile_kernel: {N} query heads and {K} kv heads (enable_gqa={enable_gqa})")
     if key.shape[-1] != query.shape[-1] or key.shape[-2] != value.shape[-2]:
         raise ValueError(f"tile_kernel: shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    key, value = _expand_kv(query, key, value, enable_gqa)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = (query @ key.transpose(-2, -1)) * scale  # (B, N, L, S)
-    if is_causal:
-        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-            else scores + attn_mask
+    scores, value = _masked_scores(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     live = torch.isfinite(scores).any(dim=-1, keepdim=True)  # rows attending a key
     scores = torch.where(live, scores, torch.zeros_like(scores))
     return (torch.softmax(scores, dim=-1) * live) @ value

@@ -273,8 +273,9 @@ def test_isolation_is_chosen_and_used_per_implementation(tmp_path, monkeypatch):
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     header = out[out.index("attention-conformance: 2 implementations"):]
-    assert re.search(rf"{re.escape(crashing)}: exits .*\n.*\n\s+implementation runs in a worker process", header)
-    assert re.search(rf"{re.escape(correct)}: .*\n.*\n\s+implementation runs in-process", header)
+    # Each implementation's header block: its line, capabilities and probe notes, then how it runs.
+    assert re.search(rf"{re.escape(crashing)}: exits .*\n(?:    .*\n)+?\s+implementation runs in a worker process", header)
+    assert re.search(rf"{re.escape(correct)}: .*\n(?:    .*\n)+?\s+implementation runs in-process", header)
     certs = by_spec(comparison(tmp_path))
     [crashed], [passed] = certs[crashing]["results"], certs[correct]["results"]
     assert crashed["outcome"] == "failed" and crashed["isolated"] and "ended its isolated worker" in crashed["message"]
