@@ -36,6 +36,7 @@ import pytest
 
 from implementations.mutants import MUTANTS
 from implementations.mutants.contract_mutants import CONTRACT_CONTROLS
+from implementations.mutants.learner_mutants import LEARNER_CONTROLS
 from implementations.mutants.controls import CONTROLS
 
 pytestmark = pytest.mark.slow
@@ -46,6 +47,8 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref",
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ] + [  # bare functions with a declared non-default convention (--impl-option)
     f"implementations.mutants.contract_mutants:{name}" for name in CONTRACT_CONTROLS
+] + [  # hand-written modules, recognised through the learner level with no adapter
+    f"implementations.mutants.learner_mutants:{name}" for name in LEARNER_CONTROLS
 ]
 TIMEOUT_S = 1800
 #: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them

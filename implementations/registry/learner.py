@@ -803,17 +803,31 @@ def _probe_dropout(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> boo
     return bool(probe.value("dropout", differs))
 
 
-def _probe_dtypes(probe: _Probe, plan: LearnerPlan, params: Any) -> tuple[str, ...]:
+def _probe_dtypes(probe: _Probe, plan: LearnerPlan, params: Any, notes: list[str]) -> tuple[str, ...]:
+    """The dtypes the module runs in: a plain call and, when a mask is certified, a masked
+    one (a fill such as -1e9 raises in float16); a dtype left out for its mask is a note."""
     import torch
 
-    def run(dtype: str) -> bool:
+    def run(dtype: str, masked: bool = False) -> bool:
         module = LearnerMHA(plan)(_D, _H, dtype=getattr(torch, dtype), batch_first=True)
         module._learner_plan = plan
         x = torch.randn(_B, _L, _D).to(getattr(torch, dtype))
-        out = module(x, x, x, need_weights=False)[0]
+        blocked = torch.zeros(_B, _L, dtype=torch.bool)
+        blocked[:, -1] = True
+        out = module(x, x, x, need_weights=False, key_padding_mask=blocked if masked else None)[0]
         return out.dtype == x.dtype
 
-    return tuple(d for d in ALL_DTYPES if probe.value(f"dtype {d}", lambda d=d: run(d)))
+    dtypes = []
+    for d in ALL_DTYPES:
+        if not probe.value(f"dtype {d}", lambda d=d: run(d)):
+            continue
+        if plan.mask is not None and not probe.value(f"a mask in {d}", lambda d=d: run(d, masked=True)):
+            notes.append(f"dtypes: {d} runs without a mask but a masked call raised (a mask fill "
+                         f"such as -1e9 does not fit {d}: torch.finfo(scores.dtype).min does); "
+                         f"{d} is not certified")
+            continue
+        dtypes.append(d)
+    return tuple(dtypes)
 
 
 def _probe_backward(probe: _Probe, plan: LearnerPlan) -> bool:
@@ -872,11 +886,11 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
         features.add("dropout")
     if plan.inputs == "qkv":
         features.add("cross_attention")
-    notes = _notes(plan, init_notes, fm_text, dropout_on, features)
+    notes = list(_notes(plan, init_notes, fm_text, dropout_on, features))
     caps = Capabilities(
-        devices=("cpu",), dtypes=_probe_dtypes(probe, plan, params) or ("float32",), causal="upper_left",
+        devices=("cpu",), dtypes=_probe_dtypes(probe, plan, params, notes) or ("float32",), causal="upper_left",
         fully_masked=fully_masked, dropout=dropout_on, autograd=_probe_backward(probe, plan), mask_grad=False,
-        gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=notes,
+        gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=tuple(notes),
         # The module's own conventions, as the probes found them (its fully-masked rows
         # among them: a learner's -1e9 fill is its convention), shown as probed.
         sources={"causal": "contract", "fully_masked": "probed" if plan.mask is not None and
