@@ -283,6 +283,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
     outcome = yield
     report = outcome.get_result()
+    _as_report(item, call, report)
     prop = getattr(getattr(item, "function", None), "conformance_property", None)
     session = session_of(item.config)
     if prop is None or session is None:
@@ -306,6 +307,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
             result["implementation"] = item.callspec.params["target"].label  # type: ignore[attr-defined]
         report.user_properties.append(("conformance", result))
         session.current = None
+
+
+def _as_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.TestReport) -> None:
+    """A property's failure reads as a report: its message (mismatch, probable cause, case,
+    saved file, replay line, reproducer) and where the property raised it, without the
+    runner's own frames, which pytest would print first (about 100 lines); ``--tb=long``
+    (or any style other than the default) shows the whole traceback."""
+    from conformance.compare import PropertyFailure
+
+    if (report.when != "call" or not report.failed or call.excinfo is None
+            or not isinstance(call.excinfo.value, PropertyFailure)
+            or item.config.getoption("tbstyle", "auto") != "auto"):
+        return
+    error = call.excinfo.value
+    # Where the property raised it: its own module's frame (the checks it calls are below).
+    entries = [e for e in call.excinfo.traceback if Path(str(e.path)).name.startswith("test_")]
+    entry = (entries or list(call.excinfo.traceback))[-1]
+    where = f"{Path(str(entry.path)).name}:{entry.lineno + 1}"
+    text = "\n".join([str(error), *getattr(error, "__notes__", ())])
+    report.longrepr = f"{text}\n\n(raised in {where}; the runner's frames: --tb=long)"
 
 
 #: A property test's node id: ``test_<property>[<label>-<level>-<dtype>-<device>]``,

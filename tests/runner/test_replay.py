@@ -161,13 +161,24 @@ def test_notes_name_the_section_and_the_called_case(pytester, restore_profile):
     out = result.stdout.str()
     assert "property weights_are_distributions (spec.sdpa (weights)) failed" in out
     # The property calls the V = identity probe (Ev = S), not the drawn case.
-    shrunk = re.search(r"^E\s+shrunk case: (.*)$", out, re.MULTILINE).group(1)
-    called = re.search(r"^E\s+called: (.*)$", out, re.MULTILINE).group(1)
+    shrunk = re.search(r"^shrunk case: (.*)$", out, re.MULTILINE).group(1)
+    called = re.search(r"^called: (.*)$", out, re.MULTILINE).group(1)
     assert re.search(r"S=2 E=\d+ Ev=\d+", shrunk) and "Ev=2 " in called and "is_causal=True" in called
     assert shrunk != called.split(";")[0]
-    # The assertion helpers hide themselves: the traceback ends at the property.
+    # The failure reads as a report: the message, then where the property raised it; no
+    # frame of the runner (nor its source) unless --tb=long asks for the traceback.
+    assert "(raised in test_sdpa_invariants.py:" in out
+    assert not re.findall(r"^\S*conformance/(\w+)\.py:\d+: ", out, re.MULTILINE)
+    assert "def one_example" not in out
+
+
+def test_tb_long_shows_the_runners_frames(pytester, restore_profile):
+    result = conformance_run(pytester, "--impl=mutant:mask_after_softmax", "-k", "weights_are_distributions",
+                             "--dtype=float64", "-x", "--hypothesis-profile=ci", "--tb=long")
+    out = result.stdout.str()
     frames = re.findall(r"^\S*conformance/(\w+)\.py:\d+: ", out, re.MULTILINE)
     assert frames and set(frames) <= {"runner", "test_sdpa_invariants"}, frames
+    assert "raised in test_sdpa_invariants.py" not in out
 
 
 def test_causal_case_with_a_bool_mask_is_reproduced_as_called():
