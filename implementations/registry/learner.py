@@ -780,13 +780,27 @@ def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -
     row = got.detach().double().numpy()[0]
     if np.isnan(row).all():
         return "nan", "NaN"
-    for policy in ("zero", "uniform"):
-        want, _ = spec.mha_forward(params, xs, xs, xs, key_padding_mask=blocked.numpy(), batch_first=True,
-                                   need_weights=False, fully_masked=policy)
-        if np.allclose(row, want[0], rtol=1e-7, atol=1e-7):
-            text = ("zero (attention output 0, module output = the output bias)" if policy == "zero" else
-                    "uniform over all keys (a finite fill such as -1e9)")
-            return policy, text
+    # Zero: the attention output of every row of batch item 0 is 0, so the module outputs
+    # its output bias there, whatever its other steps do.
+    zero, _ = spec.mha_forward(params, xs, xs, xs, key_padding_mask=blocked.numpy(), batch_first=True,
+                               need_weights=False, fully_masked="zero")
+    if np.allclose(row, zero[0], rtol=1e-7, atol=1e-7):
+        return "zero", "zero (attention output 0, module output = the output bias)"
+    # Uniform: with the query projection zeroed every score is 0, so every row of the
+    # module's own unmasked call is uniform over the keys; a blocked row is uniform when it
+    # equals it. The module's own call is the reference, not the spec's, so that a mistake
+    # in another step (the scale, the head split) does not hide the convention.
+    D = params.embed_dim
+    flat = replace(params, in_proj_weight=np.concatenate([np.zeros((D, D)), params.in_proj_weight[D:]]),
+                   in_proj_bias=None if params.in_proj_bias is None else
+                   np.concatenate([np.zeros(D), params.in_proj_bias[D:]]))
+    pair = probe.value("a fully-masked row against uniform weights", lambda: (
+        _build(plan, flat, batch_first=True)(x, x, x, key_padding_mask=blocked, need_weights=False)[0],
+        _build(plan, flat, batch_first=True)(x, x, x, need_weights=False)[0]))
+    if pair is not None:
+        masked, uniform = (t.detach().double().numpy()[0] for t in pair)
+        if np.isfinite(uniform).all() and np.allclose(masked, uniform, rtol=1e-7, atol=1e-7):
+            return "uniform", "uniform over all keys (a finite fill such as -1e9)"
     return "zero", ("neither zero, NaN nor uniform; zero is tested, declare "
                     "--impl-option fully_masked=... if another policy is intended")
 

@@ -248,3 +248,25 @@ def test_a_passing_certificate_has_no_causes():
 @pytest.mark.parametrize("value, text", [(1.2e-7, "1e-7"), (8e-8, "1e-7"), (0.9, "1e0"), (0.0, "0")])
 def test_orders_of_magnitude(value, text):
     assert diagnosis._order(value) == text
+
+
+@pytest.mark.parametrize("module, cause", [("ScaledByModelDim", "mha_scale_model_dim"),
+                                           ("ViewWithoutTranspose", "mha_heads_split_without_transpose")])
+def test_a_uniform_fully_masked_row_does_not_hide_the_cause(module, cause):
+    # A -1e9 mask fill gives a blocked row uniform weights (the probed policy); the
+    # diagnosis bounds those rows as the property does (what the row sums), not as rows
+    # of zeros (a bound of ~0 that rounding alone exceeds, so no variant fitted).
+    from conformance.directed import mha_directed
+    from conformance.mha_calls import build, run_mha
+    from implementations.registry import resolve
+
+    impl = resolve(f"tests/implementations/learner_modules/tutorial_mistakes.py:{module}")
+    target = Target(impl, "mha", "float64", "cpu")
+    assert target.caps.fully_masked_policy("bool") == "uniform"
+    case = next(c for c in mha_directed(target) if "fully_masked:forced" in c.notes)
+    diagnosis.start_example(case)
+    run_mha(target, case, build(target, case))
+    record = Record("mha_agreement", "mha", "float64", "cpu", outcome="failed")
+    record.failing_case = case
+    verdict = diagnosis.diagnose(target, record)
+    assert verdict.causes and verdict.causes[0]["variant"] == cause and verdict.causes[0]["confirmed"], verdict.line

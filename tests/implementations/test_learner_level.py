@@ -36,10 +36,19 @@ def test_tutorial_module_certifies_with_no_adapter(name, tmp_path):
     assert outcomes["mha_agreement-float64"] == "passed" and outcomes["mha_agreement-float32"] == "passed"
 
 
-@pytest.mark.parametrize("name, cause", [("learner_scale_d_model", "mha_scale_model_dim"),
-                                         ("learner_softmax_over_queries", "mha_softmax_over_queries")])
-def test_classic_mistake_fails_with_its_cause(name, cause, tmp_path):
-    cert = _certify(f"mutant:{name}", tmp_path)
+MISTAKES = "tests/implementations/learner_modules/tutorial_mistakes.py"
+
+
+@pytest.mark.parametrize("impl, cause", [("mutant:learner_scale_d_model", "mha_scale_model_dim"),
+                                         ("mutant:learner_softmax_over_queries", "mha_softmax_over_queries"),
+                                         (f"{MISTAKES}:ScaledByModelDim", "mha_scale_model_dim"),
+                                         (f"{MISTAKES}:ViewWithoutTranspose",
+                                          "mha_heads_split_without_transpose")])
+def test_classic_mistake_fails_with_its_cause(impl, cause, tmp_path):
+    """The cause is named on the shrunk case, also where it is one of the directed cases
+    with fully-masked rows filled uniform by a -1e9 mask (the bound of those rows is
+    the property's own, not that of rows filled with zeros)."""
+    cert = _certify(impl, tmp_path)
     failed = [r for r in cert["results"] if r["outcome"] == "failed"]
     assert any(r["property"] == "mha_agreement" for r in failed)
     assert cause in {c["variant"] for c in cert["causes"]}
