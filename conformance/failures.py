@@ -426,6 +426,21 @@ def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bo
     return picked[0], True
 
 
+def _in_own_terms(target: Any, case: Any) -> str | None:
+    """The call in an implementation's own terms, where it can say them (a learner
+    module: its class, Linear layers, forward arguments and mask convention), else None;
+    never an error (the failure's report stands without it)."""
+    own = getattr(getattr(target.impl, "mha", None), "own_terms", None)
+    if target.level != "mha" or not callable(own):
+        return None
+    try:
+        policy = target.caps.fully_masked_policy("additive" if case.attn_mask is not None and
+                                                 case.attn_mask.dtype != np.bool_ else "bool")
+        return own(case, policy)
+    except Exception:  # noqa: BLE001 - a courtesy: the failure is reported with or without it
+        return None
+
+
 def _section(property_id: str) -> str:
     from conformance.runner import registered_properties
 
@@ -467,6 +482,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
            False: "the call above, made again alone, agrees with the oracle: the property compares "
                   "several calls; the replay line re-runs all of them"}[shows]
     section = _section(property_id)
+    own = _in_own_terms(target, call.case)
     note = (
         f"\nproperty {property_id}{f' ({section})' if section else ''} failed for implementation {impl} on "
         f"{target.level}/{target.dtype}/{target.device}\n"
@@ -475,6 +491,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
         + f"saved: {record.failure_file}\n"
         f"replay: pytest conformance --impl={impl}{option_args} --replay {path}\n"
         f"reproducer (paste into python; {how}):\n{record.reproducer}"
+        + (f"in your module's terms:\n{own}" if own else "")
     )
     if hasattr(exc, "add_note"):
         exc.add_note(note)

@@ -149,6 +149,7 @@ class LearnerPlan:
     returns: str = "output"     # "output", "pair" (output, weights)
     weights: str | None = None  # None, "per_head" (B, H, L, S), "averaged" (B, L, S)
     notes: tuple[str, ...] = field(default=())
+    origin: str = ""            # the --impl value that named the class (file.py:Class, module:Class)
 
     def role(self, name: str) -> str | None:
         return dict(self.projections).get(name)
@@ -264,6 +265,13 @@ class LearnerMHA:
 
     def __call__(self, embed_dim: int, num_heads: int, **options: Any) -> Any:
         return self.module_class(embed_dim, num_heads, **options)
+
+    def own_terms(self, case: Any, fully_masked: str) -> str | None:
+        """``case``'s call as the module receives it, a torch snippet in its own names
+        (:func:`implementations.registry.learner_terms.in_own_terms`)."""
+        from implementations.registry.learner_terms import in_own_terms
+
+        return in_own_terms(self, case, fully_masked)
 
 
 def _merged_mask(key_padding_mask, attn_mask, B, H, L, S, dtype):
@@ -870,7 +878,8 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     dim, heads, dropout, init_notes = _constructor(cls, origin, options)
     inputs, forward_names, mask_arg = _forward(cls, origin)
     plan = LearnerPlan(cls=cls, dim_arg=dim, heads_arg=heads, dropout_arg=dropout, projections=(),
-                       projections_how="", inputs=inputs, forward_names=forward_names, mask_arg=mask_arg)
+                       projections_how="", inputs=inputs, forward_names=forward_names, mask_arg=mask_arg,
+                       origin=origin)
     try:
         module = probe.call("building it", lambda: cls(**{dim: _D, heads: _H}))
     except CallRaised as exc:

@@ -85,3 +85,40 @@ def test_unusual_module_is_a_one_line_usage_error(tmp_path):
         registry.resolve(f"{path}:Odd")
     message = str(info.value)
     assert "\n" not in message and "learner_projections" in message and "a (8x8)" in message
+
+
+@pytest.mark.parametrize("impl, names", [(f"{MISTAKES}:ScaledByModelDim", ("module.w_q.weight", "mask = ")),
+                                         ("mutant:learner_fused_cut_last_head", ("module.qkv.weight", "padding_mask"))])
+def test_a_failure_is_shown_in_the_modules_own_terms(impl, names):
+    """The failing call as the module received it: its class, its Linear layers, its
+    forward's argument names and mask convention, and the spec's output; the snippet runs
+    with torch alone and shows the mistake (a nonzero difference)."""
+    from conformance.directed import mha_directed
+    from conformance.failures import _in_own_terms
+    from conformance.runner import Target
+
+    target = Target(registry.resolve(impl), "mha", "float64", "cpu")
+    case = next(c for c in mha_directed(target) if c.key_padding_mask is not None)
+    snippet = _in_own_terms(target, case)
+    assert snippet is not None and all(n in snippet for n in names), snippet
+    assert "in_proj_weight" not in snippet and "conformance" not in snippet
+    ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    assert float(ran.stdout.rsplit("=", 1)[1]) > 1e-3, ran.stdout
+
+
+@pytest.mark.parametrize("name", ["AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "KeepMaskAttention"])
+def test_a_correct_modules_call_in_its_own_terms_agrees_with_the_spec(name):
+    from conformance.directed import mha_directed
+    from conformance.failures import _in_own_terms
+    from conformance.runner import Target
+
+    target = Target(registry.resolve(f"{MODULES}:{name}"), "mha", "float64", "cpu")
+    for case in mha_directed(target)[:4]:
+        snippet = _in_own_terms(target, case)
+        if snippet is None:
+            continue
+        ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+        assert ran.returncode == 0 and float(ran.stdout.rsplit("=", 1)[1]) < 1e-12, (ran.stdout, ran.stderr)
