@@ -75,6 +75,9 @@ DIM_NAMES = ("d_model", "embed_dim", "dim", "hidden_size", "n_embd", "d_embed", 
              "input_dim", "in_dim", "num_hiddens", "d_in")
 HEAD_NAMES = ("num_heads", "n_heads", "heads", "h", "n_head", "nhead", "nheads", "num_attention_heads",
               "head_count", "n_heads_", "num_head", "head_num", "n_h")
+#: forward arguments that give lengths (a prefix of valid keys), not a mask.
+LENGTH_NAMES = ("valid_lens", "valid_len", "valid_length", "valid_lengths", "lengths", "lens", "seq_lens",
+                "seq_len", "src_lengths", "key_lengths", "kv_lens")
 DROPOUT_NAMES = ("dropout", "dropout_p", "attn_dropout", "p_drop", "drop", "p", "dropout_rate", "attn_pdrop",
                  "attention_dropout", "attn_drop", "drop_prob", "dropout_prob")
 
@@ -192,7 +195,7 @@ def _make_learner_mha(plan: LearnerPlan):
             kwargs = {plan.dim_arg: embed_dim, plan.heads_arg: num_heads}
             if plan.dropout_arg is not None:
                 kwargs[plan.dropout_arg] = float(dropout)
-            inner = plan.cls(**kwargs)
+            inner = _materialised(plan.cls(**kwargs), plan.inputs, embed_dim)
             if plan.dropout_arg is None:  # a hard-wired nn.Dropout: off, as dropout=0 asks
                 for sub in inner.modules():
                     if isinstance(sub, nn.Dropout):
@@ -252,6 +255,22 @@ def _make_learner_mha(plan: LearnerPlan):
 
     _LearnerMHA.__name__ = _LearnerMHA.__qualname__ = f"{plan.cls.__name__}AsMHA"
     return _LearnerMHA
+
+
+def _materialised(module: Any, inputs: str, D: int) -> Any:
+    """``module`` with its lazy layers (``nn.LazyLinear``, whose in_features are known only
+    after a first call) given their shapes by one call on zeros (B=1, L=2, d_model=D)."""
+    import torch
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    if not any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in module.modules()):
+        return module
+    x = torch.zeros(1, 2, D)
+    training = module.training
+    with torch.no_grad():
+        module.eval()
+        module(*{"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[inputs])
+    return module.train(training)
 
 
 class LearnerMHA:
@@ -692,6 +711,13 @@ def _convention_tensor(keep: np.ndarray, convention: str, dtype: str) -> Any:
 
 def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
     if plan.mask_arg is None:
+        forward = [p.name for p in inspect.signature(plan.cls.forward).parameters.values()]
+        lengths = next((n for n in forward if n.lower() in LENGTH_NAMES), None)
+        if lengths is not None:
+            return replace(plan, mask=None, mask_how=(
+                f"{plan.cls.__name__}.forward's {lengths} is read as valid lengths, which the learner level "
+                "does not translate yet: masked cases skipped (a mask argument, e.g. mask of shape (B, 1, S) "
+                "with 1 = keep, would enable them)"))
         return replace(plan, mask=None, mask_how=f"{plan.cls.__name__}.forward takes no mask argument")
     module = probe.value("a plain call", lambda: _build(plan, params))
     plain = probe.value("a plain call", lambda: _raw(module, plan, x))
@@ -881,7 +907,7 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
                        projections_how="", inputs=inputs, forward_names=forward_names, mask_arg=mask_arg,
                        origin=origin)
     try:
-        module = probe.call("building it", lambda: cls(**{dim: _D, heads: _H}))
+        module = probe.call("building it", lambda: _materialised(cls(**{dim: _D, heads: _H}), inputs, _D))
     except CallRaised as exc:
         raise _usage(origin, f"{cls.__name__}({dim}={_D}, {heads}={_H}) raised {summarise(exc.error)}",
                      "pass --impl-option learner_init=DIM,HEADS if those are not its model dim and head "

@@ -16,7 +16,7 @@ from implementations import ImplementationError, registry
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = "tests/implementations/learner_modules/tutorial_modules.py"
 CONTROLS = ["KeepMaskAttention", "AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "CrossAttention",
-            "GPTStyleAttention", "PerHeadFusedAttention", "SDPAAttention"]
+            "GPTStyleAttention", "PerHeadFusedAttention", "SDPAAttention", "D2LAttention"]
 
 
 def _certify(impl: str, tmp_path: Path) -> dict:
@@ -63,6 +63,13 @@ def test_probed_conventions_are_on_the_notes():
     annotated = registry.resolve(f"{MODULES}:AnnotatedMultiHeadedAttention").caps("mha")
     assert {"attn_mask", "is_causal", "cross_attention"} <= annotated.mha_features
     assert "heads first" in annotated.probe_notes[0] and "definition order" in annotated.probe_notes[0]
+
+
+def test_lazy_layers_are_read_and_lengths_are_not_taken_for_a_mask():
+    caps = registry.resolve(f"{MODULES}:D2LAttention").caps("mha")
+    notes = " ".join(caps.probe_notes)
+    assert "W_q, W_k, W_v, W_o (by name)" in notes and "valid_lens is read as valid lengths" in notes
+    assert "key_padding_mask" not in caps.mha_features and "cross_attention" in caps.mha_features
 
 
 def test_learner_options_are_validated_and_override():

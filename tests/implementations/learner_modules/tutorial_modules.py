@@ -197,3 +197,27 @@ class SDPAAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.p if self.training else 0.0)
         return self.wo(out.transpose(1, 2).reshape(B, L, D))
+
+
+class D2LAttention(nn.Module):
+    """Dive into Deep Learning's shape: lazy W_q/W_k/W_v/W_o without bias (their in_features
+    are known only after a first call), heads folded into the batch, ``valid_lens`` (lengths,
+    not a mask: masked cases are skipped, with the reason)."""
+
+    def __init__(self, num_hiddens, num_heads, dropout=0.0, bias=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = nn.Dropout(dropout)
+        self.W_q, self.W_k = nn.LazyLinear(num_hiddens, bias=bias), nn.LazyLinear(num_hiddens, bias=bias)
+        self.W_v, self.W_o = nn.LazyLinear(num_hiddens, bias=bias), nn.LazyLinear(num_hiddens, bias=bias)
+
+    def fold(self, X):  # (B, T, D) -> (B * H, T, D / H)
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        q, k, v = self.fold(self.W_q(queries)), self.fold(self.W_k(keys)), self.fold(self.W_v(values))
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        out = torch.bmm(self.dropout(F.softmax(scores, dim=-1)), v)
+        out = out.reshape(-1, self.num_heads, out.shape[1], out.shape[2]).permute(0, 2, 1, 3)
+        return self.W_o(out.reshape(out.shape[0], out.shape[1], -1))
