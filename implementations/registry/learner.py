@@ -288,9 +288,18 @@ class LearnerMHA:
     def own_terms(self, case: Any, fully_masked: str) -> str | None:
         """``case``'s call as the module receives it, a torch snippet in its own names
         (:func:`implementations.registry.learner_terms.in_own_terms`)."""
+        import torch
+
         from implementations.registry.learner_terms import in_own_terms
 
-        return in_own_terms(self, case, fully_masked)
+        params = case.params
+        if params.in_proj_weight is None or getattr(case, "add_bias_kv", False):
+            return None
+        module = self(params.embed_dim, params.num_heads, bias=params.in_proj_bias is not None,
+                      batch_first=case.batch_first, dtype=getattr(torch, case.dtype))
+        module._learner_plan = self.plan
+        load_learner_weights(module, params)
+        return in_own_terms(module, self.plan, case, fully_masked)
 
 
 def _merged_mask(key_padding_mask, attn_mask, B, H, L, S, dtype):

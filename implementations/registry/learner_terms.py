@@ -53,24 +53,22 @@ def _mask_text(plan: Any, shape: tuple[int, ...]) -> str:
     return f"{tuple(shape)}: {kind}"
 
 
-def in_own_terms(factory: Any, case: Any, fully_masked: str) -> str | None:
-    """The snippet for ``case`` (an MHA case) on the learner module ``factory`` builds
-    (:class:`~implementations.registry.learner.LearnerMHA`), or None when the call is too
-    large to spell out or its translation fails (the failure's other reports stand)."""
+def _layer(module: Any, path: str) -> Any:
+    for part in path.split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module
+
+
+def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | None:
+    """The snippet for ``case`` (an MHA case) on ``module``, the learner's module inside
+    nn.MultiheadAttention's interface (built for the case, its weights loaded: see
+    :meth:`~implementations.registry.learner.LearnerMHA.own_terms`) whose reading is
+    ``plan``; None when the call is too large to spell out."""
     import torch
 
-    from implementations.registry.learner import _get, load_learner_weights
-
-    plan = factory.plan
     params = case.params
-    if params.in_proj_weight is None or getattr(case, "add_bias_kv", False):
-        return None
     dtype = case.dtype
     tdtype = getattr(torch, dtype)
-    module = factory(params.embed_dim, params.num_heads, bias=params.in_proj_bias is not None,
-                     batch_first=case.batch_first, dtype=tdtype)
-    module._learner_plan = plan
-    load_learner_weights(module, params)
     module.eval()
     seen: dict[str, Any] = {}
 
@@ -98,7 +96,7 @@ def in_own_terms(factory: Any, case: Any, fully_masked: str) -> str | None:
         expected = expected.transpose(1, 0, 2)                    # (L, B, D) -> (B, L, D)
     layers = []
     for _, path in plan.projections:
-        layer = _get(module.inner, path)
+        layer = _layer(module.inner, path)
         layers.append((f"{path}.weight", layer.weight.detach().double().numpy()))
         layers.append((f"{path}.bias", None if layer.bias is None else layer.bias.detach().double().numpy()))
     arrays = [a.detach().double().numpy() for a in args] + [np.asarray(v.detach().cpu()) for v in kwargs.values()
