@@ -446,6 +446,11 @@ def _constructor(cls: type, origin: str, options: Mapping[str, str]) -> tuple[An
         dim = next((n for n in names if n.lower() in DIM_NAMES), None)
         heads = next((n for n in names if n.lower() in HEAD_NAMES), None)
         required = [p.name for p in params if p.default is p.empty]
+        if dim is None and heads is None and len(required) == 1:
+            raise _usage(origin, f"{cls.__name__}.__init__({', '.join(names)}) takes one object ({required[0]}: a "
+                         "config, as GPT- and BERT-style modules do), not a model dim and a head count, and "
+                         "the learner level cannot know which fields it reads",
+                         f"wrap it in a module whose __init__(d_model, n_heads) builds the {required[0]}")
         if dim is None and heads is None and len(required) >= 2:
             dim, heads = required[0], required[1]
         elif (dim is None) != (heads is None):

@@ -129,3 +129,14 @@ def test_a_correct_modules_call_in_its_own_terms_agrees_with_the_spec(name):
         ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
                              env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
         assert ran.returncode == 0 and float(ran.stdout.rsplit("=", 1)[1]) < 1e-12, (ran.stdout, ran.stderr)
+
+
+def test_a_config_constructor_is_a_usage_error_that_says_so(tmp_path):
+    path = tmp_path / "gpt.py"
+    path.write_text("import torch.nn as nn\n\nclass CausalSelfAttention(nn.Module):\n    def __init__(self, config):\n"
+                    "        super().__init__()\n        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)\n\n"
+                    "    def forward(self, x):\n        return x\n")
+    with pytest.raises(ImplementationError) as info:
+        registry.resolve(f"{path}:CausalSelfAttention")
+    message = str(info.value)
+    assert "\n" not in message and "takes one object (config" in message and "learner_init" not in message
