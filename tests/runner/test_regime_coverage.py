@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis.errors import InvalidArgument
 
-from conformance import directed
-from conformance.runner import Target, registered_properties
+from conformance.directed import examples as directed
+from conformance.harness.runner import Target, registered_properties
 from implementations import registry
 
 ROOT = Path(__file__).resolve().parents[2]

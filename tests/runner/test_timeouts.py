@@ -122,7 +122,7 @@ def test_a_slow_first_call_is_named_at_the_end_of_the_run():
     from types import SimpleNamespace
 
     from conformance.plugin import slow_first_calls
-    from conformance.session import Session
+    from conformance.harness.session import Session
 
     impl = SimpleNamespace()
     session = Session(profile="ci", started=0.0, impl=impl, impl_spec="mine.py:f")

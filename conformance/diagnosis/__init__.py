@@ -1,0 +1,1 @@
+"""Diagnosis: which known cause explains a failing example."""

@@ -1,0 +1,1 @@
+"""Reporting: saved failures and reproducers, the certificate and merging certificates."""
