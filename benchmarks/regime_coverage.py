@@ -81,7 +81,7 @@ class RegimeCounter:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: Any):  # noqa: ANN201 - a hookwrapper
-        from conformance.harness.runner import registered_properties
+        from conformance.core.registry import registered_properties
 
         prop = getattr(getattr(item, "function", None), "conformance_property", None)
         info = registered_properties().get(prop) if prop else None

@@ -63,7 +63,7 @@ CHECKLIST: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 
 
 def _properties() -> Mapping[str, Any]:
-    from conformance.harness.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     return registered_properties()
 

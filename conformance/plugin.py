@@ -136,7 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         reporting.check_writable(report_path)
-    from conformance.harness.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     properties = registered_properties()
     labels = subjects.labels(specs) if len(specs) > 1 else [""]
@@ -200,7 +200,7 @@ def _selects_conformance(config: pytest.Config) -> bool:
 
 def _targets(config: pytest.Config, level: str) -> list[Any]:
     """Every implementation's targets at ``level``, in --impl order, then device, then dtype."""
-    from conformance.harness.runner import Target
+    from conformance.core.target import Target
 
     session = session_of(config)
     timeout = config.getoption("conformance_example_timeout")
@@ -394,7 +394,7 @@ class _ResultCollector:
 
     def _result_from_report(self, report: pytest.TestReport) -> dict[str, Any] | None:
         from conformance.isolation import supervisor as isolation
-        from conformance.harness.runner import Record, registered_properties
+        from conformance.core.registry import Record, registered_properties
 
         m = _NODE_ID.search(report.nodeid)
         if m is None or m["property"] not in registered_properties():

@@ -29,7 +29,8 @@ from conformance.calls.flash import (
 )
 from conformance.directed.helpers import skip_unless
 from conformance.harness.reporting import probe_saw
-from conformance.harness.runner import Target, conformance_property
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
 from spec.emulate import round_to
 

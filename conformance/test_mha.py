@@ -29,7 +29,8 @@ from conformance.calls.mha import (
     upstream_gradient,
 )
 from conformance.harness.reporting import probe_saw
-from conformance.harness.runner import Target, conformance_property
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from conformance.core.tensors import dtype_of, mha_inputs
 
 

@@ -25,7 +25,8 @@ from conformance.directed.helpers import (
     skip_unless,
 )
 from conformance.harness.reporting import probe_saw
-from conformance.harness.runner import Target, conformance_property
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from conformance.core.tensors import sdpa_inputs
 from spec.emulate import round_to
 

@@ -25,7 +25,8 @@ from conformance.directed.helpers import (
     needs_separate_values,
     skip_unless,
 )
-from conformance.harness.runner import Target, conformance_property
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from spec.emulate import round_to
 
 

@@ -22,7 +22,7 @@ from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.calls.declarations import fit_head_dims, require_inside
 from conformance.directed.helpers import needs_separate_values, skip_unless
-from conformance.harness.runner import Target, call_guarded
+from conformance.core.target import Target, call_guarded
 from conformance.harness.sweep import Sweep, sweep_property
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to

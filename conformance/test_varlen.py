@@ -9,7 +9,8 @@ is in ``conformance.calls.varlen`` and ``conformance.calls.kvcache``; the cases 
 from __future__ import annotations
 
 from conformance.directed.helpers import skip_unless
-from conformance.harness.runner import Target, conformance_property
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from conformance.strategies.varlen import (
     kvcache_cases,
     kvcache_directed,

@@ -101,7 +101,7 @@ def report_sdpa_call(impl: Any, call: SDPACallSpec, *, invoke: Invoke = call_dir
     contract, the gradients, the inputs left untouched, and for ``samples`` copies
     with dropout the mean against its Hoeffding bound."""
     from conformance.calls import sdpa as calls
-    from conformance.harness.runner import ImplementationRaised, Target
+    from conformance.core.target import ImplementationRaised, Target
     from conformance.core.tensors import sdpa_inputs, to_numpy
 
     case = call.case
@@ -177,7 +177,7 @@ def report_mha_call(impl: Any, call: MHACallSpec, *, invoke: Invoke = call_direc
     and input gradients, inputs untouched, dropout means."""
     from conformance.calls import mha as mha_calls
     from conformance.core.compare import assert_contract
-    from conformance.harness.runner import ImplementationRaised, Target
+    from conformance.core.target import ImplementationRaised, Target
     from conformance.core.tensors import dtype_of, mha_inputs, to_numpy
 
     case = call.case

@@ -41,7 +41,7 @@ from conformance.calls.flash_bounds import _forward, allowed_lse, allowed_output
 from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase
 from conformance.directed.helpers import case_rng
 from conformance.calls.replay import CallReport, Invoke
-from conformance.harness.runner import ImplementationRaised, Target, call_guarded
+from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
 

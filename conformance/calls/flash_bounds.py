@@ -17,7 +17,7 @@ import numpy as np
 import spec
 from conformance.core import tolerance
 from conformance.calls.flash_cases import FlashCase
-from conformance.harness.runner import Target
+from conformance.core.target import Target
 from spec.emulate import _rounder
 
 __all__ = ["allowed_lse", "allowed_output", "emulate_flash", "oracle"]

@@ -27,7 +27,7 @@ from conformance.calls.call_specs import call_directly
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.calls.declarations import require_inside
 from conformance.calls.replay import CallReport
-from conformance.harness.runner import Target, call_guarded
+from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
 from conformance.calls.varlen import (
     _called_invalid,

@@ -33,7 +33,7 @@ from conformance.calls.replay import (
     mha_output_shape,
     run_mha_call,
 )
-from conformance.harness.runner import Target, call_guarded
+from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
 
 __all__ = [

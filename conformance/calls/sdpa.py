@@ -23,7 +23,7 @@ from conformance.core.compare import Comparison, assert_contract, compare_values
 from conformance.calls.declarations import require_inside
 from conformance.directed.helpers import case_rng
 from conformance.calls.replay import SDPACallSpec, content_seed, fold_causal, run_sdpa_call
-from conformance.harness.runner import ImplementationRaised, Target, call_guarded
+from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
 

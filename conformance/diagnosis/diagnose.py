@@ -412,7 +412,7 @@ def _fits_note(cases: list[str]) -> str:
 
 def _implementation_broke(exc: BaseException) -> bool:
     """The implementation raised, hung or crashed its worker: there is no output to read."""
-    from conformance.harness.runner import ImplementationCrashed, ImplementationHung, ImplementationRaised
+    from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised
 
     if isinstance(exc, (ImplementationHung, ImplementationRaised, ImplementationCrashed)):
         return True
@@ -593,7 +593,7 @@ def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
     eval-mode module must not depend on the generator). The runner seeds dropout from
     the case's contents, so a plain second call would draw the same sample."""
     from conformance.calls import replay
-    from conformance.harness.runner import call_guarded
+    from conformance.core.target import call_guarded
     from conformance.core.tensors import to_numpy
 
     for call in calls:

@@ -12,7 +12,7 @@ import numpy as np
 import spec
 from conformance.directed import examples as directed
 from conformance.core.cases import MHACase, SDPACase
-from conformance.harness.runner import Target
+from conformance.core.target import Target
 from conformance.strategies import mha_cases, sdpa_cases
 
 __all__ = [

@@ -66,7 +66,7 @@ def run(items: list[pytest.Item], config: pytest.Config) -> None:
 def cases(session: Session, property_id: str, target: Any) -> list[tuple[Any, Any]]:
     """The directed cases of ``property_id`` on ``target``, in order, each with
     ``(ratio, calls)`` when the directed pass checked it and it passed, else None."""
-    from conformance.harness.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     kept = session.directed.pop((property_id, target.test_id), None)
     if kept is not None:
@@ -99,7 +99,7 @@ def _mark_running(session: Session, item: pytest.Item) -> None:
 
 def _runs(info: Any, target: Any) -> bool:
     """Whether property ``info``'s test runs on ``target`` (does not skip)."""
-    from conformance.harness.runner import skip_reasons
+    from conformance.core.registry import skip_reasons
 
     return target.level == info.level and not skip_reasons(info, target)
 
@@ -107,7 +107,7 @@ def _runs(info: Any, target: Any) -> bool:
 def _sweep_fails(session: Session, item: pytest.Item) -> bool:
     """Run ``item``'s sweep whole, if it is a sweep property's test: True when it fails;
     a sweep that passes is kept for its test (:func:`swept`)."""
-    from conformance.harness.runner import Record, registered_properties
+    from conformance.core.registry import Record, registered_properties
 
     property_id, target = _property_of(item), _target(item)
     info = registered_properties()[property_id]
@@ -128,7 +128,8 @@ def _directed_fails(session: Session, item: pytest.Item) -> bool:
     from conformance.diagnosis import diagnose as diagnosis
     from conformance.core.expectations import ExpectedFailureLedger
     from conformance.calls.replay import CallLog
-    from conformance.harness.runner import _called_attrs, _check_example, registered_checks, registered_properties
+    from conformance.core.registry import registered_checks, registered_properties
+    from conformance.harness.checking import called_attrs, check_example
 
     property_id, target = _property_of(item), _target(item)
     info = registered_properties()[property_id]
@@ -146,9 +147,9 @@ def _directed_fails(session: Session, item: pytest.Item) -> bool:
         log = CallLog()
         diagnosis.start_example(case)
         try:
-            ratio = _check_example(session, property_id, check, dataclasses.replace(target, log=log), case)
+            ratio = check_example(session, property_id, check, dataclasses.replace(target, log=log), case)
         except PropertyFailure:
-            if ledger and ledger.excuse(_called_attrs(log, case)) is not None:
+            if ledger and ledger.excuse(called_attrs(log, case)) is not None:
                 continue  # an expected failure: its test checks it again and counts it
             return True
         except Exception:  # the suite's own error: the test shows it, first

@@ -12,7 +12,7 @@ call as ``.npz`` with a reproducer, and records everything for the certificate o
 (``conformance.harness.session``: on ``config.stash``, reached through the
 ``conformance_session`` fixture).
 
-Every call into the implementation goes through :func:`call_guarded` (and so
+Every call into the implementation goes through :func:`conformance.core.target.call_guarded` (and so
 through ``implementations.guard``, the one guarded path: timeout, exceptions
 captured, global state restored). A hang or a crash ends the property's search at
 once, with the case that did it (no shrinking: each step would cost a timeout or a
@@ -25,51 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
-import pkgutil
 import time
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure, FlakyReplay
 
-from conformance.core.compare import PropertyFailure
-from conformance.reporting.failure_choice import first_failure, group_message, larger
-from conformance.core.expectations import ExpectedFailureLedger
 from conformance.calls.replay import CallLog
+from conformance.core.compare import PropertyFailure
+from conformance.core.expectations import ExpectedFailureLedger
+from conformance.core.registry import _CHECKS, _PROPERTIES, PropertyInfo, Record, skip_reasons
+from conformance.core.target import ImplementationCrashed, ImplementationHung, Target, subject_of
+from conformance.harness.checking import called_attrs as _called_attrs
+from conformance.harness.checking import check_example as _check_example
 from conformance.harness.session import Session
+from conformance.reporting.failure_choice import first_failure, group_message, larger
 from implementations import guard
-from implementations.base import Capabilities, Implementation
 
-__all__ = [
-    "PropertyInfo",
-    "Record",
-    "Target",
-    "ImplementationRaised",
-    "ImplementationHung",
-    "ImplementationCrashed",
-    "conformance_property",
-    "registered_properties",
-    "registered_checks",
-    "call_guarded",
-    "subject_of",
-]
-
-
-class ImplementationRaised(PropertyFailure):
-    """The implementation raised on a case it claims to support."""
-
-
-class ImplementationHung(PropertyFailure):
-    """The implementation did not return within the per-example timeout."""
-
-
-class ImplementationCrashed(PropertyFailure):
-    """The implementation ended its (isolated worker) process during a call."""
+__all__ = ["conformance_property"]
 
 
 class _StopSearch(BaseException):
@@ -79,201 +54,6 @@ class _StopSearch(BaseException):
     def __init__(self, failure: PropertyFailure) -> None:
         super().__init__(str(failure))
         self.failure = failure
-
-
-@dataclass(frozen=True)
-class Target:
-    """One certification target: an implementation at a level, dtype and device."""
-
-    impl: Implementation
-    level: str
-    dtype: str
-    device: str
-    timeout: float = 60.0
-    #: At most this many distinct shapes per property (``--shape-budget``); None: no budget.
-    shape_budget: int | None = None
-    #: The calls the current example made (``calls.run_sdpa``/``mha_calls.run_mha``
-    #: append to it); the runner hands each example a copy of the target with a fresh log.
-    log: CallLog | None = field(default=None, compare=False, repr=False)
-    #: Inside an isolated worker: a context manager around each call into the
-    #: implementation that tells the pytest process, which enforces ``timeout``.
-    watch: Callable[[], ContextManager[Any]] | None = field(default=None, compare=False, repr=False)
-    #: In a run of several implementations, its implementation's label (``Session.subjects``);
-    #: "" in a run of one.
-    label: str = ""
-
-    @property
-    def caps(self) -> Capabilities:
-        """The implementation's capabilities at this level, in this dtype (``by_dtype``)."""
-        return self.impl.caps(self.level).for_dtype(self.dtype)
-
-    @property
-    def id(self) -> str:
-        return f"{self.level}-{self.dtype}-{self.device}"
-
-    @property
-    def test_id(self) -> str:
-        """The test's parameter id: :attr:`id`, after the implementation's label if any."""
-        return f"{self.label}-{self.id}" if self.label else self.id
-
-    @property
-    def tf32(self) -> bool:
-        return self.device == "cuda" and self.dtype == "float32" and self.caps.tf32
-
-
-@dataclass(frozen=True)
-class PropertyInfo:
-    """A registered property: its id, level ("sdpa", "mha", "varlen", "kvcache"), the spec section
-    it checks (``spec.<name> (...)``), its docstring, its share of the
-    profile's examples, and its case sources: ``cases(target)`` (the Hypothesis
-    strategy) and ``directed(target)`` (the explicit cases run first); ``skip_reason``
-    as given to :func:`conformance_property`; ``sweep``: a sweep property's run."""
-
-    id: str
-    level: str
-    section: str
-    doc: str
-    examples_factor: float
-    cases: Callable[[Target], Any] | None = field(default=None, compare=False, repr=False)
-    directed: Callable[[Target], list[Any]] | None = field(default=None, compare=False, repr=False)
-    skip_reason: Callable[[Target], str | None] | None = field(default=None, compare=False, repr=False)
-    #: A sweep's whole run (``conformance.harness.sweep``): ``sweep(target, session, record)`` -> its Sweep.
-    sweep: Callable[[Target, Session, Record], Any] | None = field(default=None, compare=False, repr=False)
-
-
-#: Every property, filled by :func:`conformance_property` as the
-#: ``conformance/test_*.py`` modules are imported; read it through
-#: :func:`registered_properties`. Definitions only: the same in every session.
-_PROPERTIES: dict[str, PropertyInfo] = {}
-#: Each property's ``check(target, case)`` by id (what an isolated worker runs).
-_CHECKS: dict[str, Callable[[Any, Any], float | None]] = {}
-
-
-def registered_properties() -> Mapping[str, PropertyInfo]:
-    """Every property of the suite by id (imports each ``conformance/test_*.py``).
-
-    The one list of properties: the README's table, docs/CONTRACTS.md and the
-    bug zoo's records are tested against it.
-    """
-    import conformance
-
-    for module in pkgutil.iter_modules(conformance.__path__):
-        if module.name.startswith("test_"):
-            importlib.import_module(f"conformance.{module.name}")
-    return MappingProxyType(_PROPERTIES)
-
-
-def registered_checks() -> Mapping[str, Callable[[Target, Any], float | None]]:
-    """Each property's ``check(target, case)`` by id (imports every property module)."""
-    registered_properties()
-    return MappingProxyType(_CHECKS)
-
-
-@dataclass
-class Record:
-    """What one property test on one target measured (for the certificate)."""
-
-    property: str
-    level: str
-    dtype: str
-    device: str
-    outcome: str = "passed"
-    examples: int = 0
-    worst_ratio: float | None = None
-    seconds: float = 0.0
-    reason: str = ""
-    counterexample: dict[str, Any] | None = None
-    message: str = ""
-    failure_file: str = ""
-    reproducer: str = ""
-    xfail_hits: int = 0
-    xfail_reason: str = ""
-    failing_case: Any = field(default=None, repr=False)
-    #: The calls the failing example made, in order (replay call specs).
-    failing_calls: tuple[Any, ...] = field(default=(), repr=False)
-    first_failure_seconds: float | None = None
-    causes: list[dict[str, Any]] = field(default_factory=list)  # conformance.diagnosis.diagnose, best first
-    #: Examples run after the first failure (shrinking); ``examples`` stops counting there.
-    shrink_examples: int = 0
-    #: The call the reproducer makes, as a dict (set when it is not the drawn case as is).
-    called: dict[str, Any] | None = None
-    #: Per expected-failure entry of this property: index, hits, covered passes.
-    expected_failures: list[dict[str, Any]] = field(default_factory=list)
-    #: The call the reproducer makes and whether it alone shows the failure, when the
-    #: isolated worker picked it (``isolation.Worker.annotate``); None: picked here.
-    picked_call: tuple[Any, bool | None] | None = field(default=None, repr=False)
-    #: Timed-out calls whose threads were still running when the test ended (thread mode).
-    leftover_threads: int = 0
-    isolated: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(dataclasses.replace(self, failing_case=None, failing_calls=(), picked_call=None))
-        del d["failing_case"], d["failing_calls"], d["picked_call"]
-        return d
-
-
-def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call into the implementation: exceptions and hangs become property failures.
-
-    Goes through :func:`implementations.guard.guarded_call`: the call runs in a
-    daemon call thread (reused from call to call) so that a hang fails the property
-    after ``target.timeout`` seconds (that thread cannot be killed and is left
-    behind, counted on the certificate), every exception is captured, and the global
-    NumPy and torch settings the suite computes under are restored afterwards. In an
-    isolated worker (``target.watch``) the pytest process also watches the call, and
-    kills the worker when it hangs. (The call runs in a call thread there too: with a
-    new thread a call, torch's intra-op threads ran 2-3x faster on a busy 2-core
-    machine than reused by the worker's main thread; the reused call thread is
-    faster than both: ``--isolate=always`` sdpa under ci, float64 and float16,
-    9.3 s against 10.1 s.)
-    """
-    # The first call of each implementation, dtype and device may compile (guard.COMPILE_FACTOR).
-    warm_key = (id(target.impl), target.dtype, target.device)
-    try:
-        if target.watch is not None:
-            with target.watch():
-                return guard.guarded_call(fn, *args, timeout=target.timeout, warm_key=warm_key, **kwargs)
-        return guard.guarded_call(fn, *args, timeout=target.timeout, warm_key=warm_key, **kwargs)
-    except guard.CallTimedOut as exc:
-        raise ImplementationHung(
-            f"{target.impl.name} {exc} "
-            "(per-example timeout, --example-timeout); the call's thread cannot be stopped and "
-            "keeps running (--isolate=always runs the implementation in a worker process that is "
-            "killed instead)"
-        ) from None
-    except guard.CallRaised as exc:
-        raise ImplementationRaised(
-            f"{target.impl.name} raised on a case it claims to support: {guard.summarise(exc.error)}"
-        ) from exc.error
-
-
-def subject_of(session: Any, target: Target) -> Any:
-    """What the run keeps for ``target``'s implementation (``impl_spec``, ``options``,
-    ``isolation``, ``broken_cases``...): its ``Session.subject`` in a run of several
-    implementations, the session itself (the same fields) in a run of one."""
-    return session.subject(target.label) if target.label else session
-
-
-def _check_example(session: Session, property_id: str, check: Callable[[Target, Any], float | None],
-                   target: Target, case: Any) -> float | None:
-    """``check(target, case)``, in the isolated worker when there is one; a case that
-    already hung or crashed fails fast; a hang or crash ends the search."""
-    from conformance.isolation import supervisor as isolation
-
-    owner = subject_of(session, target)
-    digest = isolation.case_digest(case) if owner.broken_cases else None
-    if digest in owner.broken_cases:
-        cls, where, message = owner.broken_cases[digest]
-        raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
-                  "a case that hangs or crashes is tried once per session)")
-    try:
-        if owner.isolation is not None:
-            return owner.isolation.check(property_id, target, case)
-        return check(target, case)
-    except (ImplementationHung, ImplementationCrashed) as exc:
-        owner.broken_cases[digest or isolation.case_digest(case)] = (
-            type(exc), f"{property_id}[{target.id}]", str(exc))
-        raise
 
 
 def _examples_setting(factor: float) -> settings:
@@ -453,12 +233,6 @@ def conformance_property(
     return decorate
 
 
-def _called_attrs(log: CallLog, case: Any) -> list[dict[str, Any]]:
-    """Attributes of the cases an example called (the drawn case's when it made no
-    call): what expected failures are matched against."""
-    return [call.attrs() for call in log.calls] or [case.attrs()]
-
-
 def _database_key(session: Session, property_id: str, target: Target) -> bytes:
     """The Hypothesis database key of one property × implementation × level ×
     dtype × device: a stable digest, the same in every process.
@@ -476,23 +250,3 @@ def _database_key(session: Session, property_id: str, target: Target) -> bytes:
     return hashlib.sha384(text.encode()).digest()
 
 
-def skip_reasons(info: PropertyInfo, target: Target) -> list[str]:
-    """Why ``target`` (at the property's level) cannot have property ``info`` checked:
-    what the implementation does not support, then the property's own ``skip_reason``."""
-    reasons = _target_skip_reasons(target, info.level)
-    if info.skip_reason is not None and not reasons:
-        reason = info.skip_reason(target)
-        reasons = [reason] if reason else []
-    return reasons
-
-
-def _target_skip_reasons(target: Target, level: str) -> list[str]:
-    reasons = target.impl.not_supported_reasons(
-        {"level": level, "device": target.device, "dtype": target.dtype}
-    )
-    if not reasons and target.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return ["no CUDA device on this machine (torch.cuda.is_available() is False)"]
-    return reasons

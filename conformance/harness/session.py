@@ -25,7 +25,7 @@ import pytest
 if TYPE_CHECKING:
     from conformance.reporting.failures import Replay
     from conformance.isolation.supervisor import Worker
-    from conformance.harness.runner import Record
+    from conformance.core.registry import Record
     from implementations.base import Implementation
 
 __all__ = ["Session", "SESSION_KEY", "Subject", "session_of"]

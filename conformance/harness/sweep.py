@@ -8,7 +8,7 @@ and certificate cell (examples = sizes visited), expected failures, saved
 failing case with its reproducer, and ``--replay`` of that case.
 
 A sweep is ``run(target, sweep)``: it calls the implementation through
-``runner.call_guarded`` (or, when the implementation runs in an isolated worker
+``core.target.call_guarded`` (or, when the implementation runs in an isolated worker
 process, ``sweep.isolated``, has each case checked whole there by :meth:`Sweep.check`:
 only the worker may call it), reports each visited size with :meth:`Sweep.visited`, visits the first
 :meth:`Sweep.budget` of its cases (a count per Hypothesis profile: a certificate never
@@ -29,16 +29,15 @@ from typing import Any, Callable, Mapping
 import pytest
 
 from conformance.core.compare import PropertyFailure
-from conformance.harness.runner import (
-    _CHECKS,  # each property's one-case check (runner.registered_checks; the isolated worker's)
-    _PROPERTIES,  # the one property registry (runner.registered_properties)
+from conformance.core.registry import (
+    _CHECKS,  # each property's one-case check (registry.registered_checks; the isolated worker's)
+    _PROPERTIES,  # the one property registry (registry.registered_properties)
     PropertyInfo,
     Record,
-    Target,
-    _check_example,
     skip_reasons,
-    subject_of,
 )
+from conformance.core.target import Target, subject_of
+from conformance.harness.checking import check_example
 from conformance.harness.session import Session
 
 __all__ = ["SAFETY_S", "Sweep", "sweep_property"]
@@ -82,9 +81,9 @@ class Sweep:
     def check(self, case: Any) -> float | None:
         """The property's check of one ``case`` (its ratio; raises its PropertyFailure),
         in the isolated worker when there is one; a case that hung or crashed before
-        fails fast (``runner._check_example``)."""
+        fails fast (``checking.check_example``)."""
         assert self._check is not None and self._session is not None, "a Sweep made without its check"
-        return _check_example(self._session, self.property_id, self._check, self.target, case)
+        return check_example(self._session, self.property_id, self._check, self.target, case)
 
     def budget(self, order: list[Any]) -> list[Any]:
         """The cases of ``order`` this sweep visits: its first ``sizes``."""

@@ -22,8 +22,8 @@ into the implementation started (0 when none runs) into a small shared file, the
 *call clock*; the pytest process reads it between waits, so it enforces the per-call
 timeout itself without being woken by every call: a call that does not return in time,
 or a worker that dies (``os._exit``, ``abort``, a segfault), kills the worker, fails
-the property with the case saved (:class:`~conformance.harness.runner.ImplementationHung`,
-:class:`~conformance.harness.runner.ImplementationCrashed`), and the next check starts a
+the property with the case saved (:class:`~conformance.harness.ImplementationHung`,
+:class:`~conformance.harness.ImplementationCrashed`), and the next check starts a
 fresh worker. The worker's stdout and stderr go to a log file whose last lines are
 quoted in a crash message.
 
@@ -317,7 +317,9 @@ class Worker:
         for an error of the suite itself). A hang or a crash kills the worker (a fresh
         one is started on the next call) and raises ImplementationHung /
         ImplementationCrashed."""
-        from conformance.harness import runner
+        from conformance.core import target as guarded
+        from conformance.core.compare import PropertyFailure
+        from conformance.core.target import ImplementationCrashed, ImplementationHung
 
         if not self.alive:
             self.close()
@@ -325,12 +327,12 @@ class Worker:
                 self.start()
             except WorkerDied as died:
                 record_crash(self.spec, f"{died.how} while resolving it again")
-                raise runner.ImplementationCrashed(
+                raise ImplementationCrashed(
                     f"{self.spec} ended a fresh isolated worker process while it was resolved "
                     f"again, before {property_id}[{target.id}] could run: {died.how}"
                 ) from None
             except (ImplementationError, RuntimeError) as err:
-                raise runner.PropertyFailure(
+                raise PropertyFailure(
                     f"a fresh isolated worker could not resolve {self.spec} again (it had the first "
                     f"time): {err}"
                 ) from None
@@ -349,7 +351,7 @@ class Worker:
             reply, reply_arrays = self._request(header, arrays, limit=None, first_call=first)
         except WorkerTimedOut as timed_out:
             self.close()
-            raise runner.ImplementationHung(
+            raise ImplementationHung(
                 f"{name} {timed_out} (per-example timeout, --example-timeout); its isolated worker "
                 "process was killed and a fresh one continues") from None
         except WorkerDied as died:
@@ -357,7 +359,7 @@ class Worker:
             record_crash(self.spec, f"{died.how} during {property_id}[{target.id}]")
             where = "during a call into it" if died.during_call else "between calls (in the suite's code)"
             log = f"\nlast output of the worker:\n{died.log}" if died.log else ""
-            raise runner.ImplementationCrashed(
+            raise ImplementationCrashed(
                 f"{name} ended its isolated worker process {where}: {died.how}; "
                 f"a fresh worker continues{log}"
             ) from None
@@ -371,13 +373,13 @@ class Worker:
             self.close()  # its call thread is still running
             # Its message says the limit it applied (a first call's allowance, a stretch).
             said = str(reply.get("message", "")).split(" (per-example timeout", 1)[0]
-            raise runner.ImplementationHung(
+            raise ImplementationHung(
                 f"{said} (per-example timeout, --example-timeout); its isolated worker process was "
                 "killed and a fresh one continues" if said.startswith(f"{name} did not return") else hung)
         if "failure" in reply:
-            cls = getattr(runner, reply["failure"], None)
-            if not (isinstance(cls, type) and issubclass(cls, runner.PropertyFailure)):
-                cls = runner.PropertyFailure
+            cls = getattr(guarded, reply["failure"], None)  # its failure classes by name
+            if not (isinstance(cls, type) and issubclass(cls, PropertyFailure)):
+                cls = PropertyFailure
             raise cls(reply["message"])
         raise RuntimeError(f"the suite raised in the isolated worker: {reply.get('error')}")
 

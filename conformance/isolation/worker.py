@@ -46,11 +46,13 @@ def _on_the_clock(clock_fd: int) -> Iterator[None]:
 def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
     import functools
 
-    from conformance.harness import runner
     from conformance.calls.call_specs import CallLog
+    from conformance.core.compare import PropertyFailure
+    from conformance.core.registry import registered_checks
+    from conformance.core.target import Target
     from implementations import registry
 
-    checks = runner.registered_checks()
+    checks = registered_checks()
     impl: Implementation | None = None
     watch = functools.partial(_on_the_clock, clock_fd)
     while True:
@@ -68,12 +70,12 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
         elif header["op"] == "check":
             assert impl is not None, "check before resolve"
             log = CallLog()
-            target = runner.Target(impl, header["level"], header["dtype"], header["device"],
+            target = Target(impl, header["level"], header["dtype"], header["device"],
                                    header["timeout"], watch=watch, log=log)
             try:
                 case = decode_case(header["case"], arrays)
                 ratio = checks[header["property"]](target, case)
-            except runner.PropertyFailure as exc:
+            except PropertyFailure as exc:
                 # The calls as made: expected failures match them, the reproducer makes one.
                 calls, call_arrays = encode_calls(log.calls)
                 write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc),
@@ -107,13 +109,14 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from conformance.diagnosis import diagnose as diagnosis
-    from conformance.harness import runner
-    from conformance.calls.call_reports import first_failing_call
     from conformance.calls.call_specs import CallLog
+    from conformance.calls.replay import first_failing_call
+    from conformance.core.compare import PropertyFailure
+    from conformance.core.target import ImplementationHung, ImplementationRaised, Target, call_guarded
+    from conformance.diagnosis import diagnose as diagnosis
 
     check = checks[header["property"]]
-    target = runner.Target(impl, header["level"], header["dtype"], header["device"],
+    target = Target(impl, header["level"], header["dtype"], header["device"],
                            header["timeout"], watch=watch)
 
     case = decode_case(header["case"], unprefixed(arrays, "case/"))
@@ -123,15 +126,15 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
         diagnosis.start_example(first, record)
         try:
             check(replace(target, log=CallLog()), first)
-        except runner.PropertyFailure:
+        except PropertyFailure:
             pass
     diagnosis.start_example(case, record)  # keeps the one before as the first failure
     record.failing_case = case
     log = CallLog()
-    failure: runner.PropertyFailure | None = None
+    failure: PropertyFailure | None = None
     try:
         check(replace(target, log=log), case)
-    except runner.PropertyFailure as exc:
+    except PropertyFailure as exc:
         failure = exc
     record.failing_calls = tuple(log.calls)  # matched against the built-ins' known deviations
     try:
@@ -141,8 +144,8 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
         causes, line = [], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})"
     picked = shows = None
     if log.calls and failure is not None and not isinstance(
-            failure, (runner.ImplementationHung, runner.ImplementationRaised)):
-        found = first_failing_call(impl, log.calls, invoke=partial(runner.call_guarded, target))
+            failure, (ImplementationHung, ImplementationRaised)):
+        found = first_failing_call(impl, log.calls, invoke=partial(call_guarded, target))
         picked, shows = (log.calls.index(found[0]), True) if found is not None else (len(log.calls) - 1, False)
     calls, call_arrays = encode_calls(log.calls)
     return ({"causes": causes, "line": line, "calls": calls, "picked": picked, "shows": shows,

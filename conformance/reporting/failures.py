@@ -402,11 +402,7 @@ def _plain_call(case: Any) -> Any:
 def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bool | None]:
     """The call the reproducer makes and whether it alone shows the failure when
     made again (None: not re-made: the implementation raised or hung on it)."""
-    from conformance.harness.runner import (
-        ImplementationHung,
-        ImplementationRaised,
-        call_guarded,
-    )
+    from conformance.core.target import ImplementationHung, ImplementationRaised, call_guarded
 
     if getattr(record, "picked_call", None) is not None:  # picked in the isolated worker
         return record.picked_call
@@ -427,7 +423,7 @@ def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bo
 
 
 def _section(property_id: str) -> str:
-    from conformance.harness.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     info = registered_properties().get(property_id)
     return info.section if info is not None else ""

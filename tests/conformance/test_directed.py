@@ -16,7 +16,8 @@ from hypothesis.errors import InvalidArgument
 from conformance.directed import examples as directed
 from conformance.core.cases import MHACase, SDPACase
 from conformance.reporting.failures import load_case
-from conformance.harness.runner import Target, registered_properties
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
 from implementations import registry
 from implementations.base import Capabilities, Implementation
 

@@ -12,7 +12,8 @@ from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure
 from conformance.calls.equivalence import Side, verdict
 from conformance.calls.replay import CallLog
-from conformance.harness.runner import Target, registered_checks
+from conformance.core.registry import registered_checks
+from conformance.core.target import Target
 from implementations.base import Capabilities, Implementation
 
 

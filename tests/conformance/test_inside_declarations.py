@@ -23,7 +23,8 @@ from conformance.calls.declarations import (
 )
 from conformance.calls.flash import FlashCallSpec, FlashCase, run_flash
 from conformance.calls.replay import CallLog, SDPACallSpec
-from conformance.harness.runner import Target, registered_checks, registered_properties, skip_reasons
+from conformance.core.registry import registered_checks, registered_properties, skip_reasons
+from conformance.core.target import Target
 from conformance.strategies.flash import flash_cases
 from conformance.calls.varlen import VarlenCase
 from implementations import registry

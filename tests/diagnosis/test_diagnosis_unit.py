@@ -11,7 +11,8 @@ from conformance.reporting import certificate
 from conformance.diagnosis import diagnose as diagnosis
 from conformance.calls.sdpa import run_sdpa
 from conformance.core.cases import SDPACase
-from conformance.harness.runner import ImplementationRaised, Record, Target
+from conformance.core.registry import Record
+from conformance.core.target import ImplementationRaised, Target
 from implementations.base import Capabilities, Implementation
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conformance.reporting import certificate
-from conformance.harness.runner import Target
+from conformance.core.target import Target
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
 from implementations.mutants._base import NaiveSDPA

@@ -24,7 +24,8 @@ from conformance.core.cases import SDPACase
 from conformance.core.expectations import ExpectedFailureLedger, entry_errors
 from conformance.calls.mha import build, run_mha
 from conformance.calls.replay import CallLog
-from conformance.harness.runner import Target, registered_properties
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
 from implementations.base import ExpectedFailure
 from implementations.registry import resolve
 

@@ -235,7 +235,7 @@ def test_a_causal_flag_without_effect_fails_and_the_failure_says_what_the_probe_
 
 
 def test_mha_causal_flag_skip_reason_names_the_missing_feature():
-    from conformance.harness.runner import Target
+    from conformance.core.target import Target
     from conformance.test_mha import _causal_hint_missing
 
     impl = registry.resolve("torch-mha")

@@ -13,7 +13,8 @@ import pytest
 from hypothesis.errors import InvalidArgument
 
 from conformance.directed import examples as directed
-from conformance.harness.runner import Target, registered_properties
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
 from implementations import registry
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -137,7 +137,7 @@ def _run_nested(pytester) -> None:
 def test_property_order_file_lists_each_levels_properties_once():
     # A property it does not list yet runs after the listed ones of its level
     # (test_unlisted_property_goes_after_the_listed_ones): adding one needs no kill-matrix run.
-    from conformance.harness.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     data = json.loads(ordering.ORDER_FILE.read_text())
     known = {(p.level, p.id) for p in registered_properties().values()}
