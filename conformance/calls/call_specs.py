@@ -34,6 +34,8 @@ __all__ = [
     "SDPAOutcome",
     "MHAOutcome",
     "fold_causal",
+    "uses_causal_flag",
+    "case_rng",
     "tile_sdpa_case",
     "tile_mha_case",
     "mha_output_shape",
@@ -64,6 +66,20 @@ def content_seed(salt: str, *arrays: np.ndarray | None, extra: str = "") -> int:
             h.update(a.tobytes())
     h.update(extra.encode())
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def case_rng(case: SDPACase, salt: str = "") -> np.random.Generator:
+    """A generator seeded by the case's contents: replaying a case replays its draws."""
+    h = hashlib.blake2b(salt.encode(), digest_size=8)
+    for a in (case.query, case.key, case.value):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return np.random.default_rng(int.from_bytes(h.digest(), "little"))
+
+
+def uses_causal_flag(target: Any, case: SDPACase) -> bool:
+    """Whether the case's causality goes over as ``is_causal=True`` (the flag means
+    the case's alignment and no mask comes with it) rather than folded into a mask."""
+    return case.causal is not None and case.causal == target.caps.causal and case.mask_kind == "none"
 
 
 def _mha_arrays(case: MHACase) -> list[np.ndarray | None]:

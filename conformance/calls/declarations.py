@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from conformance.calls.call_specs import MHACallSpec, SDPACallSpec, uses_causal_flag
+from conformance.core import levels
+
 __all__ = ["OutsideDeclarations", "call_of", "call_attrs", "fit_head_dims", "fit_lengths",
            "outside_declarations", "require_inside"]
 
@@ -44,26 +47,11 @@ def call_of(target: Any, item: Any) -> Any:
         return item
     level = {"SDPACase": "sdpa", "MHACase": "mha"}.get(type(item).__name__, getattr(item, "level", None))
     if level == "sdpa":
-        from conformance.calls.sdpa import uses_causal_flag
-        from conformance.calls.replay import SDPACallSpec
-
         return SDPACallSpec(item, is_causal=uses_causal_flag(target, item))
-    if level == "flash":
-        from conformance.calls.flash import FlashCallSpec
-
-        return FlashCallSpec(item)
     if level == "mha":
-        from conformance.calls.replay import MHACallSpec
-
         return MHACallSpec(item)
-    if level == "varlen":
-        from conformance.calls.varlen import VarlenCallSpec
-
-        return VarlenCallSpec(item)
-    if level == "kvcache":
-        from conformance.calls.kvcache import KVCacheCallSpec
-
-        return KVCacheCallSpec(item)
+    if level in levels.LEVEL_MODULES:  # the level's own module (which imports this one)
+        return levels.module(level).CallSpec(item)
     raise TypeError(f"item={item!r} is neither a case nor a call spec of a known level")
 
 

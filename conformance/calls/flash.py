@@ -26,7 +26,7 @@ import numpy as np
 
 import spec
 from conformance.core import tolerance
-from conformance.calls.call_specs import call_directly
+from conformance.calls.call_specs import Invoke, call_directly, case_rng
 from conformance.calls.sdpa import assert_returned_tensor, grad_magnitudes
 from conformance.core.cases import SDPACase
 from conformance.core.compare import (
@@ -39,8 +39,7 @@ from conformance.core.compare import (
 from conformance.calls.declarations import require_inside
 from conformance.calls.flash_bounds import _forward, allowed_lse, allowed_output, emulate_flash, oracle
 from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase
-from conformance.directed.helpers import case_rng
-from conformance.calls.replay import CallReport, Invoke
+from conformance.calls.call_reports import CallReport
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to

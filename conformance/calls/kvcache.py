@@ -26,7 +26,7 @@ import spec
 from conformance.calls.call_specs import call_directly
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.calls.declarations import require_inside
-from conformance.calls.replay import CallReport
+from conformance.calls.call_reports import CallReport
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
 from conformance.calls.varlen import (

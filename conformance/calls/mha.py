@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.diagnosis import diagnose as diagnosis
+from conformance.core import observe
 from conformance.calls import mha_bounds
 from conformance.core import tolerance
 from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core.cases import MHACase
 from conformance.core.compare import compare_values, fail
 from conformance.calls.declarations import require_inside
-from conformance.calls.replay import (
+from conformance.calls.call_specs import (
     MHACallSpec,
     build_module,
     mha_content_seed,
@@ -121,7 +121,7 @@ def run_mha(target: Target, case: MHACase, module: BuiltModule | None = None, *,
     result = MHACall(to_numpy(out), None if weights is None else to_numpy(weights), out, weights,
                      outcome.inputs, outcome.module, call)
     built = module if module is not None else BuiltModule(outcome.module, dropout, training)
-    diagnosis.observe_mha(call.called_case, result.output, result.weights, module=built, overrides={})
+    observe.observe_mha(call.called_case, result.output, result.weights, module=built, overrides={})
     return result
 
 

@@ -16,13 +16,19 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.diagnosis import diagnose as diagnosis
+from conformance.core import observe
 from conformance.core import tolerance
 from conformance.core.cases import SDPACase
 from conformance.core.compare import Comparison, assert_contract, compare_values, fail
 from conformance.calls.declarations import require_inside
-from conformance.directed.helpers import case_rng
-from conformance.calls.replay import SDPACallSpec, content_seed, fold_causal, run_sdpa_call
+from conformance.calls.call_specs import (
+    SDPACallSpec,
+    case_rng,
+    content_seed,
+    fold_causal,
+    run_sdpa_call,
+    uses_causal_flag,
+)
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
@@ -107,12 +113,6 @@ def naive_error(case: SDPACase, reference: np.ndarray, rows: np.ndarray) -> floa
     return float(diff[finite].max()) if finite.any() else 0.0
 
 
-def uses_causal_flag(target: Target, case: SDPACase) -> bool:
-    """Whether the case's causality goes over as ``is_causal=True`` (the flag means
-    the case's alignment and no mask comes with it) rather than folded into a mask."""
-    return case.causal is not None and case.causal == target.caps.causal and case.mask_kind == "none"
-
-
 def fully_masked_kind(target: Target, case: SDPACase) -> str:
     """What blocks the case's fully-masked rows as the implementation is called
     (``implementations.base.FULLY_MASKED_KINDS``): the causal flag alone, else the
@@ -186,7 +186,7 @@ def run_sdpa(
     outcome = run_sdpa_call(target.impl, call, invoke=partial(call_guarded, target), inputs=inputs)
     assert_returned_tensor("output", outcome.tensor, device=case.device)
     output = to_numpy(outcome.tensor)
-    diagnosis.observe_sdpa(call.passed_case, output, dropout_p=dropout_p)
+    observe.observe_sdpa(call.passed_case, output, dropout_p=dropout_p)
     return SDPACall(output, outcome.tensor, outcome.inputs, call)
 
 

@@ -30,7 +30,7 @@ from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.calls.declarations import require_inside
 from conformance.calls.equivalence import Side, compare_equivalent
-from conformance.calls.replay import CallReport
+from conformance.calls.call_reports import CallReport
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 

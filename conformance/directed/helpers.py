@@ -4,12 +4,12 @@ that must raise: ``calls.expect_sdpa_raises``.)"""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 
 import spec
+from conformance.calls.call_specs import case_rng  # noqa: F401 - the properties' name for it
 from conformance.directed import examples as directed
 from conformance.core.cases import MHACase, SDPACase
 from conformance.core.target import Target
@@ -65,14 +65,6 @@ def mha_directed_for(target: Target, **kwargs: Any) -> list[MHACase]:
     """The directed MHA examples of the property whose cases are
     ``mha_cases_for(target, **kwargs)``."""
     return directed.mha_directed(target, **_mha_arguments(target, kwargs))
-
-
-def case_rng(case: SDPACase, salt: str = "") -> np.random.Generator:
-    """A generator seeded by the case's contents: replaying a case replays its draws."""
-    h = hashlib.blake2b(salt.encode(), digest_size=8)
-    for a in (case.query, case.key, case.value):
-        h.update(np.ascontiguousarray(a).tobytes())
-    return np.random.default_rng(int.from_bytes(h.digest(), "little"))
 
 
 def identity_probe(case: SDPACase, min_head_dim: int | None = None) -> SDPACase:
