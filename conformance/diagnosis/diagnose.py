@@ -54,8 +54,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 from functools import partial
-from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -77,10 +76,10 @@ from conformance.core.observe import (
     observe_sdpa,
     start_example,
 )
+from conformance.diagnosis.problems import _mha_problem, _sdpa_problem, sdpa_mask_kind
 from conformance.diagnosis.ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
-    sdpa_mask_kind,
 )
 from spec import variants as V
 
@@ -100,8 +99,6 @@ __all__ = [
 
 #: The id prefix of a cause that is a built-in's known deviation (``known_deviation:sdpa``).
 KNOWN_DEVIATION = "known_deviation"
-#: MHA forward arguments a call may override and a problem can describe.
-_MHA_OVERRIDES = frozenset({"need_weights", "average_attn_weights", "is_causal"})
 #: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
 _RANDOM_IN_EVAL = "mha_dropout_in_eval"
 #: Extra calls of an eval-mode module whose output is wrong and matches no variant,
@@ -490,82 +487,6 @@ def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     error = float(np.abs(output - expected)[finite].max())
     size = float(np.abs(expected[finite]).max())
     return error / size if size > 0 else error
-
-
-# --------------------------------------------------------------------------- problems and bounds
-
-
-def _sdpa_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
-    from conformance.calls import sdpa as C
-    from conformance.core import tolerance
-
-    case, observed = call.case, call.output
-    # The case as passed: causality still in it only when the flag carries it alone.
-    policy = target.caps.fully_masked_policy(sdpa_mask_kind(case))
-    if call.dropout_p > 0:
-        stacked = _unstacked(case, observed)
-        if stacked is None:
-            return None                                          # one random sample: nothing to compare
-        case, observed, samples = stacked
-    problem = V.SDPAProblem.from_case(case, fully_masked=policy, dropout_p=call.dropout_p)
-    ref = C.oracle(case)
-    naive = C.naive_error(case, ref.output, C.valid_rows(case))
-
-    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
-        weights = ref.weights if result.weights is None else result.weights
-        weights = np.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
-        magnitude = C.magnitude(case, weights)
-        if call.dropout_p > 0:
-            c = magnitude / (1 - call.dropout_p)
-            return tolerance.sdpa_dropout_allowed(c, samples, observed.size)
-        return tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
-                                      logit_scale=C.logit_scale(case, SimpleNamespace(weights=weights)))
-
-    return problem, observed, allowed
-
-
-def _unstacked(case: Any, output: np.ndarray) -> tuple[Any, np.ndarray, int] | None:
-    """A dropout call on M stacked copies of one problem (along the batch): that problem,
-    the mean of the M outputs, and M; None for any other dropout call."""
-    example = _EXAMPLE.get()
-    B = getattr(example.case, "B", 0) if example is not None else 0   # the drawn case's batch
-    if not B or case.B <= B or case.B % B:
-        return None
-    M = case.B // B
-
-    def copies(x: np.ndarray | None) -> bool:
-        if x is None or x.ndim < 4 or x.shape[0] == 1:
-            return True
-        stacked = x.reshape(M, B, *x.shape[1:])
-        return bool((stacked == stacked[:1]).all())
-
-    if not all(copies(x) for x in (case.query, case.key, case.value, case.attend_mask, case.additive_mask)):
-        return None
-
-    def first(x: np.ndarray | None) -> np.ndarray | None:
-        return x if x is None or x.ndim < 4 or x.shape[0] == 1 else x[:B]
-
-    single = case.replace(query=case.query[:B], key=case.key[:B], value=case.value[:B],
-                          attend_mask=first(case.attend_mask), additive_mask=first(case.additive_mask))
-    mean = output.reshape(M, B, *output.shape[1:]).mean(axis=0)
-    return single, mean, M
-
-
-def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
-    from conformance.calls import mha_bounds
-    from conformance.calls import mha as MC
-
-    if getattr(call.module, "training", False) or set(call.overrides) - _MHA_OVERRIDES:
-        return None                                              # random, or not a problem we can state
-    case = call.case.replace(**call.overrides) if call.overrides else call.case
-    problem = V.MHAProblem.from_case(case, fully_masked=MC.fully_masked_policy(target, case))
-    weights = call.weights if MC.has_feature(target, "need_weights") else None
-    output_allowed, weights_allowed = mha_bounds.allowed_error(case, tf32=target.tf32)
-
-    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
-        return output_allowed if part == "output" else weights_allowed
-
-    return problem, (call.output, weights), allowed
 
 
 def _random_in_eval(calls: list[_Call]) -> Verdict | None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from conformance.core.observe import _EXAMPLE, _Call, start_example
+from conformance.diagnosis.problems import _sdpa_problem, sdpa_mask_kind
 from spec import variants as V
 
 __all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
@@ -20,13 +21,6 @@ __all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
 #: Cases derived from a failing case that the implementation is called on, at most,
 #: to tell apart variants that match the failing case equally (``diagnosis._separate``).
 MAX_DISCRIMINATING = 2
-
-
-def sdpa_mask_kind(case: Any) -> str:
-    """The fully-masked-row kind of an SDPA case as the implementation received it
-    (``Capabilities.fully_masked_policy``): the causal flag alone, else the mask's kind."""
-    return "causal" if case.causal is not None and case.mask_kind == "none" else \
-        "additive" if case.additive_mask is not None else "bool"
 
 
 def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
@@ -113,7 +107,6 @@ def _expected_problem(target: Any, case: Any) -> tuple[Any, Any]:
     """The problem of a call of ``case`` and the runner's allowed error for it (the
     tolerance rule the observation will be judged by, so that variants told apart
     here are told apart by the call too)."""
-    from conformance.diagnosis.diagnose import _sdpa_problem
 
     problem, _, allowed = _sdpa_problem(target, _Call("sdpa", case, None))
     return problem, allowed

@@ -19,7 +19,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -337,6 +337,8 @@ class IsolatedImplementation(Implementation):
     (the calls happen in the worker)."""
 
     skip_reasons: dict[str, list[str]] = field(default_factory=dict, repr=False)
+    #: Its calls are made in the worker, never in this process (``failures`` reads it).
+    calls_elsewhere: ClassVar[bool] = True
 
     def not_supported_reasons(self, case: Any) -> list[str]:
         if set(case) == {"level", "device", "dtype"}:

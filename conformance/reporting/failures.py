@@ -409,9 +409,9 @@ def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bo
     calls = record.failing_calls
     if not calls:
         return _plain_call(record.failing_case), None
-    from conformance.isolation.protocol import IsolatedImplementation
-
-    if isinstance(exc, (ImplementationHung, ImplementationRaised)) or isinstance(target.impl, IsolatedImplementation):
+    # An isolated worker's implementation (``isolation.protocol.IsolatedImplementation``)
+    # says that its calls are made elsewhere: only its worker may make them again.
+    if isinstance(exc, (ImplementationHung, ImplementationRaised)) or getattr(target.impl, "calls_elsewhere", False):
         return calls[-1], None  # not made again (isolated: only its worker may; it had no answer)
     try:
         picked = first_failing_call(target.impl, calls, invoke=partial(call_guarded, target))
