@@ -1,1 +1,1 @@
-"""The call layer: one module per level (sdpa, mha, flash, varlen, kvcache) that makes the calls and checks them, their bounds, call specs and reports."""
+"""The call layer: one module per level that makes its calls and checks them, with call specs and reports."""

@@ -1,1 +1,1 @@
-"""The lowest layer: cases, tensors, tolerances, comparison, devices, options, levels, expected failures, observations, the target and the guarded call, the property registry."""
+"""The lowest layer: cases, tensors, tolerances, comparison, the target and its guarded call, the registry."""

@@ -1,1 +1,1 @@
-"""Diagnosis: which known cause explains a failing example."""
+"""Diagnosis: which known cause (a variant of spec.variants) explains a failing example."""

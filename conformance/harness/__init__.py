@@ -1,1 +1,1 @@
-"""The harness every property runs in: the runner, the session, ordering, sweeps, the directed-first pass."""
+"""The harness every property runs in: runner, session, directed-first pass, sweeps, order."""

@@ -1,1 +1,1 @@
-"""Isolation: running each example's check in a worker process that may hang or crash."""
+"""Isolation: each example's check in a worker process, which may hang or crash."""

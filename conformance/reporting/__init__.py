@@ -1,1 +1,1 @@
-"""Reporting: saved failures and reproducers, the certificate and merging certificates."""
+"""Reporting: saved failures and their reproducers, the certificate, merged certificates."""
