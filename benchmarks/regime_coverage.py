@@ -35,7 +35,7 @@ _REGIME = re.compile(r"\bregime\W+(\w+)")
 
 def producible(info: Any, target: Any, draws: int) -> set[str]:
     """Regimes the property's strategy can produce for ``target``: those its
-    ``sdpa_cases`` arguments accept (``directed.producible_regimes``), or, for a
+    ``sdpa_cases`` arguments accept (``directed.examples.producible_regimes``), or, for a
     strategy built otherwise, those among ``draws`` of its cases."""
     from hypothesis import HealthCheck, given, settings
 

@@ -2,7 +2,7 @@
 
 Each property compares the implementation with itself under a transformation
 whose effect the math fixes. The allowed error is the tolerance rule's bound of
-each call (``calls.allowed_for``) summed, plus a bound on any rounding the
+each call (``calls.sdpa.allowed_for``) summed, plus a bound on any rounding the
 transformation itself introduces in low precision.
 """
 

@@ -169,7 +169,7 @@ def _constant_column(target: Target, case: SDPACase, out: np.ndarray) -> float:
 
 
 def _check_output(target: Target, case: SDPACase, out: np.ndarray) -> float:
-    """The tolerance rule (``calls.allowed_error``) and the constant column."""
+    """The tolerance rule (``calls.sdpa.allowed_error``) and the constant column."""
     ref = spec.sdpa(case.query, case.key, case.value, causal=case.causal, fully_masked="zero")
     ratio = compare_values("output", out, ref.output, allowed_error(target, case, ref),
                            where=valid_rows(case)).ratio

@@ -214,7 +214,7 @@ class Capabilities:
     #: Values that differ in one dtype, as ``(dtype, ((field, value), ...))`` pairs (a mapping
     #: ``{"float16": {"autograd": False}}`` is accepted), fields among
     #: :data:`PER_DTYPE_FIELDS`; the other fields hold in every dtype. Read the capabilities
-    #: of one dtype with :meth:`for_dtype` (``conformance.harness.runner.Target.caps`` does).
+    #: of one dtype with :meth:`for_dtype` (``conformance.core.target.Target.caps`` does).
     by_dtype: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:

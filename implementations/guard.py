@@ -3,7 +3,7 @@
 Everything that runs code the suite did not write goes through :func:`guarded_call`:
 importing a user's module or file, building an implementation, capability probing
 (``implementations.registry``), and every call the property tests make
-(``conformance.harness.runner.call_guarded``, which turns the two exceptions below into
+(``conformance.core.target.call_guarded``, which turns the two exceptions below into
 property failures). A guarded call
 
 * runs under a **timeout** (``timeout`` seconds, ``0`` or ``None``: no limit): the

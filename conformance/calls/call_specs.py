@@ -3,7 +3,7 @@
 :class:`SDPACallSpec` / :class:`MHACallSpec` hold a call exactly as a property made
 it (the case as called, the flag or folded mask, dropout and its seed, autograd,
 samples); :func:`run_sdpa_call` / :func:`run_mha_call` make it. Both the runner
-(``calls.run_sdpa``, ``mha_calls.run_mha``) and a reproducer go through them, so a
+(``calls.sdpa.run_sdpa``, ``calls.mha.run_mha``) and a reproducer go through them, so a
 replay makes the same call. Random draws that are not Hypothesis' own are seeded
 from the case's contents (:func:`content_seed`), never from Python's salted
 ``hash()``. :mod:`conformance.calls.call_reports` compares a call's result with the
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: How a call is made: ``invoke(fn, *args, **kwargs)``. The runner passes
-#: ``functools.partial(runner.call_guarded, target)``; a reproducer calls directly.
+#: ``functools.partial(core.target.call_guarded, target)``; a reproducer calls directly.
 Invoke = Callable[..., Any]
 
 
@@ -437,7 +437,7 @@ def run_mha_call(impl: Any, call: MHACallSpec, *, invoke: Invoke = call_directly
 @dataclass
 class CallLog:
     """The calls one example made, in order (the runner gives each example a fresh
-    one on its :class:`~conformance.harness.runner.Target`), and the options each module
+    one on its :class:`~conformance.core.target.Target`), and the options each module
     was built with (by ``id``)."""
 
     calls: list[Any] = field(default_factory=list)

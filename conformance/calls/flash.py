@@ -4,8 +4,8 @@ A :class:`FlashCase` (``conformance.calls.flash_cases``, re-exported) is one cal
 query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), with ``causal`` (lower-right),
 ``window`` (left, right), ``softcap`` and ``alibi_slopes`` (N,) or (B, N). A
 :class:`FlashCallSpec` is the call as made (with or without the LSE, with an upstream
-gradient); :func:`run_flash` makes it through ``runner.call_guarded`` and logs it, like
-``calls.run_sdpa``. The tolerance is the SDPA rule (``conformance.core.tolerance``): k × the
+gradient); :func:`run_flash` makes it through ``core.target.call_guarded`` and logs it, like
+``calls.sdpa.run_sdpa``. The tolerance is the SDPA rule (``conformance.core.tolerance``): k × the
 error of a naive same-precision computation of the very same case
 (:func:`emulate_flash`, rounding after every operation as ``spec.emulate_sdpa`` does,
 soft-capping included) plus a rounding floor at the magnitude of what the output sums;
@@ -211,7 +211,7 @@ class FlashCall:
 
 def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
               grad_output: np.ndarray | None = None) -> FlashCall:
-    """Call ``target.impl.flash`` on ``case`` through ``runner.call_guarded`` and log the call."""
+    """Call ``target.impl.flash`` on ``case`` through ``core.target.call_guarded`` and log the call."""
     __tracebackhide__ = True
     call = FlashCallSpec(case, lse=lse, grad_output=grad_output)
     require_inside(target, call)
@@ -276,7 +276,7 @@ def check_lse(target: Target, case: FlashCase, lse: np.ndarray, *,
 
 def check_gradients(target: Target, case: FlashCase) -> float:
     """dq, dk, dv of a seeded upstream gradient against ``spec.flash_attention_vjp``, within
-    ``tolerance.grad_allowed`` (magnitudes of ``calls.grad_magnitudes`` on the heads-first
+    ``tolerance.grad_allowed`` (magnitudes of ``calls.sdpa.grad_magnitudes`` on the heads-first
     problem; soft-capping's derivative is at most 1); the worst error/allowed ratio."""
     __tracebackhide__ = True
     rng = case_rng(case, "grad")

@@ -2,7 +2,7 @@
 
 The kvcache level (``implementations.base``) takes FlashAttention's
 ``flash_attn_with_kvcache`` convention; the oracle is ``spec.kvcache_attention``. Every
-call goes through ``runner.call_guarded`` (:func:`run_kvcache`, logged as a
+call goes through ``core.target.call_guarded`` (:func:`run_kvcache`, logged as a
 :class:`KVCacheCallSpec`, made by :func:`run_kvcache_call`: the same code a failure's
 reproducer runs through :func:`show_kvcache_call`). The call writes the new keys and
 values into the caches in place: every call hands over fresh tensors made from the
@@ -288,7 +288,7 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
 
 
 def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None) -> KVCacheCall:
-    """``target.impl.kvcache`` on ``case`` through ``runner.call_guarded``, the call logged
+    """``target.impl.kvcache`` on ``case`` through ``core.target.call_guarded``, the call logged
     (paged when the case has pages, unless ``paged`` says otherwise)."""
     __tracebackhide__ = True
     call = KVCacheCallSpec(case, paged=paged)

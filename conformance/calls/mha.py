@@ -3,7 +3,7 @@
 The module is built by the implementation's factory with the case's options,
 the oracle's weights are copied in with ``load_weights``, and the module is
 called with nn.MultiheadAttention's conventions (bool masks True = blocked).
-Every call goes through ``runner.call_guarded``. This module computes the inputs
+Every call goes through ``core.target.call_guarded``. This module computes the inputs
 of the error bounds (output magnitude, logit range); the bounds themselves are
 in ``conformance.core.tolerance``. Its SDPA twin is ``conformance.calls.sdpa``.
 """

@@ -8,8 +8,8 @@ the case over in one particular way (causality as ``is_causal=True`` or folded
 into ``attn_mask``, a memory layout, dropout, autograd). :class:`SDPACallSpec` and
 :class:`MHACallSpec` hold exactly that: the case as called and every argument.
 
-There is one path from a call spec to the implementation: ``calls.run_sdpa`` and
-``mha_calls.run_mha`` make every call of the properties through
+There is one path from a call spec to the implementation: ``calls.sdpa.run_sdpa`` and
+``calls.mha.run_mha`` make every call of the properties through
 :func:`run_sdpa_call` / :func:`run_mha_call`, and a failure's reproducer snippet
 runs the same functions through :func:`show_sdpa_call` / :func:`show_mha_call`,
 which also print how the result differs from the oracle for the case as called.

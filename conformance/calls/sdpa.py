@@ -1,7 +1,7 @@
 """Calling an SDPA implementation on a case, and what the oracle says of that case.
 
 Everything that crosses into the implementation goes through
-``runner.call_guarded`` so that its exceptions and hangs become property
+``core.target.call_guarded`` so that its exceptions and hangs become property
 failures, never a crashed run. This module computes the inputs of the error
 bounds (magnitudes, naive errors, logit ranges); the bounds themselves are in
 ``conformance.core.tolerance``. Its MHA twin is ``conformance.calls.mha``.

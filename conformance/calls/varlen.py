@@ -2,7 +2,7 @@
 
 The varlen level (``implementations.base``) takes FlashAttention's
 ``flash_attn_varlen_func`` convention; the oracle is ``spec.varlen_attention``. Every
-call goes through ``runner.call_guarded`` (:func:`run_varlen`, logged as a
+call goes through ``core.target.call_guarded`` (:func:`run_varlen`, logged as a
 :class:`VarlenCallSpec`, made by :func:`run_varlen_call`: the same code a failure's
 reproducer runs through :func:`show_varlen_call`). The error bound is the SDPA rule
 (``conformance.core.tolerance``, computed by ``conformance.calls.sdpa``) applied sequence by
@@ -159,7 +159,7 @@ class VarlenCase:
 def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool,
                      scale: float | None, dtype: str, device: str) -> tuple[np.ndarray, ...]:
     """One sequence, q (L, N, E), k (S, K, E), v (S, K, Ev): (expected (L, N, Ev), allowed
-    (L, N, Ev), live (L, N, 1): rows that attend at least one key), by ``calls.allowed_for``
+    (L, N, Ev), live (L, N, 1): rows that attend at least one key), by ``calls.sdpa.allowed_for``
     on the sequence as an SDPA case (B = 1, bottom-right causal, fully-masked rows -> 0)."""
     L, N, _ = q.shape
     S, _, Ev = v.shape
@@ -292,7 +292,7 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
 
 
 def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
-    """``target.impl.varlen`` on ``case`` through ``runner.call_guarded``, the call logged;
+    """``target.impl.varlen`` on ``case`` through ``core.target.call_guarded``, the call logged;
     the output (T_q, N, Ev)."""
     __tracebackhide__ = True
     call = VarlenCallSpec(case)

@@ -1,6 +1,6 @@
 """What a diagnosis reads: the calls of the implementation in the example being checked.
 
-While a property runs, ``calls.run_sdpa`` and ``mha_calls.run_mha`` hand each output
+While a property runs, ``calls.sdpa.run_sdpa`` and ``calls.mha.run_mha`` hand each output
 to :func:`observe_sdpa` / :func:`observe_mha`, which append it to the current example's
 list (the runner starts a fresh list per example, :func:`start_example`): one list
 append per call, so a passing run is not slowed. ``conformance.diagnosis.diagnose`` reads the
@@ -61,7 +61,7 @@ def start_example(case: Any, record: Any = None) -> None:
 
 
 def observe_sdpa(case: Any, output: np.ndarray, *, dropout_p: float = 0.0) -> None:
-    """``calls.run_sdpa`` called the implementation on ``case`` (as called: causal
+    """``calls.sdpa.run_sdpa`` called the implementation on ``case`` (as called: causal
     folded into the mask unless the flag was used) and got ``output`` (float64)."""
     example = _EXAMPLE.get()
     if example is not None:
@@ -70,7 +70,7 @@ def observe_sdpa(case: Any, output: np.ndarray, *, dropout_p: float = 0.0) -> No
 
 def observe_mha(case: Any, output: np.ndarray, weights: np.ndarray | None, *, module: Any,
                 overrides: dict[str, Any]) -> None:
-    """``mha_calls.run_mha`` called ``module`` on ``case`` with forward arguments
+    """``calls.mha.run_mha`` called ``module`` on ``case`` with forward arguments
     ``overrides`` replaced and got ``output`` and ``weights`` (float64, or None)."""
     example = _EXAMPLE.get()
     if example is not None:

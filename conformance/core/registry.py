@@ -99,7 +99,7 @@ class Record:
     #: Per expected-failure entry of this property: index, hits, covered passes.
     expected_failures: list[dict[str, Any]] = field(default_factory=list)
     #: The call the reproducer makes and whether it alone shows the failure, when the
-    #: isolated worker picked it (``isolation.Worker.annotate``); None: picked here.
+    #: isolated worker picked it (``isolation.supervisor.Worker.annotate``); None: picked here.
     picked_call: tuple[Any, bool | None] | None = field(default=None, repr=False)
     #: Timed-out calls whose threads were still running when the test ended (thread mode).
     leftover_threads: int = 0

@@ -50,7 +50,7 @@ class Target:
     timeout: float = 60.0
     #: At most this many distinct shapes per property (``--shape-budget``); None: no budget.
     shape_budget: int | None = None
-    #: The calls the current example made (``calls.run_sdpa``/``mha_calls.run_mha``
+    #: The calls the current example made (``calls.sdpa.run_sdpa``/``calls.mha.run_mha``
     #: append to it); the runner hands each example a copy of the target with a fresh log.
     log: Any = field(default=None, compare=False, repr=False)
     #: Inside an isolated worker: a context manager around each call into the

@@ -8,12 +8,12 @@ runner calls :func:`annotate`, which adds one line to the failure message::
     probable cause: causal_lower_right — the causal flag applies the lower-right triangle ...
     probable cause: unknown — no variant of spec.variants matches the output on the shrunk case
 
-and records the matches on the property's ``runner.Record`` (``causes``), from which the
+and records the matches on the property's ``registry.Record`` (``causes``), from which the
 certificate groups the failures of a run by cause (:func:`cause_groups`).
 
 Where the output comes from, cheapest first:
 
-1. While a property runs, ``calls.run_sdpa`` and ``mha_calls.run_mha`` hand each
+1. While a property runs, ``calls.sdpa.run_sdpa`` and ``calls.mha.run_mha`` hand each
    output to :func:`observe_sdpa` / :func:`observe_mha`, which keep it in the list of the
    current example (the runner starts a fresh list per example, :func:`start_example`):
    one list append per call, nothing else, so a passing run is not slowed.
@@ -122,7 +122,7 @@ def annotate(exc: BaseException, target: Any, record: Any, *, property_id: str =
     case): set ``record.causes`` and add the ``probable cause:`` line to ``exc``.
     Never raises. With ``isolation`` (the implementation's isolated worker, which alone
     may call it) the worker checks the shrunk case of ``property_id`` again, diagnoses
-    it and picks the reproducer's call (``isolation.Worker.annotate``), unless the
+    it and picks the reproducer's call (``isolation.supervisor.Worker.annotate``), unless the
     implementation raised, hung or crashed (no output to diagnose, nothing called)."""
     if isolation is not None and record.failing_case is not None and not _implementation_broke(exc):
         first = _FIRST_FAILURE.get()

@@ -19,7 +19,7 @@ from spec import variants as V
 __all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
 
 #: Cases derived from a failing case that the implementation is called on, at most,
-#: to tell apart variants that match the failing case equally (``diagnosis._separate``).
+#: to tell apart variants that match the failing case equally (``diagnose._separate``).
 MAX_DISCRIMINATING = 2
 
 
@@ -32,7 +32,7 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
     among cases that tell as many pairs apart, one where such a variant predicts a
     wrong but partly finite output comes first (only such a case can confirm it), and
     one is chosen for it even when every pair is already apart. Only a deterministic
-    SDPA call, and only cases the target claims (``directed.admitted``); a call that
+    SDPA call, and only cases the target claims (``directed.examples.admitted``); a call that
     raises is left out."""
     from conformance.calls.sdpa import run_sdpa
     from conformance.directed.examples import admitted
@@ -129,7 +129,7 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     The new entries are seeded normal values rounded to the dtype; new mask entries
     attend. Keys that equal the values (shared kv) stay equal. Contiguous, so any target
     that claims the sizes takes them; ``_discriminating_calls`` keeps only the cases the
-    target claims (``directed.admitted``: sizes, max_seq_len, self-attention lengths,
+    target claims (``directed.examples.admitted``: sizes, max_seq_len, self-attention lengths,
     head dims, mask kinds, scales)."""
     from spec.emulate import round_to
 

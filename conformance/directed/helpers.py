@@ -1,6 +1,6 @@
 """Small pieces the property tests share: drawing within a target's claims (and
 the directed examples that go with each strategy), probes, skip reasons. (An input
-that must raise: ``calls.expect_sdpa_raises``.)"""
+that must raise: ``calls.sdpa.expect_sdpa_raises``.)"""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ __all__ = [
 def cases_for(target: Target, **kwargs: Any) -> Any:
     """``sdpa_cases`` restricted to what ``target`` declares; the strategy keeps
     ``kwargs`` as ``case_arguments`` (what it can produce is then known without
-    drawing: ``directed.producible_regimes``)."""
+    drawing: ``directed.examples.producible_regimes``)."""
     kwargs.setdefault("shape_budget", target.shape_budget)
     strategy = sdpa_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
     strategy.case_arguments = dict(kwargs)

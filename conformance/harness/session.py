@@ -43,7 +43,7 @@ class Subject:
     isolation: Worker | None = None  # --isolate: the worker process running the implementation
     isolate_reason: str = ""  # why it is (or is not) isolated, for the report header
     #: case digest -> (failure class, property[target], message): cases the implementation
-    #: hung or crashed on, failed at once when drawn again (conformance.harness.runner._check_example)
+    #: hung or crashed on, failed at once when drawn again (conformance.harness.checking.check_example)
     broken_cases: dict[str, tuple[type, str, str]] = field(default_factory=dict)
     #: --impl-exitfirst: the node id of its first failed test, after which the rest skip
     stopped_by: str = ""
@@ -66,7 +66,7 @@ class Session:
     isolation: Worker | None = None  # --isolate: the worker process running the implementation
     isolate_reason: str = ""  # why it is (or is not) isolated, for the report header
     #: case digest -> (failure class, property[target], message): cases the implementation
-    #: hung or crashed on, failed at once when drawn again (conformance.harness.runner._check_example)
+    #: hung or crashed on, failed at once when drawn again (conformance.harness.checking.check_example)
     broken_cases: dict[str, tuple[type, str, str]] = field(default_factory=dict)
     recorded: set[str] = field(default_factory=set)  # node ids whose record has been collected
     #: Every implementation of the run by label, in --impl order (see the module docstring).

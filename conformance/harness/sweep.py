@@ -3,7 +3,7 @@
 Some bugs live at one size (a kernel's ragged-block path, a tile-count formula):
 a random search meets them by luck, an exhaustive loop over small sizes always.
 :func:`sweep_property` registers such a loop as a property beside the
-``conformance_property`` ones: the same registry, :class:`~conformance.harness.runner.Record`
+``conformance_property`` ones: the same registry, :class:`~conformance.core.registry.Record`
 and certificate cell (examples = sizes visited), expected failures, saved
 failing case with its reproducer, and ``--replay`` of that case.
 

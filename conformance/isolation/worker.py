@@ -105,7 +105,7 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
     a failure: the property's check made again on the shrunk case (and first on the
     failing case before shrinking, whose calls break ties) with the calls observed, the
     diagnosis of those calls (``diagnosis.diagnose``), and which call alone shows the
-    failure (``call_reports.first_failing_call``, for the reproducer)."""
+    failure (``replay.first_failing_call``, for the reproducer)."""
     from dataclasses import replace
     from types import SimpleNamespace
 

@@ -2,7 +2,7 @@
 
 Everything here works on plain data: a certificate is the dict written to
 ``PATH.json`` (layout in docs/CONTRACTS.md), and its ``results`` are the dicts
-the property tests attach to their reports (``runner.Record.as_dict()``). The
+the property tests attach to their reports (``registry.Record.as_dict()``). The
 plugin gathers them, from every xdist worker, and calls :func:`certificate`;
 :func:`terminal_lines`, :func:`markdown` and :func:`write` render it.
 

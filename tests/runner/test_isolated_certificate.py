@@ -2,7 +2,7 @@
 certificate an in-process run gives: the same outcomes, expected failures matched on
 the calls as made, the same diagnosis, called case and reproducer. Only the worker
 process may call it, so it answers each check with the calls it made and, for a
-failure, diagnoses it and picks the reproducer's call (``isolation.Worker.annotate``)."""
+failure, diagnoses it and picks the reproducer's call (``isolation.supervisor.Worker.annotate``)."""
 
 from __future__ import annotations
 
