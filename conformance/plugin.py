@@ -45,10 +45,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conformance.harness import directed_first
-from conformance.harness import reporting
-from conformance.harness import subjects
 from conformance.core.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
+from conformance.harness import directed_first, reporting, subjects
 from conformance.harness.ordering import property_rank
 from conformance.harness.session import SESSION_KEY, Session, Subject, session_of
 from implementations.base import ALL_DTYPES
@@ -393,8 +391,8 @@ class _ResultCollector:
                 self.session.recorded.add(report.nodeid)
 
     def _result_from_report(self, report: pytest.TestReport) -> dict[str, Any] | None:
-        from conformance.isolation import supervisor as isolation
         from conformance.core.registry import Record, registered_properties
+        from conformance.isolation import supervisor as isolation
 
         m = _NODE_ID.search(report.nodeid)
         if m is None or m["property"] not in registered_properties():

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.core.compare import compare_values
 from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.calls.flash import (
     FlashCase,
@@ -27,9 +26,10 @@ from conformance.calls.flash import (
     oracle,
     run_flash,
 )
+from conformance.core.compare import compare_values
+from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
 from conformance.harness.reporting import probe_saw
-from conformance.core.target import Target
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
 from spec.emulate import round_to

@@ -11,9 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.calls import mha_bounds
-from conformance.core.cases import MHACase
-from conformance.core.compare import assert_contract, compare_values, fail
-from conformance.directed.helpers import mha_cases_for, mha_directed_for, skip_unless
 from conformance.calls.mha import (
     build,
     check_dropout_mean,
@@ -28,10 +25,13 @@ from conformance.calls.mha import (
     run_mha,
     upstream_gradient,
 )
-from conformance.harness.reporting import probe_saw
+from conformance.core.cases import MHACase
+from conformance.core.compare import assert_contract, compare_values, fail
 from conformance.core.target import Target
-from conformance.harness.runner import conformance_property
 from conformance.core.tensors import dtype_of, mha_inputs
+from conformance.directed.helpers import mha_cases_for, mha_directed_for, skip_unless
+from conformance.harness.reporting import probe_saw
+from conformance.harness.runner import conformance_property
 
 
 @conformance_property(

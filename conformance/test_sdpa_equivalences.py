@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import spec
+from conformance.calls.equivalence import compare_equivalent, sdpa_side
 from conformance.calls.sdpa import (
     allowed_for,
     check_against_oracle,
@@ -14,7 +15,7 @@ from conformance.calls.sdpa import (
     valid_rows,
 )
 from conformance.core.cases import SDPACase
-from conformance.calls.equivalence import compare_equivalent, sdpa_side
+from conformance.core.target import Target
 from conformance.directed.helpers import (
     cases_for,
     directed_for,
@@ -22,7 +23,6 @@ from conformance.directed.helpers import (
     skip_unless,
 )
 from conformance.harness.reporting import probe_saw
-from conformance.core.target import Target
 from conformance.harness.runner import conformance_property
 from spec.emulate import round_to
 

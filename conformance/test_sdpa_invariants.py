@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.core import tolerance
+from conformance.calls.equivalence import compare_equivalent, sdpa_side
 from conformance.calls.sdpa import allowed_for, run_sdpa, valid_rows
+from conformance.core import tolerance
 from conformance.core.cases import SDPACase
 from conformance.core.compare import compare_values, fail
-from conformance.calls.equivalence import compare_equivalent, sdpa_side
+from conformance.core.target import Target
 from conformance.directed.helpers import (
     attend_matrix,
     case_rng,
@@ -25,7 +26,6 @@ from conformance.directed.helpers import (
     needs_separate_values,
     skip_unless,
 )
-from conformance.core.target import Target
 from conformance.harness.runner import conformance_property
 from spec.emulate import round_to
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.core import tolerance
 from conformance.calls.flash_cases import FlashCase
+from conformance.core import tolerance
 from conformance.core.target import Target
 from spec.emulate import _rounder
 

@@ -23,12 +23,9 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.calls.call_specs import call_directly
-from conformance.core.compare import PropertyFailure, compare_values, fail
-from conformance.calls.declarations import require_inside
 from conformance.calls.call_reports import CallReport
-from conformance.core.target import Target, call_guarded
-from conformance.core.tensors import to_numpy
+from conformance.calls.call_specs import call_directly
+from conformance.calls.declarations import require_inside
 from conformance.calls.varlen import (
     _called_invalid,
     _compared_rows,
@@ -40,6 +37,9 @@ from conformance.calls.varlen import (
     _sequence_bounds,
     _tensor,
 )
+from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.core.target import Target, call_guarded
+from conformance.core.tensors import to_numpy
 
 __all__ = [
     "ATTRIBUTES",

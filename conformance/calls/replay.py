@@ -33,7 +33,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import spec
-from conformance.calls.call_reports import CallReport, _difference_line, _raised, _untouched
+from conformance.calls.call_reports import (
+    CallReport,
+    _difference_line,
+    _raised,
+    _untouched,
+)
 from conformance.calls.call_specs import (
     CallLog,
     Invoke,

@@ -16,11 +16,6 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.core import observe
-from conformance.core import tolerance
-from conformance.core.cases import SDPACase
-from conformance.core.compare import Comparison, assert_contract, compare_values, fail
-from conformance.calls.declarations import require_inside
 from conformance.calls.call_specs import (
     SDPACallSpec,
     case_rng,
@@ -29,6 +24,10 @@ from conformance.calls.call_specs import (
     run_sdpa_call,
     uses_causal_flag,
 )
+from conformance.calls.declarations import require_inside
+from conformance.core import observe, tolerance
+from conformance.core.cases import SDPACase
+from conformance.core.compare import Comparison, assert_contract, compare_values, fail
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to

@@ -24,13 +24,13 @@ import numpy as np
 
 import spec
 from conformance.calls import sdpa as calls
+from conformance.calls.call_reports import CallReport
 from conformance.calls.call_specs import call_directly
+from conformance.calls.declarations import require_inside
+from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
-from conformance.calls.declarations import require_inside
-from conformance.calls.equivalence import Side, compare_equivalent
-from conformance.calls.call_reports import CallReport
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 

@@ -82,8 +82,8 @@ def _unstacked(case: Any, output: np.ndarray) -> tuple[Any, np.ndarray, int] | N
 
 
 def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
-    from conformance.calls import mha_bounds
     from conformance.calls import mha as MC
+    from conformance.calls import mha_bounds
 
     if getattr(call.module, "training", False) or set(call.overrides) - _MHA_OVERRIDES:
         return None                                              # random, or not a problem we can state

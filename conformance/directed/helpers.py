@@ -10,9 +10,9 @@ import numpy as np
 
 import spec
 from conformance.calls.call_specs import case_rng  # noqa: F401 - the properties' name for it
-from conformance.directed import examples as directed
 from conformance.core.cases import MHACase, SDPACase
 from conformance.core.target import Target
+from conformance.directed import examples as directed
 from conformance.strategies import mha_cases, sdpa_cases
 
 __all__ = [

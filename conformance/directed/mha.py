@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.core.cases import MHACase
 from conformance.calls.declarations import fit_head_dims
+from conformance.core.cases import MHACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
 from spec import MHAParams
 from spec.emulate import round_arrays_to, round_to

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.core.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
 from conformance.calls.declarations import fit_head_dims
+from conformance.core.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
 from conformance.strategies import MASK_KINDS, REGIMES
 from conformance.strategies.values import sdpa_values

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from conformance.core.target import ImplementationCrashed, ImplementationHung, Target, subject_of
+from conformance.core.target import (
+    ImplementationCrashed,
+    ImplementationHung,
+    Target,
+    subject_of,
+)
 from conformance.harness.session import Session
 from conformance.isolation import supervisor as isolation
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from conformance.reporting import certificate
 from conformance.core.compare import PropertyFailure
 from conformance.harness.session import Session, session_of
 from conformance.harness.subjects import devices
+from conformance.reporting import certificate
 
 __all__ = ["header_lines", "check_writable", "probe_saw", "write_certificate"]
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from conformance.reporting.failures import Replay
-    from conformance.isolation.supervisor import Worker
     from conformance.core.registry import Record
+    from conformance.isolation.supervisor import Worker
+    from conformance.reporting.failures import Replay
     from implementations.base import Implementation
 
 __all__ = ["Session", "SESSION_KEY", "Subject", "session_of"]

@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.core.expectations import ExpectedFailureLedger
 from conformance.isolation.crash_markers import (
     INTERRUPT_SIGNALS,
     ISOLATE_MODES,
@@ -80,7 +81,6 @@ from conformance.isolation.crash_markers import (
     record_crash,
     state_dir,
 )
-from conformance.core.expectations import ExpectedFailureLedger
 from conformance.isolation.protocol import (
     CALL_CLOCK,
     CalledAttrs,

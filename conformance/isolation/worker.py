@@ -112,7 +112,12 @@ def _annotate(impl: Implementation, checks: Any, header: dict[str, Any], arrays:
     from conformance.calls.call_specs import CallLog
     from conformance.calls.replay import first_failing_call
     from conformance.core.compare import PropertyFailure
-    from conformance.core.target import ImplementationHung, ImplementationRaised, Target, call_guarded
+    from conformance.core.target import (
+        ImplementationHung,
+        ImplementationRaised,
+        Target,
+        call_guarded,
+    )
     from conformance.diagnosis import diagnose as diagnosis
 
     check = checks[header["property"]]

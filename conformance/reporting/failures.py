@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from conformance.calls.replay import MHACallSpec, SDPACallSpec, first_failing_call
 from conformance.core import levels
 from conformance.core.cases import LAYOUTS, MHACase, SDPACase
-from conformance.calls.replay import MHACallSpec, SDPACallSpec, first_failing_call
 
 __all__ = ["save_case", "load_case", "load_call", "validate_saved", "Replay", "annotate", "reproducer"]
 
@@ -402,7 +402,11 @@ def _plain_call(case: Any) -> Any:
 def _failing_call(exc: BaseException, target: Any, record: Any) -> tuple[Any, bool | None]:
     """The call the reproducer makes and whether it alone shows the failure when
     made again (None: not re-made: the implementation raised or hung on it)."""
-    from conformance.core.target import ImplementationHung, ImplementationRaised, call_guarded
+    from conformance.core.target import (
+        ImplementationHung,
+        ImplementationRaised,
+        call_guarded,
+    )
 
     if getattr(record, "picked_call", None) is not None:  # picked in the isolated worker
         return record.picked_call

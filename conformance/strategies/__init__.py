@@ -53,7 +53,11 @@ with stride 0; the drawn values are equal along it), read by
 
 from __future__ import annotations
 
-from conformance.core.cases import NOTE_MASK_EXPANDED, NOTE_STRIDE0_BATCH, NOTE_STRIDE0_HEADS
+from conformance.core.cases import (
+    NOTE_MASK_EXPANDED,
+    NOTE_STRIDE0_BATCH,
+    NOTE_STRIDE0_HEADS,
+)
 from conformance.strategies.mha import MHA_MASK_KINDS, mha_cases
 from conformance.strategies.sdpa import sdpa_cases
 from conformance.strategies.sdpa_masks import (

@@ -16,9 +16,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 from conformance.core.cases import LAYOUTS
+from conformance.core.tolerance import EPS as UNIT_ROUNDOFF
 from conformance.strategies._drawing import named_strategy, weighted
 from conformance.strategies._validation import choices, fail
-from conformance.core.tolerance import EPS as UNIT_ROUNDOFF
 from implementations.base import Capabilities
 from spec.emulate import round_to
 

@@ -22,8 +22,8 @@ from hypothesis.errors import InvalidArgument
 
 from conformance.calls.declarations import fit_head_dims
 from conformance.calls.kvcache import KVCacheCase
-from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.calls.varlen import VarlenCase
+from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from implementations.base import Capabilities
 from spec.emulate import round_to
 

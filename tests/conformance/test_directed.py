@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from hypothesis.errors import InvalidArgument
 
-from conformance.directed import examples as directed
 from conformance.core.cases import MHACase, SDPACase
-from conformance.reporting.failures import load_case
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
+from conformance.directed import examples as directed
+from conformance.reporting.failures import load_case
 from implementations import registry
 from implementations.base import Capabilities, Implementation
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
-from conformance.core.cases import SDPACase
-from conformance.core.compare import PropertyFailure
 from conformance.calls.equivalence import Side, verdict
 from conformance.calls.replay import CallLog
+from conformance.core.cases import SDPACase
+from conformance.core.compare import PropertyFailure
 from conformance.core.registry import registered_checks
 from conformance.core.target import Target
 from implementations.base import Capabilities, Implementation

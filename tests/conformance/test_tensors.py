@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from conformance import strategies as cs
 from conformance.core.cases import LAYOUTS, SDPACase
-from conformance.core.tensors import POISON_PAD, dtype_of, mha_inputs, sdpa_inputs, to_numpy
+from conformance.core.tensors import (
+    POISON_PAD,
+    dtype_of,
+    mha_inputs,
+    sdpa_inputs,
+    to_numpy,
+)
 
 FAST = settings(max_examples=20, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

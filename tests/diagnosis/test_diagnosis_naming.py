@@ -11,11 +11,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conformance.diagnosis import diagnose as diagnosis
 from conformance.calls.sdpa import run_sdpa
 from conformance.core.cases import SDPACase
 from conformance.core.registry import Record
 from conformance.core.target import Target
+from conformance.diagnosis import diagnose as diagnosis
 from implementations.base import Capabilities, Implementation
 from implementations.registry.expected_failures import XFAIL_DIR
 from tests.diagnosis.impls_for_diagnosis import my_sdpa

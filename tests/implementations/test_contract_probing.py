@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.reporting import certificate
 from conformance.core.target import Target
+from conformance.reporting import certificate
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
 from implementations.mutants._base import NaiveSDPA

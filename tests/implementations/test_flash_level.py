@@ -211,10 +211,10 @@ def _flash_case():
 
 
 def test_a_flash_failure_is_saved_reloaded_and_reproduced(tmp_path):
-    from conformance.reporting import failures
-    from conformance.isolation import supervisor as isolation
     from conformance.calls.flash import FlashCallSpec, report_flash_call
     from conformance.core.registry import registered_properties
+    from conformance.isolation import supervisor as isolation
+    from conformance.reporting import failures
 
     case = _flash_case()
     call = FlashCallSpec(case, lse=True, grad_output=np.ones((1, 3, 2, 3)))

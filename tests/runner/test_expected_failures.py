@@ -17,15 +17,14 @@ import pytest
 from hypothesis import settings
 
 import conformance
-from conformance.reporting import certificate
-from conformance.reporting import failures
+from conformance.calls.mha import build, run_mha
+from conformance.calls.replay import CallLog
 from conformance.calls.sdpa import check_gradients, run_sdpa
 from conformance.core.cases import SDPACase
 from conformance.core.expectations import ExpectedFailureLedger, entry_errors
-from conformance.calls.mha import build, run_mha
-from conformance.calls.replay import CallLog
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
+from conformance.reporting import certificate, failures
 from implementations.base import ExpectedFailure
 from implementations.registry import resolve
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from conformance.reporting import certificate
+from conformance.harness.session import Session
 from conformance.isolation import supervisor as isolation
 from conformance.plugin import _ResultCollector
-from conformance.harness.session import Session
+from conformance.reporting import certificate
 from conformance.strategies import mha_cases, sdpa_cases
 from implementations import guard, registry
 from implementations.base import Capabilities, ImplementationError

@@ -16,9 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conformance.reporting import certificate
+from conformance.harness.session import SESSION_KEY, Session, Subject
 from conformance.isolation import supervisor as isolation
-from conformance.reporting import merge
 from conformance.plugin import (
     _NODE_ID,
     _impl_specs,
@@ -26,7 +25,7 @@ from conformance.plugin import (
     _ResultCollector,
     pytest_collection_modifyitems,
 )
-from conformance.harness.session import SESSION_KEY, Session, Subject
+from conformance.reporting import certificate, merge
 from implementations.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,12 +18,17 @@ import pytest
 from hypothesis import settings
 
 import conformance
-from conformance.reporting import failures
-from conformance.core.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
 from conformance.calls.mha import upstream_gradient
-from conformance.calls.replay import CallLog, MHACallSpec, SDPACallSpec, report_sdpa_call
+from conformance.calls.replay import (
+    CallLog,
+    MHACallSpec,
+    SDPACallSpec,
+    report_sdpa_call,
+)
+from conformance.core.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
+from conformance.reporting import failures
 from implementations.mutants import MUTANTS
 from implementations.mutants._base import (
     SDPA_CAPABILITIES,
