@@ -16,8 +16,9 @@ level's is ``conformance.calls.flash``; the varlen and kvcache levels' are
   the function a reproducer imports from the module to make and show the call.
 
 The shared machinery (``failures``, ``replay``, ``expectations``, ``isolation``,
-``diagnosis``, and ``declarations.call_of``, which the level modules import) reads this table, so a new level is one entry here plus its module,
-its strategies and its ``conformance/test_<level>.py``. The implementation's callable
+``diagnosis``, and ``declarations.call_of``, which the level modules import) reads
+this table, so a new level is one entry here plus its module, its strategies and its
+``conformance/test_<level>.py``. The implementation's callable
 at the level is ``Implementation.<level>`` with its capabilities ``Implementation.caps(level)``
 (``Implementation.<level>_capabilities`` where that field exists, as ``flash_capabilities``
 does, else ``capabilities``).
