@@ -12,8 +12,8 @@ comes (after ``--first``, the agreement properties: see :data:`FIRST`) the prope
 an earlier level) per second of its cost (the greedy rule for the least total time to
 each mutant's first failure); once every mutant is killed, the rest follow by all the
 mutants they kill per second (the best guess for bugs outside the zoo, and for
-implementations on which an earlier property is skipped). The order is written to ``conformance/property_order.json``, which
-``pytest_collection_modifyitems`` reads (``conformance/ordering.py``); the kill matrix
+implementations on which an earlier property is skipped). The order is written to ``conformance/harness/property_order.json``, which
+``pytest_collection_modifyitems`` reads (``conformance/harness/ordering.py``); the kill matrix
 and the order, with each property's kills and seconds, are printed.
 
     python benchmarks/kill_matrix.py --jobs 2 --write --raw kill-matrix.json
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from conformance.ordering import ORDER_FILE  # noqa: E402
+from conformance.harness.ordering import ORDER_FILE  # noqa: E402
 from conformance.plugin import LEVEL_ORDER, PROFILES  # noqa: E402
 from implementations.mutants import MUTANTS  # noqa: E402
 from mutation_score import certify_in_process  # noqa: E402

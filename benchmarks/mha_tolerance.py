@@ -8,7 +8,7 @@ the weights'), and how many cases fail (ratio > 1), under two bounds:
 * old: ``mha_floor × eps × (1 + logit range) × magnitude`` with one magnitude per
   feature (``|W_o| @ max|v| + |b_o|``) and one logit range per case (the rule of
   conformance/test_mha.py as of this benchmark);
-* new: ``conformance.mha_bounds.allowed_error`` (k × the naive same-precision module
+* new: ``conformance.calls.mha_bounds.allowed_error`` (k × the naive same-precision module
   call's error + a floor at a per-element magnitude).
 
 Modules: the correct built-ins torch-mha (as the suite calls it, grad enabled: the
@@ -44,11 +44,11 @@ import torch.nn.functional as F  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
 import spec  # noqa: E402
-from conformance.cases import MHACase  # noqa: E402
+from conformance.core.cases import MHACase  # noqa: E402
 from conformance.strategies import mha_cases  # noqa: E402
-from conformance.tensors import dtype_of, mha_inputs, to_numpy  # noqa: E402
-from conformance.tolerance import EPS  # noqa: E402
-from conformance.mha_bounds import allowed_error as mha_allowed  # noqa: E402
+from conformance.core.tensors import dtype_of, mha_inputs, to_numpy  # noqa: E402
+from conformance.core.tolerance import EPS  # noqa: E402
+from conformance.calls.mha_bounds import allowed_error as mha_allowed  # noqa: E402
 from implementations.base import Implementation  # noqa: E402
 from implementations.builtins._torch_common import load_mha_weights  # noqa: E402
 from implementations.mutants._base import HandwrittenMHA  # noqa: E402

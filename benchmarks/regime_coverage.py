@@ -2,7 +2,7 @@
 
 Runs ``pytest conformance --impl=IMPL --hypothesis-profile=PROFILE`` in this
 process and counts, per property and value regime (``conformance.strategies.REGIMES``),
-the SDPA cases the property checked: its directed examples (``conformance.directed``)
+the SDPA cases the property checked: its directed examples (``conformance.directed.examples``)
 and the cases Hypothesis drew (seen through Hypothesis's observability callbacks),
 summed over the targets that ran. A cell is ``-`` where the property's strategy
 cannot produce the regime (its ``sdpa_cases`` arguments rule it out; for another
@@ -35,11 +35,11 @@ _REGIME = re.compile(r"\bregime\W+(\w+)")
 
 def producible(info: Any, target: Any, draws: int) -> set[str]:
     """Regimes the property's strategy can produce for ``target``: those its
-    ``sdpa_cases`` arguments accept (``directed.producible_regimes``), or, for a
+    ``sdpa_cases`` arguments accept (``directed.examples.producible_regimes``), or, for a
     strategy built otherwise, those among ``draws`` of its cases."""
     from hypothesis import HealthCheck, given, settings
 
-    from conformance import directed
+    from conformance.directed import examples as directed
 
     strategy = info.cases(target)
     arguments = getattr(strategy, "case_arguments", None)
@@ -81,7 +81,7 @@ class RegimeCounter:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: Any):  # noqa: ANN201 - a hookwrapper
-        from conformance.runner import registered_properties
+        from conformance.core.registry import registered_properties
 
         prop = getattr(getattr(item, "function", None), "conformance_property", None)
         info = registered_properties().get(prop) if prop else None

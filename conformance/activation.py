@@ -23,7 +23,7 @@ any plugin, so a suite option's value given after a space (``--xfail-file PATH``
 README's spelling) would count as a test path there, and the rootdir, the initial
 conftest.py files and every test id would differ from the run with
 ``--xfail-file=PATH``. :func:`_consume_option_values` takes the values of the suite's
-value-taking options (``conformance.options.VALUE_OPTIONS``) out of those paths and
+value-taking options (``conformance.core.options.VALUE_OPTIONS``) out of those paths and
 picks the rootdir again, before the initial conftest.py files are found.
 """
 
@@ -102,7 +102,7 @@ def without_assertion_rewriting(config: pytest.Config) -> bool:
 def option_values(args: Sequence[str]) -> list[str]:
     """The values the suite's value-taking options take from the argument after them
     (``--impl X``: ``X``; ``--impl=X`` takes none from the next argument), in order."""
-    from conformance.options import VALUE_OPTIONS
+    from conformance.core.options import VALUE_OPTIONS
 
     values, i = [], 0
     while i < len(args):

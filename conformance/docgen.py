@@ -13,7 +13,7 @@ and everything between them is what :data:`GENERATORS` renders for that name: th
 region is never edited by hand. The facts come from one place each: a property's id,
 level and spec section from its ``@conformance_property`` registration, what must hold
 from the first paragraph of its docstring, its row order from the level's measured order
-(``conformance/property_order.json``, unlisted properties after the listed ones), and the
+(``conformance/harness/property_order.json``, unlisted properties after the listed ones), and the
 hand-written-attention checklist from :data:`CHECKLIST` below (every id in it must be a
 registered property). ``tests/runner/test_property_registry.py`` fails while a region is
 stale. The pages are those of a checkout (``README.md`` and ``docs/*.md``); an installed
@@ -63,14 +63,14 @@ CHECKLIST: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 
 
 def _properties() -> Mapping[str, Any]:
-    from conformance.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     return registered_properties()
 
 
 def _ordered(props: Mapping[str, Any]) -> list[Any]:
     """The properties level by level, each level in the order a run certifies it."""
-    from conformance.ordering import property_rank
+    from conformance.harness.ordering import property_rank
 
     registration = {pid: index for index, pid in enumerate(props)}
     levels = list(LEVELS) + sorted({p.level for p in props.values()} - set(LEVELS))

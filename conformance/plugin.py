@@ -8,7 +8,7 @@ key=value`` (repeatable: override a declared capability), ``--device``
 (cpu, cuda, all), ``--dtype`` (comma-separated subset), ``--conformance-report
 PATH`` (writes PATH.json and PATH.md), ``--replay FILE`` (re-run one saved
 failing case), ``--example-timeout SECONDS`` and ``--isolate auto|always|never``
-(run the implementation in a worker process, ``conformance.isolation``).
+(run the implementation in a worker process, ``conformance.isolation.supervisor``).
 Hypothesis profiles: ``dev`` (default), ``ci`` (derandomized, CI-sized) and
 ``thorough``. Every option is checked in ``pytest_configure`` (the report path
 included), so a bad one is a one-line usage error before any test runs.
@@ -20,16 +20,16 @@ or ``error`` result from its report.
 A run of several implementations resolves each once and parametrizes every property
 test over each one's targets (ids ``[sdpa-math-sdpa-float32-cpu]``: the implementation's
 label first; a run of one keeps ``[sdpa-float32-cpu]``); its certificate is a comparison
-(``conformance.certificate.comparison``).
+(``conformance.reporting.certificate.comparison``).
 
 The options and what the property tests record live on one
-``conformance.session.Session`` in ``config.stash``; the records of every
+``conformance.harness.session.Session`` in ``config.stash``; the records of every
 xdist worker reach the controller's session through the reports, and the
-certificate is built from them by ``conformance.certificate``.
+certificate is built from them by ``conformance.reporting.certificate``.
 
 The hooks are here (pytest finds them in this module); what they call lives by job:
-``conformance.subjects`` reads ``--impl`` and resolves each implementation (isolated or
-not), ``conformance.reporting`` writes the header, the environment and the certificate.
+``conformance.harness.subjects`` reads ``--impl`` and resolves each implementation (isolated or
+not), ``conformance.harness.reporting`` writes the header, the environment and the certificate.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conformance import directed_first, reporting, subjects
-from conformance.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
-from conformance.ordering import property_rank
-from conformance.session import SESSION_KEY, Session, Subject, session_of
+from conformance.core.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
+from conformance.harness import directed_first, reporting, subjects
+from conformance.harness.ordering import property_rank
+from conformance.harness.session import SESSION_KEY, Session, Subject, session_of
 from implementations.base import ALL_DTYPES
 
 __all__ = ["PROFILES", "conformance_session"]
@@ -65,7 +65,7 @@ for _name, _kwargs in PROFILES.items():
     )
 
 _CONFORMANCE_DIR = Path(__file__).resolve().parent
-#: Their names here before ``conformance.subjects`` held them (tests import them from here).
+#: Their names here before ``conformance.harness.subjects`` held them (tests import them from here).
 _impl_specs, _labels = subjects.impl_specs, subjects.labels
 
 
@@ -117,7 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 "path/to/file.py:attr or mutant:NAME); see `pytest conformance --impl=list`"
             )
         return
-    from conformance import crash_markers
+    from conformance.isolation import crash_markers
     from implementations import registry
 
     # SIGTERM and Ctrl-C end the run cleanly and are not counted as crashes.
@@ -134,7 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     report_path = config.getoption("conformance_report")
     if report_path and not hasattr(config, "workerinput"):
         reporting.check_writable(report_path)
-    from conformance.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     properties = registered_properties()
     labels = subjects.labels(specs) if len(specs) > 1 else [""]
@@ -144,12 +144,12 @@ def pytest_configure(config: pytest.Config) -> None:
             subject.isolation.close()  # started again on its first check: one worker at a time
         session.add(subject)
     if config.getoption("conformance_device") in ("cuda", "all"):
-        from conformance.devices import pin_cuda_device
+        from conformance.core.devices import pin_cuda_device
 
         pin_cuda_device(getattr(config, "workerinput", {}).get("workerid"))
     replay_path = config.getoption("conformance_replay")
     if replay_path:
-        from conformance import failures
+        from conformance.reporting import failures
 
         try:
             case, meta = failures.load_case(replay_path)
@@ -182,7 +182,7 @@ def _example_timeout(config: pytest.Config) -> float:
 
 @pytest.fixture(scope="session")
 def conformance_session(request: pytest.FixtureRequest) -> Session:
-    """This run's :class:`~conformance.session.Session` (every property test takes it)."""
+    """This run's :class:`~conformance.harness.session.Session` (every property test takes it)."""
     session = session_of(request.config)
     assert session is not None, "conformance.plugin was not configured"
     return session
@@ -198,7 +198,7 @@ def _selects_conformance(config: pytest.Config) -> bool:
 
 def _targets(config: pytest.Config, level: str) -> list[Any]:
     """Every implementation's targets at ``level``, in --impl order, then device, then dtype."""
-    from conformance.runner import Target
+    from conformance.core.target import Target
 
     session = session_of(config)
     timeout = config.getoption("conformance_example_timeout")
@@ -236,7 +236,7 @@ LEVEL_ORDER = {"sdpa": 0, "mha": 1, "flash": 2, "varlen": 3, "kvcache": 4}
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each implementation's properties level by level (:data:`LEVEL_ORDER`), each level's
-    in the measured order of kill power per second (``conformance.ordering``); a run of
+    in the measured order of kill power per second (``conformance.harness.ordering``); a run of
     several implementations goes one implementation after the other (in --impl order).
     Other tests keep their place, before the first level's properties."""
     session = session_of(config)
@@ -260,7 +260,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
     """A run that stops at its first failure checks every property's directed cases
-    first (``conformance.directed_first``); then pytest's own loop runs the tests."""
+    first (``conformance.harness.directed_first``); then pytest's own loop runs the tests."""
     config = session.config
     if session.testsfailed or config.option.collectonly or not directed_first.enabled(config):
         return
@@ -314,7 +314,7 @@ def _as_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.Tes
     saved file, replay line, reproducer) and where the property raised it, without the
     runner's own frames, which pytest would print first (about 100 lines); ``--tb=long``
     (or any style other than the default) shows the whole traceback."""
-    from conformance.compare import PropertyFailure
+    from conformance.core.compare import PropertyFailure
 
     if (report.when != "call" or not report.failed or call.excinfo is None
             or not isinstance(call.excinfo.value, PropertyFailure)
@@ -354,7 +354,7 @@ class _ResultCollector:
         return None if m is None else self.session.subjects.get(m["label"] or "")
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        from conformance import isolation
+        from conformance.isolation import supervisor as isolation
 
         subject = self._subject(item.nodeid)
         isolation.mark_running(subject.impl_spec if subject else self.session.impl_spec, item.nodeid)
@@ -391,8 +391,8 @@ class _ResultCollector:
                 self.session.recorded.add(report.nodeid)
 
     def _result_from_report(self, report: pytest.TestReport) -> dict[str, Any] | None:
-        from conformance import isolation
-        from conformance.runner import Record, registered_properties
+        from conformance.core.registry import Record, registered_properties
+        from conformance.isolation import supervisor as isolation
 
         m = _NODE_ID.search(report.nodeid)
         if m is None or m["property"] not in registered_properties():
@@ -468,7 +468,7 @@ def _end_session(config: pytest.Config) -> None:
     session = session_of(config)
     if session is None or not session.impl_spec:
         return
-    from conformance import isolation
+    from conformance.isolation import supervisor as isolation
 
     for subject in session.subjects.values() or [session]:
         if subject.isolation is not None:

@@ -2,7 +2,7 @@
 oracle, feature by feature: forward and gradients, the sliding window, soft-capping,
 ALiBi, the log-sum-exp, and the merge of two key splits by their LSEs.
 
-Each property calls the implementation through ``conformance.flash_calls`` (guarded,
+Each property calls the implementation through ``conformance.calls.flash`` (guarded,
 logged, reproducible) and compares under the SDPA tolerance rule: k × the error of a
 naive same-precision computation of the same case plus a rounding floor.
 """
@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.compare import compare_values
-from conformance.declarations import fit_head_dims, fit_lengths
-from conformance.flash_calls import (
+from conformance.calls.declarations import fit_head_dims, fit_lengths
+from conformance.calls.flash import (
     FlashCase,
     allowed_lse,
     allowed_output,
@@ -27,9 +26,11 @@ from conformance.flash_calls import (
     oracle,
     run_flash,
 )
-from conformance.helpers import skip_unless
-from conformance.reporting import probe_saw
-from conformance.runner import Target, conformance_property
+from conformance.core.compare import compare_values
+from conformance.core.target import Target
+from conformance.directed.helpers import skip_unless
+from conformance.harness.reporting import probe_saw
+from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
 from spec.emulate import round_to
 

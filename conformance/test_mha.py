@@ -3,18 +3,15 @@ invariants (need_weights, averaged weights, eval mode, dropout, causal hint, mas
 conventions, output contract).
 
 How a module is built, called and compared with the oracle is in
-``conformance.mha_calls``; this file holds the properties.
+``conformance.calls.mha``; this file holds the properties.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from conformance import mha_bounds
-from conformance.cases import MHACase
-from conformance.compare import assert_contract, compare_values, fail
-from conformance.helpers import mha_cases_for, mha_directed_for, skip_unless
-from conformance.mha_calls import (
+from conformance.calls import mha_bounds
+from conformance.calls.mha import (
     build,
     check_dropout_mean,
     check_input_derivative,
@@ -28,9 +25,13 @@ from conformance.mha_calls import (
     run_mha,
     upstream_gradient,
 )
-from conformance.reporting import probe_saw
-from conformance.runner import Target, conformance_property
-from conformance.tensors import dtype_of, mha_inputs
+from conformance.core.cases import MHACase
+from conformance.core.compare import assert_contract, compare_values, fail
+from conformance.core.target import Target
+from conformance.core.tensors import dtype_of, mha_inputs
+from conformance.directed.helpers import mha_cases_for, mha_directed_for, skip_unless
+from conformance.harness.reporting import probe_saw
+from conformance.harness.runner import conformance_property
 
 
 @conformance_property(

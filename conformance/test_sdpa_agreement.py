@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.calls import (
+from conformance.calls.sdpa import (
     assert_output_contract,
     check_against_oracle,
     check_fully_masked_policy,
@@ -15,18 +15,19 @@ from conformance.calls import (
     fully_masked_policy,
     run_sdpa,
 )
-from conformance.cases import SDPACase
-from conformance.compare import fail
-from conformance.helpers import (
+from conformance.core.cases import SDPACase
+from conformance.core.compare import fail
+from conformance.directed.helpers import (
     case_rng,
     cases_for,
     directed_for,
     needs_separate_values,
     skip_unless,
 )
-from conformance.reporting import probe_saw
-from conformance.runner import Target, conformance_property
-from conformance.tensors import sdpa_inputs
+from conformance.harness.reporting import probe_saw
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
+from conformance.core.tensors import sdpa_inputs
 from spec.emulate import round_to
 
 

@@ -6,23 +6,24 @@ from __future__ import annotations
 import numpy as np
 
 import spec
-from conformance.calls import (
+from conformance.calls.equivalence import compare_equivalent, sdpa_side
+from conformance.calls.sdpa import (
     allowed_for,
     check_against_oracle,
     check_dropout_mean,
     run_sdpa,
     valid_rows,
 )
-from conformance.cases import SDPACase
-from conformance.equivalence import compare_equivalent, sdpa_side
-from conformance.helpers import (
+from conformance.core.cases import SDPACase
+from conformance.core.target import Target
+from conformance.directed.helpers import (
     cases_for,
     directed_for,
     needs_separate_values,
     skip_unless,
 )
-from conformance.reporting import probe_saw
-from conformance.runner import Target, conformance_property
+from conformance.harness.reporting import probe_saw
+from conformance.harness.runner import conformance_property
 from spec.emulate import round_to
 
 

@@ -2,7 +2,7 @@
 
 Each property compares the implementation with itself under a transformation
 whose effect the math fixes. The allowed error is the tolerance rule's bound of
-each call (``calls.allowed_for``) summed, plus a bound on any rounding the
+each call (``calls.sdpa.allowed_for``) summed, plus a bound on any rounding the
 transformation itself introduces in low precision.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance import tolerance
-from conformance.calls import allowed_for, run_sdpa, valid_rows
-from conformance.cases import SDPACase
-from conformance.compare import compare_values, fail
-from conformance.equivalence import compare_equivalent, sdpa_side
-from conformance.helpers import (
+from conformance.calls.equivalence import compare_equivalent, sdpa_side
+from conformance.calls.sdpa import allowed_for, run_sdpa, valid_rows
+from conformance.core import tolerance
+from conformance.core.cases import SDPACase
+from conformance.core.compare import compare_values, fail
+from conformance.core.target import Target
+from conformance.directed.helpers import (
     attend_matrix,
     case_rng,
     cases_for,
@@ -25,7 +26,7 @@ from conformance.helpers import (
     needs_separate_values,
     skip_unless,
 )
-from conformance.runner import Target, conformance_property
+from conformance.harness.runner import conformance_property
 from spec.emulate import round_to
 
 

@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance import tolerance
-from conformance.calls import allowed_error, logit_scale, magnitude, run_sdpa, valid_rows
-from conformance.cases import SDPACase
-from conformance.compare import PropertyFailure, compare_values, fail
-from conformance.declarations import fit_head_dims, require_inside
-from conformance.helpers import needs_separate_values, skip_unless
-from conformance.runner import Target, call_guarded
-from conformance.sweep import Sweep, sweep_property
-from conformance.tensors import dtype_of, to_numpy
+from conformance.core import tolerance
+from conformance.calls.sdpa import allowed_error, logit_scale, magnitude, run_sdpa, valid_rows
+from conformance.core.cases import SDPACase
+from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.calls.declarations import fit_head_dims, require_inside
+from conformance.directed.helpers import needs_separate_values, skip_unless
+from conformance.core.target import Target, call_guarded
+from conformance.harness.sweep import Sweep, sweep_property
+from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
 
 #: Longest L and S visited: two blocks of 16 and one more.
@@ -169,7 +169,7 @@ def _constant_column(target: Target, case: SDPACase, out: np.ndarray) -> float:
 
 
 def _check_output(target: Target, case: SDPACase, out: np.ndarray) -> float:
-    """The tolerance rule (``calls.allowed_error``) and the constant column."""
+    """The tolerance rule (``calls.sdpa.allowed_error``) and the constant column."""
     ref = spec.sdpa(case.query, case.key, case.value, causal=case.causal, fully_masked="zero")
     ratio = compare_values("output", out, ref.output, allowed_error(target, case, ref),
                            where=valid_rows(case)).ratio

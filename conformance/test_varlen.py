@@ -2,28 +2,29 @@
 
 The varlen level is FlashAttention's ``flash_attn_varlen_func``; the kvcache level its
 ``flash_attn_with_kvcache`` (``implementations.base``). How a case is called and bounded
-is in ``conformance.varlen_calls`` and ``conformance.kvcache_calls``; the cases come from
+is in ``conformance.calls.varlen`` and ``conformance.calls.kvcache``; the cases come from
 ``conformance.strategies.varlen``.
 """
 
 from __future__ import annotations
 
-from conformance.helpers import skip_unless
-from conformance.runner import Target, conformance_property
+from conformance.directed.helpers import skip_unless
+from conformance.core.target import Target
+from conformance.harness.runner import conformance_property
 from conformance.strategies.varlen import (
     kvcache_cases,
     kvcache_directed,
     varlen_cases,
     varlen_directed,
 )
-from conformance.kvcache_calls import (
+from conformance.calls.kvcache import (
     KVCacheCase,
     assert_same_cache,
     check_kvcache_against_oracle,
     kvcache_bounds,
     run_kvcache,
 )
-from conformance.varlen_calls import (
+from conformance.calls.varlen import (
     VarlenCase,
     check_varlen_against_oracle,
     compare_pair,

@@ -214,7 +214,7 @@ class Capabilities:
     #: Values that differ in one dtype, as ``(dtype, ((field, value), ...))`` pairs (a mapping
     #: ``{"float16": {"autograd": False}}`` is accepted), fields among
     #: :data:`PER_DTYPE_FIELDS`; the other fields hold in every dtype. Read the capabilities
-    #: of one dtype with :meth:`for_dtype` (``conformance.runner.Target.caps`` does).
+    #: of one dtype with :meth:`for_dtype` (``conformance.core.target.Target.caps`` does).
     by_dtype: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
@@ -364,7 +364,7 @@ def _per_dtype_value(name: str, value: Any) -> Any:
 class ExpectedFailure:
     """A known deviation: property id (+ optional case filter) -> reason.
 
-    ``match`` maps case attribute names (see ``conformance.cases``) to the value
+    ``match`` maps case attribute names (see ``conformance.core.cases``) to the value
     (or list of values) they must have for the entry to apply, e.g. ``{"level": "mha",
     "need_weights": True}``; an empty match applies to every case of the property.
     """

@@ -3,7 +3,7 @@
 Everything that runs code the suite did not write goes through :func:`guarded_call`:
 importing a user's module or file, building an implementation, capability probing
 (``implementations.registry``), and every call the property tests make
-(``conformance.runner.call_guarded``, which turns the two exceptions below into
+(``conformance.core.target.call_guarded``, which turns the two exceptions below into
 property failures). A guarded call
 
 * runs under a **timeout** (``timeout`` seconds, ``0`` or ``None``: no limit): the
@@ -11,7 +11,7 @@ property failures). A guarded call
   in time raises :class:`CallTimedOut`. A thread cannot be killed, so it is left behind
   (:func:`leftover_threads` counts those still running: a pure-Python spin slows
   everything after it; ``pytest --isolate=always`` runs the implementation in a worker
-  process that is killed instead, see ``conformance.isolation``). The thread is reused
+  process that is killed instead, see ``conformance.isolation.supervisor``). The thread is reused
   from call to call (a new thread for every call cost 100-250 us a call, most of a
   tiny case's time: torch sets up its thread-local state afresh in each thread), and
   it starts each call as a new thread would: the caller's grad mode, and no inference

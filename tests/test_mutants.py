@@ -64,7 +64,7 @@ BY_DTYPE = {"triton": ("float64", "float32", "float16", "bfloat16"),
 
 def registered_properties() -> set[str]:
     """Property ids the suite defines (the runner's registry: every ``conformance/test_*.py``)."""
-    from conformance.runner import registered_properties as registry
+    from conformance.core.registry import registered_properties as registry
 
     return set(registry())
 

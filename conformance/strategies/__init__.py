@@ -2,7 +2,7 @@
 
 Dimension letters: B batch, N query heads, K kv heads, L query length, S key
 length, E q/k head dim, Ev value head dim, D model dim. Bool masks of an
-:class:`~conformance.cases.SDPACase` are **True = may attend**; MHA cases keep
+:class:`~conformance.core.cases.SDPACase` are **True = may attend**; MHA cases keep
 ``nn.MultiheadAttention``'s convention (bool **True = blocked**, float added).
 
 Modules, one job each:
@@ -16,7 +16,7 @@ Modules, one job each:
 * :mod:`.mha`: whole MHA cases (``mha_cases``);
 * :mod:`.varlen`: packed variable-length batches and KV-cache decoding steps
   (``varlen_cases``, ``kvcache_cases``; imported from there, not re-exported here:
-  their case types live in ``conformance.varlen_calls`` and ``conformance.kvcache_calls``);
+  their case types live in ``conformance.calls.varlen`` and ``conformance.calls.kvcache``);
 * ``_validation`` / ``_drawing``: argument checks, weighted draws, seeds, reprs.
 
 How the strategies draw:
@@ -38,22 +38,26 @@ How the strategies draw:
 * Keyword arguments name one concept each: ``mask_kinds`` ⊆ :data:`MASK_KINDS`
   (:data:`MHA_MASK_KINDS` for MHA), ``mask_patterns`` ⊆ :data:`MASK_PATTERNS`,
   ``regimes`` ⊆ :data:`REGIMES`, ``scale_kinds`` ⊆ :data:`SCALE_KINDS`,
-  ``layouts`` ⊆ :data:`~conformance.cases.LAYOUTS`; bounds are ``min_x``/``max_x``.
+  ``layouts`` ⊆ :data:`~conformance.core.cases.LAYOUTS`; bounds are ``min_x``/``max_x``.
 * ``repr`` of a strategy is its call, e.g. ``sdpa_cases(dtype='float16')``.
 
 Notes a case may carry (``case.notes``): the layout instructions
-:data:`~conformance.cases.NOTE_MASK_EXPANDED` (hand the mask over expanded to
-(B, N, L, S) with stride 0), :data:`~conformance.cases.NOTE_STRIDE0_BATCH` /
-:data:`~conformance.cases.NOTE_STRIDE0_HEADS` (key/value expanded along that dim
+:data:`~conformance.core.cases.NOTE_MASK_EXPANDED` (hand the mask over expanded to
+(B, N, L, S) with stride 0), :data:`~conformance.core.cases.NOTE_STRIDE0_BATCH` /
+:data:`~conformance.core.cases.NOTE_STRIDE0_HEADS` (key/value expanded along that dim
 with stride 0; the drawn values are equal along it), read by
-:mod:`conformance.tensors`; and descriptive labels ``"mask_pattern=..."``,
+:mod:`conformance.core.tensors`; and descriptive labels ``"mask_pattern=..."``,
 ``"mask_shape=..."``, ``"additive=..."``, ``"fully_masked:forced"``,
 ``"self_attention"``.
 """
 
 from __future__ import annotations
 
-from conformance.cases import NOTE_MASK_EXPANDED, NOTE_STRIDE0_BATCH, NOTE_STRIDE0_HEADS
+from conformance.core.cases import (
+    NOTE_MASK_EXPANDED,
+    NOTE_STRIDE0_BATCH,
+    NOTE_STRIDE0_HEADS,
+)
 from conformance.strategies.mha import MHA_MASK_KINDS, mha_cases
 from conformance.strategies.sdpa import sdpa_cases
 from conformance.strategies.sdpa_masks import (

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for flash-level cases (``conformance.flash_calls.FlashCase``).
+"""Hypothesis strategies for flash-level cases (``conformance.calls.flash.FlashCase``).
 
 Sizes and values are the SDPA strategies' (``sizes.draw_sizes``, ``values.sdpa_values``),
 drawn heads first and handed over in FlashAttention's layout; head dims mostly up to 16,
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.flash_calls import FlashCase
+from conformance.calls.flash import FlashCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.strategies.shape_budget import check_shape_budget, shape_pool
 from conformance.strategies.sizes import draw_sizes, size_bounds

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.cases import MHACase
+from conformance.core.cases import MHACase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.strategies._validation import (
     check_bool_or_none,
@@ -305,7 +305,7 @@ def mha_cases(
     min_S: int = 1,
     max_S: int | None = None,
 ) -> st.SearchStrategy[MHACase]:
-    """:class:`~conformance.cases.MHACase` problems: an ``nn.MultiheadAttention``
+    """:class:`~conformance.core.cases.MHACase` problems: an ``nn.MultiheadAttention``
     call with ``spec.MHAParams.random`` weights, every array exact in ``dtype``.
 
     D = N * E with N <= 4 and E <= 8 by default. Features used come only from

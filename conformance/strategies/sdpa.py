@@ -16,7 +16,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from conformance.cases import NOTE_STRIDE0_BATCH, NOTE_STRIDE0_HEADS, SDPACase
+from conformance.core.cases import NOTE_STRIDE0_BATCH, NOTE_STRIDE0_HEADS, SDPACase
 from conformance.strategies._drawing import draw_seed, named_strategy
 from conformance.strategies._validation import (
     check_bool_or_none,
@@ -248,7 +248,7 @@ def sdpa_cases(
     max_head_dim: int | None = None,
     shape_budget: int | None = None,
 ) -> st.SearchStrategy[SDPACase]:
-    """:class:`~conformance.cases.SDPACase` problems inside ``caps``.
+    """:class:`~conformance.core.cases.SDPACase` problems inside ``caps``.
 
     Forcing arguments (each a collection allows exactly its members; None allows
     everything ``caps`` declares):
@@ -260,7 +260,7 @@ def sdpa_cases(
       come with it (both then apply); an alignment other than ``caps.causal`` raises;
     * ``gqa`` / ``different_v_dim``: True forces K < N / Ev != E, False forbids;
     * ``regimes`` ⊆ :data:`REGIMES` (see :func:`value_regimes`); ``layouts`` ⊆
-      :data:`~conformance.cases.LAYOUTS` (default contiguous only; "stride0" draws
+      :data:`~conformance.core.cases.LAYOUTS` (default contiguous only; "stride0" draws
       B >= 2 and K/V equal along the expanded batch (and sometimes kv-head) dim;
       non-contiguous cases get block-size-neighbour lengths more often);
       ``scale_kinds`` True / False / subset of :data:`SCALE_KINDS` (see :func:`scales`);

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.cases import NOTE_MASK_EXPANDED
+from conformance.core.cases import NOTE_MASK_EXPANDED
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.strategies._validation import (
     check_bool_or_none,
@@ -259,7 +259,7 @@ def masks(*, B: int, N: int, L: int, S: int, mask_kinds: Sequence[str] | None = 
     what is blocked (all keys open, random, key padding from lengths, explicit
     causal in both alignments, sliding window). Shapes broadcast to (B, N, L, S):
     (L, S), (1, 1, L, S), (1, S), (B, 1, 1, S), (N, L, S), (B, 1, L, S), (B, N, L, S);
-    sometimes flagged :data:`~conformance.cases.NOTE_MASK_EXPANDED` (hand it over
+    sometimes flagged :data:`~conformance.core.cases.NOTE_MASK_EXPANDED` (hand it over
     expanded with stride 0). ``fully_masked`` (together with ``causal``, the flag
     the call will also use): True forces at least one query row with every key
     blocked, False forbids it, None allows it (sometimes by construction).

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from conformance.cases import LAYOUTS
+from conformance.core.cases import LAYOUTS
+from conformance.core.tolerance import EPS as UNIT_ROUNDOFF
 from conformance.strategies._drawing import named_strategy, weighted
 from conformance.strategies._validation import choices, fail
-from conformance.tolerance import EPS as UNIT_ROUNDOFF
 from implementations.base import Capabilities
 from spec.emulate import round_to
 
@@ -118,7 +118,7 @@ def layout_choices(layouts: Any, caps: Capabilities | None) -> list[str]:
 
 def layouts(*, layouts: Sequence[str] | None = None,
             caps: Capabilities | None = None) -> st.SearchStrategy[str]:
-    """Memory layouts (:data:`conformance.cases.LAYOUTS`): "contiguous",
+    """Memory layouts (:data:`conformance.core.cases.LAYOUTS`): "contiguous",
     "transposed", "stride0", "poisoned", restricted to ``layouts`` (None: all)
     and to what ``caps.non_contiguous`` allows. Shrinks toward "contiguous"."""
     arguments = dict(locals())

@@ -20,10 +20,10 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from conformance.declarations import fit_head_dims
-from conformance.kvcache_calls import KVCacheCase
+from conformance.calls.declarations import fit_head_dims
+from conformance.calls.kvcache import KVCacheCase
+from conformance.calls.varlen import VarlenCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
-from conformance.varlen_calls import VarlenCase
 from implementations.base import Capabilities
 from spec.emulate import round_to
 

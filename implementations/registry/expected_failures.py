@@ -48,7 +48,7 @@ def load_expected_failures_file(path: str | Path) -> tuple[ExpectedFailure, ...]
     schema of ``implementations/xfail/*.toml``; a missing or unreadable file, bad TOML,
     or an entry that breaks the schema raises ImplementationError naming the argument,
     the rule and the fix. (Property ids and ``match`` keys are checked against the
-    suite's properties when the run starts: ``conformance.expectations.entry_errors``.)"""
+    suite's properties when the run starts: ``conformance.core.expectations.entry_errors``.)"""
     where = f"--xfail-file {path}"
     file = Path(path).expanduser()
     if not file.is_file():
@@ -127,7 +127,7 @@ def builtin_deviations(property_id: str, attrs: list[dict], directory: Path | No
     ``(built-in name, path of its file, entry)``, the files in name order (``sdpa``
     before ``sdpa-flash``). An
     implementation that wraps a built-in inherits its deviations; this says which
-    one a failure is (``conformance.diagnosis``)."""
+    one a failure is (``conformance.diagnosis.diagnose``)."""
     found = []
     for path in sorted((directory or XFAIL_DIR).glob("*.toml"), key=lambda p: p.stem):
         try:

@@ -205,7 +205,7 @@ def finite_evidence(observed: Observed, problem: Problem, variant: Variant | str
     the allowed error (or the oracle is not finite there). False when the variant and
     the oracle differ only where the variant predicts NaN or inf: agreeing NaN positions
     are weak evidence, many bugs make NaN (an overflow, exp(-inf - -inf), 0 * inf), and
-    ``conformance.diagnosis`` names such a variant only when another case confirms it."""
+    ``conformance.diagnosis.diagnose`` names such a variant only when another case confirms it."""
     variant = lookup(variant) if isinstance(variant, str) else variant
     if variant.compute is None or variant.level != problem.level:
         return False

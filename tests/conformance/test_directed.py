@@ -1,4 +1,4 @@
-"""Directed examples (conformance.directed): the smallest case of each bug class,
+"""Directed examples (conformance.directed.examples): the smallest case of each bug class,
 only cases the target claims and the property's strategy could draw."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from hypothesis.errors import InvalidArgument
 
-from conformance import directed
-from conformance.cases import MHACase, SDPACase
-from conformance.failures import load_case
-from conformance.runner import Target, registered_properties
+from conformance.core.cases import MHACase, SDPACase
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
+from conformance.directed import examples as directed
+from conformance.reporting.failures import load_case
 from implementations import registry
 from implementations.base import Capabilities, Implementation
 

@@ -1,4 +1,4 @@
-"""An equivalence failure names the side that is wrong (conformance.equivalence): each of
+"""An equivalence failure names the side that is wrong (conformance.calls.equivalence): each of
 the two calls is judged against the spec, so a wrong reference call is not blamed on the
 right one."""
 
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
-from conformance.cases import SDPACase
-from conformance.compare import PropertyFailure
-from conformance.equivalence import Side, verdict
-from conformance.replay import CallLog
-from conformance.runner import Target, registered_checks
+from conformance.calls.equivalence import Side, verdict
+from conformance.calls.replay import CallLog
+from conformance.core.cases import SDPACase
+from conformance.core.compare import PropertyFailure
+from conformance.core.registry import registered_checks
+from conformance.core.target import Target
 from implementations.base import Capabilities, Implementation
 
 
@@ -93,7 +94,7 @@ def test_the_verdict_for_one_both_or_neither_side():
 
 
 def test_varlen_pair_names_the_wrong_call():
-    from conformance.varlen_calls import compare_pair
+    from conformance.calls.varlen import compare_pair
 
     impl = Implementation(name="v", varlen=lambda *a, **k: None, capabilities=Capabilities())
     target = Target(impl, "varlen", "float64", "cpu")

@@ -1,4 +1,4 @@
-"""Every case the suite hands over is inside the target's declarations (conformance.declarations):
+"""Every case the suite hands over is inside the target's declarations (conformance.calls.declarations):
 random draws, directed examples and the cases properties derive from them, at every level,
 for restrictive declarations (what real kernels declare: tensor-core head dims, short
 sequences, self-attention only, no GQA, bool masks only...)."""
@@ -12,20 +12,21 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conformance.cases import SDPACase
-from conformance.compare import PropertyFailure
-from conformance.declarations import (
+from conformance.core.cases import SDPACase
+from conformance.core.compare import PropertyFailure
+from conformance.calls.declarations import (
     OutsideDeclarations,
     fit_head_dims,
     fit_lengths,
     outside_declarations,
     require_inside,
 )
-from conformance.flash_calls import FlashCallSpec, FlashCase, run_flash
-from conformance.replay import CallLog, SDPACallSpec
-from conformance.runner import Target, registered_checks, registered_properties, skip_reasons
+from conformance.calls.flash import FlashCallSpec, FlashCase, run_flash
+from conformance.calls.replay import CallLog, SDPACallSpec
+from conformance.core.registry import registered_checks, registered_properties, skip_reasons
+from conformance.core.target import Target
 from conformance.strategies.flash import flash_cases
-from conformance.varlen_calls import VarlenCase
+from conformance.calls.varlen import VarlenCase
 from implementations import registry
 from implementations.base import Capabilities, Implementation
 from implementations.flash_from_sdpa import derive_flash

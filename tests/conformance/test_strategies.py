@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from conformance import strategies as cs
-from conformance.cases import LAYOUTS, MHACase, SDPACase
+from conformance.core.cases import LAYOUTS, MHACase, SDPACase
 from implementations.base import Capabilities, Implementation
 from spec.emulate import round_to
 

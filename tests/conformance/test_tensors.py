@@ -1,4 +1,4 @@
-"""Tests of conformance.tensors: cases become tensors with the right dtype,
+"""Tests of conformance.core.tensors: cases become tensors with the right dtype,
 device and memory layout, and come back unchanged."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance import strategies as cs
-from conformance.cases import LAYOUTS, SDPACase
-from conformance.tensors import POISON_PAD, dtype_of, mha_inputs, sdpa_inputs, to_numpy
+from conformance.core.cases import LAYOUTS, SDPACase
+from conformance.core.tensors import (
+    POISON_PAD,
+    dtype_of,
+    mha_inputs,
+    sdpa_inputs,
+    to_numpy,
+)
 
 FAST = settings(max_examples=20, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

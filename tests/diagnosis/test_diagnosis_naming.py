@@ -11,10 +11,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conformance import diagnosis
-from conformance.calls import run_sdpa
-from conformance.cases import SDPACase
-from conformance.runner import Record, Target
+from conformance.calls.sdpa import run_sdpa
+from conformance.core.cases import SDPACase
+from conformance.core.registry import Record
+from conformance.core.target import Target
+from conformance.diagnosis import diagnose as diagnosis
 from implementations.base import Capabilities, Implementation
 from implementations.registry.expected_failures import XFAIL_DIR
 from tests.diagnosis.impls_for_diagnosis import my_sdpa
@@ -113,7 +114,7 @@ def test_nan_only_agreement_that_no_other_case_confirms_is_unknown():
 
 def test_the_rule_on_a_nan_only_match_fails_without_it():
     # the broken rule (any match named) would name a kernel mechanism for any NaN
-    from conformance.diagnosis import Verdict, _named
+    from conformance.diagnosis.diagnose import Verdict, _named
 
     weak = dict(diagnosis._cause("first_block_nan", 0.0, None), finite_evidence=False, fitted=0, telling=0)
     assert not _named(Verdict([weak], "")).causes[0]["confirmed"]
@@ -130,7 +131,7 @@ def test_the_rule_on_a_nan_only_match_fails_without_it():
 
 
 def test_a_tie_no_case_breaks_is_unknown_with_the_closest_listed(monkeypatch):
-    import conformance.diagnosis as D
+    import conformance.diagnosis.diagnose as D
 
     monkeypatch.setattr(D, "_discriminating_calls", lambda *args: [])   # no evidence gathered
     fn = Planted("lower_right")
@@ -216,7 +217,7 @@ def test_derived_cases_stay_inside_the_declared_sizes():
 
 
 def test_derived_cases_keep_shared_keys_and_values_shared():
-    from conformance.diagnosis_ties import _derived_cases
+    from conformance.diagnosis.ties import _derived_cases
 
     base = case_of(3, L=2, S=3)
     shared = base.replace(value=base.key)

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
-from conformance import certificate, diagnosis
-from conformance.calls import run_sdpa
-from conformance.cases import SDPACase
-from conformance.runner import ImplementationRaised, Record, Target
+from conformance.calls.sdpa import run_sdpa
+from conformance.core.cases import SDPACase
+from conformance.core.registry import Record
+from conformance.core.target import ImplementationRaised, Target
+from conformance.diagnosis import diagnose as diagnosis
+from conformance.reporting import certificate
 from implementations.base import Capabilities, Implementation
 
 
@@ -147,8 +149,8 @@ def test_a_single_cause_calls_nothing_more():
 def test_dropout_on_in_eval_mode_shows_under_another_seed():
     # The runner seeds dropout from the case's contents: two eval-mode calls on the same
     # inputs agree even when the module drops weights; the recall reseeds the generator.
-    from conformance.directed import mha_directed
-    from conformance.mha_calls import build, run_mha
+    from conformance.calls.mha import build, run_mha
+    from conformance.directed.examples import mha_directed
     from implementations.registry import resolve
 
     target = Target(resolve("mutant:mha_dropout_in_eval"), "mha", "float64", "cpu")
@@ -256,8 +258,8 @@ def test_a_uniform_fully_masked_row_does_not_hide_the_cause(module, cause):
     # A -1e9 mask fill gives a blocked row uniform weights (the probed policy); the
     # diagnosis bounds those rows as the property does (what the row sums), not as rows
     # of zeros (a bound of ~0 that rounding alone exceeds, so no variant fitted).
-    from conformance.directed import mha_directed
-    from conformance.mha_calls import build, run_mha
+    from conformance.calls.mha import build, run_mha
+    from conformance.directed.examples import mha_directed
     from implementations.registry import resolve
 
     impl = resolve(f"tests/implementations/learner_modules/tutorial_mistakes.py:{module}")

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance import certificate
-from conformance.runner import Target
+from conformance.core.target import Target
+from conformance.reporting import certificate
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
 from implementations.mutants._base import NaiveSDPA
@@ -177,7 +177,7 @@ def test_a_float64_only_backward_certifies_float64_gradients(tmp_path):
 
 
 def test_sources_and_by_dtype_survive_the_isolated_workers_json():
-    from conformance.isolation_protocol import _caps_from_json, _caps_to_json
+    from conformance.isolation.protocol import _caps_from_json, _caps_to_json
 
     caps = recognise(no_half_masks, name="no_half_masks").capabilities
     again = _caps_from_json(json.loads(json.dumps(_caps_to_json(caps))))

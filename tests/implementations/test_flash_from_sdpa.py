@@ -161,7 +161,7 @@ def test_options_apply_before_derivation():
 
 
 def test_describe_list_and_certificate_say_derived():
-    from conformance import certificate
+    from conformance.reporting import certificate
 
     impl = registry.resolve("sdpa")
     assert "flash level (derived from the SDPA level through masks)" in registry.describe(impl)
@@ -174,8 +174,8 @@ def test_describe_list_and_certificate_say_derived():
 
 
 def _window_failure(tmp_path):
-    from conformance import failures
-    from conformance.flash_calls import FlashCallSpec, FlashCase
+    from conformance.calls.flash import FlashCallSpec, FlashCase
+    from conformance.reporting import failures
 
     q, k, v, _ = _qkv((1, 2, 2, 2, 4, 2, 2))
     case = FlashCase(q, k, v, window=(1, 0))
@@ -189,8 +189,8 @@ def test_a_mask_bug_fails_at_the_derived_level_and_is_reproduced(tmp_path):
     """mutant:bool_mask_inverted (an SDPA mask bug) fails a window call at the derived level,
     sdpa passes it; the saved call's reproducer resolves the mutant, so it goes through the
     same adapter, and shows the failure in a fresh interpreter."""
-    from conformance import failures
-    from conformance.flash_calls import report_flash_call
+    from conformance.calls.flash import report_flash_call
+    from conformance.reporting import failures
 
     path, call = _window_failure(tmp_path)
     assert report_flash_call(registry.resolve("mutant:bool_mask_inverted"), call).shows_failure

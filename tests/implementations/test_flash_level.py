@@ -202,7 +202,7 @@ def test_the_suite_certifies_a_bare_flash_attn_func_file(user_file, tmp_path):
 
 
 def _flash_case():
-    from conformance.flash_calls import FlashCase
+    from conformance.calls.flash import FlashCase
 
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((1, 3, 2, 2)), rng.standard_normal((1, 4, 1, 2)), rng.standard_normal((1, 4, 1, 3))
@@ -211,9 +211,10 @@ def _flash_case():
 
 
 def test_a_flash_failure_is_saved_reloaded_and_reproduced(tmp_path):
-    from conformance import failures, isolation
-    from conformance.flash_calls import FlashCallSpec, report_flash_call
-    from conformance.runner import registered_properties
+    from conformance.calls.flash import FlashCallSpec, report_flash_call
+    from conformance.core.registry import registered_properties
+    from conformance.isolation import supervisor as isolation
+    from conformance.reporting import failures
 
     case = _flash_case()
     call = FlashCallSpec(case, lse=True, grad_output=np.ones((1, 3, 2, 3)))
@@ -233,7 +234,7 @@ def test_a_flash_failure_is_saved_reloaded_and_reproduced(tmp_path):
 
 
 def test_flash_case_attributes_are_the_levels_match_keys():
-    from conformance.expectations import attributes_of_level
+    from conformance.core.expectations import attributes_of_level
 
     attrs = _flash_case().attrs(grad=False, lse=True)
     assert set(attrs) == attributes_of_level("flash")

@@ -100,9 +100,9 @@ def test_a_failure_is_shown_in_the_modules_own_terms(impl, names):
     """The failing call as the module received it: its class, its Linear layers, its
     forward's argument names and mask convention, and the spec's output; the snippet runs
     with torch alone and shows the mistake (a nonzero difference)."""
-    from conformance.directed import mha_directed
-    from conformance.failures import _in_own_terms
-    from conformance.runner import Target
+    from conformance.directed.examples import mha_directed
+    from conformance.reporting.failures import _in_own_terms
+    from conformance.core.target import Target
 
     target = Target(registry.resolve(impl), "mha", "float64", "cpu")
     case = next(c for c in mha_directed(target) if c.key_padding_mask is not None)
@@ -117,9 +117,9 @@ def test_a_failure_is_shown_in_the_modules_own_terms(impl, names):
 
 @pytest.mark.parametrize("name", ["AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "KeepMaskAttention"])
 def test_a_correct_modules_call_in_its_own_terms_agrees_with_the_spec(name):
-    from conformance.directed import mha_directed
-    from conformance.failures import _in_own_terms
-    from conformance.runner import Target
+    from conformance.directed.examples import mha_directed
+    from conformance.reporting.failures import _in_own_terms
+    from conformance.core.target import Target
 
     target = Target(registry.resolve(f"{MODULES}:{name}"), "mha", "float64", "cpu")
     for case in mha_directed(target)[:4]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.runner import registered_properties
+from conformance.core.registry import registered_properties
 from spec import variants as V
 from implementations.base import Implementation
 from implementations.mutants import MUTANTS, Mutant

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spec
-from conformance.runner import registered_properties
+from conformance.core.registry import registered_properties
 from implementations.builtins.varlen_reference import (
     VARLEN_CAPABILITIES,
     flash_attn_varlen_func,

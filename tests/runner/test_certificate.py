@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conformance import certificate
+from conformance.reporting import certificate
 
 CAPS = {"fully_masked": "zero", "causal": "upper_left", "tf32": False}
 

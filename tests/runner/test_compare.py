@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from conformance.compare import PropertyFailure, compare_values
-from conformance import tolerance
+from conformance.core.compare import PropertyFailure, compare_values
+from conformance.core import tolerance
 
 
 def test_exact_match_has_ratio_zero():

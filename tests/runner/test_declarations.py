@@ -22,8 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.certificate import details
-from conformance.call_specs import _call_4d
+from conformance.reporting.certificate import details
+from conformance.calls.call_specs import _call_4d
 from conformance.strategies import sdpa_cases
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
@@ -130,7 +130,7 @@ def test_describe_listing_and_certificate_show_the_declarations():
     for shown in ("self_attention_lengths=yes", "shared_kv=yes", "batch_dims=1",
                   "fully_masked=bool:uniform,additive:nan,causal:zero"):
         assert shown in text, shown
-    from conformance.certificate import implementation_entry
+    from conformance.reporting.certificate import implementation_entry
 
     entry = implementation_entry(impl, "x", {})
     assert entry["capabilities"]["fully_masked"] == {"bool": "uniform", "additive": "nan", "causal": "zero"}

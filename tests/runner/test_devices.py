@@ -1,10 +1,10 @@
-"""conformance.devices.device_for_worker: pytest-xdist workers pinned to GPUs (no GPU needed)."""
+"""conformance.core.devices.device_for_worker: pytest-xdist workers pinned to GPUs (no GPU needed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from conformance.devices import device_for_worker
+from conformance.core.devices import device_for_worker
 
 
 @pytest.mark.parametrize("worker, n_gpus, expected", [
@@ -45,7 +45,7 @@ def test_gpu_count_must_be_a_count(n_gpus):
 def test_pin_sets_the_workers_gpu_as_current(monkeypatch):
     import torch
 
-    from conformance.devices import pin_cuda_device
+    from conformance.core.devices import pin_cuda_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -58,7 +58,7 @@ def test_pin_sets_the_workers_gpu_as_current(monkeypatch):
 def test_pin_without_cuda_changes_nothing(monkeypatch):
     import torch
 
-    from conformance.devices import pin_cuda_device
+    from conformance.core.devices import pin_cuda_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device called"))

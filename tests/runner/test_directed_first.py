@@ -1,9 +1,9 @@
 """A run that stops at its first failure checks every property's directed cases before
-any random search (``conformance.directed_first``): a wrong implementation caught by a
+any random search (``conformance.harness.directed_first``): a wrong implementation caught by a
 directed case of a late property fails it first, with no passing test before it, and a
 correct one is certified exactly as without the pass, with no case checked twice. A
 failing directed case (not shrunk) is followed by the search, and the smaller of the two
-failing cases is reported (``conformance.runner``)."""
+failing cases is reported (``conformance.harness.runner``)."""
 
 from __future__ import annotations
 

@@ -17,13 +17,14 @@ import pytest
 from hypothesis import settings
 
 import conformance
-from conformance import certificate, failures
-from conformance.calls import check_gradients, run_sdpa
-from conformance.cases import SDPACase
-from conformance.expectations import ExpectedFailureLedger, entry_errors
-from conformance.mha_calls import build, run_mha
-from conformance.replay import CallLog
-from conformance.runner import Target, registered_properties
+from conformance.calls.mha import build, run_mha
+from conformance.calls.replay import CallLog
+from conformance.calls.sdpa import check_gradients, run_sdpa
+from conformance.core.cases import SDPACase
+from conformance.core.expectations import ExpectedFailureLedger, entry_errors
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
+from conformance.reporting import certificate, failures
 from implementations.base import ExpectedFailure
 from implementations.registry import resolve
 
@@ -117,7 +118,7 @@ def test_called_attributes_say_grad_dropout_and_training_for_real():
 def test_kvcache_call_attributes_say_whether_the_call_was_paged():
     """paged_equivalence calls a paged case twice: paged and contiguous; each call's
     kv_paged is how it handed the caches over, not what the case has."""
-    from conformance.kvcache_calls import KVCacheCase, run_kvcache
+    from conformance.calls.kvcache import KVCacheCase, run_kvcache
 
     rng = np.random.default_rng(0)
     case = KVCacheCase(rng.standard_normal((1, 1, 1, 1)), rng.standard_normal((1, 2, 1, 1)),

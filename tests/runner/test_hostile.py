@@ -24,9 +24,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from conformance import certificate, isolation
+from conformance.harness.session import Session
+from conformance.isolation import supervisor as isolation
 from conformance.plugin import _ResultCollector
-from conformance.session import Session
+from conformance.reporting import certificate
 from conformance.strategies import mha_cases, sdpa_cases
 from implementations import guard, registry
 from implementations.base import Capabilities, ImplementationError
@@ -234,7 +235,7 @@ def test_a_causal_flag_without_effect_fails_and_the_failure_says_what_the_probe_
 
 
 def test_mha_causal_flag_skip_reason_names_the_missing_feature():
-    from conformance.runner import Target
+    from conformance.core.target import Target
     from conformance.test_mha import _causal_hint_missing
 
     impl = registry.resolve("torch-mha")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import crash_markers
+from conformance.isolation import crash_markers
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "tests/runner/hostile_impls.py"

@@ -2,7 +2,7 @@
 certificate an in-process run gives: the same outcomes, expected failures matched on
 the calls as made, the same diagnosis, called case and reproducer. Only the worker
 process may call it, so it answers each check with the calls it made and, for a
-failure, diagnoses it and picks the reproducer's call (``isolation.Worker.annotate``)."""
+failure, diagnoses it and picks the reproducer's call (``isolation.supervisor.Worker.annotate``)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_an_isolated_failure_reads_as_an_in_process_one(mutant, named, tmp_path)
 def test_call_attributes_cross_to_the_pytest_process_with_their_types():
     """Expected failures compare call attributes: a flash call's window (a tuple) and
     features (a set) must not come back as lists."""
-    from conformance.isolation_protocol import CalledAttrs, encode_attrs, read_frame, write_frame
+    from conformance.isolation.protocol import CalledAttrs, encode_attrs, read_frame, write_frame
 
     attrs = {"level": "flash", "window": (7, 0), "flash_features": {"window", "alibi"}, "L": np.int64(3),
              "scale": None, "causal": "lower_right", "nested": ((1, 2), 3)}

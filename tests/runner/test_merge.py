@@ -1,4 +1,4 @@
-"""conformance.merge on plain certificate data: the matrix, merging agreeing results,
+"""conformance.reporting.merge on plain certificate data: the matrix, merging agreeing results,
 skips beside runs, conflicts reported (never overwritten), GPUs told apart, the
 command line."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conformance.merge import (
+from conformance.reporting.merge import (
     CertificateError,
     load_certificate,
     main,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import spec
-from conformance import mha_bounds
-from conformance.cases import MHACase
+from conformance.calls import mha_bounds
+from conformance.core.cases import MHACase
 from implementations.base import ALL_DTYPES
 from spec.emulate import round_arrays_to, round_to
 

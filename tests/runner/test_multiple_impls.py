@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conformance import certificate, isolation, merge
+from conformance.harness.session import SESSION_KEY, Session, Subject
+from conformance.isolation import supervisor as isolation
 from conformance.plugin import (
     _NODE_ID,
     _impl_specs,
@@ -24,7 +25,7 @@ from conformance.plugin import (
     _ResultCollector,
     pytest_collection_modifyitems,
 )
-from conformance.session import SESSION_KEY, Session, Subject
+from conformance.reporting import certificate, merge
 from implementations.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +207,7 @@ def test_comparison_puts_the_implementations_side_by_side_in_every_output(tmp_pa
     assert md.index("## `zeta`") < md.index("## `alpha`")
 
     json_path, _ = certificate.write(cert, tmp_path / "cmp")
-    named = merge.load_certificates(json_path)  # conformance.merge reads a comparison too
+    named = merge.load_certificates(json_path)  # conformance.reporting.merge reads a comparison too
     assert [name for name, _ in named] == [f"{json_path}[zeta]", f"{json_path}[alpha]"]
     assert merge.main([str(json_path), "--output", str(tmp_path / "matrix")]) == 0
     assert "zeta / cpu / float32" in (tmp_path / "matrix.md").read_text()

@@ -2,7 +2,7 @@
 
 pytest picks its rootdir from the command line's paths before it loads the suite's
 plugin; ``conformance.activation`` takes the values of the suite's options out of
-those paths (``conformance.options.VALUE_OPTIONS``) and picks the rootdir again.
+those paths (``conformance.core.options.VALUE_OPTIONS``) and picks the rootdir again.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from _pytest.config.argparsing import Parser
 
-from conformance import activation, options
+from conformance import activation
+from conformance.core import options
 
 ROOT = Path(__file__).resolve().parents[2]
 

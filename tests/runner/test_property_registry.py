@@ -17,7 +17,7 @@ import pytest
 import conformance
 import spec
 from conformance import docgen
-from conformance.runner import registered_properties
+from conformance.core.registry import registered_properties
 
 ROOT = Path(__file__).resolve().parents[2]
 

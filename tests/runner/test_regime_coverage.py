@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from hypothesis.errors import InvalidArgument
 
-from conformance import directed
-from conformance.runner import Target, registered_properties
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
+from conformance.directed import examples as directed
 from implementations import registry
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,11 +18,17 @@ import pytest
 from hypothesis import settings
 
 import conformance
-from conformance import failures
-from conformance.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
-from conformance.mha_calls import upstream_gradient
-from conformance.replay import CallLog, MHACallSpec, SDPACallSpec, report_sdpa_call
-from conformance.runner import Target, registered_properties
+from conformance.calls.mha import upstream_gradient
+from conformance.calls.replay import (
+    CallLog,
+    MHACallSpec,
+    SDPACallSpec,
+    report_sdpa_call,
+)
+from conformance.core.cases import MHA_ATTRIBUTES, SDPA_ATTRIBUTES, MHACase, SDPACase
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
+from conformance.reporting import failures
 from implementations.mutants import MUTANTS
 from implementations.mutants._base import (
     SDPA_CAPABILITIES,
@@ -190,7 +196,7 @@ def test_causal_case_with_a_bool_mask_is_reproduced_as_called():
     case = SDPACase(rng.standard_normal((1, 1, 2, 2)), rng.standard_normal((1, 1, 3, 2)),
                     rng.standard_normal((1, 1, 3, 2)), attend_mask=np.array([[True, True, False]] * 2),
                     causal="upper_left")
-    from conformance.calls import uses_causal_flag
+    from conformance.calls.sdpa import uses_causal_flag
 
     call = SDPACallSpec(case, is_causal=uses_causal_flag(Target(control, "sdpa", "float64", "cpu"), case))
     assert not call.is_causal and call.passed_case.causal is None
@@ -249,7 +255,7 @@ def test_saved_call_round_trips_with_self_attention_identity(tmp_path):
 
 
 def _kvcache_case():
-    from conformance.kvcache_calls import KVCacheCase
+    from conformance.calls.kvcache import KVCacheCase
 
     rng = np.random.default_rng(5)
     return KVCacheCase(rng.standard_normal((2, 1, 2, 3)), rng.standard_normal((2, 4, 1, 3)),
@@ -262,7 +268,7 @@ def test_kvcache_call_leaves_the_case_as_it_was_and_round_trips(tmp_path):
     """The call writes the new keys into the caches in place: into fresh tensors, so the
     case (what a failure saves, what --replay and the reproducer start from) keeps the
     caches as they were before it; the saved call is the one made (contiguous here)."""
-    from conformance.kvcache_calls import (
+    from conformance.calls.kvcache import (
         KVCacheCallSpec,
         report_kvcache_call,
         run_kvcache,
@@ -300,7 +306,7 @@ def test_replay_of_a_saved_kvcache_case_reruns_its_property(pytester, tmp_path, 
 
 
 def test_varlen_call_round_trips_and_a_bad_saved_case_is_refused(tmp_path):
-    from conformance.varlen_calls import VarlenCallSpec, VarlenCase
+    from conformance.calls.varlen import VarlenCallSpec, VarlenCase
 
     rng = np.random.default_rng(6)
     case = VarlenCase(rng.standard_normal((3, 2, 2)), rng.standard_normal((4, 1, 2)), rng.standard_normal((4, 1, 1)),
@@ -322,8 +328,8 @@ def test_varlen_call_round_trips_and_a_bad_saved_case_is_refused(tmp_path):
 def test_upstream_gradient_and_dropout_seed_do_not_depend_on_the_hash_seed():
     code = ("import hashlib, numpy as np\n"
             "from tests.runner.test_replay import _mha_case\n"
-            "from conformance.mha_calls import upstream_gradient\n"
-            "from conformance.replay import mha_content_seed, content_seed\n"
+            "from conformance.calls.mha import upstream_gradient\n"
+            "from conformance.calls.replay import mha_content_seed, content_seed\n"
             "case = _mha_case()\n"
             "print(hashlib.sha1(upstream_gradient(case).tobytes()).hexdigest(), mha_content_seed(case, 'dropout'),"
             " content_seed('dropout', case.query))\n")
@@ -368,8 +374,8 @@ def test_call_attributes_are_the_declared_ones_and_set_for_real():
     assert set(mha.attrs()) == MHA_ATTRIBUTES
     attrs = mha.attrs()
     assert (attrs["grad"], attrs["dropout_p"], attrs["training"], attrs["self_attention"]) == (True, 0.5, True, True)
-    from conformance.kvcache_calls import KVCACHE_ATTRIBUTES, KVCacheCallSpec
-    from conformance.varlen_calls import VARLEN_ATTRIBUTES, VarlenCallSpec, VarlenCase
+    from conformance.calls.kvcache import KVCACHE_ATTRIBUTES, KVCacheCallSpec
+    from conformance.calls.varlen import VARLEN_ATTRIBUTES, VarlenCallSpec, VarlenCase
 
     varlen = VarlenCase(*(rng.standard_normal((2, 1, 2)) for _ in range(3)), cu_seqlens_q=(0, 2), cu_seqlens_k=(0, 2))
     assert set(VarlenCallSpec(varlen).attrs()) == VARLEN_ATTRIBUTES
@@ -435,7 +441,7 @@ def test_a_failure_found_under_dev_is_retried_first_by_the_next_run(tmp_path):
 def test_database_keys_are_stable_and_distinct():
     from types import SimpleNamespace
 
-    from conformance.runner import _database_key
+    from conformance.harness.runner import _database_key
 
     impl = SimpleNamespace(name="x")
     session = SimpleNamespace(impl_spec="sdpa", options={})

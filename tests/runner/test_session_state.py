@@ -15,8 +15,8 @@ import pytest
 from hypothesis import settings
 
 import conformance
-from conformance import failures
-from conformance.cases import SDPACase
+from conformance.core.cases import SDPACase
+from conformance.reporting import failures
 
 pytest_plugins = ["pytester"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import ordering
+from conformance.harness import ordering
 from conformance.plugin import LEVEL_ORDER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ import pytest
 code = pytest.main([{conformance!r}, "--impl=spec", "--co", "-q", "-p", "no:cacheprovider"])
 def loader(name):
     return type(getattr(sys.modules.get(name), "__loader__", None)).__name__
-own = {{name: loader(name) for name in ("spec", "implementations.guard", "conformance.runner",
+own = {{name: loader(name) for name in ("spec", "implementations.guard", "conformance.harness.runner",
                                        "conformance.test_sdpa_agreement")}}
 print("PROBE " + json.dumps({{"code": int(code), "hypothesis_loader": loader("hypothesis"), "own_loaders": own,
                               "ml_dtypes": "ml_dtypes" in sys.modules, "frozen": gc.get_freeze_count()}}))
@@ -80,7 +80,7 @@ def test_the_projects_own_modules_are_imported_without_assertion_rewriting(probe
     # rewriting, which compiles each from source where no bytecode can be cached
     # (ignoring what pip compiled); the suite's collected test modules stay rewritten.
     loaders = probe["own_loaders"]
-    assert {loaders[n] for n in ("spec", "implementations.guard", "conformance.runner")} == {"SourceFileLoader"}, loaders
+    assert {loaders[n] for n in ("spec", "implementations.guard", "conformance.harness.runner")} == {"SourceFileLoader"}, loaders
     assert loaders["conformance.test_sdpa_agreement"] == "AssertionRewritingHook", loaders
 
 
@@ -137,7 +137,7 @@ def _run_nested(pytester) -> None:
 def test_property_order_file_lists_each_levels_properties_once():
     # A property it does not list yet runs after the listed ones of its level
     # (test_unlisted_property_goes_after_the_listed_ones): adding one needs no kill-matrix run.
-    from conformance.runner import registered_properties
+    from conformance.core.registry import registered_properties
 
     data = json.loads(ordering.ORDER_FILE.read_text())
     known = {(p.level, p.id) for p in registered_properties().values()}

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conformance.sweep import Sweep, sweep_property
+from conformance.harness.sweep import Sweep, sweep_property
 from conformance.test_sdpa_sweep import EDGE_LENGTHS, SIZES, length_order, size_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_the_profiles_counts_cover_the_block_edges_and_grow():
 
 
 def test_a_sweep_visits_its_profiles_count_and_says_when_the_safety_limit_stopped_it():
-    from conformance.runner import Record
+    from conformance.core.registry import Record
 
     record = Record("small_sizes_sweep", "sdpa", "float32", "cpu")
     target = SimpleNamespace(impl=SimpleNamespace(expected_failures=()))

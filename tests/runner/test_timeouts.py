@@ -121,8 +121,8 @@ def test_a_slow_first_probe_call_passes_and_a_slow_later_one_fails():
 def test_a_slow_first_call_is_named_at_the_end_of_the_run():
     from types import SimpleNamespace
 
+    from conformance.harness.session import Session
     from conformance.plugin import slow_first_calls
-    from conformance.session import Session
 
     impl = SimpleNamespace()
     session = Session(profile="ci", started=0.0, impl=impl, impl_spec="mine.py:f")

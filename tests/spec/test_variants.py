@@ -925,7 +925,7 @@ def test_rank_compares_only_defined_rows_under_an_unspecified_policy():
 
 
 def test_from_case_converts_the_runners_cases():
-    from conformance.cases import MHACase, SDPACase
+    from conformance.core.cases import MHACase, SDPACase
 
     problem = CASES["mask_inverted"]()
     case = SDPACase(problem.query, problem.key, problem.value, attend_mask=problem.attend_mask,

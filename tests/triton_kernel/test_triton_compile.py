@@ -46,7 +46,7 @@ import pytest
 import torch  # noqa: E402
 
 import implementations.builtins.triton_attention as ta  # noqa: E402
-from conformance.tensors import dtype_of  # noqa: E402
+from conformance.core.tensors import dtype_of  # noqa: E402
 from implementations.base import ALL_DTYPES  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
@@ -56,7 +56,7 @@ TARGETS = {
     "sm80": (("cuda", 80, 32), 163 * 1024),   # A100
     "sm90": (("cuda", 90, 32), 227 * 1024),   # H100 / H200
 }
-#: dtype name -> torch dtype (the suite's one map, conformance.tensors.dtype_of).
+#: dtype name -> torch dtype (the suite's one map, conformance.core.tensors.dtype_of).
 DTYPES = {name: dtype_of(name) for name in ALL_DTYPES}
 
 

@@ -1,0 +1,124 @@
+"""The flash level's oracle and error bounds: ``spec.flash_attention`` on a
+:class:`~conformance.calls.flash_cases.FlashCase`, a naive same-precision ``flash_attn_func``
+(:func:`emulate_flash`) and the allowed errors of the output and the LSE built from it
+(``conformance.core.tolerance``'s rule). ``conformance.calls.flash`` makes the calls and
+checks them against these (as ``mha_bounds`` is for the MHA level).
+
+Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
+E q/k head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.calls.flash_cases import FlashCase
+from conformance.core import tolerance
+from conformance.core.target import Target
+from spec.emulate import _rounder
+
+__all__ = ["allowed_lse", "allowed_output", "emulate_flash", "oracle"]
+
+
+def oracle(case: FlashCase, **overrides: Any) -> spec.FlashResult:
+    """``spec.flash_attention`` on the stored values, with the LSE (policy zero)."""
+    options = dict(case.options(), **overrides)
+    return spec.flash_attention(case.query, case.key, case.value, return_lse=True, **options)
+
+
+def _forward(case: FlashCase) -> Any:
+    """The oracle's intermediate steps (heads first): logits, weights, LSE, empty rows."""
+    from spec import flash as spec_flash
+
+    problem = spec_flash.prepare(case.query, case.key, case.value, **case.options())
+    return problem, spec_flash.attend(problem)
+
+
+def emulate_flash(case: FlashCase) -> tuple[np.ndarray, np.ndarray]:
+    """(output (B, L, N, Ev), lse (B, N, L)) of a naive same-precision ``flash_attn_func``:
+    every operation rounded to the case's dtype, float32 accumulation for 16-bit dtypes
+    (``spec.emulate``'s rule), soft-capping and the ALiBi bias as rounded steps."""
+    problem, _ = _forward(case)
+    if case.dtype == "float64":
+        ref = oracle(case)
+        return ref.output, ref.lse
+    store, accumulate = _rounder(case.dtype)
+    q, k, v = store(problem.query), store(problem.key), store(problem.value)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        s = store(accumulate(problem.scale) * store(q @ np.swapaxes(k, -1, -2)))
+        if problem.softcap:
+            c = accumulate(problem.softcap)
+            s = store(c * store(np.tanh(store(s / c))))
+        if problem.bias is not None:
+            s = store(s + store(problem.bias))
+        s = np.where(problem.allowed, s, accumulate(-np.inf))
+        empty = ~problem.allowed.any(axis=-1, keepdims=True)
+        row_max = np.where(empty, accumulate(0), s.max(axis=-1, keepdims=True))
+        e = np.exp(s - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = store(e / np.where(empty, accumulate(1), total))
+        output = store(weights @ v)
+        lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, accumulate(1), total)))
+    return output.astype(np.float64).transpose(0, 2, 1, 3), lse[..., 0].astype(np.float64)
+
+
+def _naive_errors(case: FlashCase, ref: spec.FlashResult) -> tuple[float, float]:
+    """Largest error of the naive same-precision output and LSE (rows attending a key)."""
+    if case.dtype == "float64":
+        return 0.0, 0.0
+    out, lse = emulate_flash(case)
+    rows = ~case.empty_rows()
+    with np.errstate(invalid="ignore"):  # -inf - -inf in rows attending no key (not selected)
+        out_err = np.abs(out - ref.output)[:, rows]
+        lse_err = np.abs(lse - ref.lse)[:, :, rows]
+
+    def worst(a: np.ndarray) -> float:
+        finite = a[np.isfinite(a)]
+        return float(finite.max()) if finite.size else 0.0
+
+    return worst(out_err), worst(lse_err)
+
+
+def _score_sizes(case: FlashCase, problem: Any, forward: Any) -> np.ndarray:
+    """(B, N, L, 1): the largest |scale|·Σ|q||k| + |bias| over the keys each row attends
+    (what a computed score's rounding error is proportional to)."""
+    size = abs(problem.scale) * (np.abs(problem.query) @ np.swapaxes(np.abs(problem.key), -1, -2))
+    if problem.softcap:
+        size = np.minimum(size, problem.softcap)
+    if problem.bias is not None:
+        size = size + np.abs(problem.bias)
+    attended = np.broadcast_to(problem.allowed, size.shape) & (forward.weights > 0)
+    return np.where(attended, size, 0.0).max(axis=-1, keepdims=True)
+
+
+def allowed_output(target: Target, case: FlashCase, ref: spec.FlashResult | None = None) -> np.ndarray:
+    """Elementwise allowed error of the output (B, L, N, Ev): ``tolerance.sdpa_allowed``."""
+    ref = ref if ref is not None else oracle(case)
+    problem, forward = _forward(case)
+    magnitude = forward.weights @ np.abs(problem.value)                      # (B, N, L, Ev)
+    naive, _ = _naive_errors(case, ref)
+    allowed = tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
+                                     logit_scale=_score_sizes(case, problem, forward))
+    return allowed.transpose(0, 2, 1, 3)
+
+
+#: Unit roundoff order of the dtypes, to tell whether a returned LSE is stored coarser.
+_PRECISION = {"float64": 3, "float32": 2, "bfloat16": 0, "float16": 1}
+
+
+def allowed_lse(target: Target, case: FlashCase, ref: spec.FlashResult | None = None, *,
+                stored: str | None = None) -> np.ndarray:
+    """Elementwise allowed error of the LSE (B, N, L): ``tolerance.lse_allowed``; an LSE
+    returned in a coarser dtype ``stored`` than the case's (FlashAttention-2 returns it in
+    float32 for every input dtype) is allowed that dtype's rounding too."""
+    ref = ref if ref is not None else oracle(case)
+    problem, forward = _forward(case)
+    _, naive = _naive_errors(case, ref)
+    size = _score_sizes(case, problem, forward)[..., 0]
+    allowed = tolerance.lse_allowed(case.dtype, naive, size, tf32=target.tf32)
+    if stored in _PRECISION and _PRECISION[stored] < _PRECISION[case.dtype]:
+        allowed = np.maximum(allowed, tolerance.lse_allowed(stored, naive, size))
+    return allowed

@@ -1,0 +1,154 @@
+"""The flash level's case model: one ``flash_attn_func`` call as data.
+
+A :class:`FlashCase` is one call of FlashAttention's ``flash_attn_func`` in its layout:
+query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), with ``causal`` (lower-right),
+``window`` (left, right), ``softcap`` and ``alibi_slopes`` (N,) or (B, N), float64
+arrays and the attributes expected failures match on. Calling it is in
+:mod:`conformance.calls.flash` (which re-exports these names), its oracle and its bounds
+in :mod:`conformance.calls.flash_bounds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.core.cases import SDPACase, _scale_sign
+
+__all__ = ["FLASH_ATTRIBUTES", "FlashCase"]
+
+
+#: Attributes of a flash-level call (``FlashCase.attrs()`` and what the call adds:
+#: ``grad``, ``lse``): the keys an expected failure's ``match`` may use at this level.
+FLASH_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "causal", "scale", "scale_sign", "regime", "B", "N", "K", "L",
+    "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows", "window", "window_left",
+    "window_right", "softcap", "alibi", "flash_features", "grad", "lse",
+})
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class FlashCase:
+    """One ``flash_attn_func`` call (values exactly representable in ``dtype``).
+
+    ``causal``: FlashAttention's flag (lower-right, i.e. ``right = 0``); ``window``
+    (left, right), -1 = unbounded; ``softcap`` 0 = off; ``alibi_slopes`` float64 (N,) or
+    (B, N), handed over as float32 (FlashAttention's), so stored float32-exact.
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None
+    scale: float | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+    regime: str = "normal"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
+
+    @property
+    def level(self) -> str:
+        return "flash"
+
+    @property
+    def B(self) -> int:
+        return int(self.query.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.query.shape[1])
+
+    @property
+    def N(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def E(self) -> int:
+        return int(self.query.shape[3])
+
+    @property
+    def S(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def K(self) -> int:
+        return int(self.key.shape[2])
+
+    @property
+    def Ev(self) -> int:
+        return int(self.value.shape[3])
+
+    def sizes(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in ("B", "N", "K", "L", "S", "E", "Ev")}
+
+    def options(self) -> dict[str, Any]:
+        """The ``spec.flash_attention`` keyword arguments of this case."""
+        return {"causal": self.causal, "window": self.window, "softcap": self.softcap,
+                "alibi_slopes": self.alibi_slopes, "scale": self.scale}
+
+    def features(self) -> set[str]:
+        """The ``Capabilities.flash_features`` this case uses (lse is the call's)."""
+        used = set()
+        if self.window != (-1, -1):
+            used.add("window")
+        if self.softcap:
+            used.add("softcap")
+        if self.alibi_slopes is not None:
+            used.add("alibi")
+        return used
+
+    def empty_rows(self) -> np.ndarray:
+        """Bool (L,): query rows that attend no key (window, causal, S = 0)."""
+        return ~spec.window_mask(self.L, self.S, self.window, causal=self.causal).any(axis=-1)
+
+    def attrs(self, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "level": "flash", "device": self.device, "dtype": self.dtype,
+            "causal": "lower_right" if self.causal else None,
+            "scale": self.scale, "scale_sign": _scale_sign(self.scale), "regime": self.regime,
+            **self.sizes(),
+            "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
+            "fully_masked_rows": bool(self.empty_rows().any()),
+            "window": self.window != (-1, -1), "window_left": self.window[0], "window_right": self.window[1],
+            "softcap": self.softcap, "alibi": self.alibi_slopes is not None,
+            "flash_features": self.features(),
+        }
+        out.update(extra)
+        return out
+
+    def replace(self, **changes: Any) -> FlashCase:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return FlashCase(**values)
+
+    def __repr__(self) -> str:
+        return f"FlashCase({self.describe()})"
+
+    def describe(self) -> str:
+        sizes = " ".join(f"{k}={v}" for k, v in self.sizes().items())
+        slopes = None if self.alibi_slopes is None else f"{tuple(self.alibi_slopes.shape)}"
+        return (f"{sizes} dtype={self.dtype} device={self.device} causal={self.causal} "
+                f"window={self.window} softcap={self.softcap!r} alibi_slopes={slopes} "
+                f"scale={self.scale!r} regime={self.regime}")
+
+    def heads_first(self) -> SDPACase:
+        """The same problem as an SDPA case, heads first, window/causal as an attend mask and
+        ALiBi as an additive mask (not valid with soft-capping)."""
+        attend = spec.window_mask(self.L, self.S, self.window, causal=self.causal)
+        bias = None if self.alibi_slopes is None else spec.alibi_bias(self.L, self.S, self.alibi_slopes)
+        t = (0, 2, 1, 3)
+        additive = None
+        if bias is not None:
+            additive = np.where(attend, bias, -np.inf)
+        return SDPACase(self.query.transpose(t), self.key.transpose(t), self.value.transpose(t),
+                        attend_mask=None if additive is not None else attend, additive_mask=additive,
+                        scale=self.scale, dtype=self.dtype, device=self.device)

@@ -1,0 +1,404 @@
+"""KV-cache decoding calls: the cases, the calls, and what the oracle says.
+
+The kvcache level (``implementations.base``) takes FlashAttention's
+``flash_attn_with_kvcache`` convention; the oracle is ``spec.kvcache_attention``. Every
+call goes through ``core.target.call_guarded`` (:func:`run_kvcache`, logged as a
+:class:`KVCacheCallSpec`, made by :func:`run_kvcache_call`: the same code a failure's
+reproducer runs through :func:`show_kvcache_call`). The call writes the new keys and
+values into the caches in place: every call hands over fresh tensors made from the
+case's arrays, so the case (and a saved or replayed one) keeps the caches as they were
+before the call. The error bound is the SDPA rule applied row by row of the cache, as
+at the varlen level (``conformance.calls.varlen``).
+
+Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
+E q/k head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.calls.call_reports import CallReport
+from conformance.calls.call_specs import call_directly
+from conformance.calls.declarations import require_inside
+from conformance.calls.varlen import (
+    _called_invalid,
+    _compared_rows,
+    _difference,
+    _int32,
+    _output_shape_and_dtype,
+    _replace,
+    _scale_sign,
+    _sequence_bounds,
+    _tensor,
+)
+from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.core.target import Target, call_guarded
+from conformance.core.tensors import to_numpy
+
+__all__ = [
+    "ATTRIBUTES",
+    "KVCACHE_ATTRIBUTES",
+    "SHOW",
+    "CallSpec",
+    "Case",
+    "KVCacheCall",
+    "KVCacheCallSpec",
+    "KVCacheCase",
+    "assert_same_cache",
+    "case_from_meta",
+    "case_meta",
+    "check_kvcache_against_oracle",
+    "kvcache_bounds",
+    "report_call",
+    "report_kvcache_call",
+    "run_kvcache",
+    "run_kvcache_call",
+    "show_kvcache_call",
+    "validate",
+]
+
+#: Attributes of a kvcache-level call (``KVCacheCase.attrs()``; the call sets ``kv_paged``
+#: to whether it handed the caches over as pages): the keys an expected failure's
+#: ``match`` may use at this level.
+KVCACHE_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
+    "gqa", "different_v_dim", "kv_paged", "kv_append",
+})
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KVCacheCase:
+    """One decoding step: query (B, L, N, E) against the logical caches k_cache (B, S_cache,
+    K, E), v_cache (B, S_cache, K, Ev) of which ``cache_seqlens[b]`` rows are valid; the new
+    keys ``k_new`` (B, S_new, K, E) / ``v_new`` are appended first (None: no append).
+
+    ``page_size`` (None: contiguous only) divides S_cache; paged, the caches are handed over
+    as pages (num_pages, page_size, K, E|Ev): logical page j of sequence b is physical page
+    ``page_order[b * max_pages + j]`` (``len(page_order) = num_pages >= B * max_pages``; the
+    spare pages hold ``spare``-seeded garbage), and ``block_table[b, j]`` says so."""
+
+    query: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    cache_seqlens: tuple[int, ...]
+    k_new: np.ndarray | None = None
+    v_new: np.ndarray | None = None
+    causal: bool = False
+    scale: float | None = None
+    page_size: int | None = None
+    page_order: tuple[int, ...] | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+
+    @property
+    def level(self) -> str:
+        return "kvcache"
+
+    @property
+    def B(self) -> int:
+        return int(self.query.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.query.shape[1])
+
+    @property
+    def N(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def K(self) -> int:
+        return int(self.k_cache.shape[2])
+
+    @property
+    def E(self) -> int:
+        return int(self.query.shape[3])
+
+    @property
+    def Ev(self) -> int:
+        return int(self.v_cache.shape[3])
+
+    @property
+    def S_cache(self) -> int:
+        return int(self.k_cache.shape[1])
+
+    @property
+    def S_new(self) -> int:
+        return 0 if self.k_new is None else int(self.k_new.shape[1])
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    def valid_lengths(self) -> list[int]:
+        """S_b = cache_seqlens[b] + S_new: the keys sequence b attends."""
+        return [n + self.S_new for n in self.cache_seqlens]
+
+    def oracle(self) -> spec.KVCacheResult:
+        """``spec.kvcache_attention`` on the logical (contiguous) caches."""
+        return spec.kvcache_attention(self.query, self.k_cache, self.v_cache,
+                                      cache_seqlens=np.array(self.cache_seqlens), k=self.k_new,
+                                      v=self.v_new, causal=self.causal, scale=self.scale)
+
+    def attrs(self, **extra: Any) -> dict[str, Any]:
+        out = {"level": "kvcache", "device": self.device, "dtype": self.dtype,
+               "causal": "lower_right" if self.causal else None, "scale": self.scale,
+               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
+               "L": self.L, "S": max(self.valid_lengths()), "E": self.E, "Ev": self.Ev,
+               "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
+               "kv_paged": self.paged, "kv_append": self.k_new is not None}
+        out.update(extra)
+        return out
+
+    def replace(self, **changes: Any) -> KVCacheCase:
+        return _replace(self, **changes)
+
+    def describe(self) -> str:
+        pages = (f" page_size={self.page_size} page_order={list(self.page_order or ())}"
+                 if self.paged else "")
+        return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
+                f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
+                f"{pages} causal={self.causal} scale={self.scale} dtype={self.dtype} device={self.device}")
+
+    def __repr__(self) -> str:
+        return f"KVCacheCase({self.describe()})"
+
+
+# -- the tolerance rule, row by row of the cache ----------------------------------------
+
+
+def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(expected (B, L, N, Ev) = ``spec.kvcache_attention``, allowed, live rows (B, L, N, 1))."""
+    ref = case.oracle()
+    shape = (case.B, case.L, case.N, case.Ev)
+    expected, allowed = np.zeros(shape), np.zeros(shape)
+    live = np.zeros((*shape[:3], 1), dtype=bool)
+    for b, S_b in enumerate(case.valid_lengths()):
+        expected[b], allowed[b], live[b] = _sequence_bounds(
+            target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
+            scale=case.scale, dtype=case.dtype, device=case.device)
+    return expected, allowed, live
+
+
+def check_kvcache_against_oracle(target: Target, case: KVCacheCase, output: np.ndarray) -> float:
+    __tracebackhide__ = True
+    expected, allowed, live = kvcache_bounds(target, case)
+    return compare_values("kv-cache output", output, expected, allowed,
+                          where=_compared_rows(target, live)).ratio
+
+
+@dataclass
+class KVCacheCall:
+    output: np.ndarray   # (B, L, N, Ev), float64 copy
+    k_cache: np.ndarray  # the key cache after the call, in the logical layout (B, S_cache, K, E)
+    v_cache: np.ndarray  # (B, S_cache, K, Ev)
+
+
+def _pages(case: KVCacheCase, cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The logical cache (B, S_cache, K, X) as pages (num_pages, page_size, K, X) and the
+    block table (B, max_pages); spare pages hold integers up to ±30 (exact in every dtype),
+    seeded by the page count and size, so a read from one shows."""
+    B, S_cache, K, X = cache.shape
+    size = case.page_size
+    max_pages = S_cache // size
+    order = np.asarray(case.page_order, dtype=np.int64)
+    table = order[:B * max_pages].reshape(B, max_pages)
+    rng = np.random.default_rng(len(order) * 7919 + size)
+    pages = np.round(rng.standard_normal((len(order), size, K, X)) * 8, 0)   # exact in every dtype
+    pages[table.reshape(-1)] = cache.reshape(B * max_pages, size, K, X)
+    return pages, table
+
+
+def _unpage(pages: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Pages (num_pages, page_size, K, X) -> the logical cache (B, max_pages·page_size, K, X)."""
+    return spec.gather_pages(pages, table)
+
+
+# -- calling the implementation ------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class KVCacheCallSpec:
+    """One call of ``impl.kvcache`` exactly as made: the case, and whether its caches were
+    handed over as pages (``paged``; None: as the case has them). ``grad_output`` is
+    always None at this level."""
+
+    case: KVCacheCase
+    paged: bool | None = None
+    grad_output: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paged", self.case.paged if self.paged is None else bool(self.paged))
+
+    @property
+    def level(self) -> str:
+        return "kvcache"
+
+    def attrs(self) -> dict[str, Any]:
+        return self.case.attrs(kv_paged=self.paged)
+
+    def arguments(self) -> str:
+        c = self.case
+        text = "k=k_new, v=v_new, " if c.k_new is not None else ""
+        text += f"cache_seqlens={list(c.cache_seqlens)}, "
+        if self.paged:
+            text += f"block_table=<page_order {list(c.page_order or ())} in pages of {c.page_size}>, "
+        return text + f"softmax_scale={c.scale!r}, causal={c.causal!r}"
+
+    def describe(self) -> str:
+        return f"{self.case.describe()}; {self.arguments()}"
+
+    def same_as(self, case: Any) -> bool:
+        return self.case is case and self.paged == case.paged
+
+
+def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_directly,
+                     check_output: bool = True) -> KVCacheCall:
+    """Make ``call`` on ``impl.kvcache`` (through ``invoke``) on fresh tensors of the case
+    (the caches as pages when ``call.paged``); the output and the caches after the call
+    (FlashAttention writes the new keys and values into them in place), read back in the
+    logical layout. With ``check_output``, check what came back first."""
+    __tracebackhide__ = True
+    case = call.case
+    if call.paged:
+        k_pages, table = _pages(case, case.k_cache)
+        v_pages, _ = _pages(case, case.v_cache)
+        k_cache, v_cache, block_table = _tensor(k_pages, case), _tensor(v_pages, case), _int32(table, case.device)
+    else:
+        k_cache, v_cache, block_table = _tensor(case.k_cache, case), _tensor(case.v_cache, case), None
+    new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
+    out = invoke(
+        impl.kvcache, _tensor(case.query, case), k_cache, v_cache, **new,
+        cache_seqlens=_int32(case.cache_seqlens, case.device), block_table=block_table,
+        softmax_scale=case.scale, causal=case.causal,
+    )
+    if not check_output:
+        return KVCacheCall(np.zeros(0), case.k_cache, case.v_cache)
+    _output_shape_and_dtype(out, case, (case.B, case.L, case.N, case.Ev), "(B, L, N, Ev)")
+    k_after, v_after = to_numpy(k_cache), to_numpy(v_cache)
+    if call.paged:
+        k_after, v_after = _unpage(k_after, table), _unpage(v_after, table)
+    return KVCacheCall(to_numpy(out), k_after, v_after)
+
+
+def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None) -> KVCacheCall:
+    """``target.impl.kvcache`` on ``case`` through ``core.target.call_guarded``, the call logged
+    (paged when the case has pages, unless ``paged`` says otherwise)."""
+    __tracebackhide__ = True
+    call = KVCacheCallSpec(case, paged=paged)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    return run_kvcache_call(target.impl, call, invoke=partial(call_guarded, target))
+
+
+def assert_same_cache(what: str, actual: np.ndarray, expected: np.ndarray, valid: list[int]) -> None:
+    """The first ``valid[b]`` rows of each sequence's cache hold exactly the expected values
+    (copies of stored values: no rounding is allowed)."""
+    __tracebackhide__ = True
+    for b, S_b in enumerate(valid):
+        differ = actual[b, :S_b] != expected[b, :S_b]
+        if differ.any():
+            t, *rest = (int(i) for i in np.argwhere(differ)[0])
+            fail(f"{what}[{b}, {t}, {', '.join(map(str, rest))}]={actual[b, t][tuple(rest)]!r}, but should be "
+                 f"{expected[b, t][tuple(rest)]!r}: row t={t} of sequence {b} (cache_seqlens + S_new = {S_b} "
+                 "valid rows after the append)")
+
+
+# -- saving and reproducing ------------------------------------------------------------------
+
+
+_ARRAYS = ("query", "k_cache", "v_cache", "k_new", "v_new")
+
+
+def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a kvcache case for ``conformance.reporting.failures`` (kind ``"kvcache"``):
+    the caches as they were before the call."""
+    arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS if getattr(case, n) is not None}
+    meta = {"kind": "kvcache", "cache_seqlens": [int(n) for n in case.cache_seqlens], "causal": bool(case.causal),
+            "scale": case.scale, "page_size": None if case.page_size is None else int(case.page_size),
+            "page_order": None if case.page_order is None else [int(n) for n in case.page_order],
+            "dtype": case.dtype, "device": case.device}
+    return meta, arrays
+
+
+def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCacheCase:
+    order = meta["page_order"]
+    return KVCacheCase(**{n: arrays.get(n) for n in _ARRAYS},
+                       cache_seqlens=tuple(int(n) for n in meta["cache_seqlens"]), causal=bool(meta["causal"]),
+                       scale=meta["scale"], page_size=meta["page_size"],
+                       page_order=None if order is None else tuple(int(n) for n in order),
+                       dtype=meta["dtype"], device=meta["device"])
+
+
+def validate(case: KVCacheCase) -> None:
+    """ValueError (``spec.SpecError``) when the spec calls ``case`` invalid, or its pages
+    do not lay the cache out (a page size dividing S_cache, distinct pages, enough of them)."""
+    for name in ("query", "k_cache", "v_cache"):
+        if np.ndim(getattr(case, name)) != 4:
+            raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 4-D")
+    if case.paged:
+        size, order = case.page_size, list(case.page_order or ())
+        if size <= 0 or case.S_cache % size:
+            raise ValueError(f"page_size={size} should be positive and divide S_cache={case.S_cache}")
+        if sorted(order) != list(range(len(order))) or len(order) < case.B * (case.S_cache // size):
+            raise ValueError(f"page_order={order} should be a permutation of at least "
+                             f"B * S_cache / page_size = {case.B * (case.S_cache // size)} pages")
+    case.oracle()
+
+
+def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_directly) -> CallReport:
+    """Make ``call`` and compare its output with ``spec.kvcache_attention`` and the caches
+    after it (the new keys and values written in place at ``cache_seqlens``) with the
+    spec's updated caches, exactly."""
+    case = call.case
+    target = Target(impl, "kvcache", case.dtype, case.device)
+    report = CallReport(call, [f"call: impl.kvcache(q, k_cache, v_cache, {call.arguments()})",
+                               f"case as called: {case.describe()}"])
+    try:
+        validate(case)
+    except ValueError as err:  # spec.SpecError included
+        return _called_invalid(report, err, lambda: run_kvcache_call(impl, call, invoke=invoke, check_output=False))
+    try:
+        result = run_kvcache_call(impl, call, invoke=invoke)
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+        return report
+    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
+        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
+        return report
+    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}), "
+                        "tolerance rule per sequence; the caches after the call exactly")
+    ref = case.oracle()
+    valid = case.valid_lengths()
+    checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
+              lambda: assert_same_cache("k_cache after the call", result.k_cache, ref.k_cache, valid),
+              lambda: assert_same_cache("v_cache after the call", result.v_cache, ref.v_cache, valid)]
+    for check in checks:
+        try:
+            check()
+        except PropertyFailure as exc:
+            report.finding(str(exc))
+    _difference(report, result.output, kvcache_bounds(target, case)[0])
+    return report
+
+
+def show_kvcache_call(impl: Any, call: KVCacheCallSpec) -> CallReport:
+    """Make ``call`` in this interpreter and print how it differs from ``spec.kvcache_attention``."""
+    report = report_kvcache_call(impl, call)
+    print(report.text())
+    return report
+
+
+# The level's entries of conformance.core.levels (what the shared machinery reads).
+Case = KVCacheCase
+CallSpec = KVCacheCallSpec
+ATTRIBUTES = KVCACHE_ATTRIBUTES
+report_call = report_kvcache_call
+SHOW = "show_kvcache_call"

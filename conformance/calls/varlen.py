@@ -1,0 +1,393 @@
+"""Packed variable-length calls: the cases, the calls, and what the oracle says.
+
+The varlen level (``implementations.base``) takes FlashAttention's
+``flash_attn_varlen_func`` convention; the oracle is ``spec.varlen_attention``. Every
+call goes through ``core.target.call_guarded`` (:func:`run_varlen`, logged as a
+:class:`VarlenCallSpec`, made by :func:`run_varlen_call`: the same code a failure's
+reproducer runs through :func:`show_varlen_call`). The error bound is the SDPA rule
+(``conformance.core.tolerance``, computed by ``conformance.calls.sdpa``) applied sequence by
+sequence: each sequence of a packed batch is one SDPA problem of its own (B = 1, the
+sequence's own L and S, FlashAttention's bottom-right causal). The kvcache level's
+calls (``conformance.calls.kvcache``) use the same per-sequence rule from here.
+
+Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
+E q/k head dim, Ev value head dim, T packed total length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.calls import sdpa as calls
+from conformance.calls.call_reports import CallReport
+from conformance.calls.call_specs import call_directly
+from conformance.calls.declarations import require_inside
+from conformance.calls.equivalence import Side, compare_equivalent
+from conformance.calls.sdpa import assert_returned_tensor
+from conformance.core.cases import SDPACase
+from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.core.target import Target, call_guarded
+from conformance.core.tensors import dtype_of, to_numpy
+
+__all__ = [
+    "ATTRIBUTES",
+    "SHOW",
+    "VARLEN_ATTRIBUTES",
+    "CallSpec",
+    "Case",
+    "VarlenCallSpec",
+    "VarlenCase",
+    "case_from_meta",
+    "case_meta",
+    "check_varlen_against_oracle",
+    "compare_pair",
+    "report_call",
+    "report_varlen_call",
+    "run_varlen",
+    "run_varlen_call",
+    "show_varlen_call",
+    "validate",
+    "varlen_bounds",
+]
+
+#: Attributes of a varlen-level call (``VarlenCase.attrs()``; the call adds none): the
+#: keys an expected failure's ``match`` may use at this level.
+VARLEN_ATTRIBUTES = frozenset({
+    "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
+    "gqa", "different_v_dim",
+})
+
+
+def _scale_sign(scale: float | None) -> str:
+    return "default" if scale is None else "positive" if scale > 0 else "zero" if scale == 0 else "negative"
+
+
+def _replace(case: Any, **changes: Any) -> Any:
+    values = {f.name: getattr(case, f.name) for f in fields(case)}
+    values.update(changes)
+    return type(case)(**values)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class VarlenCase:
+    """B sequences packed along one axis: query (T_q, N, E), key (T_k, K, E), value
+    (T_k, K, Ev); sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (an empty sequence is allowed). ``causal``:
+    FlashAttention's flag (bottom-right per sequence)."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    cu_seqlens_q: tuple[int, ...]
+    cu_seqlens_k: tuple[int, ...]
+    causal: bool = False
+    scale: float | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+
+    @property
+    def level(self) -> str:
+        return "varlen"
+
+    @property
+    def B(self) -> int:
+        return len(self.cu_seqlens_q) - 1
+
+    @property
+    def N(self) -> int:
+        return int(self.query.shape[1])
+
+    @property
+    def K(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def E(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def Ev(self) -> int:
+        return int(self.value.shape[2])
+
+    def sequences(self) -> list[tuple[slice, slice]]:
+        """(query rows, key rows) of each sequence in the packed arrays."""
+        q, k = self.cu_seqlens_q, self.cu_seqlens_k
+        return [(slice(q[b], q[b + 1]), slice(k[b], k[b + 1])) for b in range(self.B)]
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """(L_b, S_b) of each sequence."""
+        return [(r.stop - r.start, c.stop - c.start) for r, c in self.sequences()]
+
+    def alone(self, b: int) -> VarlenCase:
+        """Sequence b as a batch of its own."""
+        rows, keys = self.sequences()[b]
+        L, S = rows.stop - rows.start, keys.stop - keys.start
+        return _replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
+                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S))
+
+    def attrs(self, **extra: Any) -> dict[str, Any]:
+        """Attributes for capability checks (``Implementation.not_supported_reasons``)."""
+        lengths = self.lengths() or [(0, 0)]
+        out = {"level": "varlen", "device": self.device, "dtype": self.dtype,
+               "causal": "lower_right" if self.causal else None, "scale": self.scale,
+               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
+               "L": max(L for L, _ in lengths), "S": max(S for _, S in lengths), "E": self.E,
+               "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev}
+        out.update(extra)
+        return out
+
+    def replace(self, **changes: Any) -> VarlenCase:
+        return _replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
+                f"cu_seqlens_q={list(self.cu_seqlens_q)} cu_seqlens_k={list(self.cu_seqlens_k)} "
+                f"causal={self.causal} scale={self.scale} dtype={self.dtype} device={self.device}")
+
+    def __repr__(self) -> str:
+        return f"VarlenCase({self.describe()})"
+
+
+# -- the tolerance rule, sequence by sequence ------------------------------------------
+
+
+def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool,
+                     scale: float | None, dtype: str, device: str) -> tuple[np.ndarray, ...]:
+    """One sequence, q (L, N, E), k (S, K, E), v (S, K, Ev): (expected (L, N, Ev), allowed
+    (L, N, Ev), live (L, N, 1): rows that attend at least one key), by ``calls.sdpa.allowed_for``
+    on the sequence as an SDPA case (B = 1, bottom-right causal, fully-masked rows -> 0)."""
+    L, N, _ = q.shape
+    S, _, Ev = v.shape
+    if L == 0 or S == 0:
+        zeros = np.zeros((L, N, Ev))
+        return zeros, zeros, np.zeros((L, N, 1), dtype=bool)
+    case = SDPACase(np.transpose(q, (1, 0, 2))[None], np.transpose(k, (1, 0, 2))[None],
+                    np.transpose(v, (1, 0, 2))[None], causal="lower_right" if causal else None,
+                    scale=scale, dtype=dtype, device=device)     # (1, N, L, E), (1, K, S, E|Ev)
+    allowed, ref = calls.allowed_for(target, case)                  # (1, N, L, Ev)
+    live = calls.valid_rows(case)                                   # (1, N, L, 1)
+
+    def back(x: np.ndarray) -> np.ndarray:                          # (1, N, L, X) -> (L, N, X)
+        return np.transpose(x[0], (1, 0, 2))
+
+    return back(ref.output), back(allowed), back(live)
+
+
+def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(expected (T_q, N, Ev) = ``spec.varlen_attention``, allowed, live rows (T_q, N, 1))."""
+    T = case.query.shape[0]
+    expected, allowed = np.zeros((T, case.N, case.Ev)), np.zeros((T, case.N, case.Ev))
+    live = np.zeros((T, case.N, 1), dtype=bool)
+    for rows, keys in case.sequences():
+        expected[rows], allowed[rows], live[rows] = _sequence_bounds(
+            target, case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
+            scale=case.scale, dtype=case.dtype, device=case.device)
+    return expected, allowed, live
+
+
+def _compared_rows(target: Target, live: np.ndarray) -> np.ndarray | None:
+    """Rows to compare: all of them under the ``zero`` policy (FlashAttention's: a row
+    with no key gives 0), only the live ones otherwise (``fully_masked`` declares the rest)."""
+    return None if target.caps.fully_masked == "zero" else live
+
+
+def compare_pair(target: Target, what: str, actual: np.ndarray, other: np.ndarray,
+                 allowed: np.ndarray, live: np.ndarray, *, expected: np.ndarray | None = None,
+                 names: tuple[str, str] = ("the first call", "the second call"),
+                 paths: tuple[str, str] = ("", "")) -> float:
+    """Two outputs of the implementation that must agree: each is within ``allowed`` of
+    the oracle, so they may differ by twice that. With ``expected`` (the oracle's output,
+    the same for both), a disagreement says which call (``names``; ``other`` is the
+    reference side) disagrees with the spec, and so which path (``paths``) is wrong."""
+    __tracebackhide__ = True
+    where = _compared_rows(target, live)
+    if expected is None:
+        return compare_values(what, actual, other, 2 * allowed, where=where).ratio
+    sides = [Side(name, output, expected, allowed, where, path)
+             for name, output, path in zip(names, (actual, other), paths, strict=True)]
+    return compare_equivalent(what, *sides, 2 * allowed, where=where).ratio
+
+
+def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.ndarray) -> float:
+    __tracebackhide__ = True
+    expected, allowed, live = varlen_bounds(target, case)
+    return compare_values("packed output", output, expected, allowed,
+                          where=_compared_rows(target, live)).ratio
+
+
+# -- calling the implementation ------------------------------------------------------------
+
+
+def _tensor(array: np.ndarray, case: Any) -> Any:
+    import torch
+
+    return torch.tensor(np.asarray(array, dtype=np.float64), dtype=dtype_of(case.dtype), device=case.device)
+
+
+def _int32(values: Any, device: str) -> Any:
+    import torch
+
+    return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
+
+
+
+
+def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: str) -> None:
+    """What came back is a tensor on the case's device, of ``shape`` and the input dtype."""
+    __tracebackhide__ = True
+    assert_returned_tensor("output", out, device=case.device, shape=shape, dims=dims)
+    if out.dtype != dtype_of(case.dtype):
+        fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenCallSpec:
+    """One call of ``impl.varlen`` exactly as made: the case (FlashAttention's arguments
+    follow from it; ``grad_output`` is always None at this level)."""
+
+    case: VarlenCase
+    grad_output: np.ndarray | None = None
+
+    @property
+    def level(self) -> str:
+        return "varlen"
+
+    def attrs(self) -> dict[str, Any]:
+        return self.case.attrs()
+
+    def arguments(self) -> str:
+        lengths = self.case.lengths() or [(0, 0)]
+        return (f"cu_seqlens_q={list(self.case.cu_seqlens_q)}, cu_seqlens_k={list(self.case.cu_seqlens_k)}, "
+                f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
+                f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}")
+
+    def describe(self) -> str:
+        return f"{self.case.describe()}; {self.arguments()}"
+
+    def same_as(self, case: Any) -> bool:
+        return self.case is case
+
+
+def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
+    """Make ``call`` on ``impl.varlen`` (through ``invoke``): fresh tensors of the case,
+    FlashAttention's arguments; with ``check_output``, check what came back. The tensor."""
+    __tracebackhide__ = True
+    case = call.case
+    lengths = case.lengths() or [(0, 0)]
+    out = invoke(
+        impl.varlen,
+        _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
+        _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
+        max(L for L, _ in lengths), max(S for _, S in lengths),
+        softmax_scale=case.scale, causal=case.causal,
+    )
+    if check_output:
+        _output_shape_and_dtype(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
+    return out
+
+
+def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
+    """``target.impl.varlen`` on ``case`` through ``core.target.call_guarded``, the call logged;
+    the output (T_q, N, Ev)."""
+    __tracebackhide__ = True
+    call = VarlenCallSpec(case)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
+
+
+# -- saving and reproducing ------------------------------------------------------------------
+
+
+_ARRAYS = ("query", "key", "value")
+
+
+def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a varlen case for ``conformance.reporting.failures`` (kind ``"varlen"``)."""
+    meta = {"kind": "varlen", "cu_seqlens_q": [int(n) for n in case.cu_seqlens_q],
+            "cu_seqlens_k": [int(n) for n in case.cu_seqlens_k], "causal": bool(case.causal),
+            "scale": case.scale, "dtype": case.dtype, "device": case.device}
+    return meta, {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
+
+
+def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> VarlenCase:
+    return VarlenCase(**{n: arrays[n] for n in _ARRAYS}, cu_seqlens_q=tuple(int(n) for n in meta["cu_seqlens_q"]),
+                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
+                      scale=meta["scale"], dtype=meta["dtype"], device=meta["device"])
+
+
+def validate(case: VarlenCase) -> None:
+    """ValueError (``spec.SpecError``) when the spec calls ``case`` invalid."""
+    for name in _ARRAYS:
+        if np.ndim(getattr(case, name)) != 3:
+            raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 3-D (T, heads, dim)")
+    spec.varlen_attention(case.query, case.key, case.value, case.cu_seqlens_q, case.cu_seqlens_k,
+                          causal=case.causal, scale=case.scale)
+
+
+def _called_invalid(report: CallReport, err: Exception, run: Any) -> CallReport:
+    """The spec calls the input invalid: the call must raise."""
+    report.lines.append(f"the spec calls this input invalid: {str(err).strip().splitlines()[0]}")
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - raising is right here
+        report.lines.append(f"raised, as it should: {type(exc).__name__}: {exc}")
+    else:
+        report.finding("returned a result, but should raise an error (the input is invalid per the spec)")
+    return report
+
+
+def _difference(report: CallReport, actual: np.ndarray, expected: np.ndarray) -> None:
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(actual - expected)[np.isfinite(actual) & np.isfinite(expected)]
+    report.max_difference = float(diff.max()) if diff.size else 0.0
+    report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
+
+
+def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly) -> CallReport:
+    """Make ``call`` and compare its output with ``spec.varlen_attention``, sequence by sequence."""
+    case = call.case
+    target = Target(impl, "varlen", case.dtype, case.device)
+    report = CallReport(call, [f"call: impl.varlen(q, k, v, {call.arguments()})",
+                               f"case as called: {case.describe()}"])
+    try:
+        validate(case)
+    except ValueError as err:  # spec.SpecError included
+        return _called_invalid(report, err, lambda: run_varlen_call(impl, call, invoke=invoke, check_output=False))
+    try:
+        out = to_numpy(run_varlen_call(impl, call, invoke=invoke))
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+        return report
+    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
+        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
+        return report
+    report.lines.append(f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}), "
+                        "tolerance rule per sequence")
+    try:
+        check_varlen_against_oracle(target, case, out)
+    except PropertyFailure as exc:
+        report.finding(str(exc))
+    _difference(report, out, varlen_bounds(target, case)[0])
+    return report
+
+
+def show_varlen_call(impl: Any, call: VarlenCallSpec) -> CallReport:
+    """Make ``call`` in this interpreter and print how it differs from ``spec.varlen_attention``."""
+    report = report_varlen_call(impl, call)
+    print(report.text())
+    return report
+
+
+# The level's entries of conformance.core.levels (what the shared machinery reads).
+Case = VarlenCase
+CallSpec = VarlenCallSpec
+ATTRIBUTES = VARLEN_ATTRIBUTES
+report_call = report_varlen_call
+SHOW = "show_varlen_call"

@@ -1,0 +1,1 @@
+"""Diagnosis: which known cause (a variant of spec.variants) explains a failing example."""

@@ -1,0 +1,535 @@
+"""Diagnosis: the probable cause of a failure, and the failures of a run grouped by cause.
+
+A failing property says *that* an implementation is wrong; ``spec.variants`` holds the
+known ways of being wrong (the other causal alignment, tiled GQA heads, a float32
+softmax, ...), each computed in float64 on the case's own inputs. On a failure the
+runner calls :func:`annotate`, which adds one line to the failure message::
+
+    probable cause: causal_lower_right — the causal flag applies the lower-right triangle ...
+    probable cause: unknown — no variant of spec.variants matches the output on the shrunk case
+
+and records the matches on the property's ``registry.Record`` (``causes``), from which the
+certificate groups the failures of a run by cause (:func:`cause_groups`).
+
+Where the output comes from, cheapest first:
+
+1. While a property runs, ``calls.sdpa.run_sdpa`` and ``calls.mha.run_mha`` hand each
+   output to :func:`observe_sdpa` / :func:`observe_mha`, which keep it in the list of the
+   current example (the runner starts a fresh list per example, :func:`start_example`):
+   one list append per call, nothing else, so a passing run is not slowed.
+2. On a failure, the calls of the final (shrunk) example are read in order; for each
+   whose output disagrees with the oracle under the tolerance rule,
+   :func:`spec.variants.rank` lists the variants it matches, and the first such call
+   with a match gives the verdict. The implementation is not called again.
+3. Only when the property made no observable call (it compares gradients, or expects
+   an error) is the implementation called once more, on the shrunk case, through the
+   runner's guarded path.
+4. Where several variants match equally (a directed example is not shrunk, and a small
+   case often fits several conventions), the property's failing case before shrinking
+   orders them, then at most :data:`MAX_DISCRIMINATING` cases derived from the failing
+   one on which the tied variants' outputs differ, each called once (:func:`_separate`).
+
+5. The naming rule (:func:`_named`): a variant is named only when it explains the
+   call on more than NaN positions (or another case confirms it) and fits strictly
+   more of the other cases than every other candidate; otherwise the line is
+   ``probable cause: unknown — closest, not confirmed: X, Y``. A named convention a
+   user may intend carries its declaration (``Variant.declaration``).
+6. A failure that a built-in's expected-failures entry covers (same property, same
+   call attributes, matched as ``--xfail-file`` entries are) says which known
+   deviation it is and how to excuse it (:func:`_with_known_deviations`): a plain
+   wrapper of PyTorch's SDPA inherits ``implementations/xfail/sdpa.toml``'s.
+
+Everything runs inside a guard: a diagnosis error becomes the line
+``probable cause: (diagnosis failed: ...)`` and never hides the failure itself.
+The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
+each variant's own weights. docs/DIAGNOSIS.md says how to read the result.
+
+The parts: ``diagnosis_observe`` (the calls kept per example), ``diagnosis_ties`` (the
+discriminating cases of step 4) and ``diagnosis_causes`` (the certificate's cause
+table); their public names are importable from here.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from conformance.diagnosis.causes import (
+    SHOWN,
+    UNKNOWN,
+    _order,  # noqa: F401 - diagnosis._order, as before the split
+    cause_groups,
+    cause_line,
+    cause_lines,
+    cause_markdown,
+)
+from conformance.core.observe import (
+    _EXAMPLE,
+    _FIRST_FAILURE,
+    _Call,
+    _Example,
+    observe_mha,
+    observe_sdpa,
+    start_example,
+)
+from conformance.diagnosis.problems import _mha_problem, _sdpa_problem, sdpa_mask_kind
+from conformance.diagnosis.ties import (
+    MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
+    _discriminating_calls,
+)
+from spec import variants as V
+
+__all__ = [
+    "UNKNOWN",
+    "Verdict",
+    "start_example",
+    "observe_sdpa",
+    "observe_mha",
+    "annotate",
+    "diagnose",
+    "cause_line",
+    "cause_groups",
+    "cause_lines",
+    "cause_markdown",
+]
+
+#: The id prefix of a cause that is a built-in's known deviation (``known_deviation:sdpa``).
+KNOWN_DEVIATION = "known_deviation"
+#: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
+_RANDOM_IN_EVAL = "mha_dropout_in_eval"
+#: Extra calls of an eval-mode module whose output is wrong and matches no variant,
+#: looking for that sign (only then; every other diagnosis calls at most once).
+RECALLS = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the diagnosis found: the matches (dicts as recorded) and the message line;
+    ``call``: the observed call they were matched on (None when there is none)."""
+
+    causes: list[dict[str, Any]]
+    line: str
+    call: Any = field(default=None, compare=False, repr=False)
+
+
+def annotate(exc: BaseException, target: Any, record: Any, *, property_id: str = "",
+             isolation: Any = None) -> None:
+    """Diagnose the failure ``exc`` of ``record`` (its ``failing_case`` is the shrunk
+    case): set ``record.causes`` and add the ``probable cause:`` line to ``exc``.
+    Never raises. With ``isolation`` (the implementation's isolated worker, which alone
+    may call it) the worker checks the shrunk case of ``property_id`` again, diagnoses
+    it and picks the reproducer's call (``isolation.supervisor.Worker.annotate``), unless the
+    implementation raised, hung or crashed (no output to diagnose, nothing called)."""
+    if isolation is not None and record.failing_case is not None and not _implementation_broke(exc):
+        first = _FIRST_FAILURE.get()
+        first_case = (first.case if first is not None and first.record is record
+                      and first.case is not record.failing_case else None)
+        line = isolation.annotate(property_id, target, record, first_case)
+    else:
+        try:
+            verdict = diagnose(target, record, exc)
+        except Exception as err:  # noqa: BLE001 - a diagnosis must never mask the failure
+            verdict = Verdict([], f"probable cause: (diagnosis failed: {type(err).__name__}: {err})")
+        line = verdict.line
+        try:
+            record.causes = verdict.causes
+        except Exception:  # noqa: BLE001 - same: the failure itself must come through
+            pass
+    try:
+        if hasattr(exc, "add_note"):
+            exc.add_note(line)
+    except Exception:  # noqa: BLE001 - same: the failure itself must come through
+        pass
+
+
+def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verdict:
+    """The probable cause of ``record``'s failure on its shrunk case (see the module doc).
+
+    Where several variants match the shrunk case, those that also match the property's
+    first failing example (the case before shrinking, usually larger) come first."""
+    case = record.failing_case
+    if case is None:
+        return _unknown("no shrunk case was kept")
+    if target.level not in ("sdpa", "mha"):  # varlen / kvcache: no spec.variants model them yet
+        return _unknown(f"spec.variants has no {target.level}-level variants")
+    example = _EXAMPLE.get()
+    calls = list(example.calls) if example is not None and example.case is case else []
+    if not calls:
+        if exc is not None and _implementation_broke(exc):
+            return _unknown("the implementation raised, hung or crashed, so there is no output to compare")
+        calls = [_call_once(target, case)]
+    verdict = _verdict(target, calls)
+    first = _FIRST_FAILURE.get()
+    if first is None or first.record is not record or first.case is case:
+        first = None
+    if verdict.causes and (len(verdict.causes) > 1 or not _evidence(verdict.causes[0])):
+        verdict = _separate(target, verdict, first)
+    if verdict.causes and verdict.causes[0].get("confirmed") is None:
+        verdict = _named(verdict)
+    if not verdict.causes:
+        # A random output can look deterministic on one case: two equal samples.
+        random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls)
+        verdict = random or verdict
+    return _with_known_deviations(target, record, verdict)
+
+
+def _verdict(target: Any, calls: list[_Call]) -> Verdict:
+    random = _random_in_eval(calls)
+    if random is not None:
+        return random
+    wrong = False
+    for call in calls:
+        found = _diagnose_call(target, call)
+        if isinstance(found, Verdict):
+            return found
+        wrong = wrong or found
+    if wrong:
+        return _unknown("no variant of spec.variants matches the output on the shrunk case")
+    return _unknown("every output on the shrunk case agrees with the oracle; the property fails on "
+                    "something else (a relation between calls, gradients, an error)")
+
+
+def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
+    """``verdict``'s causes ordered by how many other cases they also explain.
+
+    Several variants often match one small case equally (with one query, ignoring the
+    causal flag and aligning it lower-right attend the same keys). The evidence, cheapest
+    first: the property's failing case before shrinking (its calls are kept; no call);
+    then, while the leaders still tie, up to :data:`MAX_DISCRIMINATING` discriminating
+    cases derived from the failing call's case, on which the tied variants' outputs
+    differ (chosen in pure NumPy), each called once through the guarded path. A
+    cause's rank is the number of these cases it fits; equal counts keep ``rank``'s
+    order (fit, then the table's). Each cause's note names the cases it fits."""
+    ids = [c["variant"] for c in verdict.causes]
+    fits: dict[str, list[str]] = {v: [] for v in ids}
+    telling: dict[str, int] = dict.fromkeys(ids, 0)        # fitted cases where the output is wrong
+    if first is not None:
+        earlier = _verdict(target, first.calls)
+        also = {c["variant"]: c for c in earlier.causes}
+        for v in ids:
+            if v in also:
+                fits[v].append("the failing case before shrinking")
+                telling[v] += also[v].get("finite_evidence", True) or _partly_finite(earlier.call)
+    best = max(len(f) for f in fits.values())
+    leaders = [v for v in ids if len(fits[v]) == best]
+    weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not _evidence(c)
+            and not telling[c["variant"]]]
+    if verdict.call is not None and (len(leaders) > 1 or weak):
+        # a weak leader is told apart from the correct convention too: a case where its
+        # prediction differs from the oracle's, to see whether the output follows it there
+        tied = [*leaders, V.as_correct(verdict.call.level)] if weak else leaders
+        for description, call in _discriminating_calls(target, verdict.call, tied, weak):
+            prepared = _sdpa_problem(target, call)
+            if prepared is None:
+                continue
+            problem, observed, allowed = prepared
+            # wrong there, and not all NaN: an all-NaN output agrees with any NaN prediction
+            wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_finite(call)
+            for v in ids:
+                if V.variant_fit(observed, problem, v, allowed) <= 1.0:
+                    fits[v].append(description)
+                    telling[v] += wrong
+    order = sorted(range(len(ids)), key=lambda i: -len(fits[ids[i]]))     # stable: rank's order on ties
+    causes = [dict(verdict.causes[i], note=_fits_note(fits[ids[i]]), fitted=len(fits[ids[i]]),
+                   telling=telling[ids[i]]) for i in order]
+    return _named(Verdict(causes, "", verdict.call))
+
+
+def _evidence(cause: dict[str, Any]) -> bool:
+    """Whether a match is more than agreeing NaN positions: it predicts a wrong finite
+    value the output has, or it names what fully masked rows output (``row_policy``:
+    NaN there is the behaviour it names, not a mechanism guessed from NaN)."""
+    if cause.get("finite_evidence", True):
+        return True
+    variant = V.VARIANTS.get(cause["variant"])
+    return variant is not None and variant.row_policy is not None
+
+
+def _partly_finite(call: Any) -> bool:
+    """Whether a call's output has a finite element (an all-NaN output confirms nothing)."""
+    output = getattr(call, "output", None)
+    return output is not None and bool(np.isfinite(np.asarray(output, dtype=np.float64)).any())
+
+
+def _named(verdict: Verdict) -> Verdict:
+    """The naming rule: ``verdict``'s causes marked ``confirmed`` (at most one, first)
+    and its line.
+
+    A variant is named only when
+
+    1. it explains the failing call: every compared output (and weight) within the
+       tolerance rule of its prediction, NaN and inf where it predicts them (``rank``);
+    2. the agreement is not NaN-only: it predicts some finite value that differs from
+       the oracle's and the output has it (``V.finite_evidence``), or it names what
+       fully masked rows output (``row_policy``: their NaN is the behaviour named), or,
+       where it differs only by NaN or inf, it also fits another case on which the
+       output is wrong and not all NaN (the failing case before shrinking, or a case
+       derived from the failing one: many bugs make NaN, so agreeing NaN positions
+       alone are weak evidence);
+    3. it is distinguishable from the other candidates on the evidence gathered: it
+       fits strictly more of the other cases (before shrinking, discriminating) than
+       every other variant that explains the failing call.
+
+    Otherwise the cause is unknown and the candidates that fit the most cases are
+    listed as closest, not confirmed."""
+    causes = [dict(c) for c in verdict.causes]
+    if not causes:
+        return verdict
+    for c in causes:
+        c.setdefault("fitted", 0)
+        c.setdefault("telling", 0)
+        c["confirmed"] = False
+    best = max(c["fitted"] for c in causes)
+    leaders = [c for c in causes if c["fitted"] == best]
+    lead = leaders[0]
+    if len(leaders) == 1 and (_evidence(lead) or lead["telling"] > 0):
+        lead["confirmed"] = True
+        return Verdict(causes, _line(causes), verdict.call)
+    if len(leaders) > 1:
+        why = ("they explain the failing call equally and no case gathered tells them apart"
+               if best == 0 else f"each also fits the same {best} other case(s)")
+    else:
+        why = ("it agrees only where it predicts NaN or inf, and no other case where the output "
+               "is wrong confirms it")
+    closest = ", ".join(c["variant"] for c in leaders[:SHOWN]) + (
+        f" and {len(leaders) - SHOWN} more" if len(leaders) > SHOWN else "")
+    line = f"probable cause: {UNKNOWN} — closest, not confirmed: {closest} ({why})"
+    return Verdict(causes, line, verdict.call)
+
+
+def _hint(cause: dict[str, Any]) -> str:
+    """What to do about a named variant that is a convention: its declaration, or why
+    there is none."""
+    variant = V.VARIANTS[cause["variant"]]
+    if variant.declaration:
+        return f"; if this is intended, declare {variant.declaration_for(cause.get('kind') or 'bool')}"
+    if variant.undeclarable:
+        return f"; {variant.undeclarable}"
+    return ""
+
+
+def _mask_kind(call: _Call) -> str:
+    """The fully-masked-row kind of a call (``Capabilities.fully_masked_policy``)."""
+    case = call.case
+    if call.level == "mha":
+        floats = [m for m in (case.key_padding_mask, case.attn_mask) if m is not None and m.dtype != np.bool_]
+        return "additive" if floats else "bool"
+    return sdpa_mask_kind(case)
+
+
+def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdict:
+    """``verdict`` with the built-ins' known deviations that cover this failure (same
+    property, same call attributes, matched as ``--xfail-file`` entries are): an
+    implementation that calls a built-in (a plain wrapper of PyTorch's SDPA) fails
+    where the built-in deviates from the contract, and the cause is that deviation."""
+    from implementations.registry.expected_failures import BUILTIN_LIBRARIES, builtin_deviations
+
+    property_id = getattr(record, "property", "")
+    if not property_id or record.failing_case is None:
+        return verdict
+    calls = getattr(record, "failing_calls", ()) or ()
+    attrs = [c.attrs() for c in calls if hasattr(c, "attrs")] or [record.failing_case.attrs()]
+    own = list(getattr(target.impl, "expected_failures", ()) or ())
+    named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
+    found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
+             if entry not in own and _specific(entry)]
+    used = _libraries_used(target) & set(BUILTIN_LIBRARIES.values())
+    if used:                              # the built-ins of the libraries the implementation calls
+        found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
+    if not found:
+        return verdict
+    name, path, entry = found[0]
+    reference = f" ({entry.reference})" if entry.reference else ""
+    avoid = ", ".join(f"{k}={v!r}" for k, v in entry.match.items()) or f"every case of {property_id}"
+    known = (f"known deviation of the built-in `{name}`: {entry.reason}{reference}. If the implementation "
+             f"calls it, excuse the failure with --xfail-file {path} (or avoid {avoid})")
+    others = sorted({n for n, _, _ in found[1:]} - {name})
+    if others:
+        known += "; also listed for " + ", ".join(f"`{n}`" for n in others)
+    deviation = {"name": name, "path": str(path), "property": entry.property, "reason": entry.reason,
+                 "reference": entry.reference, "match": dict(entry.match), "specific": _specific(entry)}
+    if named:
+        causes = [dict(verdict.causes[0], known_deviation=deviation), *verdict.causes[1:]]
+        return Verdict(causes, verdict.line + f"; this matches a {known}", verdict.call)
+    # no variant named: the deviation is the cause
+    pseudo = {"variant": f"{KNOWN_DEVIATION}:{name}",
+              "summary": f"a known deviation of the built-in `{name}` (--xfail-file {path})",
+              "fit": None, "relative_error": None, "note": entry.reason, "finite_evidence": True,
+              "confirmed": True, "known_deviation": deviation}
+    line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
+                                          if verdict.line else "")
+    return Verdict([pseudo, *verdict.causes], line, verdict.call)
+
+
+def _libraries_used(target: Any) -> set[str]:
+    """Top-level packages the implementation's callables reference (their module and
+    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA. When none
+    of them is a built-in's library, every built-in's deviations are considered."""
+    import inspect
+    import types
+
+    used: set[str] = set()
+    impl = target.impl
+    for attr in ("sdpa", "mha", "flash"):
+        fn = getattr(impl, attr, None)
+        if fn is None:
+            continue
+        if not inspect.isfunction(fn) and not inspect.ismethod(fn):
+            fn = type(fn).__call__                         # a callable object: its method
+        fn = inspect.unwrap(fn)
+        module = getattr(fn, "__module__", None) or ""
+        used.add(module.split(".")[0])
+        for value in getattr(fn, "__globals__", {}).values():
+            if isinstance(value, types.ModuleType):
+                used.add(value.__name__.split(".")[0])
+            elif getattr(value, "__module__", None):
+                used.add(str(value.__module__).split(".")[0])
+    return used
+
+
+#: Case attributes that only say where an entry applies, not which deviation it is.
+_SCOPE_ATTRIBUTES = frozenset({"dtype", "device", "level"})
+
+
+def _specific(entry: Any) -> bool:
+    """Whether a known deviation says which failure it is: it names its property, or
+    its match constrains the call beyond dtype and device. A "*" entry matching every
+    float64 call (JAX's float32 softmax) covers failures of any cause, so it names none
+    (its effect, when that is the cause, is a variant: ``softmax_float32``)."""
+    return entry.property != "*" or bool(set(entry.match) - _SCOPE_ATTRIBUTES)
+
+
+def _fits_note(cases: list[str]) -> str:
+    return "also fits " + " and ".join(cases) if cases else ""
+
+
+def _implementation_broke(exc: BaseException) -> bool:
+    """The implementation raised, hung or crashed its worker: there is no output to read."""
+    from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised
+
+    if isinstance(exc, (ImplementationHung, ImplementationRaised, ImplementationCrashed)):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and any(_implementation_broke(e) for e in exc.exceptions)
+
+
+def _call_once(target: Any, case: Any) -> _Call:
+    """The implementation's plain output on ``case``: one guarded call (it is observed)."""
+    example = _EXAMPLE.get()
+    if example is None or example.case is not case:
+        start_example(case)
+    if target.level == "mha":
+        from conformance.calls.mha import run_mha
+
+        run_mha(target, case)
+    else:
+        from conformance.calls.sdpa import run_sdpa
+
+        run_sdpa(target, case)
+    return _EXAMPLE.get().calls[-1]
+
+
+def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
+    """A verdict when the call's output disagrees with the oracle and matches variants;
+    else whether it disagrees (True: wrong, but no variant matches)."""
+    prepared = _sdpa_problem(target, call) if call.level == "sdpa" else _mha_problem(target, call)
+    if prepared is None:
+        return False
+    problem, observed, allowed = prepared
+    if V.correct_fit(observed, problem, allowed) <= 1.0:
+        return False
+    matches = V.rank(observed, problem, allowed=allowed)
+    if not matches:
+        return True
+    relative = _relative_error(observed, V.reference(problem))
+    causes = [dict(_cause(m.variant_id, m.fit, relative),
+                   finite_evidence=V.finite_evidence(observed, problem, m.variant_id, allowed),
+                   kind=_mask_kind(call)) for m in matches]
+    return Verdict(causes, _line(causes), call)
+
+
+def _cause(variant_id: str, fit: float | None, relative: float | None, note: str = "") -> dict[str, Any]:
+    return {"variant": variant_id, "summary": V.VARIANTS[variant_id].summary,
+            "fit": None if fit is None else float(fit), "relative_error": relative, "note": note}
+
+
+def _line(causes: list[dict[str, Any]]) -> str:
+    """The line of a named cause (the first), with the candidates it was told apart from."""
+    first = causes[0]
+    line = (f"probable cause: {first['variant']} — {first['summary']}"
+            + (f" ({first['note']})" if first["note"] else "") + _hint(first))
+    rest = [c["variant"] for c in causes[1:]]
+    if rest:
+        shown = ", ".join(rest[:SHOWN]) + (f" and {len(rest) - SHOWN} more" if len(rest) > SHOWN else "")
+        line += f" [also explained the failing call, fewer other cases: {shown}]"
+    return line
+
+
+def _unknown(why: str) -> Verdict:
+    return Verdict([], f"probable cause: {UNKNOWN} — {why}")
+
+
+def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
+    """max |observed - oracle| / max |oracle| over the output elements finite in both;
+    None when NaN or inf appear where the oracle has none (or the shapes differ)."""
+    output = np.asarray(observed[0] if isinstance(observed, tuple) else observed, dtype=np.float64)
+    expected = np.asarray(correct.output, dtype=np.float64)
+    if output.shape != expected.shape:
+        return None
+    if (np.isfinite(output) != np.isfinite(expected)).any():
+        return None
+    finite = np.isfinite(expected)
+    if not finite.any():
+        return None
+    error = float(np.abs(output - expected)[finite].max())
+    size = float(np.abs(expected[finite]).max())
+    return error / size if size > 0 else error
+
+
+def _random_in_eval(calls: list[_Call]) -> Verdict | None:
+    """Two eval-mode calls of one module on the same inputs that differ: the output is
+    random, the sign of the one variant that has no ``compute``."""
+    seen: dict[tuple[int, tuple], np.ndarray] = {}
+    for call in calls:
+        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
+            continue
+        key = (id(call.module), tuple(sorted(call.overrides.items())), id(call.case))
+        if key in seen:
+            if not np.array_equal(np.nan_to_num(seen[key], nan=7.0), np.nan_to_num(call.output, nan=7.0)):
+                cause = dict(_cause(_RANDOM_IN_EVAL, None, None, "two eval-mode calls on the same inputs differ"),
+                             finite_evidence=True, confirmed=True)  # the sign itself, not a fit
+                return Verdict([cause], _line([cause]))
+        else:
+            seen[key] = call.output
+    return None
+
+
+def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
+    """Call the module of the first eval-mode MHA call whose output is wrong again on the
+    same inputs, up to RECALLS times (guarded calls), each time with torch's generator
+    seeded differently; an output that changes is the sign of the random variant (an
+    eval-mode module must not depend on the generator). The runner seeds dropout from
+    the case's contents, so a plain second call would draw the same sample."""
+    from conformance.calls import replay
+    from conformance.core.target import call_guarded
+    from conformance.core.tensors import to_numpy
+
+    for call in calls:
+        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
+            continue
+        if _diagnose_call(target, call) is not True:
+            continue
+        for seed in range(RECALLS):
+            spec = replay.MHACallSpec(call.case, dropout=call.module.dropout, training=False,
+                                      dropout_seed=zlib.crc32(f"diagnosis/recall/{seed}".encode()))
+            outcome = replay.run_mha_call(target.impl, spec, invoke=partial(call_guarded, target),
+                                          module=call.module.module)
+            again = _Call("mha", call.case, to_numpy(outcome.output), module=call.module)
+            random = _random_in_eval([call, again])
+            if random is not None:
+                return random
+        return None
+    return None

@@ -1,0 +1,104 @@
+"""The problem a failing call states, for the variants of ``spec.variants`` to be fitted to:
+the SDPA or MHA problem of the case as called, what was observed, and the error each
+part of the result is allowed (``diagnose`` and ``ties`` both state problems)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from conformance.core.observe import _EXAMPLE, _Call
+from spec import variants as V
+
+__all__ = ["sdpa_mask_kind"]
+
+#: MHA forward arguments a call may override and a problem can describe.
+_MHA_OVERRIDES = frozenset({"need_weights", "average_attn_weights", "is_causal"})
+
+
+def sdpa_mask_kind(case: Any) -> str:
+    """The fully-masked-row kind of an SDPA case as the implementation received it
+    (``Capabilities.fully_masked_policy``): the causal flag alone, else the mask's kind."""
+    return "causal" if case.causal is not None and case.mask_kind == "none" else \
+        "additive" if case.additive_mask is not None else "bool"
+
+
+def _sdpa_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    from conformance.calls import sdpa as C
+    from conformance.core import tolerance
+
+    case, observed = call.case, call.output
+    # The case as passed: causality still in it only when the flag carries it alone.
+    policy = target.caps.fully_masked_policy(sdpa_mask_kind(case))
+    if call.dropout_p > 0:
+        stacked = _unstacked(case, observed)
+        if stacked is None:
+            return None                                          # one random sample: nothing to compare
+        case, observed, samples = stacked
+    problem = V.SDPAProblem.from_case(case, fully_masked=policy, dropout_p=call.dropout_p)
+    ref = C.oracle(case)
+    naive = C.naive_error(case, ref.output, C.valid_rows(case))
+
+    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
+        weights = ref.weights if result.weights is None else result.weights
+        weights = np.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+        magnitude = C.magnitude(case, weights)
+        if call.dropout_p > 0:
+            c = magnitude / (1 - call.dropout_p)
+            return tolerance.sdpa_dropout_allowed(c, samples, observed.size)
+        return tolerance.sdpa_allowed(case.dtype, naive, magnitude, tf32=target.tf32,
+                                      logit_scale=C.logit_scale(case, SimpleNamespace(weights=weights)))
+
+    return problem, observed, allowed
+
+
+def _unstacked(case: Any, output: np.ndarray) -> tuple[Any, np.ndarray, int] | None:
+    """A dropout call on M stacked copies of one problem (along the batch): that problem,
+    the mean of the M outputs, and M; None for any other dropout call."""
+    example = _EXAMPLE.get()
+    B = getattr(example.case, "B", 0) if example is not None else 0   # the drawn case's batch
+    if not B or case.B <= B or case.B % B:
+        return None
+    M = case.B // B
+
+    def copies(x: np.ndarray | None) -> bool:
+        if x is None or x.ndim < 4 or x.shape[0] == 1:
+            return True
+        stacked = x.reshape(M, B, *x.shape[1:])
+        return bool((stacked == stacked[:1]).all())
+
+    if not all(copies(x) for x in (case.query, case.key, case.value, case.attend_mask, case.additive_mask)):
+        return None
+
+    def first(x: np.ndarray | None) -> np.ndarray | None:
+        return x if x is None or x.ndim < 4 or x.shape[0] == 1 else x[:B]
+
+    single = case.replace(query=case.query[:B], key=case.key[:B], value=case.value[:B],
+                          attend_mask=first(case.attend_mask), additive_mask=first(case.additive_mask))
+    mean = output.reshape(M, B, *output.shape[1:]).mean(axis=0)
+    return single, mean, M
+
+
+def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    from conformance.calls import mha as MC
+    from conformance.calls import mha_bounds
+
+    if getattr(call.module, "training", False) or set(call.overrides) - _MHA_OVERRIDES:
+        return None                                              # random, or not a problem we can state
+    case = call.case.replace(**call.overrides) if call.overrides else call.case
+    problem = V.MHAProblem.from_case(case, fully_masked=MC.fully_masked_policy(target, case))
+    weights = call.weights if MC.has_feature(target, "need_weights") else None
+    # A row that attends no key has a bound of ~0 under a zero policy; a variant may make
+    # it attend (a mask read inverted), or the policy fill it (uniform rows sum the values,
+    # as the property's check allows them). Each row's bound is the larger of its bound
+    # with those rows attending nothing and attending every key uniformly, so a variant's
+    # output is matched within the rounding of the keys it attends.
+    bounds = [mha_bounds.allowed_error(case, tf32=target.tf32, fully_masked=kind) for kind in ("zero", "uniform")]
+    output_allowed, weights_allowed = (np.maximum(a, b) for a, b in zip(*bounds, strict=True))
+
+    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
+        return output_allowed if part == "output" else weights_allowed
+
+    return problem, (call.output, weights), allowed

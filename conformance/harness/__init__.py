@@ -1,0 +1,1 @@
+"""The harness every property runs in: runner, session, directed-first pass, sweeps, order."""

@@ -1,0 +1,45 @@
+"""One example's check, as the runner, the directed-first pass and the sweeps make it:
+in the isolated worker when there is one; a case that already hung or crashed fails
+fast; and the attributes of the calls it made (what expected failures are matched
+against)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from conformance.core.target import (
+    ImplementationCrashed,
+    ImplementationHung,
+    Target,
+    subject_of,
+)
+from conformance.harness.session import Session
+from conformance.isolation import supervisor as isolation
+
+__all__ = ["check_example", "called_attrs"]
+
+
+def check_example(session: Session, property_id: str, check: Callable[[Target, Any], float | None],
+                   target: Target, case: Any) -> float | None:
+    """``check(target, case)``, in the isolated worker when there is one; a case that
+    already hung or crashed fails fast; a hang or crash ends the search."""
+    owner = subject_of(session, target)
+    digest = isolation.case_digest(case) if owner.broken_cases else None
+    if digest in owner.broken_cases:
+        cls, where, message = owner.broken_cases[digest]
+        raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
+                  "a case that hangs or crashes is tried once per session)")
+    try:
+        if owner.isolation is not None:
+            return owner.isolation.check(property_id, target, case)
+        return check(target, case)
+    except (ImplementationHung, ImplementationCrashed) as exc:
+        owner.broken_cases[digest or isolation.case_digest(case)] = (
+            type(exc), f"{property_id}[{target.id}]", str(exc))
+        raise
+
+
+def called_attrs(log: Any, case: Any) -> list[dict[str, Any]]:
+    """Attributes of the cases an example called (the drawn case's when it made no
+    call): what expected failures are matched against."""
+    return [call.attrs() for call in log.calls] or [case.attrs()]

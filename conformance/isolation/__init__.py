@@ -1,0 +1,1 @@
+"""Isolation: each example's check in a worker process, which may hang or crash."""

@@ -1,0 +1,1 @@
+"""Reporting: saved failures and their reproducers, the certificate, merged certificates."""

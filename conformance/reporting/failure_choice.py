@@ -1,0 +1,69 @@
+"""Which failure a property test reports: the first one inside an exception group or a
+flaky failure (with its case), what a group says, and whether the search's shrunk case
+is larger than a failing directed case (``conformance.harness.runner``: a directed case is not
+shrunk, so the search goes on after it, and the smaller of the two is reported)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis.errors import FlakyFailure
+
+from conformance.core.compare import PropertyFailure
+
+__all__ = ["first_failure", "group_message", "larger"]
+
+def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
+    """The first property failure inside ``exc`` (an exception group or Hypothesis'
+    FlakyFailure) that carries its case, and that case; ``(exc, None)`` if none."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found, case = first_failure(sub)
+            if case is not None:
+                return found, case
+    return exc, getattr(exc, "conformance_case", None)
+
+
+#: The size letters of the cases of every level (MHA's D, kdim, vdim among them).
+SIZES = ("B", "N", "K", "L", "S", "E", "Ev", "D", "kdim", "vdim")
+
+
+def larger(case: Any, failure: PropertyFailure) -> bool:
+    """Whether ``case`` (the search's shrunk failing case; None: it kept none) is larger
+    than the case of ``failure`` (a directed case's): by the sum of their sizes."""
+    if case is None:
+        return True
+
+    def size(c: Any) -> int:
+        sizes = c.sizes() if hasattr(c, "sizes") else c.attrs()
+        return sum(v for k, v in sizes.items() if k in SIZES and isinstance(v, int))
+
+    try:
+        return size(case) > size(getattr(failure, "conformance_case", case))
+    except Exception:  # noqa: BLE001 - a case without sizes: keep the shrunk one
+        return False
+
+
+def group_message(exc: BaseException) -> str:
+    """What an exception group (several distinct failures, or a flaky one) says:
+    each failure's first lines, not only Hypothesis' headline."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    if isinstance(exc, FlakyFailure) or "unreliable" in str(exc):
+        head = ("the implementation gave different results for the same case (Hypothesis: "
+                f"{str(exc).split(' (', 1)[0].split(': ', 1)[-1]}); the first failure:")
+    else:
+        head = f"{len(leaves)} distinct failures; the first:"
+    parts = [head]
+    for i, leaf in enumerate(leaves):
+        lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
+        parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
+    return "\n".join(parts)
