@@ -83,14 +83,28 @@ def test_learner_options_are_validated_and_override():
     assert impl.mha.plan.fused == "kqv" and "learner_fused" in impl.caps("mha").probe_notes[0]
 
 
-def test_unusual_module_is_a_one_line_usage_error(tmp_path):
-    path = tmp_path / "odd.py"
-    path.write_text("import torch.nn as nn\n\nclass Odd(nn.Module):\n    def __init__(self, d_model, n_heads):\n"
-                    "        super().__init__()\n        self.a = nn.Linear(d_model, d_model)\n\n"
-                    "    def forward(self, x, mask=None):\n        return self.a(x)\n")
+def _usage_error(tmp_path: Path, name: str, init: str, body: str, forward: str) -> str:
+    """The message of the ImplementationError resolving class ``name`` (``__init__(self,
+    init)`` with ``body``, ``forward(self, forward)`` returning x) raises."""
+    path = tmp_path / "module.py"
+    path.write_text(f"import torch.nn as nn\n\nclass {name}(nn.Module):\n    def __init__(self, {init}):\n"
+                    f"        super().__init__()\n        {body}\n\n    def forward(self, {forward}):\n"
+                    "        return x\n")
     with pytest.raises(ImplementationError) as info:
-        registry.resolve(f"{path}:Odd")
-    message = str(info.value)
+        registry.resolve(f"{path}:{name}")
+    return str(info.value)
+
+
+def _distance(snippet: str) -> float:
+    """What a snippet in a module's own terms prints: max |out - expected|."""
+    ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    return float(ran.stdout.rsplit("=", 1)[1])
+
+
+def test_unusual_module_is_a_one_line_usage_error(tmp_path):
+    message = _usage_error(tmp_path, "Odd", "d_model, n_heads", "self.a = nn.Linear(d_model, d_model)", "x, mask=None")
     assert "\n" not in message and "learner_projections" in message and "a (8x8)" in message
 
 
@@ -100,43 +114,33 @@ def test_a_failure_is_shown_in_the_modules_own_terms(impl, names):
     """The failing call as the module received it: its class, its Linear layers, its
     forward's argument names and mask convention, and the spec's output; the snippet runs
     with torch alone and shows the mistake (a nonzero difference)."""
+    from conformance.core.target import Target
     from conformance.directed.examples import mha_directed
     from conformance.reporting.failures import _in_own_terms
-    from conformance.core.target import Target
 
     target = Target(registry.resolve(impl), "mha", "float64", "cpu")
     case = next(c for c in mha_directed(target) if c.key_padding_mask is not None)
     snippet = _in_own_terms(target, case)
     assert snippet is not None and all(n in snippet for n in names), snippet
     assert "in_proj_weight" not in snippet and "conformance" not in snippet
-    ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
-    assert ran.returncode == 0, ran.stderr
-    assert float(ran.stdout.rsplit("=", 1)[1]) > 1e-3, ran.stdout
+    assert _distance(snippet) > 1e-3
 
 
 @pytest.mark.parametrize("name", ["AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "KeepMaskAttention"])
 def test_a_correct_modules_call_in_its_own_terms_agrees_with_the_spec(name):
+    from conformance.core.target import Target
     from conformance.directed.examples import mha_directed
     from conformance.reporting.failures import _in_own_terms
-    from conformance.core.target import Target
 
     target = Target(registry.resolve(f"{MODULES}:{name}"), "mha", "float64", "cpu")
     for case in mha_directed(target)[:4]:
         snippet = _in_own_terms(target, case)
         if snippet is None:
             continue
-        ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
-        assert ran.returncode == 0 and float(ran.stdout.rsplit("=", 1)[1]) < 1e-12, (ran.stdout, ran.stderr)
+        assert _distance(snippet) < 1e-12, snippet
 
 
 def test_a_config_constructor_is_a_usage_error_that_says_so(tmp_path):
-    path = tmp_path / "gpt.py"
-    path.write_text("import torch.nn as nn\n\nclass CausalSelfAttention(nn.Module):\n    def __init__(self, config):\n"
-                    "        super().__init__()\n        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)\n\n"
-                    "    def forward(self, x):\n        return x\n")
-    with pytest.raises(ImplementationError) as info:
-        registry.resolve(f"{path}:CausalSelfAttention")
-    message = str(info.value)
+    message = _usage_error(tmp_path, "CausalSelfAttention", "config",
+                           "self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)", "x")
     assert "\n" not in message and "takes one object (config" in message and "learner_init" not in message
