@@ -3,7 +3,9 @@
 Built-ins and mutants do not import ``implementations.registry`` (not at the top, not
 inside a function: the registry imports them, so such an import is a cycle), but for the
 contract mutants, which are bare callables built the way ``--impl`` builds one (through
-``registry.recognition``, inside ``build()``, never at import), and the
+``registry.recognition``, inside ``build()``, never at import), and the learner mutants,
+hand-written modules built the way ``--impl=file.py:Class`` builds one (through
+``registry.learner``, inside a function, never at import), and the
 registry attaches each built-in's ``implementations/xfail/<name>.toml`` itself, so a
 built-in cannot forget its expected failures.
 """
@@ -21,7 +23,7 @@ from implementations.builtins import BUILTINS
 ROOT = Path(__file__).resolve().parents[2] / "implementations"
 #: Modules that build their implementations through recognition and probing, inside a
 #: function (checked below: never at the top).
-THROUGH_RECOGNITION = {"contract_mutants.py"}
+THROUGH_RECOGNITION = {"contract_mutants.py", "learner_mutants.py"}
 MODULES = sorted([*(ROOT / "builtins").glob("*.py"), *(ROOT / "mutants").glob("*.py")])
 XFAIL_FILES = sorted((ROOT / "xfail").glob("*.toml"))
 
