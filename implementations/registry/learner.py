@@ -49,6 +49,7 @@ import spec
 from implementations.base import ALL_DTYPES, Capabilities, Implementation, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
+from implementations.registry.learner_terms import layer_at
 
 __all__ = [
     "LEARNER_OPTIONS",
@@ -165,12 +166,6 @@ def _shape_text(shape: tuple[str, ...]) -> str:
 # --------------------------------------------------------------------------- the wrapper
 
 
-def _get(module: Any, path: str) -> Any:
-    for part in path.split("."):
-        module = module[int(part)] if part.isdigit() else getattr(module, part)
-    return module
-
-
 class _Unsupported(NotImplementedError):
     pass
 
@@ -204,7 +199,7 @@ def _make_learner_mha(plan: LearnerPlan):
             self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
             with torch.no_grad():
                 for _, path in plan.projections:
-                    layer = _get(self.inner, path)
+                    layer = layer_at(self.inner, path)
                     if bias and layer.bias is None:  # nn.Linear adds its bias when it has one
                         layer.bias = nn.Parameter(torch.zeros(layer.out_features, device=layer.weight.device,
                                                               dtype=layer.weight.dtype))
@@ -386,7 +381,7 @@ def load_learner_weights(module: Any, params: Any) -> None:
     rows["kv"] = np.arange(D, 3 * D)
     with torch.no_grad():
         for role, path in plan.projections:
-            layer = _get(inner, path)
+            layer = layer_at(inner, path)
             if role == "o":
                 weight, bias = np.asarray(params.out_proj_weight), params.out_proj_bias
             else:

@@ -17,7 +17,7 @@ import numpy as np
 
 import spec
 
-__all__ = ["in_own_terms", "LIMIT"]
+__all__ = ["in_own_terms", "layer_at", "LIMIT"]
 
 #: Numbers a snippet spells out at most; a larger call is described, not written out.
 LIMIT = 600
@@ -53,7 +53,8 @@ def _mask_text(plan: Any, shape: tuple[int, ...]) -> str:
     return f"{tuple(shape)}: {kind}"
 
 
-def _layer(module: Any, path: str) -> Any:
+def layer_at(module: Any, path: str) -> Any:
+    """The submodule at a dotted attribute path ("w_q", "linears.0")."""
     for part in path.split("."):
         module = module[int(part)] if part.isdigit() else getattr(module, part)
     return module
@@ -96,7 +97,7 @@ def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | 
         expected = expected.transpose(1, 0, 2)                    # (L, B, D) -> (B, L, D)
     layers = []
     for _, path in plan.projections:
-        layer = _layer(module.inner, path)
+        layer = layer_at(module.inner, path)
         layers.append((f"{path}.weight", layer.weight.detach().double().numpy()))
         layers.append((f"{path}.bias", None if layer.bias is None else layer.bias.detach().double().numpy()))
     arrays = [a.detach().double().numpy() for a in args] + [np.asarray(v.detach().cpu()) for v in kwargs.values()
