@@ -270,10 +270,12 @@ def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes
     return said is None
 
 
-def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str]) -> tuple[str, ...]:
-    """The dtypes in which a plain call runs; a note for each one that does not."""
+def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str],
+                     candidates: tuple[str, ...] = ALL_DTYPES) -> tuple[str, ...]:
+    """The dtypes among ``candidates`` (the declared ones, else all) in which a plain call
+    runs; a note for each one that does not."""
     dtypes = []
-    for dtype in ALL_DTYPES:
+    for dtype in [d for d in ALL_DTYPES if d in candidates]:
         said = probe.tried(f"dtype {dtype}", lambda d=dtype: call(d))
         if said:
             notes.append(f"dtypes: a plain call in {dtype} {said}; {dtype} not declared")
@@ -283,7 +285,8 @@ def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str
 
 
 def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tuple]],
-                            dtypes: tuple[str, ...], notes: list[str]) -> tuple[dict[str, bool], dict[str, dict]]:
+                            dtypes: tuple[str, ...], notes: list[str],
+                            base_dtype: str = "float32") -> tuple[dict[str, bool], dict[str, dict]]:
     """Each capability of ``probes(dtype)`` (key -> ``(what, call)``, or ``(what, call,
     "direct")`` for a call that makes its own guarded calls and returns None or what
     happened) in float32 (the declaration) and in every other dtype that runs
@@ -305,21 +308,21 @@ def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tu
         return key.split(":", 1)[0]
 
     base = {}
-    for key, (what, *call) in probes("float32").items():
-        said = outcome(f"{what} in float32", *call)
+    for key, (what, *call) in probes(base_dtype).items():
+        said = outcome(f"{what} in {base_dtype}", *call)
         base[key] = said is None
         if said:
-            notes.append(f"{field(key)}: {what} in float32 {said}; declared unsupported")
+            notes.append(f"{field(key)}: {what} in {base_dtype} {said}; declared unsupported")
     by_dtype: dict[str, dict] = {}
     for dtype in dtypes:
-        if dtype == "float32":
+        if dtype == base_dtype:
             continue
         for key, (what, *call) in probes(dtype).items():
             said = outcome(f"{what} in {dtype}", *call)
             if (said is None) != base[key]:
                 by_dtype.setdefault(dtype, {})[key] = said is None
                 notes.append(f"{field(key)}: {what} in {dtype} {said}; unsupported in {dtype}" if said else
-                             f"{field(key)}: {what} in {dtype} works (not in float32); supported in {dtype}")
+                             f"{field(key)}: {what} in {dtype} works (not in {base_dtype}); supported in {dtype}")
     return base, by_dtype
 
 
