@@ -20,7 +20,8 @@ import torch
 def _attention(q, k, v, softmax_scale, causal, return_attn_probs):
     B, L, N, E = q.shape
     S, K = k.shape[1], k.shape[2]
-    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))  # (B, heads, len, dim)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = (x.to(wide).transpose(1, 2) for x in (q, k, v))  # (B, heads, len, dim)
     if K != N:
         kf, vf = kf.repeat_interleave(N // K, dim=1), vf.repeat_interleave(N // K, dim=1)
     scale = 1 / math.sqrt(E) if softmax_scale is None else softmax_scale
