@@ -139,7 +139,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
 
     q, k, v = qkv()
     shape = (1, L0, 2, E0)
-    plain = (f"the first call ({plan.describe()}: q (1, {L0}, 2, {E0}), k (1, {S0}, 2, {E0}), "
+    plain = (f"the first call, {plan.describe()} (q (1, {L0}, 2, {E0}), k (1, {S0}, 2, {E0}), "
              f"v (1, {S0}, 2, {E0}))")
     try:
         out = probe.call("a plain call", lambda: fn(q, k, v))

@@ -68,12 +68,9 @@ class ProbePlan:
     #: Declared (not the defaults): the notes then say so.
     declared: tuple[str, ...] = ()
 
-    def describe(self, layout: str = "sdpa") -> str:
-        causal = ", causal" if self.causal_only else ""
-        return f"{self.dtype}, E={self.E}, L={self.L}, S={self.S}{causal}"
-
-    def allowed_head_dim(self, E: int, declared: Mapping[str, Any]) -> bool:
-        return _head_dim_ok(E, declared)
+    def describe(self) -> str:
+        causal = " causal" if self.causal_only else ""
+        return f"a plain {self.dtype}{causal} call with E={self.E}, L={self.L}, S={self.S}"
 
 
 def _head_dim_ok(E: int, declared: Mapping[str, Any]) -> bool:
