@@ -589,7 +589,7 @@ class Implementation:
             v = case.get(dim)
             if v is not None and c.max_seq_len is not None and v > c.max_seq_len:
                 reasons.append(f"{dim}={v} > max_seq_len={c.max_seq_len}")
-            if v is not None and c.seq_multiple and v % c.seq_multiple:
+            if v is not None and c.seq_multiple and v % c.seq_multiple and level in ("sdpa", "mha", "flash"):
                 reasons.append(f"{dim}={v} is not a multiple of seq_multiple={c.seq_multiple}")
         for feature in ("kv_paged", "kv_append"):
             if case.get(feature) and not getattr(c, feature):

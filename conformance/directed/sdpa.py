@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.calls.declarations import fit_head_dims
+from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.core.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
 from conformance.strategies import MASK_KINDS, REGIMES
@@ -168,9 +168,14 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     out); ``index`` spreads the examples over the layouts of a property that takes
     no contiguous input."""
     declared = target.caps.causal
-    L, S = example.L, example.S
-    if target.caps.self_attention_lengths:  # L == S only: the example at its larger length
-        L = S = max(L, S)
+    # Inside the declared lengths: L == S only at the larger length, multiples of a block
+    # (the relation of L to S kept), under max_seq_len.
+    lengths = fit_lengths(target.caps, example.L, example.S)
+    if lengths is None:
+        return None
+    L, S = lengths
+    if example.scale is not None and example.scale <= 0 and target.caps.positive_scale:
+        return None
     if example.causal == REQUIRED:
         causal = declared if declared in options.causal else "ruled out"
     elif example.causal == PREFERRED:

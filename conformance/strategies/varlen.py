@@ -57,6 +57,8 @@ def _head_dims(caps: Capabilities | None, typical: tuple[int, ...]) -> list[int]
     if hi is not None and lo > hi:
         raise InvalidArgument(f"caps.min_head_dim={lo} > caps.max_head_dim={hi} leaves no head dim; "
                               "declare bounds that overlap")
+    if caps is not None and caps.head_dims is not None:  # a declared set: its smallest three inside
+        return [d for d in caps.head_dims if d >= lo and (hi is None or d <= hi)][:3]
     inside = [d for d in typical if d >= lo and (hi is None or d <= hi)]
     if inside:
         return inside
