@@ -398,7 +398,8 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
     skip_reason=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64
                                    and (not t.caps.head_dims or max(t.caps.head_dims) >= 64)
                                    and 64 % (t.caps.seq_multiple or 1) == 0,
-                                   "needs E or Ev = 64 and S = 64") or needs_separate_values(t),
+                                   "needs E or Ev = 64 and S = 64") or needs_separate_values(t)
+    or skip_unless(not t.caps.causal_only, "needs non-causal calls, but causal_only declares causal calls only"),
     examples_factor=0.25,
 )
 def test_scaling_variance(target: Target, case: SDPACase) -> float:

@@ -111,7 +111,8 @@ def _sdpa_options(target: Any, arguments: dict[str, Any]) -> _SDPAOptions:
 
     layouts = arguments.get("layouts", ("contiguous",))
     return _SDPAOptions(
-        causal=within(arguments.get("causal"), [None, caps.causal] if caps.causal else [None]),
+        causal=within(arguments.get("causal"), [caps.causal] if caps.causal_only else
+                      [None, caps.causal] if caps.causal else [None]),
         mask_kinds=within(arguments.get("mask_kinds"), [k for k in MASK_KINDS if k in caps.mask_kinds]),
         regimes=within(arguments.get("regimes"), REGIMES),
         layouts=within(layouts, LAYOUTS if caps.non_contiguous else ("contiguous",)),
