@@ -269,7 +269,7 @@ def _refuse_contradictions(caps: Capabilities, changes: Mapping[str, Any], level
         said = [n for n in caps.probe_notes if n.startswith(f"{name}:") and any(x in n for x in extra)]
         if extra and (said or name == "dtypes"):
             raise ImplementationError(
-                f"--impl-option {name}={','.join(changes[name])} declares the {what}s {extra} at the {level} "
+                f"--impl-option {name}={','.join(sorted(changes[name]))} declares the {what}s {extra} at the {level} "
                 f"level, but the probe saw them fail ({' '.join(said) or notes or 'a plain call raised'}); "
                 f"declare only what runs ({','.join(sorted(getattr(caps, name)))}), or fix the implementation")
 

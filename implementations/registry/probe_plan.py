@@ -139,8 +139,10 @@ def first_call_hint(attempt: Callable[[ProbePlan], bool], declared: Mapping[str,
         if attempt(plan):
             texts = [text for text, _ in combo]
             options = " ".join(f"--impl-option {t}" for t in texts)
+            also = (f" (or head_dims=... listing the head dims it runs, e.g. head_dims={plan.E},{2 * plan.E}, "
+                    "if only some run)" if any(t.startswith("min_head_dim") for t in texts) else "")
             return (f"; a call built inside {', '.join(texts)} ({plan.describe()}) runs: if the kernel "
-                    f"needs that, declare {options}")
+                    f"needs that, declare {options}{also}")
     return ("; no call built inside the usual kernel limits ran either (16-bit dtypes, head dims "
             "of at least 16 or 64, lengths multiples of 16 or 64, causal only, alone and together); "
             "declare the limits with --impl-option dtypes=, min_head_dim=, max_head_dim=, head_dims=, "

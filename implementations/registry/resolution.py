@@ -124,7 +124,14 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
         impl = apply_options(impl, parsed)
     elif derived and spec in registered():
         return _builtin_with_derived_flash(spec)  # a built-in stays one object per process
-    return derive_flash(impl) if derived else impl
+    if not derived:
+        return impl
+    had_flash = impl.flash is not None
+    impl = derive_flash(impl)
+    flash_only = parsed.per_level.get("flash")
+    if flash_only and not had_flash and impl.flash_capabilities is not None:  # flash.KEY=... on the derived level
+        impl = dataclasses.replace(impl, flash_capabilities=impl.flash_capabilities.replace(**flash_only))
+    return impl
 
 
 @functools.cache
