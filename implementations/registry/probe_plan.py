@@ -25,7 +25,8 @@ from implementations.base import ALL_DTYPES
 
 __all__ = ["ProbePlan", "current_declarations", "declared_for_probes", "first_call_hint", "probe_plan"]
 
-_DECLARED: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("declared_for_probes", default={})
+_DECLARED: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("declared_for_probes",
+                                                                                     default=None)
 
 #: The declarations a probe call is built inside (parsed ``--impl-option`` values).
 PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_multiple", "causal_only",
@@ -48,7 +49,7 @@ def declared_for_probes(values: Any) -> Iterator[None]:
 
 def current_declarations(level: str = "") -> Mapping[str, Any]:
     """The declarations in force for the probe calls of ``level`` (every level's, then its own)."""
-    scoped = _DECLARED.get()
+    scoped = _DECLARED.get() or {}
     return {**scoped.get("", {}), **(scoped.get(level, {}) if level else {})}
 
 
