@@ -78,8 +78,10 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
         else:
             variants += [{}, {"causal": causal_ok}]
         for changes in variants:
-            if split and S < 2:
+            if split and S < 2 * (caps.seq_multiple or 1):
                 continue
+            if caps.causal_only:
+                changes = {**changes, "causal": True}
             if "window" not in caps.flash_features and "window" in changes:
                 continue
             out.append(base.replace(**changes))
@@ -147,7 +149,7 @@ def _window_equivalence(target: Target, case: FlashCase) -> float:
                            allowed_output(target, case), where=where).ratio
     ratio = max(ratio, check_output(target, case, call.output).ratio)
     left, right = case.window
-    if case.causal:
+    if case.causal and not target.caps.causal_only:
         same = case.replace(causal=False, window=(left, 0))
         ratio = max(ratio, check_output(target, same, run_flash(target, same).output,
                                         what=f"output with causal=False, window_size={same.window}").ratio)
@@ -235,14 +237,17 @@ rounding of the dtype it is returned in: FlashAttention-2's is float32); -inf
     directed=lambda t: _directed(t, split=True),
     skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared")
     or skip_unless(not t.caps.self_attention_lengths, "self_attention_lengths declares L == S only, and "
-                   "each key split has fewer keys than queries"),
+                   "each key split has fewer keys than queries")
+    or skip_unless(not t.caps.causal_only, "causal_only declares causal calls only, and the merge of key "
+                   "splits is checked without causal"),
 )
 def test_split_merge(target: Target, case: FlashCase) -> float:
     """Attention over keys [0, t) and [t, S) (t drawn from the case), merged with their LSEs
     by spec.merge_partials (lse = log(e^lse1 + e^lse2), out = Σ e^(lse_i - lse)·out_i), equals
     attention over all S keys: output and LSE (no causal, window or ALiBi: they depend on S)."""
     case = case.replace(causal=False, window=(-1, -1), alibi_slopes=None)
-    t = 1 + int(np.abs(case.key).sum() * 1e3) % (case.S - 1)
+    m = target.caps.seq_multiple or 1  # lengths a multiple of a block: cut between blocks
+    t = m * (1 + int(np.abs(case.key).sum() * 1e3) % (case.S // m - 1))
     parts = [case.replace(key=case.key[:, :t], value=case.value[:, :t]),
              case.replace(key=case.key[:, t:], value=case.value[:, t:])]
     calls = [run_flash(target, part, lse=True) for part in parts]

@@ -36,14 +36,18 @@ def _probe_ok(t: Target) -> str | None:
         or needs_separate_values(t)
 
 
+def _probe_max_S(t: Target) -> int:
+    """The longest S whose V = I fits a declared head dim."""
+    largest = max(t.caps.head_dims) if t.caps.head_dims else t.caps.max_head_dim or 64
+    return min(largest, 64)
+
+
 def _probe_cases(t: Target, **kw):
-    max_s = t.caps.max_head_dim or 64
-    return cases_for(t, layouts=("contiguous",), max_S=min(max_s, 64), **kw)
+    return cases_for(t, layouts=("contiguous",), max_S=_probe_max_S(t), **kw)
 
 
 def _probe_directed(t: Target, **kw):
-    max_s = t.caps.max_head_dim or 64
-    return directed_for(t, layouts=("contiguous",), max_S=min(max_s, 64), **kw)
+    return directed_for(t, layouts=("contiguous",), max_S=_probe_max_S(t), **kw)
 
 
 @conformance_property(
@@ -52,7 +56,7 @@ def _probe_directed(t: Target, **kw):
 )
 def test_weights_are_distributions(target: Target, case: SDPACase) -> float:
     """Weights (observed with V = identity) are non-negative and each row sums to 1."""
-    probe = identity_probe(case, target.caps.min_head_dim)
+    probe = identity_probe(case, target.caps)
     weights = run_sdpa(target, probe).output[..., :case.S]  # (B, N, L, S)
     rows = valid_rows(probe)
     allowed, ref = allowed_for(target, probe)
@@ -91,8 +95,8 @@ def test_masked_keys_ignored(target: Target, case: SDPACase) -> float:
     rng = case_rng(case, "padding")
     padded = _padded(case, rng, target)
     blocked = ~attend_matrix(padded)  # (B, N, L, S)
-    if target.caps.different_v_dim:
-        weights = run_sdpa(target, identity_probe(padded, target.caps.min_head_dim)).output[..., :case.S]
+    if target.caps.different_v_dim and (not target.caps.head_dims or max(target.caps.head_dims) >= padded.S):
+        weights = run_sdpa(target, identity_probe(padded, target.caps)).output[..., :case.S]
         leak = blocked & (weights != 0)
         if leak.any():
             i = tuple(int(x) for x in np.argwhere(leak)[0])
@@ -378,6 +382,10 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
     lo, hi = target.caps.min_head_dim or 1, target.caps.max_head_dim or 64
     Ev = max(S, lo)
     E = min(max(16, lo), hi) if target.caps.different_v_dim else Ev
+    dims = target.caps.head_dims
+    if dims:  # a declared set: Ev its smallest >= S (skip_reason: there is one), E the nearest to 16
+        Ev = next(d for d in dims if d >= S)
+        E = min(dims, key=lambda d: abs(d - 16)) if target.caps.different_v_dim else Ev
     q = round_to(rng.standard_normal((1, 1, 64, E)), target.dtype)
     k = round_to(rng.standard_normal((1, 1, S, E)), target.dtype)
     base = SDPACase(q, k, np.zeros((1, 1, S, S)), dtype=target.dtype, device=target.device)
@@ -387,8 +395,11 @@ def _variance_case(target: Target, seed: int) -> SDPACase:
 @conformance_property(
     "scaling_variance", level="sdpa", section="spec.sdpa (default scale 1/sqrt(E))",
     cases=lambda t: st.integers(0, 2**32 - 1).map(lambda seed: _variance_case(t, seed)),
-    skip_reason=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64,
-                                   "needs E or Ev = 64 and S = 64") or needs_separate_values(t),
+    skip_reason=lambda t: skip_unless((t.caps.max_head_dim or 64) >= 64 and (t.caps.max_seq_len or 64) >= 64
+                                   and (not t.caps.head_dims or max(t.caps.head_dims) >= 64)
+                                   and 64 % (t.caps.seq_multiple or 1) == 0,
+                                   "needs E or Ev = 64 and S = 64") or needs_separate_values(t)
+    or skip_unless(not t.caps.causal_only, "needs non-causal calls, but causal_only declares causal calls only"),
     examples_factor=0.25,
 )
 def test_scaling_variance(target: Target, case: SDPACase) -> float:

@@ -93,6 +93,8 @@ def _layouts(target: Target, E: int) -> list[_Layout]:
 def _head_dim(target: Target) -> int:
     lo = target.caps.min_head_dim or 1
     hi = target.caps.max_head_dim or max(HEAD_DIM, lo)
+    if target.caps.head_dims:  # a declared set: its nearest to HEAD_DIM
+        return fit_head_dims(target.caps, min(max(HEAD_DIM, lo), hi), min(max(HEAD_DIM, lo), hi))[0]
     return min(max(HEAD_DIM, lo), hi)
 
 
@@ -246,11 +248,16 @@ def _sweep(target: Target, sweep: Sweep) -> None:
     layouts = _layouts(target, E)
     length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
     pool = _Pool(target, E, {layout.Ev for layout in layouts}, length)
+    block = target.caps.seq_multiple or 1
+    top = length // block * block  # the longest length inside the declarations
     for layout in layouts:  # the pool's calls go to the implementation directly: inside, checked
-        require_inside(target, pool.case(target, layout, length, length), what="small_sizes_sweep")
+        require_inside(target, pool.case(target, layout, top or length, top or length), what="small_sizes_sweep")
     order = size_order(length)
     if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
         order = [(L, S) for L, S in order if L == S]
+    m = target.caps.seq_multiple or 1
+    if m > 1:  # lengths a multiple of a block: those sizes only
+        order = [(L, S) for L, S in order if L % m == 0 and S % m == 0]
     total, order = len(order), sweep.budget(order)
     smallest: tuple[tuple[int, int], SDPACase, PropertyFailure] | None = None
     chunk, position = 1, 0

@@ -183,6 +183,15 @@ class Capabilities:
     max_head_dim: int | None = None  # E and Ev at most this
     max_seq_len: int | None = None   # L and S at most this
     min_head_dim: int | None = None  # E and Ev at least this (e.g. tensor-core tiles)
+    #: E and Ev each one of these (kernels compiled for a few head dims: 64, 96, 128).
+    head_dims: tuple[int, ...] | None = None
+    #: L and S multiples of this (kernels whose tiles are not masked at the edges).
+    seq_multiple: int | None = None
+    #: Every call is causal (a kernel without a non-causal path): the suite draws causal
+    #: cases only (at the SDPA level: the flag, without a mask).
+    causal_only: bool = False
+    #: An explicit scale must be > 0 (the default 1/sqrt(E) always is).
+    positive_scale: bool = False
     tf32: bool = False               # float32 matmuls may run as TF32 on CUDA
     #: Each new input shape costs a compilation (JAX, torch.compile): the runner then
     #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
@@ -239,6 +248,7 @@ class Capabilities:
                 f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
             )
         check_mha_feature_names(self.mha_features)
+        _check_size_declarations(self)
         object.__setattr__(self, "sources", _sources_value(self.sources))
         object.__setattr__(self, "by_dtype", _by_dtype_value(self.by_dtype))
 
@@ -290,6 +300,35 @@ class Capabilities:
         if isinstance(self.fully_masked, str):
             return self.fully_masked
         return ",".join(f"{kind}:{policy}" for kind, policy in self.fully_masked)
+
+
+def _check_size_declarations(caps: Capabilities) -> None:
+    """``head_dims`` (normalized to a sorted tuple), ``seq_multiple`` and ``causal_only``
+    checked against each other and the other bounds."""
+    if caps.head_dims is not None:
+        try:
+            dims = tuple(sorted({int(d) for d in caps.head_dims}))
+        except (TypeError, ValueError):
+            dims = ()
+        if not dims or dims[0] < 1:
+            raise ImplementationError(f"head_dims={caps.head_dims!r} must be a non-empty set of positive "
+                                      "integers, e.g. (64, 96, 128), or None (any head dim)")
+        inside = [d for d in dims if (caps.min_head_dim or 1) <= d <= (caps.max_head_dim or d)]
+        if not inside:
+            raise ImplementationError(
+                f"head_dims={dims} has no head dim inside min_head_dim={caps.min_head_dim}, "
+                f"max_head_dim={caps.max_head_dim}; widen the bounds or the set")
+        object.__setattr__(caps, "head_dims", dims)
+    if caps.seq_multiple is not None:
+        if not isinstance(caps.seq_multiple, int) or caps.seq_multiple < 1:
+            raise ImplementationError(f"seq_multiple={caps.seq_multiple!r} must be a positive integer "
+                                      "(L and S multiples of it) or None")
+        if caps.max_seq_len is not None and caps.max_seq_len < caps.seq_multiple:
+            raise ImplementationError(f"seq_multiple={caps.seq_multiple} > max_seq_len={caps.max_seq_len} "
+                                      "leaves no length; raise max_seq_len or lower seq_multiple")
+    if caps.causal_only and caps.causal is None:
+        raise ImplementationError("causal_only=True but causal=None (no causal flag): a kernel that runs "
+                                  "only causal needs its causal flag declared")
 
 
 def _fully_masked_value(value: Any) -> str | tuple[tuple[str, str], ...]:
@@ -528,6 +567,10 @@ class Implementation:
             reasons.append("dropout not supported")
         if case.get("scale") is not None and not c.custom_scale:
             reasons.append("custom scale not supported")
+        elif case.get("scale") is not None and c.positive_scale and case["scale"] <= 0:
+            reasons.append(f"scale={case['scale']!r} <= 0 but positive_scale declares scale > 0 only")
+        if c.causal_only and level != "mha" and "causal" in case and case["causal"] is None:
+            reasons.append("a non-causal call but causal_only declares causal calls only")
         if case.get("grad") and not c.autograd:
             reasons.append(f"autograd not supported{in_dtype.get('autograd', '')}")
         if case.get("mask_grad") and not c.mask_grad:
@@ -540,10 +583,14 @@ class Implementation:
                 reasons.append(f"{dim}={v} > max_head_dim={c.max_head_dim}")
             if v is not None and c.min_head_dim is not None and v < c.min_head_dim:
                 reasons.append(f"{dim}={v} < min_head_dim={c.min_head_dim}")
+            if v is not None and c.head_dims is not None and v not in c.head_dims:
+                reasons.append(f"{dim}={v} not in head_dims={list(c.head_dims)}")
         for dim in ("L", "S"):
             v = case.get(dim)
             if v is not None and c.max_seq_len is not None and v > c.max_seq_len:
                 reasons.append(f"{dim}={v} > max_seq_len={c.max_seq_len}")
+            if v is not None and c.seq_multiple and v % c.seq_multiple and level in ("sdpa", "mha", "flash"):
+                reasons.append(f"{dim}={v} is not a multiple of seq_multiple={c.seq_multiple}")
         for feature in ("kv_paged", "kv_append"):
             if case.get(feature) and not getattr(c, feature):
                 reasons.append(f"{feature} not supported")

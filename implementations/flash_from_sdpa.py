@@ -141,9 +141,13 @@ def _derived_flash_capabilities(caps: Capabilities) -> Capabilities:
 def derive_flash(impl: Implementation) -> Implementation:
     """``impl`` with a flash level derived from its SDPA callable, when it has an SDPA
     callable, no flash callable of its own, is available, and its SDPA takes key and
-    value apart (``shared_kv`` cannot be called with k != v); else ``impl`` unchanged."""
+    value apart (``shared_kv`` cannot be called with k != v), and is not causal-only with a
+    flag of the other alignment (``causal_only`` with an upper-left flag cannot express
+    FlashAttention's lower-right calls); else ``impl`` unchanged."""
     caps = impl.caps("sdpa")
     if impl.flash is not None or impl.sdpa is None or not impl.available or caps.shared_kv:
+        return impl
+    if caps.causal_only and caps.causal != "lower_right":
         return impl
     return dataclasses.replace(impl, flash=FlashFromSDPA(impl.sdpa, caps),
                                flash_capabilities=derived_flash_capabilities(caps))

@@ -133,7 +133,18 @@ def fit_head_dims(caps: Any, E: int, Ev: int) -> tuple[int, int] | None:
     """An example's head dims (E, Ev) brought inside ``caps``' bounds: each raised to
     ``min_head_dim`` or lowered to ``max_head_dim``; an example with Ev != E keeps the
     difference (Ev = E ± 1) where the bounds leave two head dims and Ev != E is declared.
-    None when the bounds leave no head dim."""
+    None when the bounds leave no head dim. With ``head_dims`` each is the smallest
+    declared head dim at least it (else the largest), Ev != E kept where two are declared."""
+    dims = getattr(caps, "head_dims", None)
+    if dims:
+        inside = [d for d in dims if (caps.min_head_dim or 1) <= d <= (caps.max_head_dim or d)]
+        if not inside:
+            return None
+        e = next((d for d in inside if d >= E), inside[-1])
+        if E == Ev or not caps.different_v_dim or caps.shared_kv or len(inside) < 2:
+            return e, e
+        ev = next((d for d in inside if d >= Ev and d != e), next(d for d in inside if d != e))
+        return e, ev
     lo = caps.min_head_dim or 1
     hi = caps.max_head_dim if caps.max_head_dim is not None else max(E, Ev, lo) + 1
     if lo > hi:
@@ -149,9 +160,22 @@ def fit_head_dims(caps: Any, E: int, Ev: int) -> tuple[int, int] | None:
 def fit_lengths(caps: Any, L: int, S: int) -> tuple[int, int] | None:
     """An example's lengths (L, S) inside ``caps.max_seq_len`` keeping how L relates to S
     (L < S, L == S, L > S) where the bound allows; L == S with ``self_attention_lengths``.
-    None when the relation cannot be kept."""
+    None when the relation cannot be kept. With ``seq_multiple`` m both are m times
+    the example's (the relation kept), within the bound."""
     if caps.self_attention_lengths:
         L = S = max(L, S)
+    m = getattr(caps, "seq_multiple", None) or 1
+    if m > 1:
+        L, S = L * m, S * m
+        bound = caps.max_seq_len
+        if bound is None or max(L, S) <= bound:
+            return L, S
+        top = bound // m * m
+        if L == S:
+            return (top, top) if top else None
+        if top < 2 * m:
+            return None
+        return (top - m, top) if L < S else (top, top - m)
     bound = caps.max_seq_len
     if bound is None or max(L, S) <= bound:
         return L, S

@@ -118,7 +118,22 @@ def skip_reasons(info: PropertyInfo, target: Target) -> list[str]:
     if info.skip_reason is not None and not reasons:
         reason = info.skip_reason(target)
         reasons = [reason] if reason else []
+    if not reasons and target.caps.causal_only and info.level == "sdpa":
+        reasons = _non_causal_only(info, target)
     return reasons
+
+
+def _non_causal_only(info: PropertyInfo, target: Target) -> list[str]:
+    """A property whose strategy asks for non-causal cases only (``causal=(None,)``) on a
+    ``causal_only`` target: it cannot run there."""
+    try:
+        asked = getattr(info.cases(target), "case_arguments", {}).get("causal")
+    except Exception:  # noqa: BLE001 - the property's own error shows when it runs
+        return []
+    if asked is not None and target.caps.causal not in asked:
+        return [f"the property checks non-causal calls (causal={tuple(asked)}), but causal_only "
+                "declares causal calls only"]
+    return []
 
 
 def _target_skip_reasons(target: Target, level: str) -> list[str]:

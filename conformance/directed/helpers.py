@@ -67,11 +67,18 @@ def mha_directed_for(target: Target, **kwargs: Any) -> list[MHACase]:
     return directed.mha_directed(target, **_mha_arguments(target, kwargs))
 
 
-def identity_probe(case: SDPACase, min_head_dim: int | None = None) -> SDPACase:
+def identity_probe(case: SDPACase, min_head_dim: Any = None) -> SDPACase:
     """The case with V = I (Ev = S): the output's first S columns are then the attention
-    weights. With ``min_head_dim`` (a declared lower bound) V is I padded with zero
-    columns to Ev = max(S, min_head_dim), so the call stays inside the declarations."""
-    Ev = max(case.S, min_head_dim or 0)
+    weights. With ``min_head_dim`` (a declared lower bound, or the capabilities: their
+    ``min_head_dim`` and ``head_dims``) V is I padded with zero columns to Ev = max(S,
+    min_head_dim), or to the smallest declared head dim at least S, so the call stays
+    inside the declarations (where no declared head dim holds S, Ev is the largest and
+    the weights beyond it are not read)."""
+    caps = min_head_dim if hasattr(min_head_dim, "head_dims") else None
+    lower = caps.min_head_dim if caps is not None else min_head_dim
+    Ev = max(case.S, lower or 0)
+    if caps is not None and caps.head_dims:
+        Ev = next((d for d in caps.head_dims if d >= Ev), caps.head_dims[-1])
     eye = np.broadcast_to(np.eye(case.S, Ev), (case.B, case.K, case.S, Ev)).copy()
     return case.replace(value=eye, layout="contiguous")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.calls.declarations import fit_head_dims
+from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.core.cases import MHACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
 from spec import MHAParams
@@ -128,6 +128,10 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     B = 1 if unbatched else example.B
     L = example.L
     S = L if self_attention else example.S
+    lengths = fit_lengths(target.caps, L, S)  # inside the declared lengths
+    if lengths is None:
+        return None
+    L, S = lengths
     dims = fit_head_dims(target.caps, example.E, example.E)  # inside the declared head dims
     if dims is None:
         return None

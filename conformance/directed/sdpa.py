@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.calls.declarations import fit_head_dims
+from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.core.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
 from conformance.strategies import MASK_KINDS, REGIMES
@@ -111,7 +111,8 @@ def _sdpa_options(target: Any, arguments: dict[str, Any]) -> _SDPAOptions:
 
     layouts = arguments.get("layouts", ("contiguous",))
     return _SDPAOptions(
-        causal=within(arguments.get("causal"), [None, caps.causal] if caps.causal else [None]),
+        causal=within(arguments.get("causal"), [caps.causal] if caps.causal_only else
+                      [None, caps.causal] if caps.causal else [None]),
         mask_kinds=within(arguments.get("mask_kinds"), [k for k in MASK_KINDS if k in caps.mask_kinds]),
         regimes=within(arguments.get("regimes"), REGIMES),
         layouts=within(layouts, LAYOUTS if caps.non_contiguous else ("contiguous",)),
@@ -168,9 +169,14 @@ def _build_sdpa(example: SDPAExample, target: Any, options: _SDPAOptions,
     out); ``index`` spreads the examples over the layouts of a property that takes
     no contiguous input."""
     declared = target.caps.causal
-    L, S = example.L, example.S
-    if target.caps.self_attention_lengths:  # L == S only: the example at its larger length
-        L = S = max(L, S)
+    # Inside the declared lengths: L == S only at the larger length, multiples of a block
+    # (the relation of L to S kept), under max_seq_len.
+    lengths = fit_lengths(target.caps, example.L, example.S)
+    if lengths is None:
+        return None
+    L, S = lengths
+    if example.scale is not None and example.scale <= 0 and target.caps.positive_scale:
+        return None
     if example.causal == REQUIRED:
         causal = declared if declared in options.causal else "ruled out"
     elif example.causal == PREFERRED:

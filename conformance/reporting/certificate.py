@@ -35,6 +35,8 @@ __all__ = [
     "comparison",
     "cell",
     "render_table",
+    "levels_shown",
+    "levels_left_out",
     "details",
     "unapplied_expected_failures",
     "summary",
@@ -110,6 +112,15 @@ def _input_declarations(caps: dict[str, Any]) -> str:
              if caps.get(key)]
     if caps.get("batch_dims") is not None:
         parts.append(f"batch_dims={caps['batch_dims']} (4-D inputs and masks)")
+    # Partial support, each narrowing what is drawn.
+    for key, text in (("head_dims", "head dims in {}"), ("min_head_dim", "head dims >= {}"),
+                      ("max_head_dim", "head dims <= {}"), ("seq_multiple", "L and S multiples of {}"),
+                      ("max_seq_len", "L and S <= {}")):
+        if caps.get(key) is not None:
+            value = caps[key]
+            parts.append(text.format(list(value) if isinstance(value, (list, tuple)) else value))
+    parts += [text for key, text in (("causal_only", "causal calls only"),
+                                     ("positive_scale", "explicit scale > 0 only")) if caps.get(key)]
     return f"; inputs: {', '.join(parts)}" if parts else ""
 
 
@@ -189,9 +200,31 @@ def cell(result: dict[str, Any]) -> str:
     return text
 
 
+def levels_shown(results: list[dict[str, Any]]) -> set[str]:
+    """The levels the table shows: those where some property ran (not every result a
+    skip); every level when none ran."""
+    ran = {r["level"] for r in results if r["outcome"] != "skipped"}
+    return ran or {r["level"] for r in results}
+
+
+def levels_left_out(cert: dict[str, Any]) -> str:
+    """``levels not run (every property skipped): mha (reason), ...``, or ""."""
+    shown = levels_shown(cert["results"])
+    reasons: dict[str, str] = {}
+    for r in cert["results"]:
+        if r["level"] not in shown:
+            reasons.setdefault(r["level"], r.get("reason") or "skipped")
+    if not reasons:
+        return ""
+    return "levels not run (every property skipped, rows left out of the table): " + "; ".join(
+        f"{level} ({reason})" for level, reason in sorted(reasons.items()))
+
+
 def render_table(cert: dict[str, Any], markdown: bool = False) -> str:
-    """One row per (level, property), one column per (device, dtype)."""
-    results = cert["results"]
+    """One row per (level, property), one column per (device, dtype); only the levels
+    where some property ran (:func:`levels_shown`)."""
+    shown = levels_shown(cert["results"])
+    results = [r for r in cert["results"] if r["level"] in shown]
     columns = sorted({(r["device"], r["dtype"]) for r in results},
                      key=lambda c: (c[0], ALL_DTYPES.index(c[1]) if c[1] in ALL_DTYPES else 9))
     rows: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
@@ -232,8 +265,13 @@ def details(cert: dict[str, Any]) -> list[str]:
     flash = cert["implementation"].get("flash_capabilities") or {}
     # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
     lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]
+    left_out = levels_left_out(cert)
+    lines += [left_out] if left_out else []
+    shown = levels_shown(cert["results"])
     seen: set[str] = set()
     for r in cert["results"]:
+        if r["level"] not in shown:
+            continue
         tag = f"{r['property']}[{r['level']}-{r['dtype']}-{r['device']}]"
         if r["outcome"] in ("failed", "error"):
             word = "FAIL" if r["outcome"] == "failed" else "ERROR"

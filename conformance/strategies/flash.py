@@ -98,8 +98,12 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
     arguments = dict(locals())
     features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi"})
     can_causal = caps is None or caps.causal == "lower_right"
+    if caps is not None and caps.causal_only:  # every call causal (a property that needs
+        causal = True                          # non-causal calls skips: its skip_reason)
     bounds = size_bounds(caps, min_batch=1, max_batch=2, min_heads=1, max_heads=max_heads, gqa=gqa,
-                         min_L=1, max_L=max_L, min_S=max(min_S, 2 if split else 1), max_S=max_S,
+                         min_L=1, max_L=max_L,
+                         min_S=max(min_S, 2 * ((caps.seq_multiple if caps else None) or 1) if split else 1),
+                         max_S=max_S,
                          min_head_dim=None, max_head_dim=None, different_v_dim=None,
                          default_max_length=33, default_max_head_dim=16)
     budget = check_shape_budget(shape_budget)

@@ -75,7 +75,16 @@ class _SDPAPlan:
 
 
 def _causal_choices(causal: Any, caps: Capabilities | None) -> list[str | None]:
-    """The checked ``causal`` argument (None: no flag or the alignment ``caps`` declares)."""
+    """The checked ``causal`` argument (None: no flag or the alignment ``caps`` declares);
+    with ``caps.causal_only`` only the declared alignment (a property asking for
+    non-causal cases only skips: ``helpers.needs_non_causal``)."""
+    chosen = _causal_choices_of(causal, caps)
+    if caps is not None and caps.causal_only:
+        return [c for c in chosen if c is not None] or [caps.causal]
+    return chosen
+
+
+def _causal_choices_of(causal: Any, caps: Capabilities | None) -> list[str | None]:
     if caps is None:
         allowed: list[str | None] = [None, *CAUSAL_ALIGNMENTS]
     else:

@@ -8,6 +8,7 @@ smallest allowed size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TypeVar
@@ -198,6 +199,16 @@ class SizeBounds:
     different_v_dim: bool | None
     #: L == S in every problem (``Capabilities.self_attention_lengths``).
     equal_lengths: bool = False
+    #: L and S multiples of this (``Capabilities.seq_multiple``): drawn in blocks.
+    seq_multiple: int = 1
+    #: E and Ev drawn from these (``Capabilities.head_dims`` inside the bounds), or any.
+    head_dims: tuple[int, ...] | None = None
+
+    def in_blocks(self) -> "SizeBounds":
+        """The length bounds counted in blocks of ``seq_multiple`` (L, S = blocks x it)."""
+        m = self.seq_multiple
+        return dataclasses.replace(self, min_L=-(-self.min_L // m), max_L=self.max_L // m,
+                                   min_S=-(-self.min_S // m), max_S=self.max_S // m, seq_multiple=1)
 
 
 def _cap_bound(value: int | None, default: int, cap: int | None, *, upper: bool) -> int:
@@ -215,6 +226,12 @@ def _length_bounds(caps: Capabilities | None, min_L: int, max_L: int | None, min
     seq_note = f"caps.max_seq_len={seq_cap}"
     for name, value in (("min_L", min_L), ("min_S", min_S)):
         check_capped_range(name, 1, name, 1, value, None, seq_note)
+    # Lengths a multiple m of a block: at least two blocks' room (L < S and L > S), within
+    # max_seq_len; the user's bounds are widened to it.
+    m = (caps.seq_multiple if caps else None) or 1
+    if m > 1:
+        max_L, max_S = (None if bound is None else max(bound, 2 * m) for bound in (max_L, max_S))
+        default_max = max(default_max, 2 * m)
     hi_L = _cap_bound(max_L, max(default_max, min_L), seq_cap, upper=True)
     hi_S = _cap_bound(max_S, max(default_max, min_S), seq_cap, upper=True)
     check_capped_range("min_L", min_L, "max_L", hi_L, min_L, max_L, seq_note)
@@ -270,8 +287,25 @@ def size_bounds(caps: Capabilities | None, *, min_batch: int, max_batch: int,
                    f"needs two head dims but min_head_dim=max_head_dim={lo_dim}",
                    "widen the head-dim bounds")
     min_heads, max_heads = head_bounds(min_heads, max_heads, gqa)
+    m = (caps.seq_multiple if caps else None) or 1
+    if m > 1 and (max_L < max(min_L, m) or max_S < max(min_S, m)):
+        raise fail("caps.seq_multiple", m, f"leaves no length in [{min_L}, {max_L}] x [{min_S}, {max_S}]",
+                   "raise max_seq_len (or the length bounds) to at least the block")
+    dims = None
+    if caps is not None and caps.head_dims is not None:
+        # The set decides the range (the default maximum does not cut it off): its smallest
+        # three inside the declared and given bounds.
+        his = [bound for bound in (max_head_dim, caps.max_head_dim) if bound is not None]
+        dims = tuple(d for d in caps.head_dims if d >= lo_dim and (not his or d <= min(his)))[:3]
+        if not dims:
+            raise fail("caps.head_dims", caps.head_dims, f"has no head dim in [{lo_dim}, {hi_dim}]",
+                       "widen the head-dim bounds or the set")
+        if len(dims) == 1 and different_v_dim:
+            raise fail("different_v_dim", different_v_dim, f"needs two head dims but head_dims={dims}",
+                       "pass different_v_dim=None or declare more head dims")
+        lo_dim, hi_dim = dims[0], dims[-1]
     return SizeBounds(min_batch, max_batch, min_heads, max_heads, gqa, min_L, max_L,
-                      min_S, max_S, lo_dim, hi_dim, different_v_dim, equal_lengths)
+                      min_S, max_S, lo_dim, hi_dim, different_v_dim, equal_lengths, m, dims)
 
 
 #: How the query length L may relate to the key length S, simplest first
@@ -281,6 +315,8 @@ LENGTH_RELATIONS = ("L=S", "L=1<S", "1<L<S", "L>S")
 
 def relation_possible(relation: str, b: SizeBounds) -> bool:
     """Whether the length bounds leave an (L, S) pair in ``relation``."""
+    if b.seq_multiple > 1:
+        b = b.in_blocks()
     if b.equal_lengths and relation not in ("L=S", "L<=S"):
         return False
     if relation == "L=S":
@@ -301,7 +337,11 @@ def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
     """Sizes B, N, K, L, S, E, Ev; ``relation`` (one of :data:`LENGTH_RELATIONS`, or
     "L<=S") constrains the lengths; ``block_weight`` is how often each block-size
     neighbour comes vs 20 for each small length. With ``b.equal_lengths`` L == S
-    whatever ``relation`` asks."""
+    whatever ``relation`` asks. With ``b.seq_multiple`` m, L and S are drawn as numbers of
+    blocks (shrinking toward one block) times m; with ``b.head_dims``, E and Ev from the set."""
+    if b.seq_multiple > 1:
+        sizes = draw_sizes(draw, b.in_blocks(), relation=relation, min_batch=min_batch, block_weight=block_weight)
+        return {**sizes, "L": sizes["L"] * b.seq_multiple, "S": sizes["S"] * b.seq_multiple}
     length = functools.partial(_draw_length, block_weight=block_weight)
     if b.equal_lengths:
         relation = "L=S"
@@ -324,8 +364,15 @@ def draw_sizes(draw: Draw, b: SizeBounds, *, relation: str | None = None,
     else:
         L = length(draw, b.min_L, b.max_L)
         S = length(draw, b.min_S, b.max_S)
-    E = _draw_head_dim(draw, b.min_head_dim, b.max_head_dim)
     differ = b.different_v_dim
+    if b.head_dims is not None:
+        E = _element(draw, list(b.head_dims))
+        if differ is None:
+            differ = _boolean(draw)
+        others = [d for d in b.head_dims if d != E]
+        Ev = _element(draw, others) if differ and others else E
+        return {"B": B, "N": N, "K": K, "L": L, "S": S, "E": E, "Ev": Ev}
+    E = _draw_head_dim(draw, b.min_head_dim, b.max_head_dim)
     if differ is None:
         differ = _boolean(draw)
     Ev = E

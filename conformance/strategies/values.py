@@ -66,14 +66,21 @@ def value_regimes(*, regimes: Sequence[str] | None = None) -> st.SearchStrategy[
 def _scale_kind_choices(scale_kinds: Any, caps: Capabilities | None) -> list[str]:
     custom = caps is None or caps.custom_scale
     if scale_kinds is True:
-        return list(SCALE_KINDS) if custom else ["default"]
+        return _positive_only(list(SCALE_KINDS) if custom else ["default"], caps)
     if scale_kinds is False:
         return ["default"]
     chosen = choices("scale_kinds", scale_kinds, SCALE_KINDS, SCALE_KINDS)
     if not custom and chosen != ["default"]:
         raise fail("scale_kinds", scale_kinds, "asks for explicit scales but caps.custom_scale=False",
                    "pass scale_kinds=False")
-    return chosen
+    return _positive_only(chosen, caps)
+
+
+def _positive_only(kinds: list[str], caps: Capabilities | None) -> list[str]:
+    """``kinds`` without negative and zero scales where ``caps.positive_scale`` (at least the default)."""
+    if caps is None or not caps.positive_scale:
+        return kinds
+    return [k for k in kinds if k not in ("negative", "zero")] or ["default"]
 
 
 def _draw_scale(draw: st.DrawFn, kinds: Sequence[str], dtype: str) -> float | None:

@@ -57,6 +57,8 @@ def _head_dims(caps: Capabilities | None, typical: tuple[int, ...]) -> list[int]
     if hi is not None and lo > hi:
         raise InvalidArgument(f"caps.min_head_dim={lo} > caps.max_head_dim={hi} leaves no head dim; "
                               "declare bounds that overlap")
+    if caps is not None and caps.head_dims is not None:  # a declared set: its smallest three inside
+        return [d for d in caps.head_dims if d >= lo and (hi is None or d <= hi)][:3]
     inside = [d for d in typical if d >= lo and (hi is None or d <= hi)]
     if inside:
         return inside
@@ -71,6 +73,8 @@ def _max_length(caps: Capabilities | None, wanted: int) -> int:
 
 def _causal(draw: st.DrawFn, caps: Capabilities | None, causal: bool | None) -> bool:
     allowed = caps is None or caps.causal == "lower_right"
+    if caps is not None and caps.causal_only and allowed:
+        return True
     return causal if causal is not None else (allowed and draw(st.booleans()))
 
 
@@ -200,7 +204,8 @@ def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
         if dims is None:
             return []
         E, Ev = dims
-        layouts = [([_fit_sequence(caps, L, S) for L, S in lengths], causal) for lengths, causal in layouts]
+        layouts = [([_fit_sequence(caps, L, S) for L, S in lengths], causal or (caps.causal_only and causal_ok))
+                   for lengths, causal in layouts]
     cases = []
     for i, (lengths, causal) in enumerate(layouts):
         T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
@@ -234,6 +239,7 @@ def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capab
         specs.append(((3, 2), 0, 4, 2, True))
     cases = []
     for i, (seqlens, new, capacity, L, is_causal) in enumerate(specs):
+        is_causal = is_causal or bool(caps is not None and caps.causal_only and causal)
         B = len(seqlens)
         order = tuple(reversed(range(B * capacity // 2 + 1))) if paged else None
         cases.append(KVCacheCase(

@@ -42,6 +42,7 @@ from implementations.registry.probing import (
     _Prober,
     _supports,
 )
+from implementations.registry.probe_plan import first_call_hint, probe_plan
 
 __all__ = ["FLASH_PARAMETERS", "FlashAdapter", "is_flash_signature", "probe_flash", "recognise_flash"]
 
@@ -116,31 +117,45 @@ def _output_of(result: Any) -> Any:
 
 def probe_flash(fn: Callable[..., Any], *, origin: str,
                 timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
-    """Capabilities of a ``flash_attn_func``-signature function, found by tiny CPU calls."""
+    """Capabilities of a ``flash_attn_func``-signature function, found by tiny CPU calls
+    built inside the declarations in force (:mod:`.probe_plan`: dtype, head dims, lengths,
+    causal only); without any, float32 with E = 4, L = 2, S = 3."""
     import torch
 
     probe = _Prober(origin, timeout)
     gen = torch.Generator().manual_seed(0)
+    plan = probe_plan(level="flash")
+    L0, S0, E0 = plan.L, plan.S, plan.E
+    t0 = getattr(torch, plan.dtype)
+    tol = _TOLERANCE.get(plan.dtype, 1e-4)
+    user_fn = fn
+    if plan.causal_only:  # every call of a causal-only kernel is causal
+        def fn(q, k, v, **kw):  # noqa: F811
+            return user_fn(q, k, v, **{**kw, "causal": True})
 
-    def qkv(B=1, L=2, S=3, N=2, K=2, E=4, Ev=4, dtype=torch.float32):
+    def qkv(B=1, L=L0, S=S0, N=2, K=2, E=E0, Ev=E0, dtype=t0):
         return (torch.randn(B, L, N, E, generator=gen).to(dtype), torch.randn(B, S, K, E, generator=gen).to(dtype),
                 torch.randn(B, S, K, Ev, generator=gen).to(dtype))
 
     q, k, v = qkv()
-    plain = "a plain float32 call with q (1, 2, 2, 4), k (1, 3, 2, 4), v (1, 3, 2, 4)"
+    shape = (1, L0, 2, E0)
+    plain = (f"the first call, {plan.describe()} (q (1, {L0}, 2, {E0}), k (1, {S0}, 2, {E0}), "
+             f"v (1, {S0}, 2, {E0}))")
     try:
         out = probe.call("a plain call", lambda: fn(q, k, v))
     except CallRaised as exc:
+        hint = first_call_hint(lambda p: _flash_attempt_runs(probe, user_fn, p), level="flash")
         raise ImplementationError(
-            f"{origin} has flash_attn_func's signature but {plain} raised {summarise(exc.error)}; it "
-            "must at least run that") from exc.error
-    if not _is_tensor(out, (1, 2, 2, 4)):
+            f"{origin} has flash_attn_func's signature but {plain} raised {summarise(exc.error)}{hint}"
+        ) from exc.error
+    if not _is_tensor(out, shape):
         raise ImplementationError(
             f"{origin} has flash_attn_func's signature but {plain} returned {_describe_result(out)}; it "
-            "must return a torch.Tensor of shape (1, 2, 2, 4) (B, L, N, Ev)")
+            f"must return a torch.Tensor of shape {shape} (B, L, N, Ev)")
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
     base = out.detach().double().numpy()
     notes: list[str] = []
+    plain_options = {"causal": True} if plan.causal_only else {}
 
     def feature_runs(feature: str, what: str, call: Callable[[], Any], **options: Any) -> bool:
         """Whether the feature is declared: its call runs (a call that raises: unsupported,
@@ -153,13 +168,13 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
             return False
         contract = (f"the contract ({_FLASH_CONTRACT}) is tested and fails; if the feature is not "
                     f"meant to be supported, make it raise (or leave it out with --impl-option flash_features=...)")
-        if not _is_tensor(got, (1, 2, 2, 4)):
-            notes.append(f"{feature}: {what} returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
+        if not _is_tensor(got, shape):
+            notes.append(f"{feature}: {what} returned {_describe_result(got)}, not the {shape} output; "
                          + contract)
             return True
         got = got.detach().double().numpy()
-        want = spec.flash_attention(q64, k64, v64, **options)
-        if np.allclose(got, base, atol=1e-6) and not np.allclose(want, base, atol=1e-6):
+        want = spec.flash_attention(q64, k64, v64, **plain_options, **options)
+        if np.allclose(got, base, atol=tol * 1e-2) and not np.allclose(want, base, atol=tol):
             notes.append(f"{feature}: {what} has no effect (the output equals the plain call's); " + contract)
         return True
 
@@ -174,7 +189,8 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         features.add("alibi")
     if _probe_lse(probe, fn, q, k, v, notes):
         features.add("lse")
-    causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64, base, notes)
+    causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64,
+                                        None if plan.causal_only else base, notes, tol)
 
     def backward(qq, kk, vv) -> str | None:
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (qq, kk, vv))
@@ -189,23 +205,29 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
             return "left q, k or v without a gradient"
         return None
 
-    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv(dtype=getattr(torch, d))), notes)
+    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv(dtype=getattr(torch, d))), notes, plan.dtypes)
 
     def capability_probes(dtype: str) -> dict[str, tuple]:
         t = getattr(torch, dtype)
-        return {
-            "different_v_dim": ("Ev=3 != E=4", lambda: fn(*qkv(Ev=3, dtype=t))),
+        probes: dict[str, tuple] = {
             "gqa": ("GQA (N=2, K=1)", lambda: fn(*qkv(N=2, K=1, dtype=t))),
             "autograd": ("backward through q, k, v", lambda: backward(*(x.to(t) for x in (q, k, v))), "direct"),
         }
+        if plan.Ev_other is not None:
+            probes = {"different_v_dim": (f"Ev={plan.Ev_other} != E={E0}",
+                                          lambda: fn(*qkv(Ev=plan.Ev_other, dtype=t))), **probes}
+        return probes
 
-    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes)
+    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes, plan.dtype)
+    if plan.Ev_other is None:
+        found["different_v_dim"] = False
+        notes.append(f"different_v_dim: the declarations leave one head dim (E={E0}); Ev != E not tried")
     # Rows attend no key only where causal=True is the lower-right rule it should be.
-    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes) if causal_seen == "lower_right"
+    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes, L0, S0) if causal_seen == "lower_right"
                             else ("zero", "contract"))
     return Capabilities(
         devices=("cpu",),
-        dtypes=dtypes or ("float32",),
+        dtypes=dtypes or (plan.dtype,),
         mask_kinds=frozenset({"none"}),
         causal=causal,
         fully_masked=fully_masked,
@@ -213,11 +235,12 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         gqa=found["gqa"],
         dropout=False,
         custom_scale=_supports(probe, "custom_scale", "softmax_scale=0.5",
-                               lambda: fn(q, k, v, softmax_scale=0.5), notes),
+                               lambda: fn(q, k, v, softmax_scale=0.5), notes, plan.dtype),
         autograd=found["autograd"],
         mask_grad=False,
         non_contiguous=_supports(probe, "non_contiguous", "a transposed q",
-                                 lambda: fn(q.transpose(1, 2).contiguous().transpose(1, 2), k, v), notes),
+                                 lambda: fn(q.transpose(1, 2).contiguous().transpose(1, 2), k, v), notes,
+                                 plan.dtype),
         flash_features=frozenset(features),
         by_dtype=by_dtype,
         probe_notes=tuple(notes),
@@ -226,34 +249,58 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     )
 
 
+#: Absolute tolerance of the probes' comparisons with the float64 oracle, per probe dtype.
+_TOLERANCE = {"float16": 2e-2, "bfloat16": 1e-1}
+
+
+def _flash_attempt_runs(probe: _Prober, fn: Callable[..., Any], plan: Any) -> bool:
+    """Whether a plain call built by ``plan`` returns the (B, L, N, Ev) output."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    t = getattr(torch, plan.dtype)
+    q = torch.randn(1, plan.L, 2, plan.E, generator=gen).to(t)
+    k, v = (torch.randn(1, plan.S, 2, plan.E, generator=gen).to(t) for _ in range(2))
+    kwargs = {"causal": True} if plan.causal_only else {}
+    try:
+        out = _output_of(probe.call("a call built inside a declaration", lambda: fn(q, k, v, **kwargs)))
+    except CallRaised:
+        return False
+    return _is_tensor(out, (1, plan.L, 2, plan.E))
+
+
 def _is_tensor(out: Any, shape: tuple[int, ...]) -> bool:
     import torch
 
     return isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.device.type == "cpu"
 
 
-def _probe_fully_masked(probe: _Prober, fn, qkv, notes: list[str]) -> tuple[str, str]:
-    """The declared policy (and its source) for rows attending no key (causal with L = 3 >
-    S = 1 empties rows 0 and 1): zero or nan adopted as probed; a uniform or unclassified
-    row is not adopted (:func:`~implementations.registry.probing._fully_masked_declaration`)."""
+def _probe_fully_masked(probe: _Prober, fn, qkv, notes: list[str], L0: int = 2, S0: int = 3) -> tuple[str, str]:
+    """The declared policy (and its source) for rows attending no key (causal with L > S:
+    L = 3, S = 1 empties rows 0 and 1; with lengths a multiple m of a block, L = 2m, S = m
+    empties rows 0..m-1): zero or nan adopted as probed; a uniform or unclassified row is
+    not adopted (:func:`~implementations.registry.probing._fully_masked_declaration`)."""
     import torch
 
-    q, k, v = qkv(L=3, S=1)
+    L, S = (3, 1) if (L0, S0) == (2, 3) else (2 * L0, L0)
+    q, k, v = qkv(L=L, S=S)
     policy = "unspecified"
     try:
         got = _output_of(probe.call("a row attending no key", lambda: fn(q, k, v, causal=True)))
     except CallRaised:
         got = None
-    if _is_tensor(got, (1, 3, 2, 4)):
-        rows = got.detach()[:, :2]
+    if _is_tensor(got, (1, L, 2, v.shape[-1])):
+        rows = got.detach()[:, :L - S].double()
+        mean_v = v.double().mean(dim=1, keepdim=True)  # (1, 1, K, Ev): every key equally
         if torch.isnan(rows).all():
             policy = "nan"
         elif torch.equal(rows, torch.zeros_like(rows)):
             policy = "zero"
-        elif torch.allclose(rows, v.expand_as(rows), atol=1e-5):  # one key: its mean is itself
+        elif torch.allclose(rows, mean_v.expand_as(rows), atol=1e-5 if v.dtype in (torch.float32, torch.float64)
+                            else 2e-2):
             policy = "uniform"
     return _fully_masked_declaration({"causal": policy}, notes, level="flash",
-                                     blocked_by={"causal": "causal=True alone (query length 3, key length 1)"})
+                                     blocked_by={"causal": f"causal=True alone (query length {L}, key length {S})"})
 
 
 def _probe_lse(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
@@ -264,15 +311,16 @@ def _probe_lse(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
     except CallRaised as exc:
         notes.append(f"lse: return_attn_probs=True raised {summarise(exc.error)}; declared unsupported")
         return False
-    if not (isinstance(got, (tuple, list)) and len(got) >= 2 and _is_tensor(got[1], (1, 2, 2))):
+    lse_shape = (1, 2, q.shape[1])
+    if not (isinstance(got, (tuple, list)) and len(got) >= 2 and _is_tensor(got[1], lse_shape)):
         notes.append(f"lse: return_attn_probs=True returned {_describe_result(_output_of(got))}"
-                     f"{' first' if isinstance(got, (tuple, list)) else ''}, not (output, lse (1, 2, 2), ...); "
+                     f"{' first' if isinstance(got, (tuple, list)) else ''}, not (output, lse {lse_shape}, ...); "
                      f"the contract ({_FLASH_CONTRACT}) is tested and fails")
     return True
 
 
 def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, base,
-                  notes: list[str]) -> tuple[str | None, str]:
+                  notes: list[str], tol: float = 1e-4) -> tuple[str | None, str]:
     """(declaration, what was seen). ``causal=True`` means FlashAttention-2's lower-right
     rule: declared ``lower_right`` whatever it does (noted when it is upper-left, has no
     effect, or matches neither; L=2 < S=3: the alignments differ); None (no causal flag)
@@ -284,20 +332,21 @@ def _probe_causal(probe: _Prober, fn, q, k, v, q64, k64, v64, base,
                      "(not supported)")
         return None, "raised"
     contract = f"the contract ({_FLASH_CONTRACT}) is lower-right, which is tested"
-    if not _is_tensor(got, (1, 2, 2, 4)):
-        notes.append(f"causal: causal=True returned {_describe_result(got)}, not the (1, 2, 2, 4) output; "
+    shape = tuple(q.shape[:3]) + (v.shape[-1],)
+    if not _is_tensor(got, shape):
+        notes.append(f"causal: causal=True returned {_describe_result(got)}, not the {shape} output; "
                      f"{contract}")
         return "lower_right", "bad_output"
     got = got.detach().double().numpy()
-    if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True), atol=1e-4):
+    if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True), atol=tol):
         return "lower_right", "lower_right"
-    lengths = "query length 2, key length 3"
-    if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True, alignment="upper_left"), atol=1e-4):
+    lengths = f"query length {q.shape[1]}, key length {k.shape[1]}"
+    if np.allclose(got, spec.flash_attention(q64, k64, v64, causal=True, alignment="upper_left"), atol=tol):
         notes.append(f"causal: causal=True behaved as the upper-left triangle ({lengths}; flash-attn < 2.1's); "
                      f"{contract} and fails; no flash-level declaration expresses upper-left (the SDPA "
                      "level's is_causal is upper-left)")
         return "lower_right", "upper_left"
-    if np.allclose(got, base, atol=1e-4):
+    if base is not None and np.allclose(got, base, atol=tol):
         notes.append(f"causal: causal=True has no effect (the output equals the non-causal one, {lengths}); "
                      f"{contract} and fails; no declaration expresses a causal flag without effect")
         return "lower_right", "no_effect"

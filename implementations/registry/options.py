@@ -12,6 +12,19 @@ validated, and a bad key or value raises ImplementationError listing what is val
 (kinds ``bool``, ``additive``, ``causal``; a bare policy in the list is the default of
 the kinds not named, else ``zero``). ``batch_dims=1`` declares exactly 4-D inputs.
 
+New partial-support declarations: ``head_dims=64,96,128`` (E and Ev in the set),
+``seq_multiple=16`` (L and S multiples of it), ``causal_only=true`` (every call causal),
+``positive_scale=true`` (an explicit scale > 0 only). A key may name one level,
+``mha.mask_kinds=none,bool`` (``sdpa.``, ``mha.``, ``flash.``: that level's capabilities
+only), or one dtype, ``float64.mask_kinds=none,bool`` (a per-dtype field of
+:data:`~implementations.base.PER_DTYPE_FIELDS` in that dtype only: a dtype x feature
+exclusion).
+
+Options are parsed before the implementation is probed (:func:`parse_options`), and the
+probe calls are built inside them (:mod:`.probe_plan`). A declaration that claims what a
+probe saw fail (a declared dtype whose plain call raised, a declared mask kind that
+raised) is refused (:func:`apply_options`).
+
 ``derived_flash=false`` is not a capability: it turns off the flash level the registry
 derives from an SDPA callable (``implementations.flash_from_sdpa``); read it with
 :func:`derived_flash_wanted`.
@@ -30,6 +43,7 @@ from implementations.base import (
     CAUSAL_ALIGNMENTS,
     FULLY_MASKED_KINDS,
     FULLY_MASKED_POLICIES,
+    PER_DTYPE_FIELDS,
     SEMANTIC_FIELDS,
     Capabilities,
     Implementation,
@@ -37,7 +51,11 @@ from implementations.base import (
     renamed_mha_features,
 )
 
-__all__ = ["DERIVED_FLASH_OPTION", "apply_options", "derived_flash_wanted"]
+__all__ = ["DERIVED_FLASH_OPTION", "OPTION_LEVELS", "ParsedOptions", "apply_options", "derived_flash_wanted",
+           "parse_options"]
+
+#: The levels a ``LEVEL.key=value`` option may name.
+OPTION_LEVELS = ("sdpa", "mha", "flash")
 
 #: The option that turns the derived flash level off (``derived_flash=false``).
 DERIVED_FLASH_OPTION = "derived_flash"
@@ -116,6 +134,18 @@ def _parse_batch_dims(text: str) -> int | None:
     return 1
 
 
+def _parse_head_dims(text: str) -> tuple[int, ...] | None:
+    if text.strip().lower() in ("none", "any"):
+        return None
+    try:
+        dims = tuple(sorted({int(item) for item in text.split(",") if item.strip()}))
+    except ValueError:
+        dims = ()
+    if not dims or dims[0] < 1:
+        raise ValueError("a comma-separated list of positive head dims such as 64,96,128, or none")
+    return dims
+
+
 def _parse_mha_features(text: str) -> frozenset[str]:
     renamed = renamed_mha_features(item.strip() for item in text.split(","))
     if renamed:
@@ -141,6 +171,8 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "max_head_dim": _parse_optional_int,
         "max_seq_len": _parse_optional_int,
         "min_head_dim": _parse_optional_int,
+        "head_dims": _parse_head_dims,
+        "seq_multiple": _parse_optional_int,
     }
     for field in dataclasses.fields(Capabilities):
         if field.type in ("bool", bool):
@@ -167,27 +199,89 @@ def derived_flash_wanted(options: Mapping[str, str] | None) -> bool | None:
         ) from None
 
 
-def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implementation:
-    """``impl`` with capabilities overridden by ``--impl-option key=value`` pairs
-    (applied at both levels)."""
-    changes: dict[str, Any] = {}
+@dataclasses.dataclass(frozen=True)
+class ParsedOptions:
+    """``--impl-option`` values parsed: for every level, for one level, for one dtype."""
+
+    common: dict[str, Any]
+    per_level: dict[str, dict[str, Any]]
+    per_dtype: dict[str, dict[str, Any]]
+
+    def for_probes(self, level: str) -> dict[str, Any]:
+        """What the probe calls of ``level`` are built inside."""
+        return {**self.common, **self.per_level.get(level, {})}
+
+
+def _parse_value(key_name: str, field_name: str, text: str) -> Any:
+    parser = _OPTION_PARSERS.get(field_name)
+    if parser is None:
+        raise ImplementationError(
+            f"--impl-option {key_name}={text}: unknown option {field_name!r}; valid options are "
+            f"{', '.join(sorted([*_OPTION_PARSERS, DERIVED_FLASH_OPTION]))} (prefixed by a level "
+            f"{'/'.join(OPTION_LEVELS)}. or a dtype {'/'.join(ALL_DTYPES)}. for that level or dtype only)"
+        )
+    try:
+        return parser(str(text))
+    except ValueError as exc:
+        raise ImplementationError(
+            f"--impl-option {key_name}={text}: bad value for {field_name!r}; expected {exc}"
+        ) from exc
+
+
+def parse_options(options: Mapping[str, str] | None) -> ParsedOptions:
+    """Each ``--impl-option`` value parsed and checked (ImplementationError naming the key,
+    what is valid and the fix), before anything is probed."""
+    parsed = ParsedOptions({}, {}, {})
     derived_flash_wanted(options)  # checked here, applied by the registry's resolve
-    for key_name, text in options.items():
+    for key_name, text in (options or {}).items():
         if key_name == DERIVED_FLASH_OPTION:
             continue
-        parser = _OPTION_PARSERS.get(key_name)
-        if parser is None:
+        scope, dot, field_name = key_name.partition(".")
+        if not dot:
+            parsed.common[key_name] = _parse_value(key_name, key_name, text)
+        elif scope in OPTION_LEVELS:
+            parsed.per_level.setdefault(scope, {})[field_name] = _parse_value(key_name, field_name, text)
+        elif scope in ALL_DTYPES:
+            if field_name not in PER_DTYPE_FIELDS:
+                raise ImplementationError(
+                    f"--impl-option {key_name}={text}: {field_name!r} cannot differ per dtype; a dtype "
+                    f"prefix takes one of {', '.join(PER_DTYPE_FIELDS)}")
+            parsed.per_dtype.setdefault(scope, {})[field_name] = _parse_value(key_name, field_name, text)
+        else:
             raise ImplementationError(
-                f"--impl-option {key_name}={text}: unknown option {key_name!r}; valid options are "
-                f"{', '.join(sorted([*_OPTION_PARSERS, DERIVED_FLASH_OPTION]))}"
-            )
-        try:
-            changes[key_name] = parser(str(text))
-        except ValueError as exc:
+                f"--impl-option {key_name}={text}: {scope!r} before the dot is neither a level "
+                f"({', '.join(OPTION_LEVELS)}) nor a dtype ({', '.join(ALL_DTYPES)}); write e.g. "
+                f"mha.mask_kinds=none,bool or float64.mask_kinds=none,bool")
+    return parsed
+
+
+def _refuse_contradictions(caps: Capabilities, changes: Mapping[str, Any], level: str) -> None:
+    """A declaration claiming what a probe saw fail is refused (probed implementations:
+    those with ``sources``): a declared dtype whose plain call raised, a declared mask kind
+    whose call raised."""
+    if not caps.sources:
+        return
+    notes = " ".join(caps.probe_notes)
+    for name, what in (("dtypes", "dtype"), ("mask_kinds", "mask kind")):
+        if name not in changes:
+            continue
+        extra = sorted(set(changes[name]) - set(getattr(caps, name)) - {"none"})
+        said = [n for n in caps.probe_notes if n.startswith(f"{name}:") and any(x in n for x in extra)]
+        if extra and (said or name == "dtypes"):
             raise ImplementationError(
-                f"--impl-option {key_name}={text}: bad value for {key_name!r}; expected {exc}"
-            ) from exc
-    def overridden(caps: Capabilities) -> Capabilities:
+                f"--impl-option {name}={','.join(sorted(changes[name]))} declares the {what}s {extra} at the {level} "
+                f"level, but the probe saw them fail ({' '.join(said) or notes or 'a plain call raised'}); "
+                f"declare only what runs ({','.join(sorted(getattr(caps, name)))}), or fix the implementation")
+
+
+def apply_options(impl: Implementation, options: Mapping[str, str] | ParsedOptions) -> Implementation:
+    """``impl`` with capabilities overridden by ``--impl-option key=value`` pairs
+    (applied at every level; a ``LEVEL.`` key at that level, a ``DTYPE.`` key in that dtype)."""
+    parsed = options if isinstance(options, ParsedOptions) else parse_options(options)
+
+    def overridden(caps: Capabilities, level: str) -> Capabilities:
+        changes = {**parsed.common, **parsed.per_level.get(level, {})}
+        _refuse_contradictions(caps, changes, level)
         # A probe note ("causal: ...") no longer describes a value the user set; a value the
         # user sets holds in every dtype, and is declared (Capabilities.sources).
         notes = tuple(n for n in caps.probe_notes if n.split(":", 1)[0] not in changes)
@@ -196,13 +290,23 @@ def apply_options(impl: Implementation, options: Mapping[str, str]) -> Implement
             sources.update({name: "declared" for name in changes if name in SEMANTIC_FIELDS})
         by_dtype = {dtype: {name: value for name, value in values if name not in changes}
                     for dtype, values in caps.by_dtype}
+        for dtype, values in parsed.per_dtype.items():
+            by_dtype.setdefault(dtype, {}).update(values)
         return caps.replace(**changes, probe_notes=notes, sources=sources, by_dtype=by_dtype)
 
+    level_specific = set(parsed.per_level)
     try:
-        caps = overridden(impl.capabilities)
-        mha_caps = overridden(impl.mha_capabilities) if impl.mha_capabilities else None
-        flash_caps = overridden(impl.flash_capabilities) if impl.flash_capabilities else None
+        caps = overridden(impl.capabilities, "sdpa")
+        # A level-specific option keeps the other levels apart from ``capabilities``.
+        mha_base = impl.mha_capabilities or (impl.capabilities if impl.mha is not None and level_specific else None)
+        flash_base = impl.flash_capabilities or (impl.capabilities if impl.flash is not None and level_specific
+                                                 else None)
+        mha_caps = overridden(mha_base, "mha") if mha_base else None
+        flash_caps = overridden(flash_base, "flash") if flash_base else None
     except ImplementationError as exc:
-        raise ImplementationError(f"--impl-option values {dict(options)} are inconsistent: {exc}") from exc
+        if "probe saw" in str(exc):
+            raise
+        raise ImplementationError(f"--impl-option values {dict(options) if isinstance(options, Mapping) else parsed} "
+                                  f"are inconsistent: {exc}") from exc
     return dataclasses.replace(impl, capabilities=caps, mha_capabilities=mha_caps,
                                flash_capabilities=flash_caps)

@@ -33,6 +33,7 @@ import spec
 from implementations.base import ALL_DTYPES, Capabilities, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
+from implementations.registry.probe_plan import first_call_hint, probe_plan
 
 __all__ = ["BUILD_TIMEOUT", "DEFAULT_PROBE_TIMEOUT", "build_limit", "probe_mha", "probe_sdpa"]
 
@@ -124,38 +125,49 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
 
     probe = _Prober(origin, timeout)
     gen = torch.Generator().manual_seed(0)
+    # Declarations first: every call is built inside the declarations in force (.probe_plan).
+    plan = probe_plan(level="sdpa")
+    L0, S0, E0 = plan.L, plan.S, plan.E
+    t0 = getattr(torch, plan.dtype)
+    tol = _TOLERANCE.get(plan.dtype, 1e-4)
+    user_fn = fn
+    if plan.causal_only:  # every call of a causal-only kernel passes the flag (and no mask)
+        def fn(query, key, value, **kw):  # noqa: F811
+            return user_fn(query, key, value, **{**kw, "is_causal": True})
 
-    def qkv(N=2, K=2, L=2, S=3, E=4, Ev=4, dtype=torch.float32):
+    def qkv(N=2, K=2, L=L0, S=S0, E=E0, Ev=E0, dtype=t0):
         return (torch.randn(1, N, L, E, generator=gen).to(dtype), torch.randn(1, K, S, E, generator=gen).to(dtype),
                 torch.randn(1, K, S, Ev, generator=gen).to(dtype))
 
     q, k, v = qkv()
-    plain = "a plain float32 call with query (1, 2, 2, 4), key (1, 2, 3, 4), value (1, 2, 3, 4)"
+    plain = (f"the first call, {plan.describe()} (query (1, 2, {L0}, {E0}), key (1, 2, {S0}, {E0}), "
+             f"value (1, 2, {S0}, {E0}))")
     notes: list[str] = []
     equal_lengths = False
     try:
         out = probe.call("a plain call", lambda: fn(q, k, v))
     except CallRaised as exc:
         # Self-attention kernels take L == S only: that is a declaration, not a failure.
-        q3 = torch.randn(1, 2, 3, 4, generator=gen)
-        if not _is_output(_try(probe, "a call with L == S", lambda: fn(q3, k, v)), (1, 2, 3, 4)):
+        q3 = torch.randn(1, 2, S0, E0, generator=gen).to(t0)
+        if not _is_output(_try(probe, "a call with L == S", lambda: fn(q3, k, v)), (1, 2, S0, E0)):
+            hint = first_call_hint(lambda p: _sdpa_attempt_runs(probe, user_fn, p), level="sdpa")
             raise ImplementationError(
-                f"{origin} has SDPA's signature but {plain} raised {summarise(exc.error)}; it must at "
-                "least run that"
+                f"{origin} has SDPA's signature but {plain} raised {summarise(exc.error)} (and so did "
+                f"L == S = {S0}){hint}"
             ) from exc.error
         equal_lengths, q = True, q3
-        notes.append(f"self_attention_lengths: query length 2 with key length 3 raised "
-                     f"{summarise(exc.error)}, query length 3 runs; declared L == S only")
+        notes.append(f"self_attention_lengths: query length {L0} with key length {S0} raised "
+                     f"{summarise(exc.error)}, query length {S0} runs; declared L == S only")
         out = probe.call("a plain call", lambda: fn(q, k, v))
     L = q.shape[2]
-    if not _is_output(out, (1, 2, L, 4)):
+    if not _is_output(out, (1, 2, L, E0)):
         raise ImplementationError(
             f"{origin} has SDPA's signature but {plain} returned {_describe_result(out)}; it must "
-            f"return a torch.Tensor of shape (1, 2, {L}, 4) (B, N, L, Ev) on the inputs' device, "
+            f"return a torch.Tensor of shape (1, 2, {L}, {E0}) (B, N, L, Ev) on the inputs' device, "
             "as torch.nn.functional.scaled_dot_product_attention does"
         )
     # What it attends over, for the notes below: the values, or the keys where it ignores value.
-    seen_v = k if _value_ignored(out, q, k, v, notes) else v
+    seen_v = k if _value_ignored(out, q, k, v, notes, tol, "upper_left" if plan.causal_only else None) else v
     runs = probe.runs
     batch_dims = None
     if not runs("3-D inputs", lambda: fn(q[0], k[0], v[0])) and \
@@ -169,13 +181,15 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
 
     def qkv_for(**sizes: Any) -> tuple[Any, Any, Any]:
         if equal_lengths:
-            sizes["L"] = sizes.get("S", 3)
+            sizes["L"] = sizes.get("S", S0)
         return qkv(**sizes)
 
     # The order of the calls below fixes what each draw from ``gen`` is: keep it.
-    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv_for(dtype=getattr(torch, d))), notes)
-    bool_mask = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])[:L]
-    float_mask = torch.randn(L, 3, generator=gen)
+    dtypes = _dtypes_that_run(probe, lambda d: fn(*qkv_for(dtype=getattr(torch, d))), notes, plan.dtypes)
+    # Key j blocked in row i where j = i + 1 (mod 3): every row keeps a key.
+    rows, cols = torch.arange(L)[:, None], torch.arange(S0)[None, :]
+    bool_mask = cols % 3 != (rows + 1) % 3
+    float_mask = torch.randn(L, S0, generator=gen)
 
     def backward(qq, kk, vv, mask: Any = None) -> str | None:
         """None when backward gives query (and ``mask``) a gradient, else what happened."""
@@ -199,16 +213,28 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
         """Capability -> (what is tried, the call) of the probes that may differ per dtype."""
         t = getattr(torch, dtype)
         qd, kd, vd = (x.to(t) for x in (q, k, v))
-        return {
+        probes = {
             "mask_kinds:bool": ("a bool mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(bool_mask))),
             "mask_kinds:additive": ("a float mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(float_mask.to(t)))),
             "gqa": ("GQA (N=2, K=1, enable_gqa=True)", lambda: fn(*qkv_for(N=2, K=1, dtype=t), enable_gqa=True)),
-            "different_v_dim": ("Ev=3 != E=4", lambda: fn(*qkv_for(Ev=3, dtype=t))),
+            "different_v_dim": (f"Ev={plan.Ev_other} != E={E0}", lambda: fn(*qkv_for(Ev=plan.Ev_other, dtype=t))),
             # backward makes its own guarded calls: it returns None or what happened.
             "autograd": ("backward through query, key, value", lambda: backward(qd, kd, vd), "direct"),
         }
+        if plan.causal_only:  # the suite folds a causal constraint into a mask: no mask is passed
+            probes = {key: value for key, value in probes.items() if not key.startswith("mask_kinds")}
+        if plan.Ev_other is None:
+            del probes["different_v_dim"]
+        return probes
 
-    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes)
+    found, by_dtype = _per_dtype_capabilities(probe, capability_probes, dtypes, notes, plan.dtype)
+    if plan.causal_only:
+        found.update({"mask_kinds:bool": False, "mask_kinds:additive": False})
+        notes.append("mask_kinds: causal_only declares causal calls only, and the suite folds a causal "
+                     "constraint with a mask into the mask: masks are not tried; declared none")
+    if plan.Ev_other is None:
+        found["different_v_dim"] = False
+        notes.append(f"different_v_dim: the declarations leave one head dim (E={E0}); Ev != E not tried")
     mask_kinds = {"none"} | {kind for kind in ("bool", "additive") if found[f"mask_kinds:{kind}"]}
     for values in by_dtype.values():
         kinds = {"none"} | {kind for kind in ("bool", "additive")
@@ -217,40 +243,64 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             values["mask_kinds"] = frozenset(kinds)
     mask_grad = False
     if "additive" in mask_kinds and found["autograd"]:
-        said = backward(q, k, v, mask=torch.randn(L, 3, generator=gen))
+        said = backward(q, k, v, mask=torch.randn(L, S0, generator=gen))
         mask_grad = said is None
         if said:
-            notes.append(f"mask_grad: a gradient w.r.t. a float mask in float32 {said}; declared unsupported")
-    causal, causal_seen = _probe_causal(probe, fn, q, k, seen_v, notes, equal_lengths)
+            notes.append(f"mask_grad: a gradient w.r.t. a float mask in {plan.dtype} {said}; declared unsupported")
+    causal, causal_seen = _probe_causal(probe, fn, q, k, seen_v, notes, equal_lengths, tol)
     observed = {
-        kind: _probe_fully_masked(probe, fn, q, k, seen_v, kind, as_mask)
+        kind: _probe_fully_masked(probe, fn, q, k, seen_v, kind, as_mask, tol)
         for kind in ("bool", "additive") if kind in mask_kinds
     }
     caps = Capabilities(
         devices=("cpu",),
-        dtypes=dtypes or ("float32",),
+        dtypes=dtypes or (plan.dtype,),
         mask_kinds=frozenset(mask_kinds),
         causal=causal,
         different_v_dim=found["different_v_dim"],
         gqa=found["gqa"],
-        dropout=_supports(probe, "dropout", "dropout_p=0.5", lambda: fn(q, k, v, dropout_p=0.5), notes),
-        custom_scale=_supports(probe, "custom_scale", "scale=0.5", lambda: fn(q, k, v, scale=0.5), notes),
+        dropout=_supports(probe, "dropout", "dropout_p=0.5", lambda: fn(q, k, v, dropout_p=0.5), notes,
+                          plan.dtype),
+        custom_scale=_supports(probe, "custom_scale", "scale=0.5", lambda: fn(q, k, v, scale=0.5), notes,
+                               plan.dtype),
         autograd=found["autograd"],
         mask_grad=mask_grad,
         non_contiguous=_supports(probe, "non_contiguous", "a transposed query",
-                                 lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), notes),
+                                 lambda: fn(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), notes,
+                                 plan.dtype),
         self_attention_lengths=equal_lengths,
         shared_kv=False,
         batch_dims=batch_dims,
         by_dtype=by_dtype,
     )
     if causal_seen == "lower_right" and not equal_lengths:  # the flag alone empties row 0 at L=3 > S=2
-        q3, k2, v2 = qkv(L=3, S=2)
-        observed["causal"] = _probe_fully_masked(probe, fn, q3, k2, k2 if seen_v is k else v2, "causal", as_mask)
+        q3, k2, v2 = qkv(L=3, S=2) if (L0, S0) == (2, 3) else qkv(L=2 * L0, S=L0)
+        observed["causal"] = _probe_fully_masked(probe, fn, q3, k2, k2 if seen_v is k else v2, "causal", as_mask,
+                                                 tol)
     fully_masked, source = _fully_masked_declaration(observed, notes)
     return caps.replace(fully_masked=fully_masked, probe_notes=tuple(notes),
                         sources={"causal": "contract" if causal else "probed", "shared_kv": "contract",
                                  "fully_masked": source})
+
+
+#: Absolute tolerance of the probes' comparisons with the float64 oracle, per probe dtype.
+_TOLERANCE = {"float16": 2e-2, "bfloat16": 1e-1}
+
+
+def _sdpa_attempt_runs(probe: _Prober, fn: Callable[..., Any], plan: Any) -> bool:
+    """Whether a plain call built by ``plan`` returns the (B, N, L, Ev) output."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    t = getattr(torch, plan.dtype)
+    q = torch.randn(1, 2, plan.L, plan.E, generator=gen).to(t)
+    k, v = (torch.randn(1, 2, plan.S, plan.E, generator=gen).to(t) for _ in range(2))
+    kwargs = {"is_causal": True} if plan.causal_only else {}
+    try:
+        out = probe.call("a call built inside a declaration", lambda: fn(q, k, v, **kwargs))
+    except CallRaised:
+        return False
+    return _is_output(out, (1, 2, plan.L, plan.E))
 
 
 def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
@@ -270,10 +320,12 @@ def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes
     return said is None
 
 
-def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str]) -> tuple[str, ...]:
-    """The dtypes in which a plain call runs; a note for each one that does not."""
+def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str],
+                     candidates: tuple[str, ...] = ALL_DTYPES) -> tuple[str, ...]:
+    """The dtypes among ``candidates`` (the declared ones, else all) in which a plain call
+    runs; a note for each one that does not."""
     dtypes = []
-    for dtype in ALL_DTYPES:
+    for dtype in [d for d in ALL_DTYPES if d in candidates]:
         said = probe.tried(f"dtype {dtype}", lambda d=dtype: call(d))
         if said:
             notes.append(f"dtypes: a plain call in {dtype} {said}; {dtype} not declared")
@@ -283,7 +335,8 @@ def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str
 
 
 def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tuple]],
-                            dtypes: tuple[str, ...], notes: list[str]) -> tuple[dict[str, bool], dict[str, dict]]:
+                            dtypes: tuple[str, ...], notes: list[str],
+                            base_dtype: str = "float32") -> tuple[dict[str, bool], dict[str, dict]]:
     """Each capability of ``probes(dtype)`` (key -> ``(what, call)``, or ``(what, call,
     "direct")`` for a call that makes its own guarded calls and returns None or what
     happened) in float32 (the declaration) and in every other dtype that runs
@@ -305,33 +358,33 @@ def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tu
         return key.split(":", 1)[0]
 
     base = {}
-    for key, (what, *call) in probes("float32").items():
-        said = outcome(f"{what} in float32", *call)
+    for key, (what, *call) in probes(base_dtype).items():
+        said = outcome(f"{what} in {base_dtype}", *call)
         base[key] = said is None
         if said:
-            notes.append(f"{field(key)}: {what} in float32 {said}; declared unsupported")
+            notes.append(f"{field(key)}: {what} in {base_dtype} {said}; declared unsupported")
     by_dtype: dict[str, dict] = {}
     for dtype in dtypes:
-        if dtype == "float32":
+        if dtype == base_dtype:
             continue
         for key, (what, *call) in probes(dtype).items():
             said = outcome(f"{what} in {dtype}", *call)
             if (said is None) != base[key]:
                 by_dtype.setdefault(dtype, {})[key] = said is None
                 notes.append(f"{field(key)}: {what} in {dtype} {said}; unsupported in {dtype}" if said else
-                             f"{field(key)}: {what} in {dtype} works (not in float32); supported in {dtype}")
+                             f"{field(key)}: {what} in {dtype} works (not in {base_dtype}); supported in {dtype}")
     return base, by_dtype
 
 
-def _value_ignored(out: Any, q, k, v, notes: list[str]) -> bool:
+def _value_ignored(out: Any, q, k, v, notes: list[str], tol: float = 1e-4, causal: str | None = None) -> bool:
     """Whether the plain call's output is attention with the keys as values (``value``
     ignored). The contract uses ``value``: that is not declared (the suite's properties
     fail on it), but noted with the declaration that would express it if intended."""
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
     got = out.detach().double().numpy()
-    if np.allclose(got, spec.sdpa(q64, k64, v64).output, atol=1e-4):
+    if np.allclose(got, spec.sdpa(q64, k64, v64, causal=causal).output, atol=tol):
         return False
-    if np.allclose(got, spec.sdpa(q64, k64, k64).output, atol=1e-4):
+    if np.allclose(got, spec.sdpa(q64, k64, k64, causal=causal).output, atol=tol):
         notes.append(f"shared_kv: the output is attention with the keys as values (value is ignored); "
                      f"the contract ({_SDPA_CONTRACT}) uses value, which is tested; if one memory "
                      "tensor as both key and value is intended, declare --impl-option shared_kv=true")
@@ -389,12 +442,12 @@ def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level:
 
 
 def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str],
-                  equal_lengths: bool = False) -> tuple[str | None, str]:
+                  equal_lengths: bool = False, tol: float = 1e-4) -> tuple[str | None, str]:
     """(declaration, what was seen). ``is_causal=True`` means the contract's upper-left
     triangle; only a flag that raises is declared unsupported (None). Seen: ``upper_left``,
     ``lower_right``, ``no_effect``, ``neither``, ``raised`` or ``bad_output``; each but the
     first is noted with what the probe saw (and the declaration that expresses it, if any)."""
-    shape = (1, 2, q.shape[2], 4)
+    shape = (1, 2, q.shape[2], v.shape[-1])
     lengths = f"query length {q.shape[2]}, key length {k.shape[2]}"
     contract = f"the contract ({_SDPA_CONTRACT}) is upper-left, which is tested"
     try:
@@ -411,7 +464,7 @@ def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str],
     q64, k64, v64 = (x.double().numpy() for x in (q, k, v))
 
     def close_to(alignment: str | None) -> bool:
-        return bool(np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=1e-4))
+        return bool(np.allclose(got, spec.sdpa(q64, k64, v64, causal=alignment).output, atol=tol))
 
     upper, lower = close_to("upper_left"), close_to("lower_right")
     if upper:
@@ -430,7 +483,8 @@ def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str],
     return "upper_left", "neither"
 
 
-def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callable[[Any], Any]) -> str:
+def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callable[[Any], Any],
+                        tol: float = 1e-4) -> str:
     """The policy for a query row whose every key is blocked by ``kind``: a bool mask,
     a -inf additive mask, or (``causal``: L > S) a lower-right causal flag alone;
     ``unspecified`` when the call raises or the row is none of zero, NaN, mean of V."""
@@ -457,7 +511,7 @@ def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callabl
         return "nan"
     if torch.equal(row, torch.zeros_like(row)):
         return "zero"
-    if torch.allclose(row, v.mean(dim=-2)[0], atol=1e-5):
+    if torch.allclose(row.double(), v.double().mean(dim=-2)[0], atol=1e-5 if tol <= 1e-4 else tol):
         return "uniform"
     return "unspecified"
 

@@ -10,7 +10,8 @@
 4. ``package.module:attr``;
 5. ``path/to/file.py:attr``.
 
-Then ``--impl-option`` values override the capabilities, and an implementation with an
+``--impl-option`` values are parsed first, and every probe call is built inside them
+(:mod:`.probe_plan`: dtype, head dims, lengths, causal only). Then they override the capabilities, and an implementation with an
 SDPA callable but no flash callable of its own gets a flash level derived from the SDPA
 callable through masks (:mod:`implementations.flash_from_sdpa`), its capabilities derived
 from the SDPA capabilities as overridden (``derived_flash=false`` turns it off). An
@@ -44,7 +45,9 @@ from implementations.registry.options import (
     DERIVED_FLASH_OPTION,
     apply_options,
     derived_flash_wanted,
+    parse_options,
 )
+from implementations.registry.probe_plan import declared_for_probes
 from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit
 from implementations.registry.learner import learner_options, split_learner_options
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
@@ -106,7 +109,10 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     spec = spec.strip()
     learner, options = split_learner_options(options)
     wanted = derived_flash_wanted(options)
-    with learner_options(learner) as held:
+    # Declarations first: parsed (and checked) before anything is probed, and every probe
+    # call is built inside them (.probe_plan).
+    parsed = parse_options({k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION})
+    with learner_options(learner) as held, declared_for_probes(parsed):
         impl = _resolve(spec, timeout)
     if learner and "_used" not in held:
         raise ImplementationError(
@@ -115,10 +121,17 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     derived = wanted if wanted is not None else not impl.capabilities.jit
     capability_options = {k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION}
     if capability_options:
-        impl = apply_options(impl, capability_options)
+        impl = apply_options(impl, parsed)
     elif derived and spec in registered():
         return _builtin_with_derived_flash(spec)  # a built-in stays one object per process
-    return derive_flash(impl) if derived else impl
+    if not derived:
+        return impl
+    had_flash = impl.flash is not None
+    impl = derive_flash(impl)
+    flash_only = parsed.per_level.get("flash")
+    if flash_only and not had_flash and impl.flash_capabilities is not None:  # flash.KEY=... on the derived level
+        impl = dataclasses.replace(impl, flash_capabilities=impl.flash_capabilities.replace(**flash_only))
+    return impl
 
 
 @functools.cache

@@ -1,0 +1,159 @@
+"""Partial support as declarations: each implementation of ``partial_support_impls.py``
+(SDPA level) and ``tests/implementations/declared_kernels.py`` (flash kernels with the
+limits of real tiled kernels, plain functions with flash_attn_func's signature) fails its
+certificate without its declaration and certifies with it, no adapter; probe calls are
+built inside the declarations; a failing first call names the declaration that lets it
+run; a declaration that claims what a probe saw fail is refused; the certificate lists
+the declarations and shows only the levels that ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from implementations import registry
+from implementations.base import Capabilities, ImplementationError
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPLS = "tests/runner/partial_support_impls.py"
+KERNELS = "tests/implementations/declared_kernels.py"
+
+
+def run(impl: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"), PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", f"--impl={impl}", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+def options(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--impl-option", pair)]
+
+
+def results(tmp_path: Path) -> dict[str, str]:
+    cert = json.loads((tmp_path / "cert.json").read_text())
+    return {f"{r['property']}[{r['level']}-{r['dtype']}]": r["outcome"] for r in cert["results"]}
+
+
+# --------------------------------------------------------------------------- flash kernels, no adapter
+
+FLASH_KERNELS = {
+    "tiled_16bit": ("dtypes=float16,bfloat16", "min_head_dim=16", "seq_multiple=16"),
+    "head_dims_64": ("dtypes=float16,bfloat16", "head_dims=64,96,128", "seq_multiple=16"),
+    "causal_only": ("causal_only=true",),
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_KERNELS))
+def test_a_flash_kernel_with_tile_limits_certifies_with_declarations_only(name, tmp_path):
+    declared = FLASH_KERNELS[name]
+    proc = run(f"{KERNELS}:{name}", tmp_path=tmp_path)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    said = proc.stdout + proc.stderr
+    assert "the first call, a plain float32 call with E=4, L=2, S=3" in said, said[-3000:]
+    for pair in declared:  # the message names the declarations under which a call runs
+        if not pair.startswith("head_dims"):
+            assert f"--impl-option {pair.replace('=64,96,128', '')}" in said or pair in said, (pair, said[-3000:])
+    proc = run(f"{KERNELS}:{name}", *options(*declared), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    got = results(tmp_path)
+    passed = [key for key, outcome in got.items() if outcome == "passed"]
+    assert {key.split("[")[0] for key in passed} >= {"flash_agreement", "flash_gradients", "lse_agreement"}
+    assert all(key.split("[")[1].startswith("flash") for key in passed)
+    # The certificate's table has the flash level only; the declarations are listed.
+    table = proc.stdout.split("policies:")[0]
+    assert " flash " in table and " sdpa " not in table and " mha " not in table
+    assert "levels not run (every property skipped" in proc.stdout
+    if name != "causal_only":
+        assert "L and S multiples of 16" in proc.stdout
+        assert {key.split("-")[1].rstrip("]") for key in passed} == {"float16", "bfloat16"}
+    else:
+        assert "causal calls only" in proc.stdout
+
+
+def test_probe_calls_are_built_inside_the_declarations():
+    impl = registry.resolve(f"{KERNELS}:head_dims_64",
+                            {"dtypes": "float16,bfloat16", "head_dims": "64,96,128", "seq_multiple": "16"})
+    caps = impl.caps("flash")
+    assert caps.dtypes == ("float16", "bfloat16") and caps.head_dims == (64, 96, 128)
+    assert caps.seq_multiple == 16 and caps.causal == "lower_right" and caps.gqa and caps.different_v_dim
+    assert caps.fully_masked == "zero" and "lse" in caps.flash_features
+    assert any("query length 32, key length 16" in n for n in caps.probe_notes)  # L = 2 x 16 > S = 16
+    causal = registry.resolve(f"{KERNELS}:causal_only", {"causal_only": "true"}).caps("flash")
+    assert causal.causal_only and causal.causal == "lower_right" and causal.autograd
+
+
+def test_a_failing_first_call_names_the_declarations_that_let_it_run():
+    with pytest.raises(ImplementationError) as raised:
+        registry.resolve(f"{KERNELS}:tiled_16bit", {"dtypes": "float16,bfloat16"})
+    message = str(raised.value)
+    assert "the first call, a plain float16 call with E=4, L=2, S=3" in message
+    assert "--impl-option min_head_dim=16 --impl-option seq_multiple=16" in message
+    assert "dtypes=" not in message.split("runs:")[1]  # already declared: not proposed again
+    with pytest.raises(ImplementationError, match=r"declare --impl-option head_dims=|min_head_dim=16"):
+        registry.resolve(f"{IMPLS}:head_dims_8_16")
+
+
+def test_a_declaration_claiming_what_the_probe_saw_fail_is_refused():
+    with pytest.raises(ImplementationError, match=r"mask_kinds=additive,bool,none declares the mask kinds "
+                                                  r"\['bool'\].*probe saw them fail"):
+        registry.resolve(f"{IMPLS}:no_bool_masks", {"mask_kinds": "none,bool,additive"})
+    assert registry.resolve(f"{IMPLS}:no_bool_masks").caps("sdpa").mask_kinds == {"none", "additive"}
+
+
+def test_new_declarations_parse_check_and_narrow_what_is_supported():
+    impl = registry.resolve("sdpa", {"head_dims": "16,8", "seq_multiple": "4", "positive_scale": "true",
+                                     "float64.mask_kinds": "none,bool", "flash.head_dims": "16"})
+    caps = impl.caps("sdpa")
+    assert caps.head_dims == (8, 16) and caps.seq_multiple == 4 and caps.positive_scale
+    assert caps.for_dtype("float64").mask_kinds == {"none", "bool"} and "additive" in caps.mask_kinds
+    assert impl.caps("flash").head_dims == (16,) and impl.flash is not None  # the derived level only
+    reasons = impl.not_supported_reasons({"level": "sdpa", "dtype": "float64", "mask_kind": "additive",
+                                          "E": 12, "L": 6, "S": 8, "scale": -0.5})
+    assert reasons == ["mask_kind='additive' not in declared ['bool', 'none'] in float64",
+                       "scale=-0.5 <= 0 but positive_scale declares scale > 0 only",
+                       "E=12 not in head_dims=[8, 16]", "L=6 is not a multiple of seq_multiple=4"]
+    for bad, match in (({"head_dims": "0,8"}, "head_dims"), ({"float64.causal": "none"}, "cannot differ per dtype"),
+                       ({"flsh.dtypes": "float32"}, "neither a level"), ({"seq_multiple": "x"}, "seq_multiple")):
+        with pytest.raises(ImplementationError, match=match):
+            registry.resolve("sdpa", bad)
+    with pytest.raises(ImplementationError, match="causal_only=True but causal=None"):
+        Capabilities(causal=None, causal_only=True)
+
+
+# --------------------------------------------------------------------------- SDPA-level partial support
+
+SDPA_CASES = {
+    # name: (declarations, -k, dtype, the property that fails without them)
+    "positive_scale_only": (("positive_scale=true",), "forward_agreement or temperature", "float64",
+                            "forward_agreement"),
+    "float64_without_float_masks": (("float64.mask_kinds=none,bool",),
+                                    "forward_agreement or convex_hull or bool_additive_equivalence", "float64",
+                                    "forward_agreement"),
+    "head_dims_8_16": (("head_dims=8,16",), "forward_agreement or gradient_agreement or weights_are_distributions",
+                       "float64", None),
+    "causal_only": (("causal_only=true",), "forward_agreement or gradient_agreement", "float64", None),
+    "blocks_of_4": (("seq_multiple=4",), "forward_agreement or gradient_agreement or small_sizes_sweep",
+                    "float64", None),
+}
+
+
+@pytest.mark.parametrize("name", list(SDPA_CASES))
+def test_partial_support_fails_without_its_declaration_and_certifies_with_it(name, tmp_path):
+    declared, chosen, dtype, failing = SDPA_CASES[name]
+    args = ("-k", f"({chosen}) and not mha and not flash", f"--dtype={dtype}")
+    proc = run(f"{IMPLS}:{name}", *args, tmp_path=tmp_path)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    if failing is not None:  # runs, and fails where it is not declared
+        assert results(tmp_path)[f"{failing}[sdpa-{dtype}]"] == "failed"
+    else:  # its first call raises: a usage error naming the declaration
+        assert declared[0].split("=")[0] + "=" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    proc = run(f"{IMPLS}:{name}", *options(*declared), *args, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "passed" in results(tmp_path).values()
