@@ -23,12 +23,13 @@ def _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 def _mask_key(attn_mask):
     if attn_mask is None:
         return None
-    return ("bool" if attn_mask.dtype == torch.bool else "additive", tuple(attn_mask.shape))
+    return "bool" if attn_mask.dtype == torch.bool else "additive"  # not its broadcast form
 
 
 def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Correct (the math backend); appends each call's configuration (what a compiler
-    would key on: shapes, mask kind and shape, causal flag, scale) as a JSON line to the
+    would key on: shapes, mask kind, causal flag, scale; the budget leaves the mask's
+    broadcast form free) as a JSON line to the
     file $CONFORMANCE_TEST_CONFIGS names (if set)."""
     path = os.environ.get("CONFORMANCE_TEST_CONFIGS")
     if path:
