@@ -12,7 +12,7 @@ __all__ = ["NAMESPACED_OPTIONS", "VALUE_OPTIONS", "pytest_addoption"]
 #: also registered as ``--conformance-<name>``, and only under that name when the plain
 #: one is already taken (by a conftest.py loaded before this plugin, or another plugin).
 NAMESPACED_OPTIONS = ("--xfail-file", "--device", "--dtype", "--replay", "--example-timeout",
-                      "--shape-budget", "--torch-threads", "--isolate")
+                      "--compile-budget", "--shape-budget", "--torch-threads", "--isolate")
 
 
 #: Every option of the suite that takes a value (``--NAME VALUE`` or ``--NAME=VALUE``), its
@@ -70,9 +70,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "the first call of each dtype and device may take 5x as long (compilation), "
                          "and time spent waiting for a CPU other processes hold is not counted, "
                          "up to 4x the limit (docs/DESIGN.md, Timeouts)")
+    _add(group, taken, "--compile-budget", default=None, type=int, metavar="N",
+                    help="random examples of each property take their configuration (shapes, "
+                         "scale, causal flag, mask kind, layout) from N fixed ones, and a sweep "
+                         "visits 2N sizes (implementations that compile per configuration); "
+                         "default 8 when the implementation declares jit; 0: no budget")
     _add(group, taken, "--shape-budget", default=None, type=int, metavar="N",
-                    help="at most N distinct shapes per property (JIT implementations compile once "
-                         "per shape); default 8 when the implementation declares jit; 0: no budget")
+                    help="the older name of --compile-budget")
     _add(group, taken, "--torch-threads", default=1, type=int, metavar="N",
                     help="torch intra-op threads while certifying (default 1: the cases are tiny, "
                          "and a thread pool costs more than it saves, ten times more on a busy "

@@ -128,7 +128,8 @@ def write_certificate(terminalreporter: Any, config: pytest.Config) -> None:
         cert = _comparison(config, session)
     else:
         cert = certificate.certificate(
-            implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options),
+            implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options,
+                                                          compile_budget=session.shape_budget),
             environment=_environment(config),
             profile=session.profile,
             seconds=time.time() - session.started,
@@ -158,7 +159,8 @@ def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
         by_label.setdefault(result.pop("implementation", ""), []).append(result)
     certificates = [
         certificate.certificate(
-            implementation=certificate.implementation_entry(s.impl, s.impl_spec, s.options),
+            implementation=certificate.implementation_entry(s.impl, s.impl_spec, s.options,
+                                                          compile_budget=s.shape_budget),
             environment=environment,
             profile=session.profile,
             seconds=sum(r.get("seconds") or 0.0 for r in by_label[s.label]),

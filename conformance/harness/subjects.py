@@ -83,7 +83,10 @@ def resolve_subject(config: pytest.Config, spec: str, label: str, options: dict[
     impl = _with_xfail_file(config, impl)
     subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
     try:
-        subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("conformance_shape_budget"))
+        requested, name = config.getoption("conformance_compile_budget"), "--compile-budget"
+        if requested is None:
+            requested, name = config.getoption("conformance_shape_budget"), "--shape-budget"
+        subject.shape_budget = shape_budget_for(impl.capabilities, requested, name=name)
     except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
         _close(worker)
         raise pytest.UsageError(str(err)) from None

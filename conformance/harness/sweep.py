@@ -12,7 +12,8 @@ A sweep is ``run(target, sweep)``: it calls the implementation through
 process, ``sweep.isolated``, has each case checked whole there by :meth:`Sweep.check`:
 only the worker may call it), reports each visited size with :meth:`Sweep.visited`, visits the first
 :meth:`Sweep.budget` of its cases (a count per Hypothesis profile: a certificate never
-depends on the machine's speed; a slow machine visits the same cases, in more time),
+depends on the machine's speed; a slow machine visits the same cases, in more time;
+fewer under a compile budget, where each case is a compilation: :attr:`Sweep.compile_limit`),
 asks :meth:`Sweep.out_of_time` (a generous wall-clock safety limit, a hang guard that
 says so on the certificate when it stops a sweep) before each, and on a failure raises the
 :class:`~conformance.core.compare.PropertyFailure` of the smallest failing case after
@@ -40,7 +41,12 @@ from conformance.core.target import Target, subject_of
 from conformance.harness.checking import check_example
 from conformance.harness.session import Session
 
-__all__ = ["SAFETY_S", "Sweep", "sweep_property"]
+__all__ = ["SAFETY_S", "SWEEP_SIZES_PER_CONFIGURATION", "Sweep", "sweep_property"]
+
+#: Under a compile budget of n configurations a sweep visits at most this many cases
+#: per configuration (2n: for n = 8, the 16 sizes of the square of the first four
+#: block-edge lengths, 1, 2, 15 and 16), each of them a compilation per call layout.
+SWEEP_SIZES_PER_CONFIGURATION = 2
 
 #: Wall-clock seconds a sweep may run per target before it stops: a hang guard, never a
 #: budget (the cases a sweep visits are its profile's count; each call has its own
@@ -85,9 +91,20 @@ class Sweep:
         assert self._check is not None and self._session is not None, "a Sweep made without its check"
         return check_example(self._session, self.property_id, self._check, self.target, case)
 
+    @property
+    def compile_limit(self) -> int | None:
+        """Under a compile budget (``Target.shape_budget``: the implementation compiles
+        per configuration, and every size of a sweep is a configuration of its own), the
+        most cases it visits: :data:`SWEEP_SIZES_PER_CONFIGURATION` per configuration of
+        the budget; None without one."""
+        budget = getattr(self.target, "shape_budget", None)
+        return None if budget is None else SWEEP_SIZES_PER_CONFIGURATION * budget
+
     def budget(self, order: list[Any]) -> list[Any]:
-        """The cases of ``order`` this sweep visits: its first ``sizes``."""
-        return list(order) if self.sizes is None else list(order)[:self.sizes]
+        """The cases of ``order`` this sweep visits: its first ``sizes`` (fewer under a
+        compile budget, :attr:`compile_limit`)."""
+        counts = [n for n in (self.sizes, self.compile_limit) if n is not None]
+        return list(order)[:min(counts)] if counts else list(order)
 
     def out_of_time(self) -> bool:
         """Whether the wall-clock safety limit has passed (a hang guard: then the
@@ -100,7 +117,12 @@ class Sweep:
         """How many of the ``total`` cases were visited and why no more, for the certificate."""
         visited = self.record.examples
         text = f"visited {visited} of {total} {what}"
-        if self.sizes is not None and self.sizes < total:
+        limit = self.compile_limit
+        if limit is not None and limit < total and (self.sizes is None or limit < self.sizes):
+            text += (f" (the compile budget's first {limit}, block edges first: "
+                     f"{SWEEP_SIZES_PER_CONFIGURATION} sizes per configuration of "
+                     f"--compile-budget={self.target.shape_budget})")
+        elif self.sizes is not None and self.sizes < total:
             text += f" (the {self.profile or 'run'} profile's first {self.sizes}, block edges first)"
         if self.stopped_by_safety:
             text += (f"; stopped by the {self.safety_s:g} s safety limit (a hang guard, not a budget: "

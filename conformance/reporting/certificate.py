@@ -124,15 +124,18 @@ def _input_declarations(caps: dict[str, Any]) -> str:
     return f"; inputs: {', '.join(parts)}" if parts else ""
 
 
-def implementation_entry(impl: Implementation, spec: str, options: dict[str, str]) -> dict[str, Any]:
+def implementation_entry(impl: Implementation, spec: str, options: dict[str, str], *,
+                         compile_budget: int | None = None) -> dict[str, Any]:
     """The certificate's ``implementation`` entry: names, declared capabilities at
     both levels and the expected failures (``spec``, ``options``: ``--impl`` and
-    ``--impl-option`` as given)."""
+    ``--impl-option`` as given; ``compile_budget``: the configurations per property its
+    random search was limited to, None: none)."""
     return {
         "name": impl.name,
         "spec": spec,
         "version": impl.version,
         "options": options,
+        "compile_budget": compile_budget,
         "capabilities": _capabilities(impl.capabilities),
         "mha_capabilities": _capabilities(impl.caps("mha")),
         # None without a flash level; a derived one says so in its probe notes.
@@ -241,6 +244,18 @@ def render_table(cert: dict[str, Any], markdown: bool = False) -> str:
     return "\n".join([fmt.format(*header)] + [fmt.format(*row) for row in body])
 
 
+def compile_budget_line(budget: int | None) -> str:
+    """What a compile budget limited, for the certificate ("" without one)."""
+    if budget is None:
+        return ""
+    return (f"compile budget: {budget} configurations per property (--compile-budget; "
+            "the implementation compiles per configuration): each SDPA property's random "
+            f"search was limited to {budget} fixed (layout, shape, causal flag, mask kind, "
+            "scale) configurations, each option of each drawn at least once; its derived "
+            "calls and directed examples are configurations of their own; "
+            f"small_sizes_sweep visits at most {2 * budget} sizes")
+
+
 def details(cert: dict[str, Any]) -> list[str]:
     """The lines under the table: declared policies, then each failure, expected
     failure, stale entry and (once per reason) skip."""
@@ -262,6 +277,8 @@ def details(cert: dict[str, Any]) -> list[str]:
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
     lines += [text for text in (provenance(caps), per_dtype(caps)) if text]
+    budget_line = compile_budget_line(cert["implementation"].get("compile_budget"))
+    lines += [budget_line] if budget_line else []
     flash = cert["implementation"].get("flash_capabilities") or {}
     # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
     lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]

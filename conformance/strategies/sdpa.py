@@ -30,11 +30,8 @@ from conformance.strategies.sdpa_masks import (
     draw_mask,
     mask_kind_choices,
 )
-from conformance.strategies.shape_budget import (
-    ShapePool,
-    check_shape_budget,
-    shape_pool,
-)
+from conformance.strategies.compile_budget import Branch, ConfigPool, config_pool
+from conformance.strategies.shape_budget import check_shape_budget
 from conformance.strategies.sizes import (
     LENGTH_RELATIONS,
     SizeBounds,
@@ -42,7 +39,7 @@ from conformance.strategies.sizes import (
     relation_possible,
     size_bounds,
 )
-from conformance.strategies.values import layout_choices, sdpa_values, value_regimes
+from conformance.strategies.values import _scale_kind_choices, layout_choices, sdpa_values, value_regimes
 from conformance.strategies.values import layouts as layout_strategies
 from conformance.strategies.values import scales as scale_strategies
 from implementations.base import CAUSAL_ALIGNMENTS, Capabilities
@@ -68,8 +65,8 @@ class _SDPAPlan:
     length_relations: list[str] | None = None
     #: Whether half the lower-right causal cases get their dead rows from the flag alone.
     causal_dead_rows: bool = False
-    #: With a shape budget, the shapes every example's sizes come from.
-    pool: ShapePool | None = None
+    #: With a compile budget, the configurations every example comes from.
+    pool: ConfigPool | None = None
     #: Value is key (``caps.shared_kv``): one memory tensor.
     shared_kv: bool = False
 
@@ -140,15 +137,22 @@ def _length_relation(plan: _SDPAPlan, causal: str | None) -> str | None:
     return None
 
 
-def _budget_pool(plan: _SDPAPlan, budget: int, stride0: bool) -> ShapePool:
-    """The plan's shapes under a budget: one for each length relation and batch minimum
-    its examples can ask for."""
-    relations = {_length_relation(plan, causal) for causal in plan.causal}
-    relations.update(plan.length_relations or ())
-    if plan.causal_dead_rows:
-        relations.add("L>S")
-    batch_minima = [None, 2] if stride0 else [None]
-    return shape_pool(plan.bounds, budget, [(r, b) for r in sorted(relations, key=str) for b in batch_minima])
+def _branches(plan: _SDPAPlan) -> list[Branch]:
+    """Every way an example of ``plan`` may be drawn: per causal option, the mask kinds
+    and the relation of L to S (as ``_draw_sdpa_case`` draws them without a budget)."""
+    out = []
+    for causal in plan.causal:
+        relations = plan.length_relations or [_length_relation(plan, causal)]
+        out += [Branch(causal, tuple(plan.mask_kinds), r) for r in relations]
+        if plan.causal_dead_rows and causal == "lower_right":
+            out.append(Branch(causal, ("none",), "L>S", flag_dead_rows=True))
+    return out
+
+
+def _budget_pool(plan: _SDPAPlan, budget: int, layouts: list[str], scale_kinds: list[str]) -> ConfigPool:
+    """The plan's configurations under a compile budget (``strategies.compile_budget``)."""
+    return config_pool(plan.bounds, budget, layouts=layouts, branches=_branches(plan),
+                       scale_kinds=scale_kinds, dtype=plan.dtype)
 
 
 def _length_relation_choices(length_relations: Any, fully_masked: bool | None,
@@ -194,7 +198,19 @@ def _draw_stride0_axes(draw: st.DrawFn, layout: str, sizes: dict[str, int]) -> t
     return axes, notes
 
 
+def _draw_configured_case(draw: st.DrawFn, plan: _SDPAPlan, pool: ConfigPool) -> SDPACase:
+    """A case whose layout, sizes, causal flag, mask kind and scale are one of ``pool``'s
+    configurations (a compile budget); the rest is drawn as without one."""
+    config = pool.draw(draw)
+    regime = draw(plan.regimes)
+    sizes = config.size_dict()
+    return _finish_case(draw, plan, config.layout, regime, config.scale, config.causal,
+                        [config.mask_kind], sizes)
+
+
 def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
+    if plan.pool is not None:
+        return _draw_configured_case(draw, plan, plan.pool)
     layout = draw(plan.layouts)
     regime = draw(plan.regimes)
     scale = draw(plan.scales)
@@ -210,11 +226,15 @@ def _draw_sdpa_case(draw: st.DrawFn, plan: _SDPAPlan) -> SDPACase:
     # "ascending" cases about a quarter of the time.
     boundary_heavy = layout != "contiguous" or regime == "ascending"
     min_batch = 2 if layout == "stride0" else None
-    if plan.pool is not None:
-        sizes = plan.pool.draw(draw, (relation, min_batch))
-    else:
-        sizes = draw_sizes(draw, plan.bounds, relation=relation, min_batch=min_batch,
-                           block_weight=8 if boundary_heavy else 4)
+    sizes = draw_sizes(draw, plan.bounds, relation=relation, min_batch=min_batch,
+                       block_weight=8 if boundary_heavy else 4)
+    return _finish_case(draw, plan, layout, regime, scale, causal, mask_kinds, sizes)
+
+
+def _finish_case(draw: st.DrawFn, plan: _SDPAPlan, layout: str, regime: str, scale: float | None,
+                 causal: str | None, mask_kinds: list[str], sizes: dict[str, int]) -> SDPACase:
+    """The seed, the mask, the stride-0 dims and the values of a case whose layout,
+    regime, scale, causal flag, mask kinds and sizes are drawn."""
     rng = draw_seed(draw)
     mask = draw_mask(draw, rng, sizes, mask_kinds=mask_kinds,
                      mask_patterns=plan.mask_patterns,
@@ -295,9 +315,10 @@ def sdpa_cases(
       only (relations other than ``"L=S"`` are then dropped, and dead rows from a
       lower-right flag alone are impossible); ``caps.shared_kv`` draws value = key
       (so Ev == E);
-    * ``shape_budget``: at most this many distinct (B, N, K, L, S, E, Ev) shapes,
-      fixed once per strategy (for JIT-compiled implementations, which compile once
-      per shape; see :mod:`conformance.strategies.shape_budget`). None: no budget.
+    * ``shape_budget`` (a compile budget): every example's layout, sizes, causal flag,
+      mask kind and scale come from at most this many configurations fixed once per
+      strategy, covering every option of each (for implementations that compile per
+      configuration; see :mod:`conformance.strategies.compile_budget`). None: no budget.
 
     Values: a drawn seed feeds a NumPy Generator; arrays are drawn in float64 and
     rounded through ``dtype``. Shrinks toward B = N = K = L = S = 1, small E = Ev,
@@ -333,5 +354,8 @@ def sdpa_cases(
                      length_relations=relations, causal_dead_rows=flag_dead_rows,
                      shared_kv=caps is not None and caps.shared_kv)
     if budget is not None:
-        plan = dataclasses.replace(plan, pool=_budget_pool(plan, budget, "stride0" in layout_options))
-    return named_strategy(sdpa_cases, arguments, lambda draw: _draw_sdpa_case(draw, plan))
+        plan = dataclasses.replace(plan, pool=_budget_pool(
+            plan, budget, layout_options, _scale_kind_choices(scale_kinds, caps)))
+    strategy = named_strategy(sdpa_cases, arguments, lambda draw: _draw_sdpa_case(draw, plan))
+    strategy.config_pool = plan.pool  # the compile budget's configurations (None: no budget)
+    return strategy

@@ -23,8 +23,11 @@ Kinds of case: a lower-right causal case may need L > S (to force fully-masked
 rows) or L <= S (to forbid them), and a ``stride0`` layout needs B >= 2; the pool
 keeps at least one shape for each kind the strategy can draw.
 
-The runner passes ``--shape-budget`` (default :data:`JIT_SHAPE_BUDGET` for an
-implementation declaring ``Capabilities.jit``) through ``Target.shape_budget``.
+SDPA strategies now budget whole configurations (shapes, scale, causal flag, mask
+kind, layout: :mod:`conformance.strategies.compile_budget`); the flash strategy
+budgets its shapes with this pool. The runner passes ``--compile-budget`` (older name
+``--shape-budget``; default :data:`JIT_SHAPE_BUDGET` for an implementation declaring
+``Capabilities.jit``) through ``Target.shape_budget``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from implementations.base import Capabilities
 
 __all__ = ["JIT_SHAPE_BUDGET", "ShapePool", "check_shape_budget", "shape_budget_for", "shape_pool"]
 
-#: The budget an implementation declaring ``Capabilities.jit`` gets by default (with it,
-#: ``--impl=jax --hypothesis-profile=ci`` measured 2.9 CPU-minutes).
+#: The compile budget an implementation declaring ``Capabilities.jit`` gets by default:
+#: configurations per strategy (``conformance.strategies.compile_budget``), and twice as
+#: many sizes per sweep.
 JIT_SHAPE_BUDGET = 8
 
 #: Kind of case: (length relation "L>S" / "L<=S" / None, batch minimum or None).
@@ -63,11 +67,13 @@ def check_shape_budget(budget: object, *, name: str = "shape_budget") -> int | N
     return budget
 
 
-def shape_budget_for(caps: Capabilities, requested: int | None = None) -> int | None:
-    """The budget a run gives a target: ``requested`` (a ``--shape-budget`` option; 0 means
-    none) when given, else :data:`JIT_SHAPE_BUDGET` when ``caps.jit``, else none."""
+def shape_budget_for(caps: Capabilities, requested: int | None = None, *,
+                     name: str = "--shape-budget") -> int | None:
+    """The budget a run gives a target: ``requested`` (a ``--compile-budget`` /
+    ``--shape-budget`` option, ``name``; 0 means none) when given, else
+    :data:`JIT_SHAPE_BUDGET` when ``caps.jit``, else none."""
     if requested is not None:
-        return check_shape_budget(requested, name="--shape-budget") if requested else None
+        return check_shape_budget(requested, name=name) if requested else None
     return JIT_SHAPE_BUDGET if caps.jit else None
 
 

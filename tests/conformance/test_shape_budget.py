@@ -44,11 +44,20 @@ def _bounds(**kw):
     return size_bounds(None, **args)
 
 
-@pytest.mark.parametrize("budget", [1, 3, 8])
+@pytest.mark.parametrize("budget", [5, 8])
 def test_at_most_budget_shapes(budget):
     seen = _shapes_drawn(sdpa_cases(dtype="float32", caps=JAX_LIKE, shape_budget=budget))
     assert 1 <= len(seen) <= budget
     assert all(shape[5] == shape[6] for shape in seen)  # caps: Ev == E
+
+
+@pytest.mark.parametrize("budget", [2, 3])
+def test_a_small_budget_covers_the_first_options(budget):
+    """Below the count of kinds of scale, the first ones only (default first)."""
+    strategy = sdpa_cases(dtype="float32", caps=JAX_LIKE, shape_budget=budget)
+    assert len(strategy.config_pool.configurations) <= budget
+    assert len(_shapes_drawn(strategy)) <= budget
+    assert strategy.config_pool.configurations[0].scale is None
 
 
 def test_every_kind_of_case_gets_its_shapes():
@@ -87,13 +96,13 @@ def test_pool_starts_with_the_smallest_shape_and_is_ordered():
     assert work == sorted(work)
 
 
-def test_shrinks_to_the_simplest_fitting_shape():
-    pool = shape_pool(_bounds(), 8, [(None, None)])
-    wanted = next(s for s in pool.shapes if s["L"] > 3)  # the simplest with L > 3
-    found = find(sdpa_cases(dtype="float64", shape_budget=8), lambda c: c.L > 3,
-                 settings=settings(database=None, max_examples=500))
-    assert {k: found.sizes()[k] for k in wanted} == wanted
-    assert found.mask_kind == "none" and found.causal is None
+def test_shrinks_to_the_simplest_fitting_configuration():
+    strategy = sdpa_cases(dtype="float64", shape_budget=8)
+    found = find(strategy, lambda c: c.L > 3, settings=settings(database=None, max_examples=500))
+    wanted = next(c for c in strategy.config_pool.configurations if c.size_dict()["L"] > 3)
+    assert found.sizes() == wanted.size_dict()
+    assert (found.layout, found.causal, found.mask_kind, found.scale) == (
+        wanted.layout, wanted.causal, wanted.mask_kind, wanted.scale)
 
 
 @pytest.mark.parametrize("budget", [0, -1, 2.5, True])
@@ -104,7 +113,11 @@ def test_invalid_budget_raises(budget):
 
 def test_budget_too_small_for_the_kinds_of_case_raises():
     with pytest.raises(InvalidArgument, match="shape_budget>=2"):
-        sdpa_cases(dtype="float32", layouts=("contiguous", "stride0"), shape_budget=1)
+        sdpa_cases(dtype="float32", layouts=("contiguous", "stride0"), scale_kinds=False,
+                   mask_kinds=("none",), causal=(None,), shape_budget=1)
+    with pytest.raises(InvalidArgument, match="shape_budget>=4"):  # 2 causal options x 2 relations
+        sdpa_cases(dtype="float32", length_relations=("L=S", "L>S"), causal=(None, "lower_right"),
+                   shape_budget=3)
 
 
 def test_repr_names_the_budget():
