@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping
 __all__ = [
     "ALL_DTYPES",
     "ALL_FLASH_FEATURES",
+    "DEFAULT_FLASH_FEATURES",
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
     "RENAMED_MHA_FEATURES",
@@ -145,8 +146,13 @@ ALL_FLASH_FEATURES = frozenset(
         "softcap",  # softcap > 0
         "alibi",    # alibi_slopes (N,) or (B, N)
         "lse",      # return_attn_probs=True returns (output, lse, ...)
+        "sinks",    # sinks= (N,) learned sink logits (gpt-oss style; not in flash_attn_func)
     }
 )
+#: What a flash-level implementation is taken to honour when it declares nothing:
+#: ``flash_attn_func``'s own features. ``sinks`` is no argument of FlashAttention-2's and
+#: is claimed only when declared (or recognised from the signature and probed).
+DEFAULT_FLASH_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
 
 
 class ImplementationError(ValueError):
@@ -202,8 +208,9 @@ class Capabilities:
     # -- kv-cache level features (``conformance/test_varlen.py`` consumes them) --
     kv_paged: bool = True            # block_table= (paged cache) honoured: paged_equivalence
     kv_append: bool = True           # new k=/v= written at cache_seqlens: kvcache_equivalence
-    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``).
-    flash_features: frozenset[str] = ALL_FLASH_FEATURES
+    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
+    #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
+    flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
