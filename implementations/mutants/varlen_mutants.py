@@ -65,15 +65,11 @@ class AppendNotWritten(KVCacheAttention):
 class CausalTopLeft(KVCacheAttention):
     """Causal in the cache aligned top-left (query i sees keys 0..i), not bottom-right."""
 
-    def attend(self, q, keys, values, *, scale, causal):
-        L, S = q.shape[0], keys.shape[0]
-        if not causal or L == 0 or S == 0:
-            return attend(q, keys, values, scale=scale, causal=causal)
-        if L <= S:  # tril(ones(L, S)): the square triangle over the first L keys
-            return attend(q, keys[:L], values[:L], scale=scale, causal=True)
-        first = attend(q[:S], keys, values, scale=scale, causal=True)      # rows 0..S-1: keys 0..i
-        rest = attend(q[S:], keys, values, scale=scale, causal=False)      # rows S..L-1: every key
-        return torch.cat([first, rest])
+    def attend(self, q, keys, values, *, scale, causal, **options):
+        if not causal:
+            return attend(q, keys, values, scale=scale, causal=causal, **options)
+        # p_i = i: tril(ones(L, S)), the square triangle over the first L keys (rows past S see all)
+        return attend(q, keys, values, scale=scale, causal=True, **{**options, "offset": 0})
 
 
 class BlockTableIgnored(KVCacheAttention):
