@@ -5,13 +5,12 @@ varlen_reference.py``) with one method of :class:`VarlenAttention` or
 :class:`KVCacheAttention` overridden; its capabilities are the built-in's.
 ``smallest_case`` here uses this level's vocabulary: ``lengths`` (varlen: one (L_b, S_b)
 per sequence), or ``L``, ``cache_seqlens``, ``S_new``, ``S_cache``, ``page_size`` and
-``block_table`` (kvcache), plus ``N``, ``K``, ``E``, ``Ev``, ``causal``
+``block_table`` (kvcache), plus ``N``, ``K``, ``E``, ``Ev``, ``causal`` (and, for
+FlashAttention's options, ``window``, ``softcap``, ``alibi``, ``lse``)
 (``tests/mutants/test_varlen_mutant_records.py`` turns it into a call).
 """
 
 from __future__ import annotations
-
-import torch
 
 from implementations.builtins.varlen_reference import (
     KVCacheAttention,
