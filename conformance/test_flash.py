@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.calls.declarations import fit_head_dims, fit_lengths
+from conformance.calls.declarations import fit_head_dims, fit_lengths, outside_declarations
+from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.flash import (
     FlashCase,
     allowed_lse,
@@ -31,7 +32,7 @@ from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
 from conformance.harness.reporting import probe_saw
 from conformance.harness.runner import conformance_property
-from conformance.strategies.flash import GEMMA_SOFTCAP, flash_cases
+from conformance.strategies.flash import GEMMA_SOFTCAP, exact_sinks, flash_cases
 from spec.emulate import round_to
 
 
@@ -41,7 +42,8 @@ def _cases(target: Target, **kwargs: Any) -> Any:
 
 
 def _directed(target: Target, *, window: bool | None = False, softcap: bool | None = False,
-              alibi: bool | None = False, split: bool = False, **_: Any) -> list[FlashCase]:
+              alibi: bool | None = False, split: bool = False, sinks: bool = False,
+              **_: Any) -> list[FlashCase]:
     """The smallest case of each bug class the strategy could draw: L = 1 < S and L > S
     (lower-right alignment: rows emptied by causal or a window), GQA, Ev != E, and the
     feature at its edges (window sides 0 and S, a cap far below the logits, ALiBi with
@@ -75,6 +77,12 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
         elif alibi:
             slopes = np.array([0.5, -0.25, 1.0, 0.125][:N], dtype=np.float32).astype(np.float64)
             variants += [{"alibi_slopes": slopes}, {"alibi_slopes": slopes, "causal": causal_ok}]
+        elif sinks:
+            # sinks that differ per head, one far above every score (it takes the mass and
+            # overflows exp(sink - key max) unless it joins the max), causal rows with no key
+            varied = exact_sinks(np.array([0.5, -1.0, 2.0, 0.0][:N]))
+            variants += [{"sinks": varied}, {"sinks": varied, "causal": causal_ok},
+                         {"sinks": exact_sinks(np.full(N, 1000.0))}]
         else:
             variants += [{}, {"causal": causal_ok}]
         for changes in variants:
@@ -267,3 +275,81 @@ def test_split_merge(target: Target, case: FlashCase) -> float:
     lse_allowed = sum(np.exp(r.lse - ref.lse) * allowed_lse(target, p, r, stored=d)
                       for p, r, d in zip(parts, refs, stored, strict=True))
     return max(ratio, compare_values("merged softmax_lse", merged.lse, ref.lse, lse_allowed).ratio)
+
+
+def _with_sinks(target: Target, **kwargs: Any) -> Any:
+    return _cases(target, sinks=True, **kwargs)
+
+
+@conformance_property(
+    "sink_agreement", level="flash", section="spec.flash (sinks)",
+    cases=lambda t: _with_sinks(t, window=None, softcap=None, alibi=None),
+    directed=lambda t: _directed(t, sinks=True),
+    skip_reason=lambda t: skip_unless("sinks" in t.caps.flash_features, "sinks not declared"),
+)
+def test_sink_agreement(target: Target, case: FlashCase) -> float:
+    """sinks (N,), one learned logit per query head, join every row's softmax denominator
+    and carry no value: the output equals spec.flash_attention(sinks=...) (weights
+    exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)), the sink compared with the final scores,
+    window, softcap and ALiBi drawn too); a row attending no key gives 0 (all its weight is
+    on the sink); sinks far above the scores stay finite; gradients (float64/32) equal the VJP."""
+    with probe_saw(target, "sinks"):
+        ratio = check_output(target, case, run_flash(target, case).output).ratio
+        if _grads_too(target):
+            ratio = max(ratio, check_gradients(target, case))
+        return ratio
+
+
+def _sink_as_key(case: FlashCase, scale: float) -> FlashCase:
+    """The same problem with each sink as a key prepended at index 0: one more head dim
+    (q' = [q, 1], k' = [k, 0], k_sink = [0, sink_h / scale]), kv heads repeated to N (one
+    sink key per query head), a zero value; prepending keeps the bottom-right causal rule."""
+    B, L, N, E = case.query.shape
+    group = N // case.K
+    key = np.repeat(case.key, group, axis=2)                                   # (B, S, N, E)
+    value = np.repeat(case.value, group, axis=2)                               # (B, S, N, Ev)
+    sink_key = np.zeros((B, 1, N, E + 1))
+    sink_key[..., E] = case.sinks / scale
+    query = np.concatenate([case.query, np.ones((B, L, N, 1))], axis=-1)
+    key = np.concatenate([sink_key, np.concatenate([key, np.zeros((*key.shape[:3], 1))], axis=-1)], axis=1)
+    value = np.concatenate([np.zeros((B, 1, N, case.Ev)), value], axis=1)
+    if case.Ev == E:  # keep Ev == E: a zero value column, dropped from the output
+        value = np.concatenate([value, np.zeros((*value.shape[:3], 1))], axis=-1)
+    return case.replace(query=query, key=key, value=value, sinks=None, scale=scale,
+                        notes=(*case.notes, "sinks as a leading key"))
+
+
+@conformance_property(
+    "sink_equivalence", level="flash", section="spec.flash (sinks)",
+    cases=lambda t: _with_sinks(t),
+    directed=lambda t: _directed(t, sinks=True),
+    skip_reason=lambda t: skip_unless("sinks" in t.caps.flash_features, "sinks not declared")
+    or skip_unless(t.caps.custom_scale, "the sink key's logit needs an explicit softmax_scale"),
+)
+def test_sink_equivalence(target: Target, case: FlashCase) -> float:
+    """A sink is an extra key with a zero value and a fixed logit: the output with sinks
+    equals the implementation's own output without sinks on keys with one key prepended
+    (one more head dim: q' = [q, 1], k_sink = [0, sink_h / scale], kv heads repeated, value
+    0; softmax_scale a power of two so sink_h / scale is exact; no window, softcap or ALiBi:
+    they would move or bend that key). Rows that see no key are 0 either way."""
+    scale = float(2.0 ** round(np.log2(1.0 / np.sqrt(case.E))))
+    case = case.replace(scale=scale)
+    call = run_flash(target, case)
+    ratio = check_output(target, case, call.output).ratio
+    extra = _sink_as_key(case, scale)
+    if np.abs(extra.key).max() > 60000 or outside_declarations(target, extra):
+        return ratio                                       # the sink key is not expressible here
+    other = run_flash(target, extra)
+    other_output = other.output[..., :case.Ev]
+    rows = np.ones(case.L, dtype=bool)
+    if case.causal:
+        rows[: max(case.L - case.S - 1, 0)] = False        # no key in either spelling: 0 in both
+    where = np.broadcast_to(rows[None, :, None, None], call.output.shape)
+    mine, theirs = oracle(case).output, oracle(extra).output[..., :case.Ev]
+    allowed_extra = allowed_output(target, extra)[..., :case.Ev]
+    sides = [Side("the call with sinks", call.output, mine, allowed_output(target, case), where, "sinks argument"),
+             Side("the call with the sinks as a leading key", other_output, theirs, allowed_extra, where,
+                  "plain attention")]
+    allowed = allowed_output(target, case) + allowed_extra
+    return max(ratio, compare_equivalent("output with sinks vs the sinks as a leading key (value 0)",
+                                         *sides, allowed, where=where).ratio)

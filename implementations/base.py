@@ -52,6 +52,9 @@ from typing import Any, Callable, Mapping
 __all__ = [
     "ALL_DTYPES",
     "ALL_FLASH_FEATURES",
+    "ALL_KVCACHE_FEATURES",
+    "ALL_VARLEN_FEATURES",
+    "DEFAULT_FLASH_FEATURES",
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
     "RENAMED_MHA_FEATURES",
@@ -145,8 +148,23 @@ ALL_FLASH_FEATURES = frozenset(
         "softcap",  # softcap > 0
         "alibi",    # alibi_slopes (N,) or (B, N)
         "lse",      # return_attn_probs=True returns (output, lse, ...)
+        "sinks",    # sinks= (N,) learned sink logits (gpt-oss style; not in flash_attn_func)
     }
 )
+#: Optional FlashAttention options at the varlen level (``flash_attn_varlen_func``'s
+#: ``window_size``, ``softcap``, ``alibi_slopes`` and ``return_attn_probs=True`` returning
+#: ``(output, softmax_lse (N, T_q), ...)``); none is claimed unless declared.
+ALL_VARLEN_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
+#: The same at the kvcache level (``flash_attn_with_kvcache``; ``return_softmax_lse=True``
+#: returns ``(output, softmax_lse (B, N, L))``), plus its cache options: ``rotary``
+#: (rotary_cos/rotary_sin/rotary_interleaved), ``cache_batch_idx``, ``cache_leftpad`` and
+#: ``num_splits`` (split-KV decoding, n > 1).
+ALL_KVCACHE_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
+                                  "cache_leftpad", "num_splits"})
+#: What a flash-level implementation is taken to honour when it declares nothing:
+#: ``flash_attn_func``'s own features. ``sinks`` is no argument of FlashAttention-2's and
+#: is claimed only when declared (or recognised from the signature and probed).
+DEFAULT_FLASH_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
 
 
 class ImplementationError(ValueError):
@@ -211,8 +229,13 @@ class Capabilities:
     # -- kv-cache level features (``conformance/test_varlen.py`` consumes them) --
     kv_paged: bool = True            # block_table= (paged cache) honoured: paged_equivalence
     kv_append: bool = True           # new k=/v= written at cache_seqlens: kvcache_equivalence
-    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``).
-    flash_features: frozenset[str] = ALL_FLASH_FEATURES
+    #: Varlen level: the ``flash_attn_varlen_func`` options honoured (``ALL_VARLEN_FEATURES``).
+    varlen_features: frozenset[str] = frozenset()
+    #: KV-cache level: the ``flash_attn_with_kvcache`` options honoured (``ALL_KVCACHE_FEATURES``).
+    kvcache_features: frozenset[str] = frozenset()
+    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
+    #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
+    flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -252,6 +275,11 @@ class Capabilities:
         object.__setattr__(self, "sources", _sources_value(self.sources))
         object.__setattr__(self, "by_dtype", _by_dtype_value(self.by_dtype))
 
+        for name, known in (("varlen_features", ALL_VARLEN_FEATURES), ("kvcache_features", ALL_KVCACHE_FEATURES)):
+            unknown = set(getattr(self, name)) - known
+            if unknown:
+                raise ImplementationError(f"{name} has unknown entries {sorted(unknown)}; known: {sorted(known)}")
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
         if not set(self.flash_features) <= ALL_FLASH_FEATURES:
             raise ImplementationError(
                 f"flash_features has unknown entries "
@@ -600,4 +628,8 @@ class Implementation:
         missing = set(case.get("flash_features", ())) - set(c.flash_features)
         if level == "flash" and missing:
             reasons.append(f"flash features not supported: {sorted(missing)}")
+        for name in ("varlen_features", "kvcache_features"):
+            missing = set(case.get(name, ())) - set(getattr(c, name))
+            if level == name.removesuffix("_features") and missing:
+                reasons.append(f"{level} features not supported: {sorted(missing)}")
         return reasons

@@ -75,6 +75,19 @@ def slopes_array(slopes: Any, batch: int, heads: int) -> np.ndarray | None:
     return slopes.reshape(-1, heads)                                   # (1 or B, N)
 
 
+def sinks_array(sinks: Any, heads: int) -> np.ndarray | None:
+    """Learned attention sinks (N,): one finite logit per query head; None stays None."""
+    if sinks is None:
+        return None
+    sinks = _checks.as_float64("sinks", sinks)
+    if sinks.shape != (heads,):
+        fail("sinks", sinks, f"must have shape (N,) = ({heads},): one logit per query head",
+             "pass one sink logit per query head (gpt-oss style learned sinks)")
+    if not np.isfinite(sinks).all():
+        fail("sinks", sinks, "must be finite", "pass finite sink logits (a sink of -inf is no sink: pass None)")
+    return sinks
+
+
 def int_vector(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):

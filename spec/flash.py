@@ -16,6 +16,11 @@ FlashAttention's, the default) or ``p_i = i`` (``"upper_left"``, PyTorch ``is_ca
   scaled logits.
 * LSE: ``log sum_j exp(score_ij)`` over the attended keys, scores = capped logits + bias;
   -inf for a row that attends no key.
+* learned sinks (N,): one logit per query head that joins every row's softmax
+  denominator and carries no value: ``w_ij = exp(score_ij) / (exp(sink_h) + sum_j
+  exp(score_ij))``; the sink's own weight is dropped, so a row's weights sum to less than
+  1 and a row attending no key gives 0. The sink is compared with the final scores as
+  given (not scaled, capped or biased). The LSE stays the keys' (the sink left out).
 """
 
 from __future__ import annotations
@@ -106,11 +111,12 @@ class Problem:
     scale: float
     softcap: float             # 0 = off
     group: int                 # N // K query heads per kv head
+    sinks: np.ndarray | None = None  # (N,) learned sink logits, None = no sink
 
 
 def prepare(query: Any, key: Any, value: Any, *, causal: Any = False, window: Any = (-1, -1),
             softcap: Any = 0.0, alibi_slopes: Any = None, scale: Any = None,
-            alignment: Any = "lower_right") -> Problem:
+            alignment: Any = "lower_right", sinks: Any = None) -> Problem:
     """Validate a FlashAttention-layout call and bring it to float64, heads first."""
     q = _checks.as_float64("query", query)
     k = _checks.as_float64("key", key)
@@ -129,14 +135,16 @@ def prepare(query: Any, key: Any, value: Any, *, causal: Any = False, window: An
         scale=_checks.resolve_scale(scale, E),
         softcap=checks.softcap_value(softcap),
         group=group,
+        sinks=checks.sinks_array(sinks, N),
     )
 
 
 class Forward(NamedTuple):
     logits: np.ndarray         # (B, N, L, S) scale · q kᵀ, before the cap
     weights: np.ndarray        # (B, N, L, S) 0 at blocked keys and in empty rows
-    lse: np.ndarray            # (B, N, L)    -inf in empty rows
+    lse: np.ndarray            # (B, N, L)    -inf in empty rows (the keys' only, sinks left out)
     empty_row: np.ndarray      # (L, 1)       True where no key is attended
+    sink_weight: np.ndarray | None = None  # (B, N, L, 1) the dropped weight of the sink
 
 
 def attend(p: Problem) -> Forward:
@@ -150,21 +158,37 @@ def attend(p: Problem) -> Forward:
     scores = np.where(p.allowed, scores, -np.inf)
     # 4. softmax from each row's max over attended keys, so exp never overflows
     empty_row = ~p.allowed.any(axis=-1, keepdims=True)                  # (L, 1)
-    row_max = np.where(empty_row, 0.0, scores.max(axis=-1, keepdims=True, initial=-np.inf))
+    key_max = np.where(empty_row, 0.0, scores.max(axis=-1, keepdims=True, initial=-np.inf))
+    row_max = key_max
+    sink = None
+    if p.sinks is not None:
+        # the sink joins the max (so exp(sink - max) <= 1 never overflows) and the denominator
+        sink = p.sinks[None, :, None, None]                              # (1, N, 1, 1)
+        row_max = np.where(empty_row, sink, np.maximum(key_max, sink))   # (B, N, L, 1)
     with np.errstate(over="ignore", under="ignore"):
         unnormalised = np.exp(scores - row_max)                          # (B, N, L, S), blocked = 0
-    total = unnormalised.sum(axis=-1, keepdims=True)                     # (B, N, L, 1), >= 1 if any key
-    weights = unnormalised / np.where(empty_row, 1.0, total)
-    # 5. LSE = log Σ exp(scores) over attended keys = row max + log(total); -inf if none
-    lse = np.where(empty_row, -np.inf, row_max + np.log(np.where(empty_row, 1.0, total)))
-    return Forward(logits, weights, lse[..., 0], empty_row)
+        sink_term = None if sink is None else np.exp(sink - row_max)     # (B, N, L, 1), <= 1
+    keys_total = unnormalised.sum(axis=-1, keepdims=True)               # (B, N, L, 1)
+    total = keys_total if sink_term is None else keys_total + sink_term
+    if sink_term is None:
+        weights = unnormalised / np.where(empty_row, 1.0, total)
+        sink_weight = None
+    else:                                                                # total >= 1: the max term is 1
+        weights, sink_weight = unnormalised / total, sink_term / total
+    # 5. LSE = log Σ exp(scores) over attended keys = key max + log(Σ exp(s - key max)); -inf
+    #    if none (with a sink, recomputed from the keys' max: the sink's may underflow them)
+    if sink_term is not None:
+        with np.errstate(under="ignore"):
+            keys_total = np.exp(scores - key_max).sum(axis=-1, keepdims=True)
+    lse = np.where(empty_row, -np.inf, key_max + np.log(np.where(empty_row, 1.0, keys_total)))
+    return Forward(logits, weights, lse[..., 0], empty_row, sink_weight)
 
 
 def flash_attention(query: Any, key: Any, value: Any, *, causal: bool = False,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Any = None, scale: float | None = None,
                     return_lse: bool = False, fully_masked: str = "zero",
-                    alignment: str = "lower_right") -> np.ndarray | FlashResult:
+                    alignment: str = "lower_right", sinks: Any = None) -> np.ndarray | FlashResult:
     """FlashAttention's forward (``flash_attn_func``) as the float64 reference.
 
     Shapes: query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), K dividing N.
@@ -179,10 +203,16 @@ def flash_attention(query: Any, key: Any, value: Any, *, causal: bool = False,
     lse (B, N, L) is -inf in rows that attend no key. With ``softcap=0`` this equals
     ``spec.sdpa(q, k, v, attend_mask=window_mask(...), additive_mask=alibi_bias(...))``
     on the heads-first transposes.
+
+    ``sinks`` (N,): learned sink logits that join each row's softmax denominator and are
+    dropped after it (no value); a row attending no key then puts all its weight on the
+    sink and gives 0 whatever ``fully_masked`` says. The LSE stays the keys' own.
     """
     _checks.check_policy(fully_masked)
     p = prepare(query, key, value, causal=causal, window=window, softcap=softcap,
-                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment)
+                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment, sinks=sinks)
+    if p.sinks is not None:
+        fully_masked = "zero"                                            # the sink holds the row's mass
     if fully_masked == "uniform" and p.key.shape[-2] == 0:
         fail("fully_masked", fully_masked, "needs S >= 1 keys to average (S=0 here)",
              "pass fully_masked='zero' or 'nan' when a sequence may have no keys")
@@ -200,7 +230,8 @@ def flash_attention(query: Any, key: Any, value: Any, *, causal: bool = False,
 def flash_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any, *,
                         causal: bool = False, window: tuple[int, int] = (-1, -1),
                         softcap: float = 0.0, alibi_slopes: Any = None,
-                        scale: float | None = None, alignment: str = "lower_right") -> FlashGrads:
+                        scale: float | None = None, alignment: str = "lower_right",
+                        sinks: Any = None) -> FlashGrads:
     """Vector-Jacobian product of :func:`flash_attention` (policy ``"zero"``) in closed form.
 
     ``grad_output`` (B, L, N, Ev). With P the weights, O the output, dO the upstream
@@ -210,10 +241,12 @@ def flash_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any, *,
         dQ = scale · dS K,   dK = scale · dSᵀ Q,
 
     dK and dV summed over each GQA group. The ALiBi bias and the window are constants;
-    blocked keys and rows attending no key get zero gradient.
+    blocked keys and rows attending no key get zero gradient. With ``sinks`` P holds the
+    weights with the sink in the denominator and the formulas are unchanged (the sink has
+    no value, so rowsum(dO ⊙ O) is still Σ_j P_j dP_j); the sinks' own gradient is not modelled.
     """
     p = prepare(query, key, value, causal=causal, window=window, softcap=softcap,
-                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment)
+                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment, sinks=sinks)
     grad_output = _checks.as_float64("grad_output", grad_output)
     B, N, L, Ev = p.query.shape[:3] + p.value.shape[-1:]
     if grad_output.shape != (B, L, N, Ev):

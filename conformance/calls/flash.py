@@ -118,6 +118,8 @@ class FlashCallSpec:
             kwargs["softcap"] = c.softcap
         if c.alibi_slopes is not None:
             kwargs["alibi_slopes"] = "<float32 tensor>"
+        if c.sinks is not None:
+            kwargs["sinks"] = "<float32 tensor>"
         if self.lse:
             kwargs["return_attn_probs"] = True
         return kwargs
@@ -146,10 +148,11 @@ def flash_inputs(case: FlashCase, *, requires_grad: bool = False) -> dict[str, A
         t = torch.tensor(np.ascontiguousarray(a), dtype=dtype, device=case.device)
         return t.requires_grad_(True) if requires_grad else t
 
-    slopes = None
-    if case.alibi_slopes is not None:
-        slopes = torch.tensor(case.alibi_slopes, dtype=torch.float32, device=case.device)
-    return {"q": tensor(case.query), "k": tensor(case.key), "v": tensor(case.value), "alibi_slopes": slopes}
+    def float32(a: np.ndarray | None) -> Any:
+        return None if a is None else torch.tensor(a, dtype=torch.float32, device=case.device)
+
+    return {"q": tensor(case.query), "k": tensor(case.key), "v": tensor(case.value),
+            "alibi_slopes": float32(case.alibi_slopes), "sinks": float32(case.sinks)}
 
 
 @dataclass
@@ -169,8 +172,9 @@ def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_dire
     case = call.case
     tensors = inputs if inputs is not None else flash_inputs(case, requires_grad=call.grad)
     kwargs = call.keyword_arguments()
-    if "alibi_slopes" in kwargs:
-        kwargs["alibi_slopes"] = tensors["alibi_slopes"]
+    for name in ("alibi_slopes", "sinks"):
+        if name in kwargs:
+            kwargs[name] = tensors[name]
 
     def forward() -> Any:
         return impl.flash(tensors["q"], tensors["k"], tensors["v"], **kwargs)
@@ -255,7 +259,10 @@ def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: s
     where = rows[None, :, None, None]
     comparison = compare_values(what, actual, ref.output, allowed_output(target, case, ref), where=where)
     dead = actual[:, ~rows]
-    policy = target.caps.fully_masked
+    policy = "zero" if case.sinks is not None else target.caps.fully_masked
+    if dead.size and case.sinks is not None and not (dead == 0).all():
+        fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
+             "(with sinks such a row puts all its weight on the sink, which carries no value)")
     if dead.size and policy == "zero" and not (dead == 0).all():
         fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
              "(declared fully_masked='zero', FlashAttention's)")
@@ -317,7 +324,7 @@ def assert_output_contract(target: Target, case: FlashCase, call: FlashCall) -> 
 # --------------------------------------------------------------------------- saving and reproducing
 
 
-_ARRAYS = ("query", "key", "value", "alibi_slopes")
+_ARRAYS = ("query", "key", "value", "alibi_slopes", "sinks")
 
 
 def case_meta(case: FlashCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -361,7 +368,7 @@ def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_d
     except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
         report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
         return report
-    report.lines.append(f"oracle: spec.flash_attention({', '.join(f'{k}={v!r}' for k, v in case.options().items() if k != 'alibi_slopes')}, ...)")
+    report.lines.append(f"oracle: spec.flash_attention({', '.join(f'{k}={v!r}' for k, v in case.options().items() if k not in ('alibi_slopes', 'sinks'))}, ...)")
     checks = [lambda: check_output(target, case, to_numpy(outcome.tensor), ref=ref)]
     if outcome.lse is not None:
         lse = to_numpy(outcome.lse)

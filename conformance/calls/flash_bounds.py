@@ -56,12 +56,18 @@ def emulate_flash(case: FlashCase) -> tuple[np.ndarray, np.ndarray]:
             s = store(s + store(problem.bias))
         s = np.where(problem.allowed, s, accumulate(-np.inf))
         empty = ~problem.allowed.any(axis=-1, keepdims=True)
-        row_max = np.where(empty, accumulate(0), s.max(axis=-1, keepdims=True))
-        e = np.exp(s - row_max)
+        key_max = np.where(empty, accumulate(0), s.max(axis=-1, keepdims=True))
+        e = np.exp(s - key_max)
         total = e.sum(axis=-1, keepdims=True)
-        weights = store(e / np.where(empty, accumulate(1), total))
+        lse = np.where(empty, -np.inf, key_max + np.log(np.where(empty, accumulate(1), total)))
+        if problem.sinks is None:
+            weights = store(e / np.where(empty, accumulate(1), total))
+        else:  # the sink (float32-exact) joins the max and the denominator, then is dropped
+            sink = accumulate(problem.sinks)[None, :, None, None]
+            row_max = np.where(empty, sink, np.maximum(key_max, sink))
+            e = np.exp(s - row_max)
+            weights = store(e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)))
         output = store(weights @ v)
-        lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, accumulate(1), total)))
     return output.astype(np.float64).transpose(0, 2, 1, 3), lse[..., 0].astype(np.float64)
 
 

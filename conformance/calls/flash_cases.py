@@ -26,7 +26,7 @@ __all__ = ["FLASH_ATTRIBUTES", "FlashCase"]
 FLASH_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "regime", "B", "N", "K", "L",
     "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows", "window", "window_left",
-    "window_right", "softcap", "alibi", "flash_features", "grad", "lse",
+    "window_right", "softcap", "alibi", "sinks", "flash_features", "grad", "lse",
 })
 
 
@@ -36,7 +36,8 @@ class FlashCase:
 
     ``causal``: FlashAttention's flag (lower-right, i.e. ``right = 0``); ``window``
     (left, right), -1 = unbounded; ``softcap`` 0 = off; ``alibi_slopes`` float64 (N,) or
-    (B, N), handed over as float32 (FlashAttention's), so stored float32-exact.
+    (B, N), handed over as float32 (FlashAttention's), so stored float32-exact; ``sinks``
+    float64 (N,) learned sink logits (None = no sink), handed over as float32 likewise.
     """
 
     query: np.ndarray
@@ -47,6 +48,7 @@ class FlashCase:
     softcap: float = 0.0
     alibi_slopes: np.ndarray | None = None
     scale: float | None = None
+    sinks: np.ndarray | None = None
     dtype: str = "float64"
     device: str = "cpu"
     regime: str = "normal"
@@ -92,8 +94,11 @@ class FlashCase:
 
     def options(self) -> dict[str, Any]:
         """The ``spec.flash_attention`` keyword arguments of this case."""
-        return {"causal": self.causal, "window": self.window, "softcap": self.softcap,
-                "alibi_slopes": self.alibi_slopes, "scale": self.scale}
+        options = {"causal": self.causal, "window": self.window, "softcap": self.softcap,
+                   "alibi_slopes": self.alibi_slopes, "scale": self.scale}
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        return options
 
     def features(self) -> set[str]:
         """The ``Capabilities.flash_features`` this case uses (lse is the call's)."""
@@ -104,6 +109,8 @@ class FlashCase:
             used.add("softcap")
         if self.alibi_slopes is not None:
             used.add("alibi")
+        if self.sinks is not None:
+            used.add("sinks")
         return used
 
     def empty_rows(self) -> np.ndarray:
@@ -120,7 +127,7 @@ class FlashCase:
             "fully_masked_rows": bool(self.empty_rows().any()),
             "window": self.window != (-1, -1), "window_left": self.window[0], "window_right": self.window[1],
             "softcap": self.softcap, "alibi": self.alibi_slopes is not None,
-            "flash_features": self.features(),
+            "sinks": self.sinks is not None, "flash_features": self.features(),
         }
         out.update(extra)
         return out
@@ -136,13 +143,14 @@ class FlashCase:
     def describe(self) -> str:
         sizes = " ".join(f"{k}={v}" for k, v in self.sizes().items())
         slopes = None if self.alibi_slopes is None else f"{tuple(self.alibi_slopes.shape)}"
+        sinks = "" if self.sinks is None else f" sinks={[float(x) for x in self.sinks]}"
         return (f"{sizes} dtype={self.dtype} device={self.device} causal={self.causal} "
-                f"window={self.window} softcap={self.softcap!r} alibi_slopes={slopes} "
+                f"window={self.window} softcap={self.softcap!r} alibi_slopes={slopes}{sinks} "
                 f"scale={self.scale!r} regime={self.regime}")
 
     def heads_first(self) -> SDPACase:
         """The same problem as an SDPA case, heads first, window/causal as an attend mask and
-        ALiBi as an additive mask (not valid with soft-capping)."""
+        ALiBi as an additive mask (not valid with soft-capping or sinks)."""
         attend = spec.window_mask(self.L, self.S, self.window, causal=self.causal)
         bias = None if self.alibi_slopes is None else spec.alibi_bias(self.L, self.S, self.alibi_slopes)
         t = (0, 2, 1, 3)

@@ -37,6 +37,17 @@ from conformance.calls.varlen import (
     _sequence_bounds,
     _tensor,
 )
+from conformance.calls.cache_options import (
+    check_lse_against_oracle,
+    flash_options,
+    float32_tensor,
+    option_features,
+    option_kwargs,
+    option_text,
+    sequence_lse_bounds,
+    slopes_row,
+    split_lse,
+)
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
@@ -55,6 +66,7 @@ __all__ = [
     "case_meta",
     "check_kvcache_against_oracle",
     "kvcache_bounds",
+    "kvcache_lse_bounds",
     "report_call",
     "report_kvcache_call",
     "run_kvcache",
@@ -68,7 +80,7 @@ __all__ = [
 #: ``match`` may use at this level.
 KVCACHE_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
-    "gqa", "different_v_dim", "kv_paged", "kv_append",
+    "gqa", "different_v_dim", "kv_paged", "kv_append", "window", "softcap", "alibi", "kvcache_features", "lse",
 })
 
 
@@ -95,6 +107,9 @@ class KVCacheCase:
     page_order: tuple[int, ...] | None = None
     dtype: str = "float64"
     device: str = "cpu"
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None    # (N,) or (B, N), float32-exact
 
     @property
     def level(self) -> str:
@@ -144,7 +159,13 @@ class KVCacheCase:
         """``spec.kvcache_attention`` on the logical (contiguous) caches."""
         return spec.kvcache_attention(self.query, self.k_cache, self.v_cache,
                                       cache_seqlens=np.array(self.cache_seqlens), k=self.k_new,
-                                      v=self.v_new, causal=self.causal, scale=self.scale)
+                                      v=self.v_new, causal=self.causal, scale=self.scale, **flash_options(self))
+
+    def sequence_slopes(self, b: int) -> np.ndarray | None:
+        """ALiBi slopes of sequence b alone: (N,) kept, row b of (B, N) as (1, N)."""
+        if self.alibi_slopes is None or np.ndim(self.alibi_slopes) == 1:
+            return self.alibi_slopes
+        return np.asarray(self.alibi_slopes)[b:b + 1]
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         out = {"level": "kvcache", "device": self.device, "dtype": self.dtype,
@@ -152,7 +173,9 @@ class KVCacheCase:
                "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
                "L": self.L, "S": max(self.valid_lengths()), "E": self.E, "Ev": self.Ev,
                "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
-               "kv_paged": self.paged, "kv_append": self.k_new is not None}
+               "kv_paged": self.paged, "kv_append": self.k_new is not None,
+               "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
+               "alibi": self.alibi_slopes is not None, "kvcache_features": option_features(self)}
         out.update(extra)
         return out
 
@@ -164,7 +187,8 @@ class KVCacheCase:
                  if self.paged else "")
         return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
-                f"{pages} causal={self.causal} scale={self.scale} dtype={self.dtype} device={self.device}")
+                f"{pages} causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
+                f"device={self.device}")
 
     def __repr__(self) -> str:
         return f"KVCacheCase({self.describe()})"
@@ -179,11 +203,28 @@ def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.nd
     shape = (case.B, case.L, case.N, case.Ev)
     expected, allowed = np.zeros(shape), np.zeros(shape)
     live = np.zeros((*shape[:3], 1), dtype=bool)
+    options = flash_options(case)
     for b, S_b in enumerate(case.valid_lengths()):
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
         expected[b], allowed[b], live[b] = _sequence_bounds(
             target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device)
+            scale=case.scale, dtype=case.dtype, device=case.device, options=options)
     return expected, allowed, live
+
+
+def kvcache_lse_bounds(target: Target, case: KVCacheCase, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(expected LSE (B, N, L) = ``spec.kvcache_attention``'s, allowed error (B, N, L))."""
+    ref = case.oracle()
+    expected, allowed = np.zeros((case.B, case.N, case.L)), np.zeros((case.B, case.N, case.L))
+    options = flash_options(case)
+    for b, S_b in enumerate(case.valid_lengths()):
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        expected[b], allowed[b] = sequence_lse_bounds(
+            target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
+            scale=case.scale, dtype=case.dtype, device=case.device, options=options, stored=stored)
+    return expected, allowed
 
 
 def check_kvcache_against_oracle(target: Target, case: KVCacheCase, output: np.ndarray) -> float:
@@ -198,6 +239,8 @@ class KVCacheCall:
     output: np.ndarray   # (B, L, N, Ev), float64 copy
     k_cache: np.ndarray  # the key cache after the call, in the logical layout (B, S_cache, K, E)
     v_cache: np.ndarray  # (B, S_cache, K, Ev)
+    lse: np.ndarray | None = None  # (B, N, L) with return_softmax_lse=True
+    lse_dtype: str | None = None
 
 
 def _pages(case: KVCacheCase, cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -232,6 +275,7 @@ class KVCacheCallSpec:
     case: KVCacheCase
     paged: bool | None = None
     grad_output: np.ndarray | None = None
+    lse: bool = False  # return_softmax_lse=True: (output, softmax_lse (B, N, L))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paged", self.case.paged if self.paged is None else bool(self.paged))
@@ -241,7 +285,10 @@ class KVCacheCallSpec:
         return "kvcache"
 
     def attrs(self) -> dict[str, Any]:
-        return self.case.attrs(kv_paged=self.paged)
+        attrs = self.case.attrs(kv_paged=self.paged, lse=self.lse)
+        if self.lse:
+            attrs["kvcache_features"] = attrs["kvcache_features"] | {"lse"}
+        return attrs
 
     def arguments(self) -> str:
         c = self.case
@@ -249,13 +296,15 @@ class KVCacheCallSpec:
         text += f"cache_seqlens={list(c.cache_seqlens)}, "
         if self.paged:
             text += f"block_table=<page_order {list(c.page_order or ())} in pages of {c.page_size}>, "
-        return text + f"softmax_scale={c.scale!r}, causal={c.causal!r}"
+        options = "".join(f", {k}={v!r}" for k, v in option_kwargs(c, lambda a: "<float32 tensor>").items())
+        return (text + f"softmax_scale={c.scale!r}, causal={c.causal!r}{options}"
+                + (", return_softmax_lse=True" if self.lse else ""))
 
     def describe(self) -> str:
         return f"{self.case.describe()}; {self.arguments()}"
 
     def same_as(self, case: Any) -> bool:
-        return self.case is case and self.paged == case.paged
+        return self.case is case and self.paged == case.paged and not self.lse
 
 
 def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_directly,
@@ -273,25 +322,33 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
     else:
         k_cache, v_cache, block_table = _tensor(case.k_cache, case), _tensor(case.v_cache, case), None
     new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
+    extra = option_kwargs(case, lambda a: float32_tensor(a, case))
+    if call.lse:
+        extra["return_softmax_lse"] = True
     out = invoke(
         impl.kvcache, _tensor(case.query, case), k_cache, v_cache, **new,
         cache_seqlens=_int32(case.cache_seqlens, case.device), block_table=block_table,
-        softmax_scale=case.scale, causal=case.causal,
+        softmax_scale=case.scale, causal=case.causal, **extra,
     )
     if not check_output:
         return KVCacheCall(np.zeros(0), case.k_cache, case.v_cache)
+    lse = None
+    if call.lse:
+        out, lse = split_lse(out, (case.B, case.N, case.L), "return_softmax_lse", "(B, N, L)")
     _output_shape_and_dtype(out, case, (case.B, case.L, case.N, case.Ev), "(B, L, N, Ev)")
     k_after, v_after = to_numpy(k_cache), to_numpy(v_cache)
     if call.paged:
         k_after, v_after = _unpage(k_after, table), _unpage(v_after, table)
-    return KVCacheCall(to_numpy(out), k_after, v_after)
+    return KVCacheCall(to_numpy(out), k_after, v_after, None if lse is None else to_numpy(lse),
+                       None if lse is None else str(lse.dtype).removeprefix("torch."))
 
 
-def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None) -> KVCacheCall:
+def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None, lse: bool = False) -> KVCacheCall:
     """``target.impl.kvcache`` on ``case`` through ``core.target.call_guarded``, the call logged
-    (paged when the case has pages, unless ``paged`` says otherwise)."""
+    (paged when the case has pages, unless ``paged`` says otherwise; ``lse``: with
+    ``return_softmax_lse=True``)."""
     __tracebackhide__ = True
-    call = KVCacheCallSpec(case, paged=paged)
+    call = KVCacheCallSpec(case, paged=paged, lse=lse)
     require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
@@ -324,7 +381,10 @@ def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     meta = {"kind": "kvcache", "cache_seqlens": [int(n) for n in case.cache_seqlens], "causal": bool(case.causal),
             "scale": case.scale, "page_size": None if case.page_size is None else int(case.page_size),
             "page_order": None if case.page_order is None else [int(n) for n in case.page_order],
-            "dtype": case.dtype, "device": case.device}
+            "dtype": case.dtype, "device": case.device, "window": [int(x) for x in case.window],
+            "softcap": float(case.softcap)}
+    if case.alibi_slopes is not None:
+        arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
     return meta, arrays
 
 
@@ -334,7 +394,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCac
                        cache_seqlens=tuple(int(n) for n in meta["cache_seqlens"]), causal=bool(meta["causal"]),
                        scale=meta["scale"], page_size=meta["page_size"],
                        page_order=None if order is None else tuple(int(n) for n in order),
-                       dtype=meta["dtype"], device=meta["device"])
+                       dtype=meta["dtype"], device=meta["device"], window=tuple(meta.get("window", (-1, -1))),
+                       softcap=float(meta.get("softcap", 0.0)), alibi_slopes=arrays.get("alibi_slopes"))
 
 
 def validate(case: KVCacheCase) -> None:
@@ -373,13 +434,17 @@ def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_
     except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
         report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
         return report
-    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}), "
+    options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
+    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}), "
                         "tolerance rule per sequence; the caches after the call exactly")
     ref = case.oracle()
     valid = case.valid_lengths()
     checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
               lambda: assert_same_cache("k_cache after the call", result.k_cache, ref.k_cache, valid),
               lambda: assert_same_cache("v_cache after the call", result.v_cache, ref.v_cache, valid)]
+    if result.lse is not None:
+        checks.append(lambda: check_lse_against_oracle("softmax_lse", result.lse,
+                                                       *kvcache_lse_bounds(target, case, result.lse_dtype)))
     for check in checks:
         try:
             check()

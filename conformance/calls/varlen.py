@@ -7,8 +7,10 @@ call goes through ``core.target.call_guarded`` (:func:`run_varlen`, logged as a
 reproducer runs through :func:`show_varlen_call`). The error bound is the SDPA rule
 (``conformance.core.tolerance``, computed by ``conformance.calls.sdpa``) applied sequence by
 sequence: each sequence of a packed batch is one SDPA problem of its own (B = 1, the
-sequence's own L and S, FlashAttention's bottom-right causal). The kvcache level's
-calls (``conformance.calls.kvcache``) use the same per-sequence rule from here.
+sequence's own L and S, FlashAttention's bottom-right causal); with a window, soft-capping
+or ALiBi it is the flash level's rule (``conformance.calls.flash_bounds``) on the sequence
+as a flash case, which also bounds the LSE. The kvcache level's calls
+(``conformance.calls.kvcache``) use the same per-sequence rule from here.
 
 Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim, T packed total length.
@@ -28,6 +30,20 @@ from conformance.calls.call_reports import CallReport
 from conformance.calls.call_specs import call_directly
 from conformance.calls.declarations import require_inside
 from conformance.calls.equivalence import Side, compare_equivalent
+from conformance.calls.cache_options import (
+    check_lse_against_oracle,
+    flash_options,
+    float32_tensor,
+    option_features,
+    option_kwargs,
+    option_text,
+    sequence_flash_case,
+    sequence_lse_bounds,
+    slopes_row,
+    split_lse,
+)
+from conformance.calls.flash_bounds import allowed_output
+from conformance.calls.flash_bounds import oracle as flash_oracle
 from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
@@ -44,22 +60,25 @@ __all__ = [
     "VarlenCase",
     "case_from_meta",
     "case_meta",
+    "check_lse_against_oracle",
     "check_varlen_against_oracle",
     "compare_pair",
     "report_call",
     "report_varlen_call",
     "run_varlen",
     "run_varlen_call",
+    "run_varlen_lse",
     "show_varlen_call",
     "validate",
     "varlen_bounds",
+    "varlen_lse_bounds",
 ]
 
 #: Attributes of a varlen-level call (``VarlenCase.attrs()``; the call adds none): the
 #: keys an expected failure's ``match`` may use at this level.
 VARLEN_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
-    "gqa", "different_v_dim",
+    "gqa", "different_v_dim", "window", "softcap", "alibi", "varlen_features", "lse",
 })
 
 
@@ -89,6 +108,9 @@ class VarlenCase:
     scale: float | None = None
     dtype: str = "float64"
     device: str = "cpu"
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None    # (N,) or (B, N), float32-exact
 
     @property
     def level(self) -> str:
@@ -127,8 +149,11 @@ class VarlenCase:
         """Sequence b as a batch of its own."""
         rows, keys = self.sequences()[b]
         L, S = rows.stop - rows.start, keys.stop - keys.start
+        slopes = self.alibi_slopes
+        if slopes is not None and np.ndim(slopes) == 2:
+            slopes = slopes[b:b + 1]
         return _replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
-                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S))
+                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes)
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         """Attributes for capability checks (``Implementation.not_supported_reasons``)."""
@@ -137,7 +162,9 @@ class VarlenCase:
                "causal": "lower_right" if self.causal else None, "scale": self.scale,
                "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
                "L": max(L for L, _ in lengths), "S": max(S for _, S in lengths), "E": self.E,
-               "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev}
+               "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
+               "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
+               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self)}
         out.update(extra)
         return out
 
@@ -147,7 +174,8 @@ class VarlenCase:
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"cu_seqlens_q={list(self.cu_seqlens_q)} cu_seqlens_k={list(self.cu_seqlens_k)} "
-                f"causal={self.causal} scale={self.scale} dtype={self.dtype} device={self.device}")
+                f"causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
+                f"device={self.device}")
 
     def __repr__(self) -> str:
         return f"VarlenCase({self.describe()})"
@@ -157,15 +185,23 @@ class VarlenCase:
 
 
 def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool,
-                     scale: float | None, dtype: str, device: str) -> tuple[np.ndarray, ...]:
+                     scale: float | None, dtype: str, device: str,
+                     options: dict[str, Any] | None = None) -> tuple[np.ndarray, ...]:
     """One sequence, q (L, N, E), k (S, K, E), v (S, K, Ev): (expected (L, N, Ev), allowed
     (L, N, Ev), live (L, N, 1): rows that attend at least one key), by ``calls.sdpa.allowed_for``
-    on the sequence as an SDPA case (B = 1, bottom-right causal, fully-masked rows -> 0)."""
+    on the sequence as an SDPA case (B = 1, bottom-right causal, fully-masked rows -> 0);
+    with ``options`` (window, softcap, alibi_slopes (N,)), by the flash level's rule."""
     L, N, _ = q.shape
     S, _, Ev = v.shape
     if L == 0 or S == 0:
         zeros = np.zeros((L, N, Ev))
         return zeros, zeros, np.zeros((L, N, 1), dtype=bool)
+    if options:
+        flash_case = sequence_flash_case(q, k, v, causal=causal, scale=scale, dtype=dtype, device=device,
+                                         options=options)
+        ref = flash_oracle(flash_case)
+        live = np.broadcast_to(~flash_case.empty_rows()[:, None, None], (L, N, 1))
+        return ref.output[0], allowed_output(target, flash_case, ref)[0], live
     case = SDPACase(np.transpose(q, (1, 0, 2))[None], np.transpose(k, (1, 0, 2))[None],
                     np.transpose(v, (1, 0, 2))[None], causal="lower_right" if causal else None,
                     scale=scale, dtype=dtype, device=device)     # (1, N, L, E), (1, K, S, E|Ev)
@@ -183,11 +219,30 @@ def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndar
     T = case.query.shape[0]
     expected, allowed = np.zeros((T, case.N, case.Ev)), np.zeros((T, case.N, case.Ev))
     live = np.zeros((T, case.N, 1), dtype=bool)
-    for rows, keys in case.sequences():
+    options = flash_options(case)
+    for b, (rows, keys) in enumerate(case.sequences()):
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
         expected[rows], allowed[rows], live[rows] = _sequence_bounds(
             target, case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device)
+            scale=case.scale, dtype=case.dtype, device=case.device, options=options)
     return expected, allowed, live
+
+
+def varlen_lse_bounds(target: Target, case: VarlenCase, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(expected LSE (N, T_q) = ``spec.varlen_attention``'s, allowed error (N, T_q))."""
+    T = case.query.shape[0]
+    expected, allowed = np.zeros((case.N, T)), np.zeros((case.N, T))
+    options = flash_options(case)
+    for b, (rows, keys) in enumerate(case.sequences()):
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        expected[:, rows], allowed[:, rows] = sequence_lse_bounds(
+            target, case.query[rows], case.key[keys], case.value[keys], causal=case.causal, scale=case.scale,
+            dtype=case.dtype, device=case.device, options=options, stored=stored)
+    return expected, allowed
+
+
 
 
 def _compared_rows(target: Target, live: np.ndarray) -> np.ndarray | None:
@@ -252,43 +307,56 @@ class VarlenCallSpec:
 
     case: VarlenCase
     grad_output: np.ndarray | None = None
+    lse: bool = False  # return_attn_probs=True: (output, softmax_lse (N, T_q), ...)
 
     @property
     def level(self) -> str:
         return "varlen"
 
     def attrs(self) -> dict[str, Any]:
-        return self.case.attrs()
+        attrs = self.case.attrs(lse=self.lse)
+        if self.lse:
+            attrs["varlen_features"] = attrs["varlen_features"] | {"lse"}
+        return attrs
 
     def arguments(self) -> str:
         lengths = self.case.lengths() or [(0, 0)]
+        options = "".join(f", {k}={v!r}" for k, v in option_kwargs(self.case, lambda a: "<float32 tensor>").items())
         return (f"cu_seqlens_q={list(self.case.cu_seqlens_q)}, cu_seqlens_k={list(self.case.cu_seqlens_k)}, "
                 f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
-                f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}")
+                f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}{options}"
+                f"{', return_attn_probs=True' if self.lse else ''}")
 
     def describe(self) -> str:
         return f"{self.case.describe()}; {self.arguments()}"
 
     def same_as(self, case: Any) -> bool:
-        return self.case is case
+        return self.case is case and not self.lse
 
 
 def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
     """Make ``call`` on ``impl.varlen`` (through ``invoke``): fresh tensors of the case,
-    FlashAttention's arguments; with ``check_output``, check what came back. The tensor."""
+    FlashAttention's arguments; with ``check_output``, check what came back. The tensor
+    (with ``call.lse``: the pair (output, softmax_lse))."""
     __tracebackhide__ = True
     case = call.case
     lengths = case.lengths() or [(0, 0)]
+    extra = option_kwargs(case, lambda a: float32_tensor(a, case))
+    if call.lse:
+        extra["return_attn_probs"] = True
     out = invoke(
         impl.varlen,
         _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
         _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
         max(L for L, _ in lengths), max(S for _, S in lengths),
-        softmax_scale=case.scale, causal=case.causal,
+        softmax_scale=case.scale, causal=case.causal, **extra,
     )
+    lse = None
+    if call.lse and check_output:
+        out, lse = split_lse(out, (case.N, case.query.shape[0]), "return_attn_probs", "(N, T_q)")
     if check_output:
         _output_shape_and_dtype(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
-    return out
+    return out if lse is None else (out, lse)
 
 
 def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
@@ -302,6 +370,18 @@ def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
     return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
 
 
+def run_varlen_lse(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, str]:
+    """The call with ``return_attn_probs=True``: (output (T_q, N, Ev), softmax_lse (N, T_q),
+    the dtype the LSE came back in)."""
+    __tracebackhide__ = True
+    call = VarlenCallSpec(case, lse=True)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    out, lse = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target))
+    return to_numpy(out), to_numpy(lse), str(lse.dtype).removeprefix("torch.")
+
+
 # -- saving and reproducing ------------------------------------------------------------------
 
 
@@ -312,14 +392,20 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a varlen case for ``conformance.reporting.failures`` (kind ``"varlen"``)."""
     meta = {"kind": "varlen", "cu_seqlens_q": [int(n) for n in case.cu_seqlens_q],
             "cu_seqlens_k": [int(n) for n in case.cu_seqlens_k], "causal": bool(case.causal),
-            "scale": case.scale, "dtype": case.dtype, "device": case.device}
-    return meta, {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
+            "scale": case.scale, "dtype": case.dtype, "device": case.device,
+            "window": [int(x) for x in case.window], "softcap": float(case.softcap)}
+    arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
+    if case.alibi_slopes is not None:
+        arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
+    return meta, arrays
 
 
 def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> VarlenCase:
     return VarlenCase(**{n: arrays[n] for n in _ARRAYS}, cu_seqlens_q=tuple(int(n) for n in meta["cu_seqlens_q"]),
                       cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
-                      scale=meta["scale"], dtype=meta["dtype"], device=meta["device"])
+                      scale=meta["scale"], dtype=meta["dtype"], device=meta["device"],
+                      window=tuple(meta.get("window", (-1, -1))), softcap=float(meta.get("softcap", 0.0)),
+                      alibi_slopes=arrays.get("alibi_slopes"))
 
 
 def validate(case: VarlenCase) -> None:
@@ -328,7 +414,7 @@ def validate(case: VarlenCase) -> None:
         if np.ndim(getattr(case, name)) != 3:
             raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 3-D (T, heads, dim)")
     spec.varlen_attention(case.query, case.key, case.value, case.cu_seqlens_q, case.cu_seqlens_k,
-                          causal=case.causal, scale=case.scale)
+                          causal=case.causal, scale=case.scale, **flash_options(case))
 
 
 def _called_invalid(report: CallReport, err: Exception, run: Any) -> CallReport:
@@ -361,19 +447,27 @@ def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_di
     except ValueError as err:  # spec.SpecError included
         return _called_invalid(report, err, lambda: run_varlen_call(impl, call, invoke=invoke, check_output=False))
     try:
-        out = to_numpy(run_varlen_call(impl, call, invoke=invoke))
+        result = run_varlen_call(impl, call, invoke=invoke)
+        out = to_numpy(result[0] if call.lse else result)
     except PropertyFailure as exc:
         report.finding(str(exc))
         return report
     except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
         report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
         return report
-    report.lines.append(f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}), "
+    options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
+    report.lines.append(f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}{options}), "
                         "tolerance rule per sequence")
-    try:
-        check_varlen_against_oracle(target, case, out)
-    except PropertyFailure as exc:
-        report.finding(str(exc))
+    checks = [lambda: check_varlen_against_oracle(target, case, out)]
+    if call.lse:
+        stored = str(result[1].dtype).removeprefix("torch.")
+        checks.append(lambda: check_lse_against_oracle("softmax_lse", to_numpy(result[1]),
+                                                       *varlen_lse_bounds(target, case, stored)))
+    for check in checks:
+        try:
+            check()
+        except PropertyFailure as exc:
+            report.finding(str(exc))
     _difference(report, out, varlen_bounds(target, case)[0])
     return report
 

@@ -13,7 +13,11 @@ where they matter:
   cap changes almost nothing), and Gemma-2's 50;
 * ALiBi slopes per head: the standard geometric ``2^(-8 (h + 1) / N)``, random reals of
   either sign, one zero slope, per head (N,) or per batch item and head (B, N); exact in
-  float32, the dtype FlashAttention reads them in.
+  float32, the dtype FlashAttention reads them in;
+* learned ``sinks`` (N,) relative to the case's largest |score| m: zero, random around
+  the scores, far above every score (the sink takes nearly all the mass), far below (it
+  changes almost nothing), 1000 above (exp(sink - max over the keys) overflows unless the
+  sink joins the max), one per head differing; exact in bfloat16, float16 and float32.
 
 Simplest first everywhere, so a failing case shrinks toward no feature and small sizes.
 """
@@ -28,13 +32,16 @@ import numpy as np
 from hypothesis import strategies as st
 
 from conformance.calls.flash import FlashCase
+from conformance.calls.flash_bounds import _forward
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.strategies.shape_budget import check_shape_budget, shape_pool
 from conformance.strategies.sizes import draw_sizes, size_bounds
 from conformance.strategies.values import _draw_scale, _scale_kind_choices, sdpa_values
 from implementations.base import Capabilities
+from spec.emulate import round_to
 
-__all__ = ["FLASH_REGIMES", "alibi_slopes", "flash_cases", "softcaps", "window_sides"]
+__all__ = ["FLASH_REGIMES", "alibi_slopes", "exact_sinks", "flash_cases", "sink_logits", "softcaps",
+           "window_sides"]
 
 #: Value regimes drawn at the flash level (``values.REGIMES``), simplest first.
 FLASH_REGIMES = ("normal", "large_logits", "near_ties", "wide_range", "ascending")
@@ -84,19 +91,42 @@ def alibi_slopes(draw: st.DrawFn, rng: np.random.Generator, B: int, N: int) -> n
     return slopes.astype(np.float32).astype(np.float64)
 
 
+def exact_sinks(values: np.ndarray) -> np.ndarray:
+    """Sink logits rounded to bfloat16 (8 significant bits), within float16's range and
+    without its subnormals: exact in every dtype a kernel may read them in."""
+    values = np.clip(round_to(np.asarray(values, dtype=np.float64), "bfloat16"), -60000.0, 60000.0)
+    return np.where(np.abs(values) < 2.0 ** -10, 0.0, values)
+
+
+def sink_logits(draw: st.DrawFn, rng: np.random.Generator, N: int, max_score: float) -> np.ndarray:
+    """Sinks (N,) relative to the largest |score| m: zero, random in [-m, m] + noise, m + 20
+    (the sink dominates), -m - 20 (negligible), m + 1000 (overflows exp(sink - key max))."""
+    m = max(max_score, 1e-3)
+    kind = weighted(draw, [("random", 4), ("zero", 2), ("above", 2), ("below", 1), ("huge", 1)])
+    if kind == "zero":
+        values = np.zeros(N)
+    elif kind == "random":
+        values = rng.uniform(-m - 2.0, m + 2.0, N)
+    else:
+        values = np.full(N, {"above": m + 20.0, "below": -m - 20.0, "huge": m + 1000.0}[kind])
+        values[::2] = values[::2] * rng.uniform(0.9, 1.1)  # the heads' sinks differ
+    return exact_sinks(values)
+
+
 def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
                 window: bool | None = False, softcap: bool | None = False, alibi: bool | None = False,
                 causal: bool | None = None, regimes: Sequence[str] | None = None,
                 scale_kinds: Sequence[str] | bool = True, min_S: int = 1, max_L: int | None = 33,
                 max_S: int | None = 33, max_heads: int = 4, gqa: bool | None = None,
-                split: bool = False, shape_budget: int | None = None) -> st.SearchStrategy[FlashCase]:
+                split: bool = False, shape_budget: int | None = None,
+                sinks: bool | None = False) -> st.SearchStrategy[FlashCase]:
     """Flash-level cases within ``caps``. Each feature: True (always), False (never),
     None (drawn, half the time, when ``caps.flash_features`` has it). ``causal`` likewise
     (needs ``caps.causal == "lower_right"``). ``split``: S >= 2 (the case is split in two
     key sets). ``shape_budget``: sizes from at most this many shapes (JIT implementations,
     :mod:`conformance.strategies.shape_budget`), one with L > S and one with L <= S among them."""
     arguments = dict(locals())
-    features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi"})
+    features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi", "sinks"})
     can_causal = caps is None or caps.causal == "lower_right"
     if caps is not None and caps.causal_only:  # every call causal (a property that needs
         causal = True                          # non-causal calls skips: its skip_reason)
@@ -140,6 +170,12 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
             changes["softcap"] = softcaps(draw, float(np.abs(logits).max()) if logits.size else 1.0)
         if use(draw, alibi, "alibi" in features):
             changes["alibi_slopes"] = alibi_slopes(draw, rng, B, N)
+        if use(draw, sinks, "sinks" in features):
+            scored = case.replace(**changes) if changes else case
+            _, forward = _forward(scored)
+            capped = forward.logits if scored.softcap == 0 else scored.softcap * np.tanh(forward.logits / scored.softcap)
+            finite = np.abs(capped[np.isfinite(capped)])
+            changes["sinks"] = sink_logits(draw, rng, N, float(finite.max()) if finite.size else 1.0)
         return case.replace(**changes) if changes else case
 
     return named_strategy(flash_cases, arguments, draw_case)

@@ -9,7 +9,10 @@ seed shrinks to 0), drawn in float64 and rounded through the dtype (``round_to``
 
 With ``caps`` given, only cases inside the claims are drawn: GQA only with ``gqa``,
 Ev != E only with ``different_v_dim``, causal only when the flag means FlashAttention's
-bottom-right alignment, appended keys only with ``kv_append``, pages only with ``kv_paged``.
+bottom-right alignment, appended keys only with ``kv_append``, pages only with ``kv_paged``;
+FlashAttention's options (a sliding window, soft-capping, ALiBi slopes (N,) or (B, N))
+only where ``caps.varlen_features`` / ``caps.kvcache_features`` declare them, drawn as the
+flash level draws them (``conformance.strategies.flash``) against the longest sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from conformance.calls.declarations import fit_head_dims
 from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
+from conformance.strategies.flash import alibi_slopes, softcaps, window_sides
 from implementations.base import Capabilities
 from spec.emulate import round_to
 
@@ -89,11 +93,56 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.
     return round_to(rng.standard_normal(shape), dtype)
 
 
+#: The options the varlen and kvcache strategies draw, by feature name.
+OPTION_FEATURES = ("window", "softcap", "alibi")
+
+
+def _wanted(draw: st.DrawFn, declared: frozenset[str], wanted: dict[str, bool | None],
+            at_least_one: bool) -> set[str]:
+    """The options to draw: each True (always, where declared), False (never) or None
+    (half the time, where declared); with ``at_least_one``, one declared option is forced
+    when none came up."""
+    chosen = {name for name in OPTION_FEATURES if name in declared
+              and (wanted.get(name) is True or (wanted.get(name) is None and draw(st.booleans())))}
+    available = [name for name in OPTION_FEATURES if name in declared and wanted.get(name) is not False]
+    if at_least_one and not chosen and available:
+        chosen.add(draw(st.sampled_from(available)))
+    return chosen
+
+
+def _options(draw: st.DrawFn, rng: np.random.Generator, chosen: set[str], *, B: int, N: int, L: int, S: int,
+             max_logit: float) -> dict[str, Any]:
+    """The drawn options as case fields (window, softcap, alibi_slopes), against the longest
+    query (L) and key (S) sequence and the largest |scaled logit|."""
+    fields: dict[str, Any] = {}
+    if "window" in chosen:
+        left, right = window_sides(draw, L, S), window_sides(draw, L, S)
+        if (left, right) == (-1, -1):
+            right = draw(st.integers(0, max(L, S)))
+        fields["window"] = (left, right)
+    if "softcap" in chosen:
+        fields["softcap"] = softcaps(draw, max_logit)
+    if "alibi" in chosen:
+        fields["alibi_slopes"] = alibi_slopes(draw, rng, B, N)
+    return fields
+
+
+def _max_logit(q: np.ndarray, k: np.ndarray, scale: float | None) -> float:
+    """A bound on the largest |scaled logit| (Σ_e max|q| max|k| · |scale|)."""
+    if not q.size or not k.size:
+        return 1.0
+    s = 1 / np.sqrt(q.shape[-1]) if scale is None else abs(scale)
+    return float(np.abs(q).max() * np.abs(k).max() * q.shape[-1] * s) or 1.0
+
+
 def varlen_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
-                 causal: bool | None = None, max_batch: int = 4, max_len: int = 7) -> st.SearchStrategy[VarlenCase]:
+                 causal: bool | None = None, max_batch: int = 4, max_len: int = 7,
+                 window: bool | None = False, softcap: bool | None = False, alibi: bool | None = False,
+                 at_least_one: bool = False) -> st.SearchStrategy[VarlenCase]:
     """Packed batches of ``1..max_batch`` sequences, each with ``0..max_len`` queries and keys
     (``causal=None``: drawn where declared). Shrinks toward one sequence of one query and
-    one key, N = K = E = Ev = 1."""
+    one key, N = K = E = Ev = 1. ``window``/``softcap``/``alibi``: True, False or None
+    (drawn) where ``caps.varlen_features`` declares them; ``at_least_one``: one of them always."""
     if max_batch < 1 or max_len < 0:
         raise InvalidArgument(f"max_batch={max_batch!r}, max_len={max_len!r}: need max_batch >= 1, max_len >= 0")
     if causal and caps is not None and caps.causal != "lower_right":
@@ -115,25 +164,36 @@ def varlen_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilit
         scale = _scale(draw, caps, dtype)
         rng = draw_seed(draw)
         T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+        q, k = _values(rng, (T_q, N, E), dtype), _values(rng, (T_k, K, E), dtype)
+        v = _values(rng, (T_k, K, Ev), dtype)
+        chosen = _wanted(draw, declared, wanted, at_least_one)
+        fields = _options(draw, rng, chosen, B=B, N=N, L=max(L for L, _ in lengths),
+                          S=max(S for _, S in lengths), max_logit=_max_logit(q, k, scale))
         return VarlenCase(
-            _values(rng, (T_q, N, E), dtype), _values(rng, (T_k, K, E), dtype), _values(rng, (T_k, K, Ev), dtype),
+            q, k, v,
             cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
             cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
-            causal=is_causal, scale=scale, dtype=dtype, device=device)
+            causal=is_causal, scale=scale, dtype=dtype, device=device, **fields)
 
+    declared = caps.varlen_features if caps is not None else frozenset(OPTION_FEATURES)
+    wanted = {"window": window, "softcap": softcap, "alibi": alibi}
     return named_strategy(varlen_cases, {"dtype": dtype, "device": device, "caps": caps, "causal": causal,
-                                             "max_batch": max_batch, "max_len": max_len}, draw_example)
+                                             "max_batch": max_batch, "max_len": max_len, **wanted,
+                                             "at_least_one": at_least_one}, draw_example)
 
 
 def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
                   paged: bool = False, append: bool | None = None, max_batch: int = 3,
-                  max_query: int = 3, max_cache: int = 9) -> st.SearchStrategy[KVCacheCase]:
+                  max_query: int = 3, max_cache: int = 9, window: bool | None = False,
+                  softcap: bool | None = False, alibi: bool | None = False,
+                  at_least_one: bool = False) -> st.SearchStrategy[KVCacheCase]:
     """Decoding steps: B in ``1..max_batch`` sequences of ``1..max_query`` queries against
     caches of ``cache_seqlens[b]`` valid rows (0 included) and room to spare (so reading
     past the valid rows shows); ``append`` (None: drawn where declared) adds 1..2 new keys.
     ``paged``: the case carries a page size (1..4, dividing the valid lengths or not) and
     a page order (a permutation, spare pages included). Shrinks toward B = L = 1, an empty
-    cache, no append, pages in order."""
+    cache, no append, pages in order. ``window``/``softcap``/``alibi``: as for
+    :func:`varlen_cases`, where ``caps.kvcache_features`` declares them."""
     can_append = caps is None or caps.kv_append
     if append and not can_append:
         raise InvalidArgument("append=True but caps.kv_append is False; pass append=None or False")
@@ -162,13 +222,21 @@ def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabili
         rng = draw_seed(draw)
         k_new = _values(rng, (B, new, K, E), dtype) if new else None
         v_new = _values(rng, (B, new, K, Ev), dtype) if new else None
+        q, k_cache = _values(rng, (B, L, N, E), dtype), _values(rng, (B, capacity, K, E), dtype)
+        v_cache = _values(rng, (B, capacity, K, Ev), dtype)
+        chosen = _wanted(draw, declared, wanted, at_least_one)
+        fields = _options(draw, rng, chosen, B=B, N=N, L=L, S=max(seqlens) + new,
+                          max_logit=_max_logit(q, k_cache, scale))
         return KVCacheCase(
-            _values(rng, (B, L, N, E), dtype), _values(rng, (B, capacity, K, E), dtype),
-            _values(rng, (B, capacity, K, Ev), dtype), cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
-            causal=is_causal, scale=scale, page_size=page_size, page_order=order, dtype=dtype, device=device)
+            q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
+            causal=is_causal, scale=scale, page_size=page_size, page_order=order, dtype=dtype, device=device,
+            **fields)
 
+    declared = caps.kvcache_features if caps is not None else frozenset(OPTION_FEATURES)
+    wanted = {"window": window, "softcap": softcap, "alibi": alibi}
     arguments: dict[str, Any] = {"dtype": dtype, "device": device, "caps": caps, "paged": paged, "append": append,
-                                     "max_batch": max_batch, "max_query": max_query, "max_cache": max_cache}
+                                     "max_batch": max_batch, "max_query": max_query, "max_cache": max_cache,
+                                     **wanted, "at_least_one": at_least_one}
     return named_strategy(kvcache_cases, arguments, draw_example)
 
 

@@ -2,7 +2,8 @@
 
 A readable reference at the flash level, one step per line of ``spec.flash``: scaled
 logits, soft-capping, the ALiBi bias, the sliding window (and causal, its right side 0),
-a softmax from each row's max, the output and the log-sum-exp. Layout is
+a softmax from each row's max, the output and the log-sum-exp; learned ``sinks`` (N,)
+(one logit per head in every row's denominator, no value) as in gpt-oss's reference. Layout is
 FlashAttention's: q (B, L, N, E), k (B, S, K, E), v (B, S, K, Ev); causal and window
 align bottom-right (query i lines up with key ``i + S - L``). Autograd does the backward.
 16-bit inputs are computed in float32 and the output rounded back, as the kernels do.
@@ -34,9 +35,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size, softc
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """FlashAttention-2's forward: returns the output (B, L, N, Ev), or with
-    ``return_attn_probs`` the tuple ``(output, lse (B, N, L), None)``."""
+    ``return_attn_probs`` the tuple ``(output, lse (B, N, L), None)``. ``sinks`` (N,): a
+    logit per query head joining each row's softmax, dropped after it (the LSE is the keys')."""
     if dropout_p:
         raise NotImplementedError("flash-ref has no dropout; dropout_p must be 0")
     _check(q, k, v, window_size, softcap)
@@ -77,7 +79,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     unnormalised = torch.exp(scores - row_max)
     total = unnormalised.sum(dim=-1, keepdim=True)
     empty = total == 0
-    weights = unnormalised / torch.where(empty, torch.ones_like(total), total)
+    if sinks is None:
+        weights = unnormalised / torch.where(empty, torch.ones_like(total), total)
+    else:
+        # the sink joins the max (never overflows) and the denominator, and carries no value
+        if tuple(sinks.shape) != (N,):
+            raise ValueError(f"sinks must have shape (N,) = ({N},), got {tuple(sinks.shape)}")
+        sink = sinks.to(device=q.device, dtype=compute).reshape(1, N, 1, 1)
+        shifted = torch.where(empty, sink, torch.maximum(row_max, sink)).detach()
+        e = torch.exp(scores - shifted)
+        weights = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - shifted))
     # 6. output (B, N, L, Ev) -> (B, L, N, Ev); LSE (B, N, L), -inf where no key is attended
     output = (weights @ value).transpose(1, 2).to(q.dtype)
     if not return_attn_probs:
@@ -96,11 +107,13 @@ def make_implementation(name: str = "flash-ref") -> Implementation:
         fully_masked="zero",
         dropout=False,
         mask_grad=False,
+        flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks"}),
     )
     return Implementation(
         name=name,
         capabilities=caps,
         flash=flash_attn_func,
         version=torch_version(),
-        description="flash_attn_func (window, softcap, ALiBi, LSE, GQA) in plain PyTorch, autograd backward",
+        description="flash_attn_func (window, softcap, ALiBi, LSE, GQA, learned sinks) in plain PyTorch, "
+                    "autograd backward",
     )

@@ -14,6 +14,11 @@ Two functions with FlashAttention-2's signatures, written from ``spec/varlen.py`
 ``causal`` is FlashAttention's bottom-right triangle: query i of a sequence with L
 queries and S keys may attend key j when ``j <= i + S - L``; a query row with no key
 (S = 0, or causal with L > S) gives 0. GQA: query head h uses kv head h // (N / K).
+FlashAttention's options per sequence, as ``spec.flash`` defines them: ``window_size``
+(left, right) around the aligned position ``p_i = i + S - L``, ``softcap`` (c·tanh(s/c)
+before bias and masks), ``alibi_slopes`` (N,) or (B, N) (bias ``-slope·|p_i - j|``), and
+the LSE (``return_attn_probs=True``: (out, lse (N, T_q), None); ``return_softmax_lse=True``:
+(out, lse (B, N, L))), -inf in a row attending no key.
 16-bit inputs are computed in float32 and rounded once at the end; float64 stays float64.
 Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim, T packed total length.
@@ -50,30 +55,88 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool) -> torch.Tensor:
-    """One sequence: q (L, N, E), k (S, K, E), v (S, K, Ev) -> (L, N, Ev), in q's compute dtype."""
+def window_allowed(L: int, S: int, window: tuple[int, int], causal: bool, offset: int,
+                   device: Any) -> torch.Tensor:
+    """(L, S) bool: query i attends key j iff p_i - left <= j <= p_i + right, p_i = i + offset
+    (``offset`` = S - L: bottom-right); causal sets right = 0; a side of -1 is unbounded."""
+    left, right = (int(x) for x in window)
+    if causal:
+        right = 0
+    position = torch.arange(L, device=device)[:, None] + offset          # (L, 1)
+    keys = torch.arange(S, device=device)[None, :]                       # (1, S)
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= keys >= position - left
+    if right >= 0:
+        allowed &= keys <= position + right
+    return allowed
+
+
+def logits(q: torch.Tensor, k: torch.Tensor, *, scale: float, softcap: float, slopes: Any,
+           offset: int) -> torch.Tensor:
+    """Heads first q (N, L, E), k (N, S, E) -> scores (N, L, S): scale·q·k, soft-capped, plus
+    the ALiBi bias -slope_h·|p_i - j| (p_i = i + offset)."""
+    scores = scale * (q @ k.transpose(-1, -2))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if slopes is not None:
+        L, S = q.shape[1], k.shape[1]
+        position = torch.arange(L, device=q.device)[:, None] + offset
+        distance = (position - torch.arange(S, device=q.device)[None, :]).abs().to(scores.dtype)
+        scores = scores - slopes.to(device=q.device, dtype=scores.dtype).reshape(-1, 1, 1) * distance
+    return scores
+
+
+def softmax_rows(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (N, L, S), lse (N, L)) from the row max over the allowed keys; a row with no
+    allowed key has weight 0 everywhere and LSE -inf."""
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)                                # exp(-inf) = 0 on blocked keys
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = torch.where(total > 0, row_max + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return weights / torch.where(total > 0, total, torch.ones_like(total)), lse[..., 0]  # empty rows stay 0
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+           window: tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Any = None,
+           offset: int | None = None, lse: bool = False) -> Any:
+    """One sequence: q (L, N, E), k (S, K, E), v (S, K, Ev) -> (L, N, Ev), in q's dtype (with
+    ``lse``: also the LSE (N, L) in the compute dtype). ``offset``: the aligned position's
+    shift p_i - i (None: S - L, FlashAttention's bottom-right)."""
     L, N, _ = q.shape
     S, K, Ev = v.shape
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
     out_dtype, work = q.dtype, _compute_dtype(q.dtype)
     if L == 0 or S == 0:
-        return torch.zeros(L, N, Ev, dtype=out_dtype, device=q.device)
+        out = torch.zeros(L, N, Ev, dtype=out_dtype, device=q.device)
+        return (out, torch.full((N, L), float("-inf"), dtype=work, device=q.device)) if lse else out
+    offset = S - L if offset is None else offset
     group = N // K
     q = q.to(work).transpose(0, 1)                                      # (N, L, E)
     k = k.to(work).repeat_interleave(group, dim=1).transpose(0, 1)      # (N, S, E)
     v = v.to(work).repeat_interleave(group, dim=1).transpose(0, 1)      # (N, S, Ev)
-    scores = scale * (q @ k.transpose(-1, -2))                          # (N, L, S)
-    allowed = torch.ones(L, S, dtype=torch.bool, device=q.device)
-    if causal:                                                           # bottom-right: j <= i + S - L
-        allowed = allowed.tril(diagonal=S - L)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)                                # exp(-inf) = 0 on blocked keys
-    total = weights.sum(dim=-1, keepdim=True)
-    weights = weights / torch.where(total > 0, total, torch.ones_like(total))  # empty rows stay 0
-    return (weights @ v).transpose(0, 1).to(out_dtype)                   # (L, N, Ev)
+    scores = logits(q, k, scale=scale, softcap=softcap, slopes=slopes, offset=offset)
+    weights, row_lse = softmax_rows(scores, window_allowed(L, S, window, causal, offset, q.device))
+    out = (weights @ v).transpose(0, 1).to(out_dtype)                    # (L, N, Ev)
+    return (out, row_lse) if lse else out
+
+
+def _check_options(window_size: Any, softcap: float) -> None:
+    if any(int(side) < -1 for side in window_size):
+        raise ValueError(f"window_size={tuple(window_size)}: each side must be >= 0, or -1 for unbounded")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap={softcap} must be a finite number >= 0 (0 = off)")
+
+
+def _slopes_of(alibi_slopes: Any, b: int, N: int) -> Any:
+    """Sequence b's slopes (N,) from (N,) or (B, N); None stays None."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.reshape(-1, N)[b % alibi_slopes.reshape(-1, N).shape[0]]
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -87,21 +150,33 @@ class VarlenAttention:
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  return_attn_probs=False, block_table=None):
-        """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev)."""
-        _refuse(dropout_p=(dropout_p, 0.0), window_size=(tuple(window_size), (-1, -1)),
-                softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
-                return_attn_probs=(return_attn_probs, False), block_table=(block_table, None))
+        """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev),
+        or with ``return_attn_probs`` (out, lse (N, T_q), None)."""
+        _refuse(dropout_p=(dropout_p, 0.0), block_table=(block_table, None))
+        _check_options(window_size, softcap)
         starts_q, starts_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
         if len(starts_q) != len(starts_k):
             raise ValueError(f"cu_seqlens_q has {len(starts_q)} entries but cu_seqlens_k {len(starts_k)}")
         if starts_q[-1] != q.shape[0] or starts_k[-1] != k.shape[0]:
             raise ValueError("cu_seqlens must end at the packed lengths total_q and total_k")
         scale = self.scale(softmax_scale, q.shape[-1])
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])          # (T_q, N, Ev)
+        N = q.shape[1]
+        out = q.new_zeros(q.shape[0], N, v.shape[-1])                   # (T_q, N, Ev)
+        lse = torch.zeros(N, q.shape[0], dtype=_compute_dtype(q.dtype), device=q.device)
         for b in range(len(starts_q) - 1):
             rows, keys = self.sequence(starts_q, starts_k, b)
-            out[rows] = attend(q[rows], k[keys], v[keys], scale=scale, causal=causal)
-        return out
+            out[rows], lse[:, rows] = self.attend(q[rows], k[keys], v[keys], scale=scale, causal=causal,
+                                                  window=tuple(window_size), softcap=float(softcap),
+                                                  slopes=_slopes_of(alibi_slopes, b, N), lse=True)
+        return (out, self.packed_lse(lse, q, k, starts_q, starts_k, scale), None) if return_attn_probs else out
+
+    def attend(self, q, k, v, **options):
+        """One sequence (``attend``'s arguments)."""
+        return attend(q, k, v, **options)
+
+    def packed_lse(self, lse, q, k, starts_q, starts_k, scale):
+        """The LSE (N, T_q) as returned: each sequence's own."""
+        return lse
 
     def scale(self, softmax_scale: float | None, head_dim: int) -> float:
         return _scale(softmax_scale, head_dim)
@@ -119,11 +194,11 @@ class KVCacheAttention:
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                  return_softmax_lse=False):
-        """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev)."""
+        """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev),
+        or with ``return_softmax_lse`` (out, lse (B, N, L))."""
         _refuse(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
-                window_size=(tuple(window_size), (-1, -1)), softcap=(softcap, 0.0),
-                alibi_slopes=(alibi_slopes, None), return_softmax_lse=(return_softmax_lse, False))
+                cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None))
+        _check_options(window_size, softcap)
         if (k is None) != (v is None):
             raise ValueError("k and v must be given together")
         B = q.shape[0]
@@ -146,13 +221,28 @@ class KVCacheAttention:
                 self.write(k_cache, block_table, b, self.append_at(lengths[b]), k[b])
                 self.write(v_cache, block_table, b, self.append_at(lengths[b]), v[b])
         # 2. sequence b attends its first cache_seqlens[b] + S_new keys
+        L, N = q.shape[1], q.shape[2]
         out = q.new_zeros(*q.shape[:3], v_cache.shape[-1])              # (B, L, N, Ev)
+        lse = torch.zeros(B, N, L, dtype=_compute_dtype(q.dtype), device=q.device)
         for b in range(B):
             valid = self.valid_keys(lengths[b], new, capacity)
             keys = self.rows(k_cache, block_table, b, valid)            # (S_b, K, E)
             values = self.rows(v_cache, block_table, b, valid)          # (S_b, K, Ev)
-            out[b] = self.attend(q[b], keys, values, scale=scale, causal=causal)
+            out[b], lse[b] = self.attend(q[b], keys, values, scale=scale, causal=causal,
+                                         window=tuple(window_size), softcap=float(softcap),
+                                         slopes=_slopes_of(alibi_slopes, b, N),
+                                         offset=self.aligned_offset(L, valid, lengths[b], new), lse=True)
+        if return_softmax_lse:
+            return out, self.returned_lse(lse, q, k_cache, block_table, scale, capacity)
         return out
+
+    def aligned_offset(self, L: int, valid: int, length: int, new: int) -> int:
+        """p_i - i for the window, causal and ALiBi: the valid keys minus the queries."""
+        return valid - L
+
+    def returned_lse(self, lse, q, k_cache, block_table, scale, capacity):
+        """The LSE (B, N, L) as returned: each sequence's over its valid keys."""
+        return lse
 
     def append_at(self, length: int) -> int:
         """Where a sequence's new keys go: right after its ``length`` valid ones."""
@@ -162,8 +252,8 @@ class KVCacheAttention:
         """How many keys a sequence attends: its valid cache plus the appended ones."""
         return length + new
 
-    def attend(self, q, keys, values, *, scale: float, causal: bool):
-        return attend(q, keys, values, scale=scale, causal=causal)
+    def attend(self, q, keys, values, *, scale: float, causal: bool, **options):
+        return attend(q, keys, values, scale=scale, causal=causal, **options)
 
     def page_of(self, block_table, b: int, t, page_size: int):
         """The page holding logical row(s) ``t`` of sequence b."""
@@ -200,6 +290,8 @@ VARLEN_CAPABILITIES = Capabilities(
     autograd=False,
     mask_grad=False,
     mask_kinds=frozenset({"none"}),
+    varlen_features=frozenset({"window", "softcap", "alibi", "lse"}),
+    kvcache_features=frozenset({"window", "softcap", "alibi", "lse"}),
 )
 
 

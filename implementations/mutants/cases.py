@@ -247,7 +247,7 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
         attrs["layout"] = case.get("layout", "contiguous")
     elif level == "flash":
         attrs["causal"] = "lower_right" if case.get("causal") else None
-        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse") if case.get(f)}
+        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse", "sinks") if case.get(f)}
         attrs["grad"] = bool(case.get("grad"))
     else:
         features = set()

@@ -6,7 +6,8 @@
 out (recompute P, ``D = rowsum(dO ⊙ O)``, ``dS = P ⊙ (dP − D)``) instead of autograd. Both
 declare :data:`FLASH_CAPABILITIES`, honest about everything but their bug; the records
 are at the bottom (``level="flash"``; ``smallest_case`` adds ``causal``, ``window``,
-``softcap``, ``alibi`` (slopes list), ``lse`` (compare the LSE) and ``grad``).
+``softcap``, ``alibi`` (slopes list), ``sinks`` (one logit per head), ``lse`` (compare the LSE)
+and ``grad``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FLASH_CAPABILITIES = Capabilities(
     fully_masked="zero",
     dropout=False,
     mask_grad=False,
+    flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks"}),
 )
 
 
@@ -77,20 +79,37 @@ class FlashBase:
         allowed = self.allowed(L, S, left, 0 if causal else right, q.device)
         return s.masked_fill(~allowed, float("-inf")), scale
 
+    def sink_weights(self, s: torch.Tensor, sink: torch.Tensor, key_max: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key weights (B, N, L, S), the dropped sink weight (B, N, L, 1)): the sink (1, N, 1, 1)
+        joins the row max (``key_max``, -inf in a row attending no key) and the denominator."""
+        shift = torch.maximum(key_max, sink).detach()
+        e = torch.exp(s - shift)
+        total = e.sum(dim=-1, keepdim=True) + torch.exp(sink - shift)
+        return e / total, torch.exp(sink - shift) / total
+
+    def attend_sink(self, weights: torch.Tensor, sink_weight: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The output with sinks: the key weights times the values (the sink has no value)."""
+        return self.attend(weights, value)
+
     def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
         if dropout_p:
             raise NotImplementedError("no dropout")
         N, K = q.shape[2], k.shape[2]
-        s, _ = self.scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        s, scale = self.scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
         value = v.transpose(1, 2).repeat_interleave(N // K, dim=1)
-        row_max = s.amax(dim=-1, keepdim=True).detach()
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        key_max = s.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max))
         e = torch.exp(s - row_max)
         total = e.sum(dim=-1, keepdim=True)
         empty = total == 0
         safe_total = torch.where(empty, torch.ones_like(total), total)
-        out = self.attend(e / safe_total, value).transpose(1, 2)
+        if sinks is None:
+            out = self.attend(e / safe_total, value).transpose(1, 2)
+        else:
+            weights, sink_weight = self.sink_weights(s, sinks.to(s.dtype).reshape(1, N, 1, 1), key_max, scale)
+            out = self.attend_sink(weights, sink_weight, value).transpose(1, 2)
         if not return_attn_probs:
             return out
         lse = torch.where(empty, torch.full_like(total, float("-inf")), self.log_sum_exp(row_max, safe_total))
@@ -150,9 +169,12 @@ class ManualBackwardFlash(FlashBase):
     with_row_term = True
 
     def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
         options = {"softmax_scale": softmax_scale, "causal": causal, "window_size": tuple(window_size),
                    "softcap": softcap, "alibi_slopes": alibi_slopes}
+        if sinks is not None:  # the hand-written backward has no sink: autograd through the forward
+            return FlashBase.__call__(self, q, k, v, dropout_p, return_attn_probs=return_attn_probs,
+                                      sinks=sinks, **options)
         if return_attn_probs or dropout_p:
             return FlashBase.__call__(self, q, k, v, dropout_p, return_attn_probs=return_attn_probs, **options)
         return _FlashBackward.apply(q, k, v, self, options, self.with_row_term)
@@ -228,6 +250,49 @@ class LseLog2(FlashBase):
         return (row_max + torch.log(total)) / math.log(2.0)
 
 
+class SinkKeyWithValue(FlashBase):
+    """The sink is treated as a key with a value: its weight multiplies the first key's value
+    (a BOS-token key) instead of being dropped."""
+
+    def attend_sink(self, weights, sink_weight, value):
+        return self.attend(weights, value) + sink_weight * value[..., :1, :]
+
+
+class SinkAfterShift(FlashBase):
+    """The sink logit is appended after the row max was subtracted from the scores: the
+    denominator adds exp(sink) unshifted (read as sink + max; exp overflows at large sinks)."""
+
+    def sink_weights(self, s, sink, key_max, scale):
+        e = torch.exp(s - torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max)))
+        total = e.sum(dim=-1, keepdim=True) + torch.exp(sink)
+        return e / total, torch.exp(sink) / total
+
+
+class SinkPerRow(FlashBase):
+    """The sinks are read along the query rows instead of the heads: row i of every head uses
+    sinks[i % N] (a (1, N, 1) view of (N,) broadcast against (B, L, N) scores)."""
+
+    def sink_weights(self, s, sink, key_max, scale):
+        N, L = sink.shape[1], s.shape[2]
+        per_row = sink.reshape(-1)[torch.arange(L, device=s.device) % N].reshape(1, 1, L, 1)
+        return super().sink_weights(s, per_row, key_max, scale)
+
+
+class SinkWeightKept(FlashBase):
+    """The sink column is kept in the output: its weight is added to every output feature
+    (the sink given a value of ones instead of none)."""
+
+    def attend_sink(self, weights, sink_weight, value):
+        return self.attend(weights, value) + sink_weight
+
+
+class SinkScaled(FlashBase):
+    """The sink logit is multiplied by softmax_scale like a q·k logit (it is a final score)."""
+
+    def sink_weights(self, s, sink, key_max, scale):
+        return super().sink_weights(s, sink * scale, key_max, scale)
+
+
 def _case(**changes):
     return {"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1, **changes}
 
@@ -266,4 +331,25 @@ FLASH_MUTANTS = [
             "the returned LSE is in base-2 units (the exp2 kernel's log2 sum), not natural log",
             "kernel bug: Triton/FlashAttention-3 style kernels keep the LSE in log2 units internally",
             _case(S=2, lse=True), None, "split_merge"),
+    _mutant("flash_sink_key_with_value", SinkKeyWithValue,
+            "the sink is a key with a value: its weight multiplies the first key's value instead of being dropped",
+            "hand-written pitfall: the sink appended as a BOS-like key (value kept) instead of a denominator term",
+            _case(S=2, sinks=[0.5]), _case(S=2), "sink_agreement"),
+    _mutant("flash_sink_after_shift", SinkAfterShift,
+            "the sink is appended after the row max is subtracted: exp(sink) unshifted in the denominator",
+            "hand-written pitfall: scores shifted by their max before the sink column is concatenated",
+            _case(S=2, E=2, sinks=[0.5]), _case(S=2, E=2), "sink_agreement"),
+    _mutant("flash_sink_per_row", SinkPerRow,
+            "the sinks are read along the query rows (row i uses sinks[i % N]) instead of one per head",
+            "hand-written pitfall: sinks (N,) broadcast against the (B, L, N) layout's wrong axis",
+            _case(N=2, K=2, L=1, S=2, sinks=[0.5, -1.5]), _case(N=1, K=1, L=2, S=2, sinks=[0.5]),
+            "sink_agreement"),
+    _mutant("flash_sink_weight_kept", SinkWeightKept,
+            "the sink's weight is kept in the output (added to every feature) instead of dropped",
+            "hand-written pitfall: the sink column not sliced off after the softmax",
+            _case(S=2, sinks=[0.5]), _case(S=2), "sink_agreement"),
+    _mutant("flash_sink_scaled", SinkScaled,
+            "the sink logit is multiplied by softmax_scale as if it were a q·k logit",
+            "hand-written pitfall: the sink concatenated to the raw q·k before the scale is applied",
+            _case(S=2, E=4, sinks=[1.5]), _case(S=2, E=1, sinks=[1.5]), "sink_equivalence"),
 ]

@@ -5,13 +5,12 @@ varlen_reference.py``) with one method of :class:`VarlenAttention` or
 :class:`KVCacheAttention` overridden; its capabilities are the built-in's.
 ``smallest_case`` here uses this level's vocabulary: ``lengths`` (varlen: one (L_b, S_b)
 per sequence), or ``L``, ``cache_seqlens``, ``S_new``, ``S_cache``, ``page_size`` and
-``block_table`` (kvcache), plus ``N``, ``K``, ``E``, ``Ev``, ``causal``
+``block_table`` (kvcache), plus ``N``, ``K``, ``E``, ``Ev``, ``causal`` (and, for
+FlashAttention's options, ``window``, ``softcap``, ``alibi``, ``lse``)
 (``tests/mutants/test_varlen_mutant_records.py`` turns it into a call).
 """
 
 from __future__ import annotations
-
-import torch
 
 from implementations.builtins.varlen_reference import (
     KVCacheAttention,
@@ -65,15 +64,11 @@ class AppendNotWritten(KVCacheAttention):
 class CausalTopLeft(KVCacheAttention):
     """Causal in the cache aligned top-left (query i sees keys 0..i), not bottom-right."""
 
-    def attend(self, q, keys, values, *, scale, causal):
-        L, S = q.shape[0], keys.shape[0]
-        if not causal or L == 0 or S == 0:
-            return attend(q, keys, values, scale=scale, causal=causal)
-        if L <= S:  # tril(ones(L, S)): the square triangle over the first L keys
-            return attend(q, keys[:L], values[:L], scale=scale, causal=True)
-        first = attend(q[:S], keys, values, scale=scale, causal=True)      # rows 0..S-1: keys 0..i
-        rest = attend(q[S:], keys, values, scale=scale, causal=False)      # rows S..L-1: every key
-        return torch.cat([first, rest])
+    def attend(self, q, keys, values, *, scale, causal, **options):
+        if not causal:
+            return attend(q, keys, values, scale=scale, causal=causal, **options)
+        # p_i = i: tril(ones(L, S)), the square triangle over the first L keys (rows past S see all)
+        return attend(q, keys, values, scale=scale, causal=True, **{**options, "offset": 0})
 
 
 class BlockTableIgnored(KVCacheAttention):

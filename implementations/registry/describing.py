@@ -98,8 +98,9 @@ def describe(impl: Implementation) -> str:
     for level in VARLEN_LEVELS:  # varlen / kvcache
         if getattr(impl, level) is not None:
             c = impl.caps(level)
+            features = getattr(c, f"{level}_features")
             lines.append(f"  {level} level: {_caps_line(c, 'sdpa')} kv_paged={_yes(c.kv_paged)} "
-                         f"kv_append={_yes(c.kv_append)}")
+                         f"kv_append={_yes(c.kv_append)} {level}_features={','.join(sorted(features)) or 'none'}")
     for entry in impl.expected_failures:
         match = f" {dict(entry.match)}" if entry.match else ""
         ref = f" [{entry.reference}]" if entry.reference else ""

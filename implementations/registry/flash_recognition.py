@@ -47,11 +47,15 @@ from implementations.registry.probe_plan import first_call_hint, probe_plan
 __all__ = ["FLASH_PARAMETERS", "FlashAdapter", "is_flash_signature", "probe_flash", "recognise_flash"]
 
 FLASH_PARAMETERS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
-                    "alibi_slopes", "deterministic", "return_attn_probs")
+                    "alibi_slopes", "deterministic", "return_attn_probs", "sinks")
+#: Names kernels give the learned-sink argument (N,) besides ``sinks``: FlashAttention-3's
+#: ``learnable_sink``, vLLM's ``s_aux``. The suite passes ``sinks=``; the adapter renames it.
+SINK_ALIASES = ("learnable_sink", "s_aux")
 #: The contract of flash_attn_func's signature, as the notes name it.
 _FLASH_CONTRACT = "flash_attn_func's"
 _DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
-             "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False}
+             "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,
+             "sinks": None}
 
 
 def is_flash_signature(parameters: list[inspect.Parameter]) -> bool:
@@ -62,13 +66,13 @@ def is_flash_signature(parameters: list[inspect.Parameter]) -> bool:
     if [p.name for p in parameters[:3]] != ["q", "k", "v"]:
         return False
     rest = [p.name for p in parameters[3:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return bool(rest) and all(name in FLASH_PARAMETERS for name in rest)
+    return bool(rest) and all(name in FLASH_PARAMETERS or name in SINK_ALIASES for name in rest)
 
 
 def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str,
                     origin: str, version: str, timeout: float | None) -> Implementation:
     """A flash-level :class:`Implementation` for ``fn``, capabilities probed."""
-    unknown = [p.name for p in parameters[3:] if p.name not in FLASH_PARAMETERS
+    unknown = [p.name for p in parameters[3:] if p.name not in FLASH_PARAMETERS and p.name not in SINK_ALIASES
                and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if unknown:
         raise ImplementationError(
@@ -78,8 +82,11 @@ def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter],
         )
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in parameters)
     names = {p.name for p in parameters}
+    alias = next((a for a in SINK_ALIASES if a in names), None)
     accepted = set(FLASH_PARAMETERS) if has_var_kw else names & set(FLASH_PARAMETERS)
-    flash = fn if accepted == set(FLASH_PARAMETERS) else FlashAdapter(fn, accepted)
+    if alias is not None:
+        accepted.add("sinks")
+    flash = fn if accepted == set(FLASH_PARAMETERS) and alias is None else FlashAdapter(fn, accepted, alias)
     caps = probe_flash(flash, origin=origin, timeout=timeout)
     return Implementation(name=name, capabilities=caps, flash=flash, version=version,
                           description=f"flash_attn_func-signature function {origin}; capabilities probed, "
@@ -90,14 +97,17 @@ class FlashAdapter:
     """Calls a function lacking some of flash_attn_func's optional parameters: a missing
     one is dropped while it has its default value and refused otherwise."""
 
-    def __init__(self, fn: Callable[..., Any], accepted: set[str]) -> None:
-        self.fn, self.accepted = fn, accepted
+    def __init__(self, fn: Callable[..., Any], accepted: set[str], sink_alias: str | None = None) -> None:
+        self.fn, self.accepted, self.sink_alias = fn, accepted, sink_alias
         self.__name__ = getattr(fn, "__name__", "flash_attn_func")
 
     def __call__(self, q, k, v, **options: Any) -> Any:
         kwargs = {}
         for key_name, given in options.items():
-            if key_name in self.accepted:
+            if key_name == "sinks" and self.sink_alias is not None:
+                if given is not None:
+                    kwargs[self.sink_alias] = given
+            elif key_name in self.accepted:
                 kwargs[key_name] = given
             elif not _is_default(key_name, given):
                 raise NotImplementedError(f"{self.__name__} has no {key_name} parameter")
@@ -189,6 +199,10 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         features.add("alibi")
     if _probe_lse(probe, fn, q, k, v, notes):
         features.add("lse")
+    sinks = torch.tensor([1.5, -0.5])
+    if _takes_sinks(fn) and feature_runs("sinks", "sinks=[1.5, -0.5]", lambda: fn(q, k, v, sinks=sinks),
+                                         sinks=sinks.numpy()):
+        features.add("sinks")
     causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64,
                                         None if plan.causal_only else base, notes, tol)
 
@@ -267,6 +281,17 @@ def _flash_attempt_runs(probe: _Prober, fn: Callable[..., Any], plan: Any) -> bo
     except CallRaised:
         return False
     return _is_tensor(out, (1, plan.L, 2, plan.E))
+
+
+def _takes_sinks(fn: Any) -> bool:
+    """Whether the function names a sinks argument (``sinks`` or an alias): sinks are no
+    flash_attn_func argument, so a function without one (``**kwargs`` that may swallow it
+    included) is not probed for them and does not claim them."""
+    try:
+        parameters = inspect.signature(fn.fn if isinstance(fn, FlashAdapter) else fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name == "sinks" or name in SINK_ALIASES for name in parameters)
 
 
 def _is_tensor(out: Any, shape: tuple[int, ...]) -> bool:

@@ -38,6 +38,8 @@ from typing import Any, Callable, Mapping
 from implementations.base import (
     ALL_DTYPES,
     ALL_FLASH_FEATURES,
+    ALL_KVCACHE_FEATURES,
+    ALL_VARLEN_FEATURES,
     ALL_MASK_KINDS,
     ALL_MHA_FEATURES,
     CAUSAL_ALIGNMENTS,
@@ -157,6 +159,10 @@ def _parse_flash_features(text: str) -> frozenset[str]:
     return frozenset(() if text.strip().lower() == "none" else _parse_list(ALL_FLASH_FEATURES)(text))
 
 
+def _parse_features(known: frozenset[str]) -> Callable[[str], frozenset[str]]:
+    return lambda text: frozenset(() if text.strip().lower() == "none" else _parse_list(known)(text))
+
+
 def _option_parsers() -> dict[str, Callable[[str], Any]]:
     """Capabilities field -> parser of its ``--impl-option`` text (every bool field too)."""
     parsers: dict[str, Callable[[str], Any]] = {
@@ -168,6 +174,8 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "batch_dims": _parse_batch_dims,
         "mha_features": _parse_mha_features,
         "flash_features": _parse_flash_features,
+        "varlen_features": _parse_features(ALL_VARLEN_FEATURES),
+        "kvcache_features": _parse_features(ALL_KVCACHE_FEATURES),
         "max_head_dim": _parse_optional_int,
         "max_seq_len": _parse_optional_int,
         "min_head_dim": _parse_optional_int,

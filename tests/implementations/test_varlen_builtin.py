@@ -72,8 +72,10 @@ def test_options_it_does_not_implement_raise():
     q, k, v, cu_q, cu_k = (torch.tensor(x) for x in _packed(rng, [(1, 1)]))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, dropout_p=0.5)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, window_size=(1, 0))
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, softcap=-1.0)
     cache = torch.zeros(1, 2, 2, 3)
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(torch.zeros(1, 1, 4, 3), cache, cache, torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3),

@@ -219,7 +219,8 @@ def _mha_grads(run, call):
 def _flash_agrees(implementation: Implementation, case: dict) -> bool:
     """Does the flash-level ``implementation`` agree with ``spec.flash`` on ``case`` (output,
     and the LSE with ``lse``, the gradients with ``grad``)? Vocabulary: sizes, ``causal``,
-    ``window`` [left, right], ``softcap``, ``alibi`` (slopes per head), ``lse``, ``grad``."""
+    ``window`` [left, right], ``softcap``, ``alibi`` (slopes per head), ``sinks`` (one per head),
+    ``lse``, ``grad``."""
     import spec
 
     g = torch.Generator().manual_seed(0)
@@ -231,6 +232,9 @@ def _flash_agrees(implementation: Implementation, case: dict) -> bool:
                "alibi_slopes": None if case.get("alibi") is None else np.array(case["alibi"], dtype=float)}
     kwargs = {"causal": options["causal"], "window_size": options["window"], "softcap": options["softcap"],
               "alibi_slopes": None if options["alibi_slopes"] is None else torch.tensor(case["alibi"])}
+    if case.get("sinks") is not None:
+        options["sinks"] = np.array(case["sinks"], dtype=float)
+        kwargs["sinks"] = torch.tensor(case["sinks"])
     want = spec.flash_attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, **options)
     inputs = [t.clone().requires_grad_(bool(case.get("grad"))) for t in (q, k, v)]
     got = implementation.flash(*inputs, return_attn_probs=bool(case.get("lse")), **kwargs)

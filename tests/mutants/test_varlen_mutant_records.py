@@ -37,11 +37,36 @@ def _varlen_agrees(fn, case: dict) -> bool:
     cu_q = np.cumsum([0] + [L for L, _ in lengths])
     cu_k = np.cumsum([0] + [S for _, S in lengths])
     causal = bool(case.get("causal"))
-    want = spec.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
+    options, kwargs = _options(case)
+    want = spec.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **options)
     got = fn(torch.tensor(q), torch.tensor(k), torch.tensor(v), torch.tensor(cu_q, dtype=torch.int32),
              torch.tensor(cu_k, dtype=torch.int32), max(L for L, _ in lengths), max(S for _, S in lengths),
-             causal=causal)
-    return bool(np.allclose(got.numpy(), want, rtol=1e-12, atol=1e-12))
+             causal=causal, **kwargs, **({"return_attn_probs": True} if case.get("lse") else {}))
+    if case.get("lse"):
+        got, lse = got[0], got[1]
+        if not _same_lse(lse.numpy(), want.lse):
+            return False
+    return bool(np.allclose(got.numpy(), want.output, rtol=1e-12, atol=1e-12))
+
+
+def _options(case: dict) -> tuple[dict, dict]:
+    """(spec options, FlashAttention keyword arguments) of the vocabulary's ``window``
+    [left, right], ``softcap`` and ``alibi`` (slopes per head)."""
+    options, kwargs = {}, {}
+    if case.get("window") is not None:
+        options["window"] = kwargs["window_size"] = tuple(case["window"])
+    if case.get("softcap"):
+        options["softcap"] = kwargs["softcap"] = float(case["softcap"])
+    if case.get("alibi") is not None:
+        options["alibi_slopes"] = np.array(case["alibi"], dtype=float)
+        kwargs["alibi_slopes"] = torch.tensor(case["alibi"], dtype=torch.float32)
+    return options, kwargs
+
+
+def _same_lse(got: np.ndarray, want: np.ndarray) -> bool:
+    got = np.where(np.isposinf(got), -np.inf, got)
+    return bool(np.array_equal(np.isneginf(got), np.isneginf(want))
+                and np.allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-12, atol=1e-12))
 
 
 def _kvcache_agrees(fn, case: dict) -> bool:
@@ -61,12 +86,19 @@ def _kvcache_agrees(fn, case: dict) -> bool:
     k_new = rng.standard_normal((B, new, K, E)) if new else None
     v_new = rng.standard_normal((B, new, K, Ev)) if new else None
     causal = bool(case.get("causal"))
+    options, kwargs = _options(case)
     want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=np.array(seqlens), k=k_new, v=v_new,
-                                  block_table=table, causal=causal)
+                                  block_table=table, causal=causal, **options)
     k_t, v_t = torch.tensor(k_cache), torch.tensor(v_cache)
     extra = {} if k_new is None else {"k": torch.tensor(k_new), "v": torch.tensor(v_new)}
+    if case.get("lse"):
+        kwargs["return_softmax_lse"] = True
     got = fn(torch.tensor(q), k_t, v_t, **extra, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
-             block_table=None if table is None else torch.tensor(table, dtype=torch.int32), causal=causal)
+             block_table=None if table is None else torch.tensor(table, dtype=torch.int32), causal=causal, **kwargs)
+    if case.get("lse"):
+        got, lse = got
+        if not _same_lse(lse.numpy(), want.lse):
+            return False
     return (bool(np.allclose(got.numpy(), want.output, rtol=1e-12, atol=1e-12))
             and np.array_equal(k_t.numpy(), want.k_cache) and np.array_equal(v_t.numpy(), want.v_cache))
 
@@ -105,6 +137,9 @@ def test_smallest_case_is_claimed(name):
              "causal": "lower_right" if case.get("causal") else None, "N": case["N"], "K": case["K"],
              "E": case["E"], "Ev": case["Ev"], "kv_paged": bool(case.get("page_size")),
              "kv_append": bool(case.get("S_new"))}
+    options = {name for name, key in (("window", "window"), ("softcap", "softcap"), ("alibi", "alibi"),
+                                      ("lse", "lse")) if case.get(key)}
+    attrs[f"{mutant.level}_features"] = options
     assert mutant.build().not_supported_reasons(attrs) == []
 
 

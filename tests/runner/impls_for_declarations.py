@@ -160,8 +160,8 @@ def tile_kernel_impl():
 
 def tile_flash_impl():
     """``tile_flash`` declared as it is: a flash level with ``min_head_dim=16``."""
-    from implementations.base import ALL_FLASH_FEATURES, Capabilities, Implementation
+    from implementations.base import DEFAULT_FLASH_FEATURES, Capabilities, Implementation
 
     return Implementation(name="tile-flash", flash=tile_flash,
                           capabilities=Capabilities(min_head_dim=16, causal="lower_right",
-                                                    flash_features=ALL_FLASH_FEATURES))
+                                                    flash_features=DEFAULT_FLASH_FEATURES))
