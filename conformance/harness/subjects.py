@@ -82,6 +82,10 @@ def resolve_subject(config: pytest.Config, spec: str, label: str, options: dict[
     impl, worker, reason = _resolve(config, spec, options, timeout)
     impl = _with_xfail_file(config, impl)
     subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
+    if getattr(impl, "sharded", None) is not None:  # its ranks resolve it by the same spec
+        from conformance.sharded import group as sharded_group
+
+        sharded_group.register(impl, spec, options)
     try:
         subject.shape_budget = shape_budget_for(impl.capabilities, config.getoption("conformance_shape_budget"))
     except Exception as err:  # noqa: BLE001 - the strategies' InvalidArgument names the rule
