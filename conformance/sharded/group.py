@@ -249,12 +249,14 @@ def register(impl: Any, impl_spec: str, options: dict[str, str] | None) -> None:
 
 
 def group_for(impl: Any) -> WorkerGroup:
-    """The worker group of ``impl`` (created, not started, on first use). An implementation
+    """The worker group of ``impl`` (created, not started, on first use; as many ranks as the
+    largest world size it declares, at most :data:`DEFAULT_WORLD`). An implementation
     nobody registered is resolved in the ranks by its name (a built-in or ``mutant:NAME``)."""
     spec, options = _NAMES.get(id(impl), (impl.name, {}))
     key = (spec, tuple(sorted(options.items())))
     if key not in _GROUPS:
-        _GROUPS[key] = WorkerGroup(spec, options)
+        world = max(1, min(DEFAULT_WORLD, impl.caps("sharded").max_world_size))
+        _GROUPS[key] = WorkerGroup(spec, options, world=world)
     return _GROUPS[key]
 
 
