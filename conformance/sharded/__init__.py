@@ -1,4 +1,6 @@
-"""The sharded (context-parallel) level: cases and calls (``cases``, the level's entry of
-``conformance.core.levels``), the spec's bounds (``checks``), the strategies
-(``strategies``), and the persistent worker group that runs each call on every rank
-(``group``, the pytest side; ``worker``, one rank's process)."""
+"""The sharded (context-parallel) level: its cases, bounds, strategies and persistent worker group.
+
+``cases`` (the cases and calls), ``level`` (the level's entry of ``conformance.core.levels``),
+``checks`` (the spec's bounds), ``strategies``, and ``group`` (the pytest side of the worker
+group that runs each call on every rank) with ``worker`` (one rank's process).
+"""

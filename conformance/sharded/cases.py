@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.core.compare import PropertyFailure, fail
+from conformance.core.compare import fail
 from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised, Target
 from spec import sharding
 

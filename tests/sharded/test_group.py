@@ -115,7 +115,7 @@ def test_certificate_fails_saves_the_case_and_leaves_no_process(tmp_path, attr, 
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
-    assert re.search(rf"sharded_forward\s+sharded\s+FAIL", out), out[-3000:]
+    assert re.search(r"sharded_forward\s+sharded\s+FAIL", out), out[-3000:]
     assert word in out, out[-3000:]
     assert re.search(r"sharded_layout_invariance\s+sharded\s+PASS", out), out[-3000:]
     saved = re.findall(r"\S+\.npz", out)
