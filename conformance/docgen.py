@@ -35,8 +35,8 @@ __all__ = ["CHECKLIST", "GENERATORS", "ROOT", "Region", "check", "main", "pages"
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The levels in the order a run certifies them; a level not named here comes after these.
-LEVELS = ("sdpa", "mha", "flash", "varlen", "kvcache")
-LEVEL_NAMES = {"sdpa": "SDPA", "mha": "MHA", "flash": "Flash", "varlen": "Varlen", "kvcache": "KVCache"}
+LEVELS = ("sdpa", "mha", "flash", "varlen", "kvcache", "sharded")
+LEVEL_NAMES = {"sdpa": "SDPA", "mha": "MHA", "flash": "Flash", "varlen": "Varlen", "kvcache": "KVCache", "sharded": "Sharded"}
 START = re.compile(r"^<!-- generated: ([\w-]+) -->[ \t]*$", re.M)
 END = "<!-- end generated -->"
 COMMAND = "python -m conformance.docgen"

@@ -231,7 +231,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 #: call, no ``spec.variants`` variant names a cause and the directed examples are not
 #: shrunk; found first at its own level it gets the smallest case and its diagnosis
 #: (measured on the zoo: minimal counterexamples 29/78 with the flash level first).
-LEVEL_ORDER = {"sdpa": 0, "mha": 1, "flash": 2, "varlen": 3, "kvcache": 4}
+LEVEL_ORDER = {"sdpa": 0, "mha": 1, "flash": 2, "varlen": 3, "kvcache": 4, "sharded": 5}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -473,6 +473,10 @@ def _end_session(config: pytest.Config) -> None:
     for subject in session.subjects.values() or [session]:
         if subject.isolation is not None:
             subject.isolation.close()
+    import sys
+
+    if "conformance.sharded.group" in sys.modules:  # the sharded level's worker groups, if any ran
+        sys.modules["conformance.sharded.group"].close_all()
     isolation.forget_running()
     _freeze_heap()
 

@@ -34,6 +34,14 @@ An :class:`Implementation` exposes attention at one or both of two levels:
   or ``(output, lse (B, N, L), attn_probs or None)`` with ``return_attn_probs``.
   What it supports is ``Capabilities.flash_features`` (``spec.flash``); its
   ``Capabilities.causal`` is ``"lower_right"`` (or None: no ``causal=True``).
+* **Sharded (context-parallel) level** — ``sharded(q, k, v, *, group, rank, world_size,
+  causal=False, softmax_scale=None, layout="contiguous")``, called on every rank of a
+  ``torch.distributed`` process group with that rank's shard of one sequence: q
+  ``(B, N, L_shard, E)``, k ``(B, K, L_shard, E)``, v ``(B, K, L_shard, Ev)`` (SDPA's
+  heads-first layout, the sequence axis -2), positions by ``spec.sharding`` (``layout``
+  ``"contiguous"`` or ``"zigzag"``); causal is over global positions (L == S). Returns
+  the rank's output shard ``(B, N, L_shard, Ev)``, or ``(output, lse (B, N, L_shard))``
+  with ``Capabilities.sharded_lse``; it does its own communication over ``group``.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E q/k head dim, Ev value head dim, D model dim.
@@ -93,7 +101,7 @@ SEMANTIC_FIELDS = ("causal", "fully_masked", "shared_kv", "flash_features")
 PER_DTYPE_FIELDS = ("mask_kinds", "gqa", "different_v_dim", "autograd", "mask_grad", "custom_scale",
                     "dropout", "non_contiguous", "flash_features")
 #: The per-dtype fields that hold sets (kept in ``by_dtype`` as sorted tuples: plain data).
-_SET_FIELDS = ("mask_kinds", "flash_features")
+_SET_FIELDS = ("mask_kinds", "flash_features", "sharded_layouts")
 #: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
 ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
 #: Optional features of an MHA-level implementation (constructor options and
@@ -167,6 +175,10 @@ ALL_KVCACHE_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "rotary",
 DEFAULT_FLASH_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
 
 
+#: The sequence layouts of the sharded level (``spec.sharding.LAYOUTS``).
+SHARDED_LAYOUTS = frozenset({"contiguous", "zigzag"})
+
+
 class ImplementationError(ValueError):
     """An implementation is misdeclared or cannot be resolved/loaded."""
 
@@ -236,6 +248,16 @@ class Capabilities:
     #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
     #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
     flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
+    # -- sharded (context-parallel) level (``conformance/test_sharded.py`` consumes them) --
+    #: The sequence layouts (``spec.sharding.LAYOUTS``) the sharded callable honours.
+    sharded_layouts: frozenset[str] = frozenset({"contiguous", "zigzag"})
+    #: The sharded callable returns ``(output, lse)`` (lse (B, N, L_shard), natural log).
+    sharded_lse: bool = False
+    #: The sharded callable re-shards over heads (all-to-all): N and K must be multiples
+    #: of the world size (cases that are not are outside the claims).
+    sharded_heads_divisible: bool = False
+    #: The largest world size (number of ranks) the sharded callable supports.
+    max_world_size: int = 4
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -285,6 +307,12 @@ class Capabilities:
                 f"flash_features has unknown entries "
                 f"{sorted(set(self.flash_features) - ALL_FLASH_FEATURES)}; known: "
                 f"{sorted(ALL_FLASH_FEATURES)}"
+            )
+        object.__setattr__(self, "sharded_layouts", frozenset(self.sharded_layouts))
+        if not self.sharded_layouts <= SHARDED_LAYOUTS:
+            raise ImplementationError(
+                f"sharded_layouts has unknown entries {sorted(self.sharded_layouts - SHARDED_LAYOUTS)}; "
+                f"known: {sorted(SHARDED_LAYOUTS)} (spec.sharding.LAYOUTS)"
             )
 
     def replace(self, **changes: Any) -> "Capabilities":
@@ -513,6 +541,9 @@ class Implementation:
     #: ``flash_attn_func``-signature callable (flash level, see the module docstring), or None.
     flash: SDPACallable | None = None
     flash_capabilities: Capabilities | None = None  # defaults to ``capabilities``
+    #: Context-parallel callable (sharded level, see the module docstring), or None.
+    sharded: Callable[..., Any] | None = None
+    sharded_capabilities: Capabilities | None = None  # defaults to ``capabilities``
     version: str = "0"
     description: str = ""
     #: Known deviations. A built-in's are the entries of ``implementations/xfail/<name>.toml``,
@@ -525,10 +556,10 @@ class Implementation:
 
     def __post_init__(self) -> None:
         if self.unavailable_reason is None and all(
-                fn is None for fn in (self.sdpa, self.mha, self.flash, self.varlen, self.kvcache)):
+                fn is None for fn in (self.sdpa, self.mha, self.flash, self.varlen, self.kvcache, self.sharded)):
             raise ImplementationError(
                 f"Implementation(name={self.name!r}) exposes none of sdpa=, mha=, flash=, varlen=, "
-                "kvcache=; give at least one callable"
+                "kvcache=, sharded=; give at least one callable"
             )
         if self.mha is not None and self.load_weights is None:
             raise ImplementationError(
@@ -632,4 +663,25 @@ class Implementation:
             missing = set(case.get(name, ())) - set(getattr(c, name))
             if level == name.removesuffix("_features") and missing:
                 reasons.append(f"{level} features not supported: {sorted(missing)}")
+        if level == "sharded":
+            reasons += _sharded_reasons(c, case)
         return reasons
+
+
+def _sharded_reasons(c: Capabilities, case: Mapping[str, Any]) -> list[str]:
+    """The sharded level's own claims: layout, world size, heads per rank, causal flag."""
+    reasons = []
+    if case.get("sharding") is not None and case["sharding"] not in c.sharded_layouts:
+        reasons.append(f"sharding layout {case['sharding']!r} not in declared sharded_layouts "
+                       f"{sorted(c.sharded_layouts)}")
+    world = case.get("world_size")
+    if world is not None and world > c.max_world_size:
+        reasons.append(f"world_size={world} > max_world_size={c.max_world_size}")
+    if world is not None and c.sharded_heads_divisible:
+        for dim in ("N", "K"):
+            if case.get(dim) is not None and case[dim] % world:
+                reasons.append(f"{dim}={case[dim]} is not a multiple of world_size={world} "
+                               "(sharded_heads_divisible)")
+    if case.get("sharded_causal") and c.causal is None:
+        reasons.append("causal=True not supported (causal=None declared)")
+    return reasons

@@ -22,7 +22,7 @@ PACKAGES = ("spec", "implementations", "conformance")
 #: ``plugin``, ``activation``, ``docgen``) are the top layer and may import any layer;
 #: no layer may import them.
 LAYERS: dict[str, frozenset[str]] = {}
-_ORDER = ("core", "calls", "strategies", "directed", "diagnosis", "reporting", "isolation", "harness")
+_ORDER = ("core", "calls", "strategies", "directed", "sharded", "diagnosis", "reporting", "isolation", "harness")
 for _i, _name in enumerate(_ORDER):
     LAYERS[_name] = frozenset(_ORDER[:_i])
 

@@ -36,6 +36,7 @@ LEVEL_MODULES: dict[str, str] = {
     "flash": "conformance.calls.flash",
     "varlen": "conformance.calls.varlen",
     "kvcache": "conformance.calls.kvcache",
+    "sharded": "conformance.sharded.level",
 }
 
 

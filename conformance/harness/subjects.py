@@ -82,6 +82,10 @@ def resolve_subject(config: pytest.Config, spec: str, label: str, options: dict[
     impl, worker, reason = _resolve(config, spec, options, timeout)
     impl = _with_xfail_file(config, impl)
     subject = Subject(spec, impl, label, options, isolation=worker, isolate_reason=reason)
+    if getattr(impl, "sharded", None) is not None:  # its ranks resolve it by the same spec
+        from conformance.sharded import group as sharded_group
+
+        sharded_group.register(impl, spec, options)
     try:
         requested, name = config.getoption("conformance_compile_budget"), "--compile-budget"
         if requested is None:

@@ -29,4 +29,7 @@ BUILTINS: dict[str, str] = {
     "jax": "implementations.builtins.jax_attention:make_implementation",
     # varlen / kv-cache levels
     "varlen-reference": "implementations.builtins.varlen_reference:make_implementation",
+    # sharded (context-parallel) level
+    "ring": "implementations.builtins.ring_attention:make_implementation",
+    "ulysses": "implementations.builtins.ulysses_attention:make_implementation",
 }

@@ -24,7 +24,9 @@ and KV-cache bugs, at the varlen and kvcache levels); :mod:`.cache_option_mutant
 functions resolved through recognition and probing, whose bug a behaviour-driven probe
 used to turn into a declaration; its ``CONTRACT_CONTROLS`` declare a non-default
 convention and must pass); :mod:`.learner_mutants` (hand-written modules with no adapter,
-each with a classic tutorial mistake, probed through the learner level).
+each with a classic tutorial mistake, probed through the learner level);
+:mod:`.sharded_mutants` (context-parallel ring and all-to-all attention with one step
+wrong, at the sharded level).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
 from implementations.mutants.record import Mutant
 from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
+from implementations.mutants.sharded_mutants import SHARDED_MUTANTS
 from implementations.mutants.size_mutants import SIZE_MUTANTS
 from implementations.mutants.tiled_mutants import TILED_MUTANTS
 from implementations.mutants.triton_mutants import TRITON_MUTANTS
@@ -50,5 +53,5 @@ MUTANTS: dict[str, Mutant] = {
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
               *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
               *CACHE_OPTION_MUTANTS,
-              *CONTRACT_MUTANTS, *LEARNER_MUTANTS)
+              *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }

@@ -269,7 +269,7 @@ def test_zoo_size_and_coverage():
     missing = set(range(1, 16)) - rows
     assert not missing, f"docs/KNOWN_BUGS.md rows without a mutant: {sorted(missing)}"
     assert REQUIRED <= set(MUTANTS), f"missing mutants: {sorted(REQUIRED - set(MUTANTS))}"
-    assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha", "flash", "varlen", "kvcache"}
+    assert {m.level for m in MUTANTS.values()} == {"sdpa", "mha", "flash", "varlen", "kvcache", "sharded"}
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -1,0 +1,95 @@
+"""What the spec says about a sharded call, and the comparisons of the sharded properties.
+
+The oracle of a sharded call is full-sequence attention on the unsharded arrays: the
+output is ``spec.sdpa`` (causal over global positions: L == S, so upper-left and
+lower-right coincide), the LSE ``spec.flash_attention(return_lse=True)`` on the flash
+layout's transposes, the gradients ``spec.sdpa_vjp``. The error bounds are the SDPA
+level's (``calls.sdpa.allowed_for``, ``grad_magnitudes``, ``tolerance.grad_allowed``) and
+the flash level's for the LSE (``calls.flash_bounds.allowed_lse``) on the same case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import spec
+from conformance.calls import flash_bounds
+from conformance.calls import sdpa as calls
+from conformance.calls.call_specs import case_rng
+from conformance.calls.equivalence import Side, compare_equivalent
+from conformance.calls.flash_cases import FlashCase
+from conformance.core import tolerance
+from conformance.core.cases import SDPACase
+from conformance.core.compare import compare_values
+from conformance.core.target import Target
+from conformance.sharded.cases import ShardedCase, ShardedResult
+from spec.emulate import round_to
+
+__all__ = ["as_sdpa", "bounds", "check_forward", "check_backward", "compare_runs", "grad_output_for"]
+
+
+def as_sdpa(case: ShardedCase) -> SDPACase:
+    """The unsharded problem as an SDPA case (heads-first, causal upper-left = global)."""
+    return SDPACase(case.query, case.key, case.value, causal="upper_left" if case.causal else None,
+                    scale=case.scale, dtype=case.dtype, device=case.device)
+
+
+def _as_flash(case: ShardedCase) -> FlashCase:
+    t = (0, 2, 1, 3)
+    return FlashCase(case.query.transpose(t), case.key.transpose(t), case.value.transpose(t),
+                     causal=case.causal, scale=case.scale, dtype=case.dtype, device=case.device)
+
+
+def bounds(target: Target, case: ShardedCase) -> tuple[np.ndarray, np.ndarray]:
+    """(expected output (B, N, L, Ev), allowed error elementwise)."""
+    allowed, ref = calls.allowed_for(target, as_sdpa(case))
+    return ref.output, allowed
+
+
+def check_forward(target: Target, case: ShardedCase, result: ShardedResult) -> float:
+    """The unsharded output (and LSE, where declared) against the spec; worst ratio."""
+    __tracebackhide__ = True
+    expected, allowed = bounds(target, case)
+    worst = compare_values("output (unsharded)", result.output, expected, allowed).ratio
+    if result.lse is not None:
+        flash = _as_flash(case)
+        ref = flash_bounds.oracle(flash)
+        worst = max(worst, compare_values("lse (unsharded)", result.lse, ref.lse,
+                                          flash_bounds.allowed_lse(target, flash, ref)).ratio)
+    return worst
+
+
+def grad_output_for(case: ShardedCase) -> np.ndarray:
+    """A random upstream gradient (B, N, L, Ev), seeded by the case's contents, in its dtype."""
+    rng = case_rng(as_sdpa(case), "grad")
+    return round_to(rng.standard_normal((case.B, case.N, case.L, case.Ev)), case.dtype)
+
+
+def check_backward(target: Target, case: ShardedCase, grad_out: np.ndarray, result: ShardedResult) -> float:
+    """dq, dk, dv (unsharded) against ``spec.sdpa_vjp``; worst ratio."""
+    __tracebackhide__ = True
+    sdpa_case = as_sdpa(case)
+    ref = calls.oracle(sdpa_case)
+    grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out, causal=sdpa_case.causal, scale=case.scale)
+    magnitudes = calls.grad_magnitudes(sdpa_case, ref, grad_out)
+    logit_range = calls.grad_logit_range(sdpa_case, ref)
+    worst = 0.0
+    assert result.grads is not None
+    for name, actual, expected in zip(("dquery", "dkey", "dvalue"), result.grads,
+                                      (grads.dquery, grads.dkey, grads.dvalue), strict=True):
+        allowed = tolerance.grad_allowed(case.dtype, magnitudes[name], logit_range, tf32=target.tf32)
+        worst = max(worst, compare_values(f"{name} (unsharded)", actual, expected, allowed).ratio)
+    return worst
+
+
+def compare_runs(target: Target, what: str, case: ShardedCase, first: Any, reference: Any,
+                 names: tuple[str, str], paths: tuple[str, str]) -> float:
+    """Two sharded outputs of the same sequence that must agree (each within the spec's
+    bound, so within twice it of each other); a disagreement says which one is wrong."""
+    __tracebackhide__ = True
+    expected, allowed = bounds(target, case)
+    sides = [Side(name, out.output, expected, allowed, None, path)
+             for name, out, path in zip(names, (first, reference), paths, strict=True)]
+    return compare_equivalent(what, *sides, 2 * allowed).ratio

@@ -1,0 +1,102 @@
+"""Hypothesis strategies and directed cases of the sharded level.
+
+The world size is drawn first (1..min(4, max_world_size), shrinking toward 1), then the
+layout among the declared ones, the length as a multiple of the layout's divisor (W
+contiguous, 2W zigzag: ``spec.sharding.divisor``; lengths that do not divide are never
+drawn, as no padding support is part of the contract), then B, the heads (GQA where
+declared; multiples of W under ``sharded_heads_divisible``), E, Ev, causal and the
+scale. Values are standard normal, rounded to the dtype; about one case in eight is in
+the ``large`` regime (q and k scaled so that logits reach the hundreds: exp of an LSE
+overflows in float32 there, and beyond 709 in float64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from conformance.sharded.cases import ShardedCase
+from spec import sharding
+from spec.emulate import round_to
+
+__all__ = ["sharded_cases", "sharded_directed", "make_case"]
+
+#: The largest world size drawn (the worker group's size).
+MAX_WORLD = 4
+
+
+def make_case(*, world_size: int, layout: str, B: int = 1, N: int = 1, K: int | None = None,
+              shard: int = 1, E: int = 2, Ev: int | None = None, causal: bool = False,
+              scale: float | None = None, dtype: str = "float64", device: str = "cpu", seed: int = 0,
+              regime: str = "normal") -> ShardedCase:
+    """One case from sizes: L = shard units of the layout's divisor (``shard`` per rank and
+    chunk pair: L = shard * divisor)."""
+    K = N if K is None else K
+    Ev = E if Ev is None else Ev
+    L = shard * sharding.divisor(layout, world_size)
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((B, N, L, E)), rng.standard_normal((B, K, L, E))
+    v = rng.standard_normal((B, K, L, Ev))
+    if regime == "large":  # logits in the hundreds (q.k up to ~ E * 30^2 * scale)
+        q, k = 30 * q, 30 * k
+    elif regime == "huge":  # every logit above 709: exp(lse) overflows in float64 too
+        q, k = np.full_like(q, 30.0) + q, np.full_like(k, 30.0) + k
+    return ShardedCase(round_to(q, dtype), round_to(k, dtype), round_to(v, dtype), world_size=world_size,
+                       layout=layout, causal=causal, scale=scale, dtype=dtype, device=device, regime=regime)
+
+
+def _world_sizes(caps: Any, min_world: int) -> st.SearchStrategy[int]:
+    top = min(MAX_WORLD, caps.max_world_size)
+    return st.integers(min(min_world, top), top)
+
+
+@st.composite
+def sharded_cases(draw: Any, *, dtype: str, device: str, caps: Any, min_world: int = 1,
+                  layouts: tuple[str, ...] | None = None, causal: bool | None = None) -> ShardedCase:
+    """A sharded case inside ``caps`` (module docstring)."""
+    W = draw(_world_sizes(caps, min_world), label="world_size")
+    layout = draw(st.sampled_from(sorted(layouts or caps.sharded_layouts)), label="layout")
+    shard = draw(st.integers(1, 3), label="shard units")
+    B = draw(st.integers(1, 2), label="B")
+    unit = W if caps.sharded_heads_divisible else 1
+    K = unit * draw(st.integers(1, 2), label="kv heads / unit")
+    group = draw(st.integers(1, 2), label="GQA group") if caps.gqa else 1
+    E = draw(st.sampled_from([2, 1, 3, 4, 8]), label="E")
+    Ev = draw(st.sampled_from([E, 1, 3, 5]), label="Ev") if caps.different_v_dim else E
+    if causal is None:
+        causal = draw(st.booleans(), label="causal") if caps.causal is not None else False
+    scale = None
+    if caps.custom_scale and draw(st.integers(0, 3), label="custom scale?") == 3:
+        scale = draw(st.sampled_from([0.5, 2.0, 0.125, -1.0]), label="scale")
+    regime = "large" if draw(st.integers(0, 7), label="regime") == 7 else "normal"
+    seed = draw(st.integers(0, 2**32 - 1), label="seed")
+    return make_case(world_size=W, layout=layout, B=B, N=K * group, K=K, shard=shard, E=E, Ev=Ev,
+                     causal=causal, scale=scale, dtype=dtype, device=device, seed=seed, regime=regime)
+
+
+def sharded_directed(*, dtype: str, device: str, caps: Any, min_world: int = 1,
+                     layouts: tuple[str, ...] | None = None, causal_only: bool = False) -> list[ShardedCase]:
+    """Directed cases: causal masks whose diagonal crosses every shard boundary (one
+    position per rank and chunk), each layout at every world size, a GQA case, and the
+    ``huge`` regime (logits above 709: a merge that exponentiates an LSE without the
+    running max overflows in every dtype)."""
+    top = min(MAX_WORLD, caps.max_world_size)
+    out = []
+    for layout in sorted(layouts or caps.sharded_layouts):
+        for W in range(max(2, min_world), top + 1):
+            heads = W if caps.sharded_heads_divisible else 1
+            for causal in ((True,) if causal_only or caps.causal is not None else ()) + (() if causal_only else (False,)):
+                out.append(make_case(world_size=W, layout=layout, N=heads, shard=1, E=2, causal=causal,
+                                     dtype=dtype, device=device, seed=W))
+    if not causal_only and out:
+        W = 2 if top >= 2 else 1
+        heads = W if caps.sharded_heads_divisible else 1
+        layout = sorted(layouts or caps.sharded_layouts)[0]
+        out.append(make_case(world_size=W, layout=layout, N=heads, shard=2, E=4, dtype=dtype, device=device,
+                             seed=7, regime="huge"))
+        if caps.gqa:
+            out.append(make_case(world_size=W, layout=layout, N=2 * heads, K=heads, shard=1, E=2,
+                                 causal=caps.causal is not None, dtype=dtype, device=device, seed=3))
+    return out

@@ -1,0 +1,48 @@
+"""Sharded implementations whose rank 1 misbehaves on causal calls over two ranks with
+one position per rank (the group tests resolve them by path, in every rank): it hangs,
+its process dies, or it raises. Other calls are the ring built-in's (layout invariance
+never shards to one position per rank: zigzag has two chunks a rank)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from implementations.builtins.ring_attention import RingAttention, make_implementation
+
+
+class _Broken(RingAttention):
+    def misbehave(self) -> None:
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False, **kwargs):
+        if causal and world_size and world_size >= 2 and rank == 1 and q.shape[-2] == 1:
+            self.misbehave()
+        return super().__call__(q, k, v, group=group, rank=rank, world_size=world_size, causal=causal, **kwargs)
+
+
+class _Hangs(_Broken):
+    def misbehave(self) -> None:
+        time.sleep(3600)
+
+
+class _Dies(_Broken):
+    def misbehave(self) -> None:
+        os._exit(3)
+
+
+class _Raises(_Broken):
+    def misbehave(self) -> None:
+        raise RuntimeError("rank 1 refuses causal calls")
+
+
+def _build(name, ring):
+    impl = make_implementation(name=name, ring=ring)
+    caps = impl.capabilities.replace(max_world_size=2)
+    return impl.__class__(**{**{f: getattr(impl, f) for f in impl.__dataclass_fields__},
+                             "capabilities": caps, "sharded_capabilities": caps})
+
+
+hangs = _build("hangs-on-rank-1", _Hangs())
+dies = _build("dies-on-rank-1", _Dies())
+raises = _build("raises-on-rank-1", _Raises())

@@ -1,0 +1,123 @@
+"""The sharded level's worker group: a rank that hangs, dies or raises is a failure of
+that call, the group is killed (no process left behind) and the next call restarts it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.core.compare import PropertyFailure
+from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised
+from conformance.sharded import group as groups
+from conformance.sharded.cases import ShardedCallSpec, run_call
+from conformance.sharded.strategies import make_case
+
+ROOT = Path(__file__).resolve().parents[2]
+BROKEN = "tests/sharded/broken_sharded.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(") ")[-1].startswith("Z"))
+
+
+@pytest.fixture
+def group(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    made = []
+
+    def make(attr: str) -> groups.WorkerGroup:
+        g = groups.WorkerGroup(f"{BROKEN}:{attr}", world=2)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def _request(case):
+    return {"query": case.query, "key": case.key, "value": case.value, "layout": case.layout,
+            "causal": case.causal, "scale": case.scale, "dtype": case.dtype, "device": case.device,
+            "grad_output": None}
+
+
+@pytest.mark.parametrize("attr, error, timeout", [("hangs", groups.GroupHung, 3.0),
+                                                   ("dies", groups.GroupCrashed, 60.0),
+                                                   ("raises", groups.GroupRaised, 60.0)])
+def test_broken_rank_fails_the_call_and_restarts(group, attr, error, timeout):
+    g = group(attr)
+    fine = make_case(world_size=2, layout="contiguous", shard=1, causal=False)
+    assert len(g.call(_request(fine), 2, 60.0)) == 2
+    first = g.pids()
+    assert len(first) == 2 and all(_alive(p) for p in first)
+    broken = fine.replace(causal=True)
+    with pytest.raises(error) as caught:
+        g.call(_request(broken), 2, timeout)
+    assert caught.value.rank == 1 or attr == "hangs", caught.value
+    # A hang or a crash kills every rank at once; so does a raise here, as rank 0 waits in
+    # its recv for rank 1's block (after a grace of RAISE_GRACE seconds).
+    assert g.pids() == [] and not any(_alive(p) for p in first), "a rank process was left behind"
+    assert len(g.call(_request(fine), 2, 60.0)) == 2  # the run goes on, on a restarted group
+    assert g.starts == 2
+
+
+def test_failures_are_property_failures(monkeypatch):
+    """What the properties see: ImplementationHung / Crashed / Raised (PropertyFailures)."""
+    assert all(issubclass(e, PropertyFailure) for e in (ImplementationHung, ImplementationCrashed,
+                                                        ImplementationRaised))
+
+    class Impl:
+        name = "x"
+
+    class Broken:
+        def call(self, *args):
+            raise groups.GroupCrashed("rank 1's process ended (exit code 3) during the call", 1)
+
+    monkeypatch.setattr(groups, "group_for", lambda impl: Broken())
+    with pytest.raises(ImplementationCrashed, match="rank 1's process ended"):
+        run_call(Impl(), ShardedCallSpec(make_case(world_size=2, layout="contiguous")), timeout=1.0,
+                 lse_declared=False)
+
+
+def _workers_of(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "conformance.sharded.worker" in cmdline and marker in cmdline and _alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("attr, word", [("hangs", "hung"), ("dies", "crashed")])
+def test_certificate_fails_saves_the_case_and_leaves_no_process(tmp_path, attr, word):
+    """A whole run: the property FAILs with the case saved, the next property still runs
+    (and passes), and no rank process is left when pytest ends."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    report = tmp_path / "cert"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance/test_sharded.py", f"--impl={BROKEN}:{attr}",
+         "--hypothesis-profile=ci", "--dtype=float64", "--example-timeout=4", "-p", "no:cacheprovider",
+         "-k", "sharded_forward or sharded_layout_invariance", "-q", "--conformance-report", str(report)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert re.search(r"sharded_forward\s+sharded\s+FAIL", out), out[-3000:]
+    assert word in out, out[-3000:]
+    assert re.search(r"sharded_layout_invariance\s+sharded\s+PASS", out), out[-3000:]
+    saved = re.findall(r"\S+\.npz", out)
+    assert saved and any(Path(p).exists() or (ROOT / p).exists() for p in saved), out[-3000:]
+    assert _workers_of(str(tmp_path)) == [], "rank processes left behind"
