@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from implementations.base import Implementation, ImplementationError
+from implementations.bridge import FRAMEWORKS, bridge_options, split_bridge_options
 from implementations.flash_from_sdpa import derive_flash
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
@@ -105,9 +106,14 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
     learner, options = split_learner_options(options)
+    bridge, options = split_bridge_options(options)
     wanted = derived_flash_wanted(options)
-    with learner_options(learner) as held:
+    with learner_options(learner) as held, bridge_options(bridge) as bridge_held:
         impl = _resolve(spec, timeout)
+    if bridge and "_used" not in bridge_held:
+        raise ImplementationError(
+            f"--impl-option {', '.join(bridge)}: bridge options apply to an SDPA-level function of another "
+            f"array framework ({', '.join(sorted(FRAMEWORKS))}), and --impl={spec!r} is not one")
     if learner and "_used" not in held:
         raise ImplementationError(
             f"--impl-option {', '.join(learner)}: learner options apply to a hand-written attention module "
