@@ -4,6 +4,9 @@ Accepted, in this order:
 
 * an :class:`~implementations.base.Implementation`, or a zero-argument callable
   returning one;
+* an SDPA-level function of another array framework (NumPy, JAX, Keras, TensorFlow,
+  tinygrad, CuPy, MLX), recognised from its module or declared with
+  ``--impl-option framework=NAME``, through the framework bridge (:mod:`implementations.bridge`);
 * a function with the signature of ``torch.nn.functional.scaled_dot_product_attention``
   (``query, key, value`` first; ``attn_mask, dropout_p, is_causal, scale, enable_gqa``
   optional, a missing one meaning that feature is unsupported);
@@ -31,6 +34,7 @@ import sys
 from typing import Any, Callable
 
 from implementations.base import Capabilities, Implementation, ImplementationError
+from implementations.bridge import bridge_declarations, bridged_implementation, detect_framework
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.flash_recognition import (
@@ -89,6 +93,10 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         raise ImplementationError(
             f"{origin} is a {type(obj).__name__}, not callable; expected {ACCEPTED_OBJECTS}"
         )
+    framework = detect_framework(obj)
+    if framework is not None and (_declared_framework() or _takes_qkv(obj)):
+        return bridged_implementation(obj, framework, name=name, origin=origin, probe=probe_sdpa,
+                                      timeout=timeout)
     parameters = _parameters(obj, origin)
     names = [p.name for p in parameters]
     varlen_level = _varlen_level(names)
@@ -108,6 +116,19 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         f"({', '.join(SDPA_PARAMETERS)}): the first three parameters must be named query, key, "
         "value (or q, k, v for flash_attn_func's signature); or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
     )
+
+
+def _declared_framework() -> bool:
+    return "framework" in bridge_declarations()
+
+
+def _takes_qkv(obj: Any) -> bool:
+    """Whether ``obj`` takes at least three positional arguments (query, key, value)."""
+    try:
+        parameters = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 3
 
 
 def _call_builder(builder: Callable[[], Any], origin: str, timeout: float | None) -> Implementation:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from implementations.base import Implementation, ImplementationError
+from implementations.bridge import FRAMEWORKS, bridge_options, split_bridge_options
 from implementations.flash_from_sdpa import derive_flash
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
@@ -108,12 +109,18 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
     spec = spec.strip()
     learner, options = split_learner_options(options)
+    bridge, options = split_bridge_options(options)
     wanted = derived_flash_wanted(options)
     # Declarations first: parsed (and checked) before anything is probed, and every probe
     # call is built inside them (.probe_plan).
     parsed = parse_options({k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION})
-    with learner_options(learner) as held, declared_for_probes(parsed):
+    with learner_options(learner) as held, bridge_options(bridge) as bridge_held, \
+            declared_for_probes(parsed):
         impl = _resolve(spec, timeout)
+    if bridge and "_used" not in bridge_held:
+        raise ImplementationError(
+            f"--impl-option {', '.join(bridge)}: bridge options apply to an SDPA-level function of another "
+            f"array framework ({', '.join(sorted(FRAMEWORKS))}), and --impl={spec!r} is not one")
     if learner and "_used" not in held:
         raise ImplementationError(
             f"--impl-option {', '.join(learner)}: learner options apply to a hand-written attention module "

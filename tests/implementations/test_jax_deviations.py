@@ -78,7 +78,7 @@ def test_jitted_float32_gives_nan_rows_for_logits_near_1e9(impl):
 
 
 def test_jit_fails_for_16_bit_dtypes_on_cpu_but_eager_calls_work(impl):
-    """Why the adapter runs float16 and bfloat16 op by op (see jax_attention._functions_for)."""
+    """Why the adapter runs float16 and bfloat16 op by op (see jax_attention._jit_for)."""
     import jax
     import ml_dtypes
 

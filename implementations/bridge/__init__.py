@@ -1,0 +1,196 @@
+"""The framework bridge: an SDPA-level function of another array framework (NumPy,
+JAX, Keras 3 on any backend, TensorFlow, tinygrad, CuPy, MLX) certified with no adapter.
+
+``--impl=module:function`` finds the function; the framework is
+
+* declared: ``--impl-option framework=NAME`` (a key of :data:`FRAMEWORKS`), else
+* the top-level package of ``fn.__module__`` (``keras.ops.dot_product_attention`` is
+  Keras', ``jax.nn.dot_product_attention`` JAX's), else
+* for a function of the user's own module that does not use torch: the one framework
+  whose modules the function refers to (``np.einsum`` in its body: NumPy).
+
+Its layout is declared with ``--impl-option layout=BNLE|BLNE``; without it, a framework's
+own ``dot_product_attention`` (Keras, JAX: documented as ``(B, L, N, E)``) is ``BLNE`` and
+every other function torch's ``BNLE``. Its arguments are mapped from its signature
+(:mod:`.arguments`), arrays converted and gradients taken by the framework
+(:mod:`.frameworks`), and the call made by :class:`~.sdpa.BridgedSDPA`. Capabilities are
+probed like any SDPA function's; the semantics are SDPA's contract through that mapping,
+so a bug of the framework's function stays a failure of the suite's properties.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import sys
+import types
+from typing import Any, Callable, Iterator, Mapping
+
+from implementations.base import Implementation, ImplementationError
+from implementations.bridge.arguments import ArgumentMap, map_arguments
+from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, Framework, framework_named
+from implementations.bridge.sdpa import LAYOUTS, BridgedSDPA
+
+__all__ = [
+    "BRIDGE_OPTIONS", "FRAMEWORKS", "LAYOUTS", "ArgumentMap", "BridgedSDPA", "Framework",
+    "bridge_declarations", "bridge_options", "bridged_implementation", "detect_framework", "make_bridge",
+    "map_arguments", "split_bridge_options",
+]
+
+#: ``--impl-option`` keys the bridge reads (not capabilities).
+BRIDGE_OPTIONS = {
+    "framework": f"the array framework of the function: one of {sorted(FRAMEWORKS)}",
+    "layout": f"the layout of query, key, value and output: one of {list(LAYOUTS)} (default BNLE, "
+              "BLNE for Keras' and JAX's own dot_product_attention)",
+}
+
+_OPTIONS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("bridge_options", default=None)
+
+
+def split_bridge_options(options: Mapping[str, str] | None) -> tuple[dict[str, str], dict[str, str]]:
+    """``(bridge options, the other options)``; a bad value raises ImplementationError."""
+    bridge, rest = {}, {}
+    for key, value in (options or {}).items():
+        (bridge if key in BRIDGE_OPTIONS else rest)[key] = str(value).strip()
+    if "framework" in bridge and bridge["framework"] not in FRAMEWORKS:
+        raise ImplementationError(f"--impl-option framework={bridge['framework']}: unknown framework; "
+                                  f"expected {BRIDGE_OPTIONS['framework']}")
+    if "layout" in bridge and bridge["layout"].upper() not in LAYOUTS:
+        raise ImplementationError(f"--impl-option layout={bridge['layout']}: unknown layout; "
+                                  f"expected {BRIDGE_OPTIONS['layout']}")
+    if "layout" in bridge:
+        bridge["layout"] = bridge["layout"].upper()
+    return bridge, rest
+
+
+@contextlib.contextmanager
+def bridge_options(options: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """While open, :func:`detect_framework` and :func:`bridged_implementation` read
+    ``options``; the yielded dict gets ``"_used"`` once they are read."""
+    held = dict(options)
+    token = _OPTIONS.set(held)
+    try:
+        yield held
+    finally:
+        _OPTIONS.reset(token)
+
+
+def bridge_declarations() -> dict[str, str]:
+    """The bridge options of the ``--impl`` being resolved (empty outside :func:`bridge_options`)."""
+    held = _OPTIONS.get()
+    return held if held is not None else {}
+
+
+_declared = bridge_declarations
+
+
+def _top_package(module_name: str | None) -> str:
+    return (module_name or "").partition(".")[0]
+
+
+def _referenced_packages(fn: Callable[..., Any]) -> set[str]:
+    """Top-level packages of the modules (and of the objects' modules) that ``fn``'s code
+    names as globals, nested functions included."""
+    code = getattr(fn, "__code__", None)
+    namespace = getattr(fn, "__globals__", None)
+    if code is None or namespace is None:
+        return set()
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    found = set()
+    for name in names:
+        obj = namespace.get(name)
+        if isinstance(obj, types.ModuleType):
+            found.add(_top_package(obj.__name__))
+        elif obj is not None and callable(obj):
+            found.add(_top_package(getattr(obj, "__module__", None)))
+    return found
+
+
+def detect_framework(fn: Any) -> str | None:
+    """The framework that runs ``fn`` (see the module docstring), or None for a torch
+    function (or one that uses no known framework): that one is not bridged."""
+    declared = _declared().get("framework")
+    if declared:
+        return declared
+    if inspect.isclass(fn):
+        return None
+    package = _top_package(getattr(fn, "__module__", None))
+    if package in PACKAGES:
+        return PACKAGES[package]
+    if package == "torch" or not inspect.isfunction(fn):
+        return None
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    if module is not None and any(_top_package(getattr(v, "__name__", "")) == "torch"
+                                  for v in vars(module).values() if isinstance(v, types.ModuleType)):
+        return None  # a module that imports torch holds torch code
+    used = _referenced_packages(fn)
+    if "torch" in used:
+        return None
+    frameworks = {PACKAGES[p] for p in used if p in PACKAGES}
+    if len(frameworks) > 1:
+        frameworks.discard("numpy")  # NumPy beside another framework is that framework's helper
+    return frameworks.pop() if len(frameworks) == 1 else None
+
+
+def _how_recognised(fn: Any, framework: str, declared: Mapping[str, str]) -> str:
+    if "framework" in declared:
+        return "declared"
+    if _top_package(getattr(fn, "__module__", None)) in PACKAGES:
+        return f"recognised from its module {fn.__module__}"
+    return f"recognised from the {framework} modules the function uses"
+
+
+def _frameworks_own(fn: Any, framework: str) -> bool:
+    """Whether ``fn`` is a framework's own ``dot_product_attention`` (Keras', JAX's): (B, L,
+    N, E) and GQA by K < N heads, as documented."""
+    own = _top_package(getattr(fn, "__module__", None)) in PACKAGES
+    return own and framework in ("keras", "jax") and getattr(fn, "__name__", "") == "dot_product_attention"
+
+
+def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = None, origin: str = "",
+                jit: bool | Callable[[Any], bool] = False) -> BridgedSDPA:
+    """A :class:`BridgedSDPA` of ``fn`` run by ``framework`` (ImportError: not installed;
+    ImplementationError: a signature the bridge cannot call)."""
+    origin = origin or getattr(fn, "__name__", "the function")
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ImplementationError(f"{origin}: its signature cannot be read ({exc}); wrap it in a Python "
+                                  "function taking query, key, value") from exc
+    arguments = map_arguments(parameters, origin)
+    own = _frameworks_own(fn, framework)
+    return BridgedSDPA(fn, framework_named(framework), arguments, layout or ("BLNE" if own else "BNLE"),
+                       jit=jit, native_gqa=own)
+
+
+def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str, origin: str,
+                           probe: Callable[..., Any], timeout: float | None) -> Implementation:
+    """The Implementation of a framework function: bridged, then probed by ``probe``
+    (:func:`implementations.registry.probing.probe_sdpa`)."""
+    declared = _declared()
+    declared["_used"] = "yes"
+    try:
+        bridged = make_bridge(fn, framework, layout=declared.get("layout"), origin=origin)
+    except ImportError as exc:
+        return Implementation(name=name, unavailable_reason=(
+            f"{origin} is a {framework} function, and {framework} is not importable ({exc}); install it "
+            "(pip install 'attention-conformance[frameworks]' has NumPy, Keras and tinygrad)"))
+    how = _how_recognised(fn, framework, declared)
+    caps = probe(bridged, origin=origin, timeout=timeout)
+    notes = [f"bridge: {bridged.framework.version} ({how}), layout {bridged.layout}, "
+             f"arguments {bridged.arguments.describe()}"]
+    if not bridged.framework.autodiff and not bridged.framework.native_torch:
+        notes.append(f"autograd: {bridged.framework.name} has no automatic differentiation; declared off")
+        caps = caps.replace(autograd=False, mask_grad=False)
+    caps = caps.replace(probe_notes=(*notes, *caps.probe_notes))
+    return Implementation(
+        name=name, capabilities=caps, sdpa=bridged, version=bridged.framework.version,
+        description=f"{bridged.framework.name} function {origin} through the framework bridge "
+                    f"(layout {bridged.layout}); capabilities probed, semantics scaled_dot_product_attention's",
+    )

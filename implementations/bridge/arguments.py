@@ -1,0 +1,91 @@
+"""How an SDPA-level function of another framework names SDPA's arguments.
+
+Read from the signature, the way :mod:`implementations.registry.recognition` reads a
+torch one: the first three parameters are query, key and value, whatever their names
+(``query, key, value``; ``q, k, v``; ``self, key, value`` for a method such as
+tinygrad's ``Tensor.scaled_dot_product_attention``), and the others are recognised by
+name:
+
+=====================  ===============================================================
+torch SDPA             the framework function's parameter
+=====================  ===============================================================
+bool ``attn_mask``     ``attn_mask`` (either kind, torch's meaning), else ``mask`` (bool,
+                       True = may attend: JAX's and Keras' polarity)
+float ``attn_mask``    ``attn_mask``, else ``bias`` / ``attn_bias`` (added to the logits)
+``is_causal``          ``is_causal`` or ``causal``
+``scale``              ``scale``, ``softmax_scale`` or ``sm_scale``
+``dropout_p``          ``dropout_p``
+``enable_gqa``         ``enable_gqa``; without it K < N heads are passed as they are
+=====================  ===============================================================
+
+A parameter the function lacks is refused (NotImplementedError, which probing reads
+as "unsupported") unless the call leaves it at its default. A further *required*
+parameter is an error at recognition; further optional ones keep their defaults.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from implementations.base import ImplementationError
+
+__all__ = ["ArgumentMap", "map_arguments"]
+
+_ALIASES = {
+    "mask": ("attn_mask",),
+    "bool_mask": ("mask",),
+    "bias": ("bias", "attn_bias"),
+    "causal": ("is_causal", "causal"),
+    "scale": ("scale", "softmax_scale", "sm_scale"),
+    "dropout": ("dropout_p",),
+    "gqa": ("enable_gqa",),
+}
+
+
+@dataclass(frozen=True)
+class ArgumentMap:
+    """The framework function's name for each of SDPA's optional arguments (None: it has
+    none); ``qkv`` are the names of its first three parameters."""
+
+    qkv: tuple[str, str, str]
+    mask: str | None = None
+    bool_mask: str | None = None
+    bias: str | None = None
+    causal: str | None = None
+    scale: str | None = None
+    dropout: str | None = None
+    gqa: str | None = None
+
+    def describe(self) -> str:
+        pairs = [("attn_mask", self.mask), ("bool attn_mask", self.bool_mask), ("float attn_mask", self.bias),
+                 ("is_causal", self.causal), ("scale", self.scale), ("dropout_p", self.dropout),
+                 ("enable_gqa", self.gqa)]
+        return ", ".join(f"{ours} -> {theirs}" for ours, theirs in pairs if theirs) or "none"
+
+
+def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentMap:
+    """The :class:`ArgumentMap` of a signature; ImplementationError for one that cannot
+    take SDPA's calls (fewer than three leading parameters, or an unknown required one)."""
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3:
+        raise ImplementationError(
+            f"{origin}: a bridged function takes query, key and value as its first three "
+            f"parameters; its signature has {[p.name for p in parameters]}"
+        )
+    names = {p.name: p for p in parameters[3:]}
+    found: dict[str, str] = {}
+    for field, aliases in _ALIASES.items():
+        for alias in aliases:
+            if alias in names:
+                found[field] = alias
+                break
+    used = set(found.values())
+    unknown = [p.name for p in parameters[3:] if p.name not in used and p.default is p.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unknown:
+        raise ImplementationError(
+            f"{origin}: the bridged function also requires {unknown}, which it cannot be given from "
+            "scaled_dot_product_attention's arguments; give them defaults"
+        )
+    return ArgumentMap(qkv=tuple(p.name for p in positional[:3]), **found)

@@ -1,0 +1,227 @@
+"""The array frameworks the bridge speaks: how a torch tensor becomes one of their
+arrays and back, and how each differentiates (or that it cannot).
+
+Each :class:`Framework` converts through NumPy (host memory; bfloat16 as ``ml_dtypes``'
+where the framework has it) or DLPack (CuPy, whose arrays live on the GPU), except Keras
+on its torch backend, whose tensors are torch tensors: nothing is converted and torch's
+autograd differentiates it. Gradients use the framework's own autodiff: ``jax.vjp``
+(JAX, Keras on JAX), ``tf.GradientTape`` (TensorFlow, Keras on TensorFlow), tinygrad's
+``backward``, ``mlx.core.vjp``; NumPy and CuPy have none (``autodiff`` is False, the
+bridge declares autograd off).
+
+A framework is recognised by the top-level package of a callable's ``__module__``
+(:data:`PACKAGES`) or declared by name (:data:`FRAMEWORKS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["FRAMEWORKS", "PACKAGES", "Framework", "framework_named", "numpy_to_torch", "torch_to_numpy"]
+
+#: Top-level package of a callable's module -> the framework that runs it.
+PACKAGES = {
+    "numpy": "numpy", "jax": "jax", "jaxlib": "jax", "flax": "jax", "keras": "keras",
+    "tensorflow": "tensorflow", "tf_keras": "tensorflow", "tinygrad": "tinygrad",
+    "cupy": "cupy", "cupyx": "cupy", "mlx": "mlx",
+}
+
+
+def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy array with the tensor's values and dtype (bfloat16 as ml_dtypes')."""
+    t = tensor.detach().cpu().resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def numpy_to_torch(array: Any, device: torch.device) -> torch.Tensor:
+    """A torch tensor with ``array``'s values and dtype (a copy), on ``device``."""
+    host = np.array(array)  # a writable copy: frameworks' buffers may be read-only
+    if host.dtype.name == "bfloat16":
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).to(device)
+    if host.dtype == object or host.dtype.kind not in "biuf":
+        raise TypeError(f"the framework returned an array of dtype {host.dtype}, not a number type")
+    return torch.from_numpy(host).to(device)
+
+
+class Framework:
+    """One array framework: conversion both ways, and its vjp where it has autodiff."""
+
+    name = "?"
+    package = "?"
+    #: Whether :meth:`vjp` works (the framework differentiates the function itself).
+    autodiff = False
+    #: Whether arrays are torch tensors already (no conversion, torch's autograd).
+    native_torch = False
+
+    def __init__(self) -> None:
+        self.module = importlib.import_module(self.package)
+
+    @property
+    def version(self) -> str:
+        return f"{self.name} {getattr(self.module, '__version__', '?')}"
+
+    def from_torch(self, tensor: torch.Tensor) -> Any:
+        return self.from_numpy(torch_to_numpy(tensor))
+
+    def to_torch(self, array: Any, like: torch.Tensor) -> torch.Tensor:
+        return numpy_to_torch(self.to_numpy(array), like.device)
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        return array
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def jit(self, fn: Callable[..., Any], static: Sequence[str] = ()) -> Callable[..., Any]:
+        """``fn`` compiled once per configuration, where the framework compiles (JAX)."""
+        return fn
+
+    def vjp(self, fn: Callable[..., Any], primals: Sequence[Any], cotangent: Any) -> list[Any]:
+        """The gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. each primal."""
+        raise NotImplementedError(f"{self.name} has no automatic differentiation")
+
+
+class NumPy(Framework):
+    name = package = "numpy"
+
+
+class Jax(Framework):
+    name = package = "jax"
+    autodiff = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        # float64 arrays stay float64 (a process-wide JAX setting, switched on before use)
+        self.module.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        return self.jnp.asarray(array)
+
+    def jit(self, fn: Callable[..., Any], static: Sequence[str] = ()) -> Callable[..., Any]:
+        return self.module.jit(fn, static_argnames=tuple(static))
+
+    def vjp(self, fn, primals, cotangent):
+        _, pullback = self.module.vjp(fn, *primals)
+        return list(pullback(cotangent))
+
+
+class TensorFlow(Framework):
+    name = package = "tensorflow"
+    autodiff = True
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        return self.module.convert_to_tensor(array)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
+
+    def vjp(self, fn, primals, cotangent):
+        tf = self.module
+        primals = [tf.identity(p) for p in primals]
+        with tf.GradientTape() as tape:
+            for p in primals:
+                tape.watch(p)
+            out = fn(*primals)
+        return list(tape.gradient(out, primals, output_gradients=cotangent))
+
+
+class Keras(Framework):
+    """Keras 3 on whatever backend ``KERAS_BACKEND`` chose before keras was imported:
+    torch (tensors pass as they are, torch's autograd), jax or tensorflow (their
+    conversion and autodiff), numpy (no gradients)."""
+
+    name = package = "keras"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = self.module.backend.backend()
+        inner = {"jax": Jax, "tensorflow": TensorFlow, "numpy": NumPy}.get(self.backend)
+        self.inner = inner() if inner else None
+        self.native_torch = self.backend == "torch"
+        self.autodiff = self.inner is not None and self.inner.autodiff
+
+    @property
+    def version(self) -> str:
+        return f"keras {self.module.__version__} ({self.backend} backend)"
+
+    def from_torch(self, tensor):
+        return tensor if self.native_torch else self.inner.from_torch(tensor)
+
+    def to_torch(self, array, like):
+        if self.native_torch:
+            return array.to(like.device)
+        return self.inner.to_torch(array, like)
+
+    def vjp(self, fn, primals, cotangent):
+        return self.inner.vjp(fn, primals, cotangent)
+
+
+class Tinygrad(Framework):
+    name = package = "tinygrad"
+    autodiff = True
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        return self.module.Tensor(np.ascontiguousarray(array))
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return array.numpy()
+
+    def vjp(self, fn, primals, cotangent):
+        Tensor = self.module.Tensor
+        leaves = [Tensor(p.numpy(), requires_grad=True) for p in primals]
+        (fn(*leaves) * cotangent).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+
+class CuPy(Framework):
+    """CuPy arrays on the GPU, exchanged with CUDA torch tensors through DLPack."""
+
+    name = package = "cupy"
+
+    def from_torch(self, tensor):
+        if tensor.device.type != "cuda":
+            return self.module.asarray(torch_to_numpy(tensor))
+        return self.module.from_dlpack(tensor.detach().contiguous())
+
+    def to_torch(self, array, like):
+        return torch.from_dlpack(array).clone().to(like.device)
+
+
+class MLX(Framework):
+    name = "mlx"
+    package = "mlx.core"
+    autodiff = True
+
+    @property
+    def version(self) -> str:
+        return f"mlx {getattr(importlib.import_module('mlx'), '__version__', '?')}"
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        return self.module.array(array)
+
+    def vjp(self, fn, primals, cotangent):
+        _, grads = self.module.vjp(fn, list(primals), [cotangent])
+        return list(grads)
+
+
+#: Framework name -> its class (``--impl-option framework=NAME``).
+FRAMEWORKS: dict[str, type[Framework]] = {
+    "numpy": NumPy, "jax": Jax, "keras": Keras, "tensorflow": TensorFlow,
+    "tinygrad": Tinygrad, "cupy": CuPy, "mlx": MLX,
+}
+
+
+def framework_named(name: str) -> Framework:
+    """The framework ``name`` (ImportError when it is not installed)."""
+    return FRAMEWORKS[name]()

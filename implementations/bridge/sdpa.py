@@ -1,0 +1,177 @@
+"""The bridged call: torch SDPA's calling convention in front of another framework's
+SDPA-level function.
+
+``BridgedSDPA(fn, framework, arguments, layout)(query, key, value, attn_mask=None,
+dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)``:
+
+1. leading batch dims are flattened to one (any rank in, 4-D to ``fn``) and a mask is
+   expanded to the full ``(B, N, L, S)`` (the mask layout of JAX, Keras and torch alike);
+2. for ``layout="BLNE"`` query, key and value are transposed to ``(B, L, N, E)``
+   (Keras, JAX's ``dot_product_attention``, FlashAttention) and the output back;
+3. the tensors become the framework's arrays (:mod:`.frameworks`), ``fn`` runs with the
+   arguments named as its signature names them (:mod:`.arguments`), and the output comes
+   back as a torch tensor on the query's device;
+4. gradients: a ``torch.autograd.Function`` whose backward is the framework's vjp of the
+   same call w.r.t. query, key, value and a float mask; a framework without autodiff
+   returns an output that does not require grad (the bridge declares autograd off).
+
+The output must have the query's dtype: a framework that silently computes in another
+dtype (JAX without x64 returns float32 for float64 inputs) raises TypeError, so that dtype
+is not declared rather than certified with another dtype's results.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from implementations.bridge.arguments import ArgumentMap
+from implementations.bridge.frameworks import Framework
+
+__all__ = ["LAYOUTS", "BridgedSDPA"]
+
+#: Layouts of query, key, value and the output a bridged function may take.
+LAYOUTS = ("BNLE", "BLNE")
+
+
+class BridgedSDPA:
+    """``fn`` of ``framework`` behind scaled_dot_product_attention's signature.
+
+    ``jit``: whether the framework compiles the call (``Framework.jit``), or a predicate
+    of the query's torch dtype; each new configuration (shape, dtype, which arguments,
+    flags) is one compilation, the scale is traced. ``native_gqa``: the function takes
+    K < N key/value heads without an ``enable_gqa`` parameter (JAX's and Keras' own
+    ``dot_product_attention``: query head h reads key/value head h // (N / K)); any other
+    function without ``enable_gqa`` refuses ``enable_gqa=True``."""
+
+    def __init__(self, fn: Callable[..., Any], framework: Framework, arguments: ArgumentMap,
+                 layout: str = "BNLE", jit: bool | Callable[[torch.dtype], bool] = False,
+                 native_gqa: bool = False) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        self.fn, self.framework, self.arguments, self.layout, self.jit = fn, framework, arguments, layout, jit
+        self.native_gqa = native_gqa
+        self.__name__ = getattr(fn, "__name__", "sdpa")
+        self._functions = functools.lru_cache(maxsize=256)(self._build)
+
+    def __repr__(self) -> str:
+        return f"BridgedSDPA({self.__name__}, framework={self.framework.name}, layout={self.layout})"
+
+    # ----------------------------------------------------------------------- the call
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+        args = self.arguments
+        if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"query/key/value must have the same rank >= 3; got {query.dim()}, "
+                             f"{key.dim()}, {value.dim()}")
+        lead = query.shape[:-3]
+        q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
+        statics: dict[str, Any] = {}
+        extra: dict[str, torch.Tensor] = {}
+        if attn_mask is not None:
+            full = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
+            mask = attn_mask.expand(full).reshape(-1, *full[-3:])
+            is_bool = mask.dtype == torch.bool
+            target = args.mask or (args.bool_mask if is_bool else args.bias)
+            if target is None:
+                raise NotImplementedError(
+                    f"{self.__name__} has no parameter for a {'bool' if is_bool else 'float'} mask "
+                    f"({'attn_mask or mask' if is_bool else 'attn_mask or bias'})")
+            extra[target] = mask
+        for flag, given, default, ours in ((args.causal, is_causal, False, "is_causal"),
+                                           (args.dropout, dropout_p, 0.0, "dropout_p"),
+                                           (args.gqa, enable_gqa, False, "enable_gqa")):
+            if flag is not None:
+                statics[flag] = type(default)(given)
+            elif given != default and not (ours == "enable_gqa" and self.native_gqa):
+                raise NotImplementedError(f"{self.__name__} has no {ours} parameter")
+        if scale is not None and args.scale is None:
+            raise NotImplementedError(f"{self.__name__} has no scale parameter")
+        if self.layout == "BLNE":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        tensors = (q, k, v, *extra.values())
+        config = (tuple(extra), tuple(sorted(statics.items())),
+                  tuple(i for i, t in enumerate(tensors) if t.is_floating_point()))
+        if self.framework.native_torch:
+            out = self.framework.to_torch(self._call(tensors, config, scale), query)
+            _check_dtype(self, out, query)
+        else:
+            out = _Bridged.apply(self, config, None if scale is None else float(scale), *tensors)
+        if self.layout == "BLNE":
+            out = out.transpose(1, 2)
+        return out.reshape(*lead, *out.shape[-3:])
+
+    def _call(self, arrays, config, scale):
+        names, statics, _ = config
+        kwargs = dict(zip(names, arrays[3:], strict=True))
+        kwargs.update(statics)
+        if scale is not None:
+            kwargs[self.arguments.scale] = scale
+        return self.fn(arrays[0], arrays[1], arrays[2], **kwargs)
+
+    def _build(self, config, jitted: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(forward(*arrays, scale), backward(*arrays, cotangent, scale)) of one configuration."""
+        _, _, differentiable = config
+        framework = self.framework
+
+        def forward(*arrays, scale=None):
+            return self._call(arrays, config, scale)
+
+        def backward(*arrays, cotangent, scale=None):
+            def of_differentiable(*chosen):
+                full = list(arrays)
+                for index, array in zip(differentiable, chosen, strict=True):
+                    full[index] = array
+                return forward(*full, scale=scale)
+
+            return framework.vjp(of_differentiable, [arrays[i] for i in differentiable], cotangent)
+
+        if jitted:
+            return framework.jit(forward), framework.jit(backward)
+        return forward, backward
+
+    def functions(self, config, dtype: torch.dtype):
+        jitted = self.jit(dtype) if callable(self.jit) else bool(self.jit)
+        return self._functions(config, jitted)
+
+
+def _check_dtype(bridge: BridgedSDPA, out: torch.Tensor, query: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{bridge.__name__} ({bridge.framework.name}) returned {type(out).__name__}, not an array")
+    if out.dtype != query.dtype:
+        raise TypeError(f"{bridge.__name__} ({bridge.framework.name}) returned {out.dtype} for {query.dtype} "
+                        "inputs; the bridge does not certify one dtype with another's results")
+
+
+class _Bridged(torch.autograd.Function):
+    """The framework's forward; its vjp as the backward (the floating inputs)."""
+
+    @staticmethod
+    def forward(ctx, bridge: BridgedSDPA, config, scale, *tensors):
+        framework = bridge.framework
+        query = tensors[0]
+        arrays = [framework.from_torch(t) for t in tensors]
+        forward, _ = bridge.functions(config, query.dtype)
+        out = framework.to_torch(forward(*arrays, scale=scale), query)
+        _check_dtype(bridge, out, query)
+        ctx.bridge, ctx.config, ctx.scale, ctx.arrays = bridge, config, scale, arrays
+        ctx.likes = tensors
+        if not framework.autodiff:
+            ctx.mark_non_differentiable(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        bridge, likes = ctx.bridge, ctx.likes
+        framework = bridge.framework
+        _, backward = bridge.functions(ctx.config, likes[0].dtype)
+        cotangent = framework.from_torch(grad_output.to(likes[0].dtype).contiguous())
+        grads = backward(*ctx.arrays, cotangent=cotangent, scale=ctx.scale)
+        out: list[torch.Tensor | None] = [None] * len(likes)
+        for index, grad in zip(ctx.config[2], grads, strict=True):
+            if grad is not None:
+                out[index] = framework.to_torch(grad, likes[index]).to(likes[index].dtype)
+        return (None, None, None, *out)
