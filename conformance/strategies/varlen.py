@@ -86,7 +86,8 @@ def _scale(draw: st.DrawFn, caps: Capabilities | None, dtype: str) -> float | No
     if caps is not None and not caps.custom_scale:
         return None
     kind = weighted(draw, [("default", 3), ("drawn", 1)])
-    return None if kind == "default" else float(round_to(draw(st.sampled_from((0.5, 0.125, 1.0, -0.5))), dtype))
+    drawn = (0.5, 0.125, 1.0) if getattr(caps, "positive_scale", False) else (0.5, 0.125, 1.0, -0.5)
+    return None if kind == "default" else float(round_to(draw(st.sampled_from(drawn)), dtype))
 
 
 def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
