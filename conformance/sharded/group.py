@@ -67,6 +67,9 @@ class GroupStartFailed(GroupError):
     """The group could not start (resolution failed in a rank, or it timed out)."""
 
 
+MAX_SOCKET_PATH = 100  # bytes; below every platform's limit on a Unix socket's path
+
+
 class WorkerGroup:
     """``world`` rank processes serving ``impl_spec`` (module docstring)."""
 
@@ -77,11 +80,22 @@ class WorkerGroup:
         self.processes: list[Any] = []
         self.conns: list[Any] = []
         self.tmp: str | None = None
+        self.socket_dir: str | None = None
         self.starts = 0
 
     @property
     def running(self) -> bool:
         return bool(self.processes)
+
+    def _socket_address(self) -> str:
+        """The supervisor's socket: in the group's folder, unless that path is longer than a
+        Unix socket's address may be (108 bytes on Linux, 104 on macOS; a long ``TMPDIR``
+        does that), then in a folder of its own under /tmp."""
+        address = f"{self.tmp}/supervisor.sock"
+        if len(address.encode()) < MAX_SOCKET_PATH:
+            return address
+        self.socket_dir = tempfile.mkdtemp(prefix="cs-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        return f"{self.socket_dir}/supervisor.sock"
 
     def start(self) -> None:
         """Start the ranks (``python -m conformance.sharded.worker``, each connecting back to a
@@ -89,9 +103,10 @@ class WorkerGroup:
         self.tmp = tempfile.mkdtemp(prefix="conformance-sharded-")
         self.starts += 1
         authkey = secrets.token_bytes(16)
-        listener = Listener(f"{self.tmp}/supervisor.sock", family="AF_UNIX", authkey=authkey)
+        address = self._socket_address()
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
         config = json.dumps({"world": self.world, "init_file": f"{self.tmp}/rendezvous",
-                             "address": f"{self.tmp}/supervisor.sock", "impl_spec": self.impl_spec,
+                             "address": address, "impl_spec": self.impl_spec,
                              "options": self.options, "timeout": max(60.0, self.start_timeout)})
         env = dict(os.environ, OMP_NUM_THREADS="1", CONFORMANCE_SHARDED_AUTHKEY=authkey.hex())
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] )
@@ -214,9 +229,10 @@ class WorkerGroup:
             if conn is not None:
                 conn.close()
         self.processes, self.conns = [], []
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp = None
+        for folder in (self.tmp, self.socket_dir):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.tmp = self.socket_dir = None
 
     def close(self) -> None:
         """Ask every rank to stop, then kill what is left."""

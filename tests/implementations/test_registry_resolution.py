@@ -12,7 +12,7 @@ from implementations.base import Capabilities, Implementation, ImplementationErr
 EXPECTED_BUILTINS = {
     "spec", "handwritten", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-flash-cuda",
     "sdpa-efficient", "sdpa-cudnn", "torch-mha", "flex", "flash-ref", "triton", "jax",
-    "varlen-reference",
+    "varlen-reference", "ring", "ulysses",
 }
 
 SDPA_SOURCE = textwrap.dedent(

@@ -37,9 +37,9 @@ def _first_cell_ids(table_text: str) -> list[str]:
 def _contracts_ids() -> dict[str, list[str]]:
     text = _section((ROOT / "docs" / "CONTRACTS.md").read_text(), "Property ids")
     ids = {}
-    for level in ("SDPA", "MHA", "Flash", "Varlen", "KVCache"):
-        paragraph = text[text.index(f"{level} level:"):].split("\n\n", 1)[0]
-        ids[level.lower()] = re.findall(r"[a-z0-9_]+", paragraph.split(":", 1)[1])
+    for level, name in docgen.LEVEL_NAMES.items():
+        paragraph = text[text.index(f"{name} level:"):].split("\n\n", 1)[0]
+        ids[level] = re.findall(r"[a-z0-9_]+", paragraph.split(":", 1)[1])
     return ids
 
 
@@ -171,4 +171,4 @@ def test_property_names_its_spec_section_and_says_what_it_checks(pid):
     assert (match and hasattr(spec, match.group(1))) or (doc and (ROOT / "docs" / doc.group(1)).exists()), (
         f"section={info.section!r}, but should start with spec.<name> of a public spec function or "
         "module, or name a docs/<FILE>.md#anchor")
-    assert info.level in ("sdpa", "mha", "flash", "varlen", "kvcache") and info.doc and info.examples_factor > 0
+    assert info.level in docgen.LEVELS and info.doc and info.examples_factor > 0

@@ -71,6 +71,21 @@ def test_broken_rank_fails_the_call_and_restarts(group, attr, error, timeout):
     assert g.starts == 2
 
 
+def test_group_starts_under_a_temp_folder_too_long_for_a_socket(group, tmp_path, monkeypatch):
+    """A Unix socket's path has at most ~104-108 bytes; a deep TMPDIR (pytest's own, in CI)
+    must not stop the group from starting, nor leave its socket folder behind."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(groups.tempfile, "tempdir", str(deep))
+    g = group("hangs")
+    fine = make_case(world_size=2, layout="contiguous", shard=1, causal=False)
+    assert len(g.call(_request(fine), 2, 60.0)) == 2
+    assert g.tmp.startswith(str(deep)) and g.socket_dir and not g.socket_dir.startswith(str(deep))
+    socket_dir = g.socket_dir
+    g.close()
+    assert not os.path.exists(socket_dir)
+
+
 def test_failures_are_property_failures(monkeypatch):
     """What the properties see: ImplementationHung / Crashed / Raised (PropertyFailures)."""
     assert all(issubclass(e, PropertyFailure) for e in (ImplementationHung, ImplementationCrashed,
