@@ -19,6 +19,9 @@ and the order, with each property's kills and seconds, are printed.
     python benchmarks/kill_matrix.py --jobs 2 --write --raw kill-matrix.json
     python benchmarks/kill_matrix.py --only gqa_tile,scale_ignored     # print only
     python benchmarks/kill_matrix.py --from kill-matrix.json --write   # order again, no run
+    python benchmarks/kill_matrix.py --only NEW,MUTANTS --correct flash-ref,ring \
+        --merge benchmarks/results/kill-matrix-OLD.json --raw kill-matrix.json --write
+        # measure some mutants and built-ins again, keep the rest of an earlier matrix
 
 The Triton mutants are left out by default (``--with-triton``): the interpreter makes
 their runs long, and the Triton kernel's properties are the same as every SDPA
@@ -172,6 +175,23 @@ def load_raw(path: Path) -> tuple[dict[str, set[tuple[str, str]]], dict[tuple[st
             {lv: set(ps) for lv, ps in data["properties"].items()}, list(data.get("costs_from", [])))
 
 
+def merge_raw(path: Path, kills: dict[str, set[tuple[str, str]]], costs: dict[tuple[str, str], float],
+              properties: dict[str, set[str]], correct: list[str]
+              ) -> tuple[dict[str, set[tuple[str, str]]], dict[tuple[str, str], float], dict[str, set[str]],
+                         list[str]]:
+    """An earlier kill matrix with this run's measurements in it: a mutant measured now has
+    its kills replaced whole, a property costed now its cost; the rest is kept as measured
+    then (a mutant no longer in the zoo is dropped)."""
+    old_kills, old_costs, old_properties, old_correct = load_raw(path)
+    merged_kills = {m: ks for m, ks in old_kills.items() if m in MUTANTS}
+    merged_kills.update(kills)
+    merged_costs = {**old_costs, **costs}
+    merged_properties = {lv: set(ps) for lv, ps in old_properties.items()}
+    for level, props in properties.items():
+        merged_properties.setdefault(level, set()).update(props)
+    return merged_kills, merged_costs, merged_properties, [*old_correct, *(c for c in correct if c not in old_correct)]
+
+
 def _measure(names: list[str], correct: list[str], jobs_at_once: int, timeout_s: float,
              walls: dict[str, float]) -> tuple[dict[str, set[tuple[str, str]]],
                                                dict[tuple[str, str], float], dict[str, set[str]]]:
@@ -219,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"write the order to {ORDER_FILE.relative_to(ROOT)}")
     parser.add_argument("--output", default=None, metavar="PATH", help="also write the report to PATH")
     parser.add_argument("--raw", default=None, metavar="PATH", help="also write the kill matrix and costs (JSON)")
+    parser.add_argument("--merge", default=None, metavar="PATH",
+                        help="an earlier kill matrix (--raw) to keep, with the mutants and the "
+                             "properties' costs measured by this run replacing its entries")
     parser.add_argument("--from", dest="from_raw", default=None, metavar="PATH",
                         help="order from a kill matrix written by --raw instead of running")
     args = parser.parse_args(argv)
@@ -235,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         kills = {n: kills[n] for n in names if n in kills}
     else:
         kills, costs, properties = _measure(names, correct, args.jobs, args.timeout, walls)
+        if args.merge:
+            kills, costs, properties, correct = merge_raw(Path(args.merge), kills, costs, properties, correct)
+            names = sorted(kills)
     if args.raw:
         save_raw(Path(args.raw), kills, costs, properties, correct)
     first = tuple(p.strip() for p in args.first.split(",") if p.strip())

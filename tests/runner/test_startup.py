@@ -200,3 +200,20 @@ def test_greedy_order_puts_most_new_kills_per_second_first():
     # a property named first goes first, and what it kills no longer counts as new:
     # m5 is left for agree; then the rest by all their kills per second (cheap 4/s, rare 1/s)
     assert kill_matrix.greedy_order(kills, costs, props, ("slow_all",))[S] == ["slow_all", "agree", "cheap", "rare", "none"]
+
+
+def test_a_merged_kill_matrix_keeps_what_was_not_measured_again(tmp_path):
+    kill_matrix = _kill_matrix()
+    S, F = "sdpa", "flash"
+    old = tmp_path / "old.json"
+    kill_matrix.save_raw(old, {"scale_ignored": {(S, "forward_agreement")}, "gone_from_the_zoo": {(S, "a")},
+                               "flash_lse_log2": {(F, "flash_agreement")}},
+                         {(S, "forward_agreement"): 1.0, (F, "flash_agreement"): 2.0},
+                         {S: {"forward_agreement"}, F: {"flash_agreement"}}, ["sdpa"])
+    kills, costs, props, correct = kill_matrix.merge_raw(
+        old, {"flash_lse_log2": {(F, "lse_agreement")}}, {(F, "flash_agreement"): 3.0, (F, "lse_agreement"): 0.5},
+        {F: {"flash_agreement", "lse_agreement"}}, ["flash-ref"])
+    assert kills == {"scale_ignored": {(S, "forward_agreement")}, "flash_lse_log2": {(F, "lse_agreement")}}
+    assert costs == {(S, "forward_agreement"): 1.0, (F, "flash_agreement"): 3.0, (F, "lse_agreement"): 0.5}
+    assert props == {S: {"forward_agreement"}, F: {"flash_agreement", "lse_agreement"}}
+    assert correct == ["sdpa", "flash-ref"]
