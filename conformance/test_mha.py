@@ -172,13 +172,16 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
 )
 def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:
     """In train mode with dropout=p, the mean output over M = 2048 samples (the
-    case tiled along the batch) is the eval output, and no sample is NaN.
+    case tiled along the batch) is the eval output, their standard deviation is what
+    dropping each head's weights independently gives, and no sample is NaN.
 
     Each sample of an output element is b_o + Σ_j W_o[d, j]·Σ_s w_s m_s v_s[j] / (1 - p)
     with m_s ∈ {0, 1}: it lies in an interval of width 2c, c = Σ_j |W_o[d, j]| Σ_s w_s |v_s[j]| / (1 - p).
     Hoeffding: |mean - expectation| ≤ 2c·sqrt(ln(2/δ) / 2M) with probability 1 - δ,
     δ = 1e-7 / #elements, so a false alarm is below 1e-7 per example
-    (``tolerance.mha_dropout_allowed``).
+    (``tolerance.mha_dropout_allowed``). A module that never applies its dropout keeps
+    that mean: each sample's standard deviation must be sqrt(p/(1-p)·Σ_hs t_hs²), t_hs the
+    term key s of head h adds (``tolerance.dropout_spread_allowed``).
     """
     p = 0.5
     M = 2048

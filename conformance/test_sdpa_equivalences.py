@@ -150,13 +150,19 @@ DROPOUT_SAMPLES = 1024
 )
 def test_dropout_expectation(target: Target, case: SDPACase) -> float:
     """With dropout_p = p the mean of many dropout outputs is the dropout-free
-    output, and no sample is NaN (not even next to -inf mask entries).
+    output, their standard deviation is what dropping each weight independently gives,
+    and no sample is NaN (not even next to -inf mask entries).
 
     V is made positive, so each sample of an output element lies in [0, c] with
     c = Σ w|v| / (1 - p); Hoeffding's inequality bounds the mean of M samples
     within t = c·sqrt(ln(2/δ) / 2M) with probability 1 - δ, δ = 1e-7 / (#elements):
     a false-alarm rate below 1e-7 per example (``tolerance.sdpa_dropout_allowed``). Forgetting the 1/(1 - p) rescale
     moves the mean by p·mean, beyond t for p = 0.5 and M = 1024.
+
+    The mean alone passes a dropout_p that is ignored, one mask shared by every sample,
+    or dropout applied to the output: each sample's standard deviation must be
+    sqrt(p/(1-p)·Σ w²v²), within Maurer and Pontil's bound c·sqrt(2 ln(2/δ)/(M-1))
+    (``tolerance.dropout_spread_allowed``), and samples all identical are named as such.
     """
     p = 0.5
     positive = case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))

@@ -22,7 +22,7 @@ import spec
 from conformance.core import observe
 from conformance.calls import mha_bounds
 from conformance.core import tolerance
-from conformance.calls.sdpa import assert_returned_tensor
+from conformance.calls.sdpa import assert_returned_tensor, check_dropout_spread
 from conformance.core.cases import MHACase
 from conformance.core.compare import compare_values, fail
 from conformance.calls.declarations import require_inside
@@ -291,5 +291,27 @@ def check_dropout_mean(target: Target, case: MHACase, output: np.ndarray, dropou
     c = attended_magnitude(case, weights) / (1 - dropout)  # (L, D)
     rounding = mha_bounds.allowed_error(case, tf32=target.tf32).output[:, 0]  # (L, D)
     bound = tolerance.mha_dropout_allowed(c, samples, mean.size, rounding)
-    return compare_values(f"mean of {samples} train-mode outputs (dropout={dropout})", mean[:, 0], expected[:, 0],
-                          bound, where=~dead[:, None]).ratio
+    ratio = compare_values(f"mean of {samples} train-mode outputs (dropout={dropout})", mean[:, 0], expected[:, 0],
+                           bound, where=~dead[:, None]).ratio
+    # The mean alone passes a module that never applies its dropout: the spread tells.
+    sigma = np.sqrt(dropout / (1 - dropout) * _dropped_terms_squared(case, weights))  # (L, D)
+    return max(ratio, check_dropout_spread(output, sigma, c, rounding, ~dead[:, None],
+                                           f"dropout={dropout}, train mode", axis=1))
+
+
+def _dropped_terms_squared(case: MHACase, weights: np.ndarray) -> np.ndarray:
+    """(L, D): Σ_h Σ_s (w_hs · Σ_{j in head h} W_o[d, j] v_s[j])², the sum of the squared
+    terms that dropout keeps or drops independently in each output element (``weights``:
+    the oracle's per-head weights (1, N, L, S'))."""
+    pr = case.params
+    _, _, wv = pr.projection_weights()
+    _, _, bv = pr.projection_biases()
+    v = case.value[:, 0] @ wv.T + bv  # (S, D)
+    if pr.bias_v is not None:
+        v = np.concatenate([v, pr.bias_v.reshape(1, -1)])
+    if pr.add_zero_attn:
+        v = np.concatenate([v, np.zeros((1, v.shape[1]))])
+    E = pr.head_dim
+    wo = np.asarray(pr.out_proj_weight)
+    return sum(weights[0, h] ** 2 @ (v[:, h * E:(h + 1) * E] @ wo[:, h * E:(h + 1) * E].T) ** 2
+               for h in range(pr.num_heads))

@@ -34,6 +34,7 @@ from spec.emulate import round_to
 
 __all__ = [
     "SDPACall",
+    "check_dropout_spread",
     "fold_causal",
     "oracle",
     "valid_rows",
@@ -266,12 +267,37 @@ def check_dropout_mean(target: Target, case: SDPACase, output: np.ndarray, dropo
     rows = valid_rows(case)
     if np.isnan(out[:, rows[..., 0]]).any():
         fail(f"dropout output has NaN with dropout_p={dropout_p} (e.g. -inf mask entries times a dropout mask)")
-    _, ref = allowed_for(target, case)
+    rounding, ref = allowed_for(target, case)
     mean = out.mean(axis=0)
     c = magnitude(case, ref.weights) / (1 - dropout_p)
     bound = tolerance.sdpa_dropout_allowed(c, samples, mean.size)
-    return compare_values(f"mean of {samples} dropout outputs (dropout_p={dropout_p})", mean, ref.output,
-                          bound, where=rows).ratio
+    ratio = compare_values(f"mean of {samples} dropout outputs (dropout_p={dropout_p})", mean, ref.output,
+                           bound, where=rows).ratio
+    # The mean alone passes a dropout_p that is accepted and ignored: the spread tells.
+    value = np.repeat(case.value, case.N // case.K, axis=1)  # (B, N, S, Ev), positive
+    sigma = np.sqrt(dropout_p / (1 - dropout_p) * (ref.weights ** 2 @ value ** 2))
+    return max(ratio, check_dropout_spread(out, sigma, c, rounding, rows, f"dropout_p={dropout_p}"))
+
+
+def check_dropout_spread(samples: np.ndarray, sigma: np.ndarray, width: np.ndarray, rounding: np.ndarray,
+                         where: np.ndarray, what: str, axis: int = 0) -> float:
+    """The standard deviation of the dropout ``samples`` (along ``axis``) is ``sigma``, what
+    dropping each attention weight independently gives, within the bound of
+    ``tolerance.dropout_spread_allowed`` for draws spread over ``width`` (plus the output's
+    own ``rounding``, broadcast to the spread's shape). Samples that are all identical to
+    rounding are named as such: the dropout had no effect, or one mask served every sample."""
+    __tracebackhide__ = True
+    count = samples.shape[axis]
+    spread = samples.std(axis=axis, ddof=1)
+    rounding = np.broadcast_to(rounding, spread.shape)
+    selected = np.broadcast_to(where, spread.shape) & (sigma > 2 * rounding)
+    if selected.any() and not (spread[selected] > rounding[selected]).any():
+        fail(f"dropout had no effect ({what}): the {count} samples are identical (to rounding) where dropping each "
+             "attention weight independently spreads them (dropout accepted but never applied, or one "
+             "mask shared by every batch item)")
+    bound = tolerance.dropout_spread_allowed(width, count, spread.size) + rounding
+    return compare_values(f"standard deviation of {count} dropout outputs ({what}; each attention weight "
+                          "dropped independently)", spread, sigma, bound, where=where).ratio
 
 
 def assert_output_contract(target: Target, case: SDPACase, call: SDPACall) -> None:

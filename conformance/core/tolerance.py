@@ -281,6 +281,17 @@ def mha_dropout_allowed(c: np.ndarray, samples: int, elements: int, rounding: np
     return hoeffding_halfwidth(2 * c, samples, elements) + DROPOUT_SLACK * c + rounding
 
 
+def dropout_spread_allowed(width: np.ndarray, samples: int, elements: int) -> np.ndarray:
+    """Maurer and Pontil (2009, theorem 10): the sample standard deviation (ddof=1) of
+    ``samples`` independent draws from an interval of ``width`` lies within
+    width·sqrt(2 ln(2/δ) / (M - 1)) of the true one with probability 1 - δ,
+    δ = DROPOUT_FALSE_ALARM / ``elements``. About 0.21·width at M = 1024: it tells a
+    dropout that drops each weight independently from none at all, from one mask shared
+    by every sample, or from one applied to the output instead of the weights."""
+    delta = DROPOUT_FALSE_ALARM / max(1, elements)
+    return width * np.sqrt(2 * np.log(2 / delta) / (samples - 1)) + DROPOUT_SLACK * width
+
+
 #: ``scaling_variance`` accepts its statistic (≈ 1 under the default scale)
 #: within a factor of this of 1.
 SCALING_VARIANCE_FACTOR = 2.0

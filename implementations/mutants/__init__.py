@@ -26,13 +26,15 @@ used to turn into a declaration; its ``CONTRACT_CONTROLS`` declare a non-default
 convention and must pass); :mod:`.learner_mutants` (hand-written modules with no adapter,
 each with a classic tutorial mistake, probed through the learner level);
 :mod:`.sharded_mutants` (context-parallel ring and all-to-all attention with one step
-wrong, at the sharded level).
+wrong, at the sharded level); :mod:`.dropout_mutants` (dropout that keeps the
+expectation and gets the spread wrong: ignored, one mask for the batch, on the output).
 """
 
 from __future__ import annotations
 
 from implementations.mutants.cache_option_mutants import CACHE_OPTION_MUTANTS
 from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
+from implementations.mutants.dropout_mutants import DROPOUT_MUTANTS
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
 from implementations.mutants.learner_mutants import LEARNER_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
@@ -52,6 +54,6 @@ MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
               *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
-              *CACHE_OPTION_MUTANTS,
+              *CACHE_OPTION_MUTANTS, *DROPOUT_MUTANTS,
               *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }
