@@ -1,9 +1,13 @@
-"""Every small size (spec.sdpa): forward agreement for each L, S in 1..33.
+"""Every small size, and the long sizes of real kernels' blocks (spec.sdpa): forward
+agreement for each L, S in 1..33, and for L, S around blocks of 64, 128 and 256.
 
 Bugs that live at one size (a ragged last block, an off-by-one tile count) are
-found by luck in a random search; this sweep visits every (L, S) up to two key
-blocks of 16 and one more, block edges first, with a few head layouts, causal
+found by luck in a random search; ``small_sizes_sweep`` visits every (L, S) up to two
+key blocks of 16 and one more, block edges first, with a few head layouts, causal
 and not, and Ev != E, in one pytest test per target (no Hypothesis per size).
+``long_sizes_sweep`` visits the lengths where a GPU kernel's second and third query or
+key block of 64, 128 or 256 begins (129, 257, ...), which no random draw reaches (they
+stop at 65), the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ HEAD_DIM, OTHER_VALUE_DIM = 4, 2
 CONSTANT_VALUE = 1.5
 #: Most sizes whose calls share one guarded call (one thread hand-off).
 MAX_CHUNK = 16
+#: Lengths of ``long_sizes_sweep``, in the order they enter its square: one query (decode),
+#: one past a block of 128 and of 256 (the second and third block's first row or key),
+#: the block edges themselves, then around 64.
+LONG_LENGTHS = (1, 129, 257, 128, 256, 127, 255, 65, 64)
+#: Sizes ``long_sizes_sweep`` visits per target, by profile: the squares of its first 4,
+#: 5 and all 9 lengths.
+LONG_SIZES = {"dev": 25, "ci": 16, "thorough": None}
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,13 @@ def length_order(max_length: int) -> list[int]:
 def size_order(max_length: int) -> list[tuple[int, int]]:
     """Every (L, S) with L, S in 1..max_length, as a growing square over
     :func:`length_order`: all pairs of the first k lengths before any pair with the
-    (k+1)-th, so block edges come first and a time budget cuts off the rest."""
-    rank = {n: i for i, n in enumerate(length_order(max_length))}
+    (k+1)-th, so block edges come first and a budget of sizes cuts off the rest."""
+    return square_order(length_order(max_length))
+
+
+def square_order(lengths: list[int]) -> list[tuple[int, int]]:
+    """Every (L, S) with L, S in ``lengths``, as a growing square over their order."""
+    rank = {n: i for i, n in enumerate(lengths)}
     pairs = [(L, S) for L in rank for S in rank]
     return sorted(pairs, key=lambda p: (max(rank[p[0]], rank[p[1]]), p[0] + p[1], p))
 
@@ -102,10 +118,12 @@ class _Pool:
     """q (1, 2, M, E), k (1, 1, M, E) and values (1, 1, M, Ev) for each Ev, exact in
     the dtype, last value column constant; every case is a slice of them."""
 
-    def __init__(self, target: Target, E: int, value_dims: set[int], length: int) -> None:
+    def __init__(self, target: Target, E: int, value_dims: set[int], length: int,
+                 name: str = "small_sizes_sweep") -> None:
         import torch
 
-        rng = np.random.default_rng(zlib.crc32(f"small_sizes_sweep/{target.dtype}".encode()))
+        self.name = name
+        rng = np.random.default_rng(zlib.crc32(f"{name}/{target.dtype}".encode()))
         dtype = target.dtype
         self.query = round_to(rng.standard_normal((1, 2, length, E)), dtype)
         self.key = round_to(rng.standard_normal((1, 1, length, E)), dtype)
@@ -126,7 +144,7 @@ class _Pool:
         return SDPACase(query=self.query[:, :layout.N, :L], key=self.key[:, :, :S],
                         value=self.values[layout.Ev][:, :, :S], causal=layout.causal,
                         dtype=target.dtype, device=target.device,
-                        notes=(f"small_sizes_sweep: {layout.describe()}",))
+                        notes=(f"{self.name}: {layout.describe()}",))
 
     def _call(self, target: Target, layout: _Layout, L: int, S: int) -> Any:
         query, key, values = self.tensors
@@ -243,16 +261,59 @@ def test_small_sizes_sweep(target: Target, sweep: Sweep) -> None:
         torch.set_num_threads(threads)
 
 
-def _sweep(target: Target, sweep: Sweep) -> None:
+def _long_lengths_skip(target: Target) -> str | None:
+    """Why ``long_sizes_sweep`` cannot run: a declared maximum length or block multiple
+    leaves none of its lengths."""
+    if not _long_lengths(target):
+        return (f"no length of the long sweep {LONG_LENGTHS} is inside the declarations "
+                f"(max_seq_len={target.caps.max_seq_len}, seq_multiple={target.caps.seq_multiple})")
+    return None
+
+
+def _long_lengths(target: Target) -> list[int]:
+    """LONG_LENGTHS inside the declared maximum length and block multiple."""
+    top, m = target.caps.max_seq_len, target.caps.seq_multiple or 1
+    return [n for n in LONG_LENGTHS if (top is None or n <= top) and n % m == 0]
+
+
+@sweep_property(
+    "long_sizes_sweep", level="sdpa", section="spec.sdpa (long sequences: blocks of 64, 128, 256)",
+    check=_check_case, sizes=LONG_SIZES,
+    skip_reason=lambda t: skip_unless("none" in t.caps.mask_kinds, "calls without a mask not declared")
+    or needs_separate_values(t) or _long_lengths_skip(t),
+)
+def test_long_sizes_sweep(target: Target, sweep: Sweep) -> None:
+    """For L and S in 1, 129, 257, 128, 256, 127, 255, 65, 64 (where a kernel's second or
+    third query or key block of 64, 128 or 256 begins or ends; random draws stop at 65),
+    the output equals the float64 oracle within the tolerance rule, with the calls of
+    small_sizes_sweep (without a mask, with the declared causal flag and GQA, Ev != E).
+    The smallest failing (L, S) is reported. Its examples are the sizes visited."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lengths = _long_lengths(target)
+        _sweep(target, sweep, square_order(lengths), max(lengths), "long_sizes_sweep",
+               f"L, S in {{{', '.join(map(str, sorted(lengths)))}}}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(target: Target, sweep: Sweep, order: list[tuple[int, int]] | None = None,
+           length: int | None = None, name: str = "small_sizes_sweep", visits: str | None = None) -> None:
+    """Visit ``order`` (default: every size in 1..MAX_LENGTH, block edges first) with
+    every call layout; the pool holds ``length`` positions."""
     E = _head_dim(target)
     layouts = _layouts(target, E)
-    length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
-    pool = _Pool(target, E, {layout.Ev for layout in layouts}, length)
+    if order is None:
+        length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
+        order = size_order(length)
+    pool = _Pool(target, E, {layout.Ev for layout in layouts}, length, name)
     block = target.caps.seq_multiple or 1
     top = length // block * block  # the longest length inside the declarations
     for layout in layouts:  # the pool's calls go to the implementation directly: inside, checked
-        require_inside(target, pool.case(target, layout, top or length, top or length), what="small_sizes_sweep")
-    order = size_order(length)
+        require_inside(target, pool.case(target, layout, top or length, top or length), what=name)
     if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
         order = [(L, S) for L, S in order if L == S]
     m = target.caps.seq_multiple or 1
@@ -284,8 +345,8 @@ def _sweep(target: Target, sweep: Sweep) -> None:
                 smallest = ((L + S, L), *failure)
                 break
     lengths = "L = S" if target.caps.self_attention_lengths else "L, S"
-    sweep.record.reason = (sweep.describe(total, f"sizes ({lengths} in 1..{length}), "
-                                             f"{len(layouts)} calls each"))
+    visits = visits or f"{lengths} in 1..{length}"
+    sweep.record.reason = sweep.describe(total, f"sizes ({visits}), {len(layouts)} calls each")
     if smallest is not None:
         (_, _), case, exc = smallest
         sweep.failing(case)

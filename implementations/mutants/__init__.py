@@ -27,7 +27,9 @@ convention and must pass); :mod:`.learner_mutants` (hand-written modules with no
 each with a classic tutorial mistake, probed through the learner level);
 :mod:`.sharded_mutants` (context-parallel ring and all-to-all attention with one step
 wrong, at the sharded level); :mod:`.dropout_mutants` (dropout that keeps the
-expectation and gets the spread wrong: ignored, one mask for the batch, on the output).
+expectation and gets the spread wrong: ignored, one mask for the batch, on the output);
+:mod:`.long_block_mutants` (bugs past the first block of 128 of a GPU kernel, for
+``long_sizes_sweep``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
 from implementations.mutants.dropout_mutants import DROPOUT_MUTANTS
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
 from implementations.mutants.learner_mutants import LEARNER_MUTANTS
+from implementations.mutants.long_block_mutants import LONG_BLOCK_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
 from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
@@ -54,6 +57,6 @@ MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
               *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
-              *CACHE_OPTION_MUTANTS, *DROPOUT_MUTANTS,
+              *CACHE_OPTION_MUTANTS, *DROPOUT_MUTANTS, *LONG_BLOCK_MUTANTS,
               *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }

@@ -110,3 +110,34 @@ def test_sweep_sizes_are_checked():
         sweep_property("x", level="sdpa", section="", check=lambda t, c: None, sizes={"ci": 5})
     with pytest.raises(ValueError, match="count >= 1"):
         sweep_property("x", level="sdpa", section="", check=lambda t, c: None, sizes={"dev": 0})
+
+
+def test_the_long_sweep_visits_kernel_block_edges_inside_the_declarations():
+    from conformance.test_sdpa_sweep import LONG_LENGTHS, LONG_SIZES, _long_lengths, _long_lengths_skip, square_order
+
+    def target(**caps):
+        return SimpleNamespace(caps=SimpleNamespace(**{"max_seq_len": None, "seq_multiple": None, **caps}))
+
+    order = square_order(list(LONG_LENGTHS))
+    assert len(order) == len(set(order)) == len(LONG_LENGTHS) ** 2
+    # ci's 16 sizes: every pair of 1, 129, 257, 128 (past and at a block of 128 and 256)
+    assert set(order[:LONG_SIZES["ci"]]) == {(L, S) for L in (1, 129, 257, 128) for S in (1, 129, 257, 128)}
+    assert _long_lengths(target()) == list(LONG_LENGTHS)
+    assert _long_lengths(target(max_seq_len=200)) == [1, 129, 128, 127, 65, 64]
+    assert _long_lengths(target(seq_multiple=64)) == [128, 256, 64]
+    assert _long_lengths_skip(target()) is None
+    assert "max_seq_len=32" in _long_lengths_skip(target(max_seq_len=32, seq_multiple=64))
+
+
+def test_a_bug_past_the_first_block_of_128_is_found_by_the_long_sweep(tmp_path):
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", "--impl=mutant:query_block128_causal_offset", "--dtype=float64",
+         "-k", "sizes_sweep", f"--conformance-report={tmp_path}/cert"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )
+    results = {r["property"]: r for r in json.loads((tmp_path / "cert.json").read_text())["results"]}
+    assert results["small_sizes_sweep"]["outcome"] == "passed", results["small_sizes_sweep"]
+    assert results["long_sizes_sweep"]["outcome"] == "failed", proc.stdout[-3000:]
+    assert (results["long_sizes_sweep"]["counterexample"]["L"], results["long_sizes_sweep"]["counterexample"]["S"]) == (129, 128)
