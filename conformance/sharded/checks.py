@@ -2,8 +2,10 @@
 
 The oracle of a sharded call is full-sequence attention on the unsharded arrays: the
 output is ``spec.sdpa`` (causal over global positions: L == S, so upper-left and
-lower-right coincide), the LSE ``spec.flash_attention(return_lse=True)`` on the flash
-layout's transposes, the gradients ``spec.sdpa_vjp``. The error bounds are the SDPA
+lower-right coincide; a window as the attend mask ``spec.sharding.attend_mask``), the
+LSE ``spec.flash_attention(return_lse=True)`` on the flash layout's transposes (its own
+``window``), the gradients ``spec.sdpa_vjp``. A padded case is compared on its L real
+positions (the runner drops the padding: ``spec.sharding.unshard(length=L)``). The error bounds are the SDPA
 level's (``calls.sdpa.allowed_for``, ``grad_magnitudes``, ``tolerance.grad_allowed``) and
 the flash level's for the LSE (``calls.flash_bounds.allowed_lse``) on the same case.
 """
@@ -25,21 +27,26 @@ from conformance.core.cases import SDPACase
 from conformance.core.compare import compare_values
 from conformance.core.target import Target
 from conformance.sharded.cases import ShardedCase, ShardedResult
+from spec import sharding
 from spec.emulate import round_to
 
 __all__ = ["as_sdpa", "bounds", "check_forward", "check_backward", "compare_runs", "grad_output_for"]
 
 
 def as_sdpa(case: ShardedCase) -> SDPACase:
-    """The unsharded problem as an SDPA case (heads-first, causal upper-left = global)."""
-    return SDPACase(case.query, case.key, case.value, causal="upper_left" if case.causal else None,
+    """The unsharded problem as an SDPA case (heads-first, causal upper-left = global, a
+    window as the attend mask)."""
+    mask = None if case.window == (-1, -1) else sharding.attend_mask(case.L, window=case.window)
+    return SDPACase(case.query, case.key, case.value, attend_mask=mask,
+                    causal="upper_left" if case.causal else None,
                     scale=case.scale, dtype=case.dtype, device=case.device)
 
 
 def _as_flash(case: ShardedCase) -> FlashCase:
     t = (0, 2, 1, 3)
     return FlashCase(case.query.transpose(t), case.key.transpose(t), case.value.transpose(t),
-                     causal=case.causal, scale=case.scale, dtype=case.dtype, device=case.device)
+                     causal=case.causal, window=case.window, scale=case.scale, dtype=case.dtype,
+                     device=case.device)
 
 
 def bounds(target: Target, case: ShardedCase) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +79,8 @@ def check_backward(target: Target, case: ShardedCase, grad_out: np.ndarray, resu
     __tracebackhide__ = True
     sdpa_case = as_sdpa(case)
     ref = calls.oracle(sdpa_case)
-    grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out, causal=sdpa_case.causal, scale=case.scale)
+    grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out, attend_mask=sdpa_case.attend_mask,
+                          causal=sdpa_case.causal, scale=case.scale)
     magnitudes = calls.grad_magnitudes(sdpa_case, ref, grad_out)
     logit_range = calls.grad_logit_range(sdpa_case, ref)
     worst = 0.0

@@ -4,8 +4,9 @@ Every rank holds its sequence shard of q, k, v with every head. An all-to-all re
 from sequence to heads: rank j gets heads ``j*N/W .. (j+1)*N/W - 1`` (kv heads likewise,
 so N and K must be multiples of W: ``sharded_heads_divisible``) over the whole sequence,
 in rank order of the shards, whose global positions ``spec.sharding`` gives; it attends
-them with the causal rule over those positions, and a second all-to-all re-shards the
-output back from heads to sequence.
+them with the causal rule, the window and the padding over those positions
+(``spec.sharding.allowed``), and a second all-to-all re-shards the output back from
+heads to sequence.
 
 gloo has no ``all_to_all`` on the CPU, so the all-to-all is emulated with ``all_gather``
 (each rank gathers every rank's tensor and keeps its own slice: W times the traffic of a
@@ -84,7 +85,7 @@ class UlyssesAttention:
         return list(range(world_size))
 
     def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False,
-                 softmax_scale=None, layout="contiguous"):
+                 softmax_scale=None, layout="contiguous", window_size=(-1, -1), seq_len=None):
         rank = dist.get_rank(group) if rank is None else int(rank)
         W = dist.get_world_size(group) if world_size is None else int(world_size)
         for name, t in (("q", q), ("k", k)):
@@ -97,7 +98,9 @@ class UlyssesAttention:
         order = list(range(W))
         qh, kh, vh = (_SeqToHeads.apply(t, ctx, order) for t in (q, k, v))
         scale = common.scale_of(softmax_scale, q.shape[-1])
-        out, lse = common.block_attention(qh, kh, vh, scale, common.allowed(pos, pos, bool(causal)))
+        mask = common.allowed(pos, pos, bool(causal), tuple(window_size), seq_len if seq_len is not None and
+                              int(seq_len) < L else None)
+        out, lse = common.block_attention(qh, kh, vh, scale, mask)
         out = _HeadsToSeq.apply(out, ctx, self.head_order(W))
         with torch.no_grad():
             lse = heads_to_seq(lse[..., None], ctx, self.head_order(W))[..., 0]
