@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.core.cases import _scale_sign
 from conformance.core.compare import fail
 from conformance.core.observe import observe_sharded
 from conformance.sharded.backends import backend_for
@@ -31,9 +32,9 @@ __all__ = ["ATTRIBUTES", "ShardedCallSpec", "ShardedCase", "ShardedResult", "bac
            "case_from_meta", "case_meta", "run_call", "run_sharded", "validate"]
 
 #: Attributes of a sharded-level call (the keys an expected failure's ``match`` may use).
-ATTRIBUTES = frozenset({"level", "device", "dtype", "world_size", "sharding", "sharded_causal", "scale",
+ATTRIBUTES = frozenset({"level", "device", "dtype", "world_size", "sharding", "sharded_causal", "scale", "scale_sign",
                         "B", "N", "K", "L", "E", "Ev", "gqa", "grad", "window", "window_left", "window_right",
-                        "padded", "sharded_features", "backend"})
+                        "padded", "sharded_features", "backend", "shard_length"})
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -86,10 +87,10 @@ class ShardedCase:
     def attrs(self, **extra: Any) -> dict[str, Any]:
         out = {"level": "sharded", "device": self.device, "dtype": self.dtype, "world_size": self.world_size,
                "sharding": self.layout, "sharded_causal": bool(self.causal), "scale": self.scale,
-               "B": self.B, "N": self.N, "K": self.K, "L": self.L, "S": self.L, "E": self.E, "Ev": self.Ev,
+               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K, "L": self.L, "S": self.L, "E": self.E, "Ev": self.Ev,
                "gqa": self.K != self.N, "window": self.window != (-1, -1), "window_left": self.window[0],
                "window_right": self.window[1], "padded": self.padded, "sharded_features": self.features(),
-               "backend": backend_for(self.device)}
+               "backend": backend_for(self.device), "shard_length": self.shard_length}
         out.update(extra)
         return out
 

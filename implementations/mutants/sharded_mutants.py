@@ -5,7 +5,9 @@ Each mutant is the ``ring`` or ``ulysses`` built-in (``implementations/builtins/
 ring_attention.py``, ``ulysses_attention.py``) with one step overridden; its capabilities
 are the built-in's. ``smallest_case`` uses this level's vocabulary: ``world_size``,
 ``layout``, ``L`` (the whole sequence), ``N``, ``K``, ``E``, ``causal``, ``grad``
-(the backward is compared), ``values`` (``"huge"``: every logit above 709).
+(the backward is compared), ``values`` (``"huge"``: every logit above 709), ``window``
+(left, right), ``padded_to`` (the padded length the ranks shard). ``expected_cause``: the
+``spec.variants`` sharded variant of the bug (all but the gradient-only dK/dV one).
 """
 
 from __future__ import annotations
@@ -111,9 +113,16 @@ def _ulysses(name: str, ulysses: UlyssesAttention, bug: str):
     return lambda: make_ulysses(name=f"mutant:{name}", ulysses=ulysses, description=bug)
 
 
+#: The spec.variants variant that models each mutant's bug (the diagnosis names it).
+_CAUSES = {"sharded_causal_offset": "sharded_causal_local", "sharded_window_local": "sharded_window_local",
+           "sharded_padding_attended": "sharded_padding_attended", "sharded_merge_no_max": "sharded_merge_no_max",
+           "sharded_zigzag_swapped": "sharded_zigzag_swapped", "sharded_last_step_skipped": "sharded_last_step_skipped",
+           "sharded_heads_reversed": "sharded_heads_reversed"}
+
+
 def _mutant(name: str, bug: str, origin: str, smallest: dict, prop: str, build, safe: dict | None = None) -> Mutant:
     return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest, expected_property=prop,
-                  build=build, level="sharded", safe_case=safe)
+                  build=build, level="sharded", safe_case=safe, expected_cause=_CAUSES.get(name))
 
 
 SHARDED_MUTANTS = [
