@@ -8,10 +8,9 @@ them with the causal rule, the window and the padding over those positions
 (``spec.sharding.allowed``), and a second all-to-all re-shards the output back from
 heads to sequence.
 
-gloo has no ``all_to_all`` on the CPU, so the all-to-all is emulated with ``all_gather``
-(each rank gathers every rank's tensor and keeps its own slice: W times the traffic of a
-real all-to-all, the same result). Backward is autograd: each all-to-all is a
-``torch.autograd.Function`` whose backward is the inverse all-to-all.
+Each all-to-all is ``dist.all_to_all`` (gloo has it on the CPU, NCCL on CUDA): rank r
+sends its j-th slice to rank j and receives rank i's slice for it. Backward is autograd:
+each all-to-all is a ``torch.autograd.Function`` whose backward is the inverse all-to-all.
 """
 
 from __future__ import annotations
@@ -27,31 +26,32 @@ from implementations.builtins import _sharded_common as common
 __all__ = ["UlyssesAttention", "make_implementation"]
 
 
-def _gather(x: torch.Tensor, ctx: dict[str, Any]) -> list[torch.Tensor]:
-    """Every rank's ``x`` (same shape on every rank), in rank order."""
+def _all_to_all(parts: list[torch.Tensor], ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """Send ``parts[j]`` to rank j; the parts every rank sent here, in rank order."""
     if ctx["world_size"] == 1:
-        return [x]
-    parts = [torch.empty_like(x) for _ in range(ctx["world_size"])]
-    dist.all_gather(parts, x.contiguous(), group=ctx["group"])
-    return parts
+        return parts
+    parts = [p.contiguous() for p in parts]
+    received = [torch.empty_like(parts[0]) for _ in parts]
+    dist.all_to_all(received, parts, group=ctx["group"])
+    return received
 
 
 def seq_to_heads(x: torch.Tensor, ctx: dict[str, Any], order: list[int]) -> torch.Tensor:
     """(B, H, Ls, D) sequence shard, all heads -> (B, H/W, L, D): this rank's head group over
     the shards of every rank, concatenated in rank order."""
-    W, r = ctx["world_size"], ctx["rank"]
+    W = ctx["world_size"]
     per = x.shape[1] // W
-    parts = _gather(x, ctx)
-    return torch.cat([parts[i][:, r * per:(r + 1) * per] for i in order], dim=2)
+    parts = _all_to_all([x[:, j * per:(j + 1) * per] for j in range(W)], ctx)
+    return torch.cat([parts[i] for i in order], dim=2)
 
 
 def heads_to_seq(x: torch.Tensor, ctx: dict[str, Any], order: list[int]) -> torch.Tensor:
     """(B, H/W, L, D) head group over the whole sequence -> (B, H, Ls, D): this rank's
     sequence shard with every head; ``order[j]`` is the rank whose head group goes j-th."""
-    W, r = ctx["world_size"], ctx["rank"]
+    W = ctx["world_size"]
     Ls = x.shape[2] // W
-    parts = _gather(x, ctx)
-    return torch.cat([parts[j][:, :, r * Ls:(r + 1) * Ls] for j in order], dim=1)
+    parts = _all_to_all([x[:, :, j * Ls:(j + 1) * Ls] for j in range(W)], ctx)
+    return torch.cat([parts[j] for j in order], dim=1)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -114,7 +114,7 @@ def make_implementation(*, name: str = "ulysses", ulysses: UlyssesAttention | No
     return Implementation(
         name=name, capabilities=caps, sharded_capabilities=caps, sharded=ulysses or UlyssesAttention(),
         version=torch.__version__, listed=not name.startswith("mutant:"),
-        description=description or "all-to-all (Ulysses) attention: sequence to heads and back, the "
-        "all-to-all emulated with all_gather (gloo has none on the CPU), autograd backward "
+        description=description or "all-to-all (Ulysses) attention: sequence to heads and back with "
+        "dist.all_to_all, window and padding, autograd backward "
         "(implementations/builtins/ulysses_attention.py)",
     )
