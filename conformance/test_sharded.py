@@ -2,10 +2,10 @@
 
 The sharded level (``implementations.base``) is ``impl.sharded(q, k, v, *, group, rank,
 world_size, causal, softmax_scale, layout)`` called on every rank with its shard; the
-runner is ``conformance.sharded`` (a persistent gloo worker group, world sizes 1..4),
-the sharding ``spec.sharding``, the oracle full-sequence attention. These properties run
-only for an implementation with a sharded callable (the others skip at once, without
-starting any process).
+runner is ``conformance.sharded`` (a persistent worker group, world sizes 1..4: gloo on the
+CPU, NCCL on CUDA with one process per GPU), the sharding ``spec.sharding``, the oracle
+full-sequence attention. These properties run only for an implementation with a sharded
+callable (the others skip at once, without starting any process).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
 from conformance.harness.runner import conformance_property
+from conformance.sharded import backends
 from conformance.sharded.cases import ShardedCase, run_sharded
 from conformance.sharded.checks import check_backward, check_forward, compare_runs, grad_output_for
-from conformance.sharded.strategies import sharded_cases, sharded_directed
+from conformance.sharded.strategies import sharded_cases, sharded_directed, top_world
 
 
 def _cases(target: Target, **kwargs: object) -> object:
@@ -26,28 +27,40 @@ def _directed(target: Target, **kwargs: object) -> list[ShardedCase]:
     return sharded_directed(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 
+def _runs_here(target: Target) -> str | None:
+    """Why the worker group cannot run on the target's device here (CUDA: NCCL, a GPU)."""
+    if target.device == "cpu":
+        return None
+    return backends.unavailable_reason(target.device, backends.local_gpus(), backends.nccl_available())
+
+
 def _both_layouts(target: Target) -> str | None:
-    return skip_unless({"contiguous", "zigzag"} <= target.caps.sharded_layouts,
-                       "layout invariance needs both layouts (sharded_layouts contiguous and zigzag)")
+    return _runs_here(target) or skip_unless({"contiguous", "zigzag"} <= target.caps.sharded_layouts,
+                                             "layout invariance needs both layouts (sharded_layouts "
+                                             "contiguous and zigzag)")
 
 
 def _multi_rank(target: Target) -> str | None:
-    return skip_unless(target.caps.max_world_size >= 2, "world size 1 only (max_world_size=1)")
+    top = top_world(target.caps, target.device)
+    why = ("one GPU here (NCCL runs one process per GPU)" if target.device == "cuda"
+           and target.caps.max_world_size >= 2 else f"max_world_size={target.caps.max_world_size}")
+    return _runs_here(target) or skip_unless(top >= 2, f"world size 1 only ({why})")
 
 
 @conformance_property("sharded_forward", level="sharded", section="spec.sharding (forward)",
-                      cases=_cases, directed=_directed)
+                      cases=_cases, directed=_directed, skip_reason=_runs_here)
 def test_sharded_forward(target: Target, case: ShardedCase) -> float:
     """The ranks' output shards, put back at their global positions, equal full-sequence
-    attention on the unsharded q, k, v (causal over global positions) under the SDPA
-    tolerance rule; the LSE shards too where ``sharded_lse`` is declared. Directed cases
-    put the causal diagonal across every shard boundary (one position per rank and chunk)."""
+    attention on the unsharded q, k, v (causal and a declared window over global
+    positions, a declared padding dropped) under the SDPA tolerance rule; the LSE shards
+    too where ``sharded_lse`` is declared. Directed cases put the causal diagonal and the
+    window's edges across every shard boundary."""
     return check_forward(target, case, run_sharded(target, case))
 
 
 @conformance_property("sharded_backward", level="sharded", section="spec.sharding (backward)",
                       cases=_cases, directed=_directed,
-                      skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"))
+                      skip_reason=lambda t: _runs_here(t) or skip_unless(t.caps.autograd, "autograd not declared"))
 def test_sharded_backward(target: Target, case: ShardedCase) -> float:
     """A backward on every rank with its shard of one random upstream gradient: the dq, dk,
     dv shards, unsharded, equal ``spec.sdpa_vjp`` of the full sequence (every rank's keys

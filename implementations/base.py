@@ -177,6 +177,10 @@ DEFAULT_FLASH_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
 
 #: The sequence layouts of the sharded level (``spec.sharding.LAYOUTS``).
 SHARDED_LAYOUTS = frozenset({"contiguous", "zigzag"})
+#: Optional features of the sharded level (none is claimed unless declared):
+#: ``window`` (``window_size=(left, right)`` over global positions) and ``padding``
+#: (lengths that do not divide by the layout's divisor, padded at the end, ``seq_len=L``).
+ALL_SHARDED_FEATURES = frozenset({"window", "padding"})
 
 
 class ImplementationError(ValueError):
@@ -258,6 +262,8 @@ class Capabilities:
     sharded_heads_divisible: bool = False
     #: The largest world size (number of ranks) the sharded callable supports.
     max_world_size: int = 4
+    #: The sharded level's optional features honoured (``ALL_SHARDED_FEATURES``).
+    sharded_features: frozenset[str] = frozenset()
     #: How probing decided a value when the answer was not a plain yes or no, e.g.
     #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
     probe_notes: tuple[str, ...] = ()
@@ -308,6 +314,11 @@ class Capabilities:
                 f"{sorted(set(self.flash_features) - ALL_FLASH_FEATURES)}; known: "
                 f"{sorted(ALL_FLASH_FEATURES)}"
             )
+        unknown = set(self.sharded_features) - ALL_SHARDED_FEATURES
+        if unknown:
+            raise ImplementationError(f"sharded_features has unknown entries {sorted(unknown)}; "
+                                      f"known: {sorted(ALL_SHARDED_FEATURES)}")
+        object.__setattr__(self, "sharded_features", frozenset(self.sharded_features))
         object.__setattr__(self, "sharded_layouts", frozenset(self.sharded_layouts))
         if not self.sharded_layouts <= SHARDED_LAYOUTS:
             raise ImplementationError(
@@ -669,7 +680,8 @@ class Implementation:
 
 
 def _sharded_reasons(c: Capabilities, case: Mapping[str, Any]) -> list[str]:
-    """The sharded level's own claims: layout, world size, heads per rank, causal flag."""
+    """The sharded level's own claims: layout, world size, heads per rank, causal flag,
+    features (window, padding)."""
     reasons = []
     if case.get("sharding") is not None and case["sharding"] not in c.sharded_layouts:
         reasons.append(f"sharding layout {case['sharding']!r} not in declared sharded_layouts "
@@ -684,4 +696,7 @@ def _sharded_reasons(c: Capabilities, case: Mapping[str, Any]) -> list[str]:
                                "(sharded_heads_divisible)")
     if case.get("sharded_causal") and c.causal is None:
         reasons.append("causal=True not supported (causal=None declared)")
+    missing = set(case.get("sharded_features", ())) - set(c.sharded_features)
+    if missing:
+        reasons.append(f"sharded features not supported: {sorted(missing)} (declare sharded_features)")
     return reasons

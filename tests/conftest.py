@@ -44,6 +44,10 @@ MEASURED_SECONDS = {
     "tests/runner/test_isolated_certificate.py::test_an_isolated_failure*": 10,
     "tests/runner/test_regime_coverage.py::*": 12,
     "tests/test_installed_plugin.py::*": 6,
+    "tests/sharded/test_sharded_shrinking.py::*": 60,
+    "tests/sharded/test_group.py::*": 25,
+    "tests/sharded/test_torch_cp.py::*": 12,
+    "tests/sharded/test_sharded_mutants.py::*": 8,
 }
 
 

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Correct built-ins (registry names) and the zoo's own correct bases (module:attr).
-CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref", "triton", "jax", "varlen-reference"] + [
+CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref", "triton", "jax", "varlen-reference",
+           "ring", "ulysses", "torch-cp"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ] + [  # bare functions with a declared non-default convention (--impl-option)
     f"implementations.mutants.contract_mutants:{name}" for name in CONTRACT_CONTROLS

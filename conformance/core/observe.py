@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["start_example", "observe_sdpa", "observe_mha"]
+__all__ = ["start_example", "observe_sdpa", "observe_mha", "observe_sharded"]
 
 
 @dataclass
@@ -75,6 +75,14 @@ def observe_mha(case: Any, output: np.ndarray, weights: np.ndarray | None, *, mo
     example = _EXAMPLE.get()
     if example is not None:
         example.calls.append(_Call("mha", case, output, weights, overrides=dict(overrides), module=module))
+
+
+def observe_sharded(case: Any, output: np.ndarray) -> None:
+    """``sharded.cases.run_sharded`` called the implementation on every rank of ``case``
+    and got ``output`` (the ranks' shards put back in global order, float64)."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("sharded", case, output))
 
 
 # --------------------------------------------------------------------------- diagnosing a failure

@@ -98,6 +98,15 @@ class Record:
     called: dict[str, Any] | None = None
     #: Per expected-failure entry of this property: index, hits, covered passes.
     expected_failures: list[dict[str, Any]] = field(default_factory=list)
+    #: How the calls ran, where a level's call says (``CallSpec.ran()``; the sharded level:
+    #: ``backend`` and ``world_sizes``), each a sorted list of the values seen.
+    ran: dict[str, list[Any]] = field(default_factory=dict)
+
+    def note_ran(self, calls: Any) -> None:
+        """Add what ``calls`` (call specs) say of how they ran to :attr:`ran`."""
+        for call in calls:
+            for key, values in (call.ran() if hasattr(call, "ran") else {}).items():
+                self.ran[key] = sorted(set(self.ran.get(key, ())) | set(values))
     #: The call the reproducer makes and whether it alone shows the failure, when the
     #: isolated worker picked it (``isolation.supervisor.Worker.annotate``); None: picked here.
     picked_call: tuple[Any, bool | None] | None = field(default=None, repr=False)

@@ -76,7 +76,7 @@ from conformance.core.observe import (
     observe_sdpa,
     start_example,
 )
-from conformance.diagnosis.problems import _mha_problem, _sdpa_problem, sdpa_mask_kind
+from conformance.diagnosis.problems import _sdpa_problem, problem_of, sdpa_mask_kind
 from conformance.diagnosis.ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
@@ -154,7 +154,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     case = record.failing_case
     if case is None:
         return _unknown("no shrunk case was kept")
-    if target.level not in ("sdpa", "mha"):  # varlen / kvcache: no spec.variants model them yet
+    if target.level not in V.LEVELS:  # flash / varlen / kvcache: no spec.variants model them yet
         return _unknown(f"spec.variants has no {target.level}-level variants")
     example = _EXAMPLE.get()
     calls = list(example.calls) if example is not None and example.case is case else []
@@ -315,6 +315,8 @@ def _hint(cause: dict[str, Any]) -> str:
 def _mask_kind(call: _Call) -> str:
     """The fully-masked-row kind of a call (``Capabilities.fully_masked_policy``)."""
     case = call.case
+    if call.level == "sharded":
+        return "causal"                                    # rows are never fully masked there
     if call.level == "mha":
         floats = [m for m in (case.key_padding_mask, case.attn_mask) if m is not None and m.dtype != np.bool_]
         return "additive" if floats else "bool"
@@ -425,6 +427,10 @@ def _call_once(target: Any, case: Any) -> _Call:
         from conformance.calls.mha import run_mha
 
         run_mha(target, case)
+    elif target.level == "sharded":
+        from conformance.sharded.cases import run_sharded
+
+        run_sharded(target, case)
     else:
         from conformance.calls.sdpa import run_sdpa
 
@@ -435,7 +441,7 @@ def _call_once(target: Any, case: Any) -> _Call:
 def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
     """A verdict when the call's output disagrees with the oracle and matches variants;
     else whether it disagrees (True: wrong, but no variant matches)."""
-    prepared = _sdpa_problem(target, call) if call.level == "sdpa" else _mha_problem(target, call)
+    prepared = problem_of(target, call)
     if prepared is None:
         return False
     problem, observed, allowed = prepared

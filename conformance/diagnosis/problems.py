@@ -1,6 +1,6 @@
 """The problem a failing call states, for the variants of ``spec.variants`` to be fitted to:
-the SDPA or MHA problem of the case as called, what was observed, and the error each
-part of the result is allowed (``diagnose`` and ``ties`` both state problems)."""
+the SDPA, MHA or sharded problem of the case as called, what was observed, and the error
+each part of the result is allowed (``diagnose`` and ``ties`` both state problems)."""
 
 from __future__ import annotations
 
@@ -102,3 +102,28 @@ def _mha_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
         return output_allowed if part == "output" else weights_allowed
 
     return problem, (call.output, weights), allowed
+
+
+def _sharded_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    """A sharded call's whole-sequence problem, the unsharded output, and the SDPA level's
+    tolerance rule on the unsharded case (``sharded.checks.bounds``) as the allowed error
+    of every variant (each a full-sequence attention of the same sizes)."""
+    from conformance.sharded.checks import bounds
+
+    case = call.case
+    problem = V.ShardedProblem.from_case(case)
+    _, output_allowed = bounds(target, case)
+
+    def allowed(part: str, result: V.VariantResult) -> np.ndarray:
+        return output_allowed
+
+    return problem, call.output, allowed
+
+
+def problem_of(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
+    """The problem ``call`` states at its level (None: one that cannot be stated)."""
+    if call.level == "sdpa":
+        return _sdpa_problem(target, call)
+    if call.level == "sharded":
+        return _sharded_problem(target, call)
+    return _mha_problem(target, call)

@@ -133,6 +133,7 @@ def conformance_property(
                         ratio = _check_example(conformance_session, property_id, check,
                                                dataclasses.replace(target, log=log), case)
                 except PropertyFailure as exc:
+                    record.note_ran(log.calls)
                     entry = ledger.excuse(_called_attrs(log, case)) if ledger else None
                     if entry is not None:
                         record.xfail_hits += 1
@@ -148,6 +149,7 @@ def conformance_property(
                     if isinstance(exc, (ImplementationHung, ImplementationCrashed)):
                         raise _StopSearch(exc) from None
                     raise
+                record.note_ran(log.calls)
                 if ledger:
                     ledger.passed(_called_attrs(log, case))
                 if ratio is not None and (record.worst_ratio is None or ratio > record.worst_ratio):

@@ -256,6 +256,21 @@ def compile_budget_line(budget: int | None) -> str:
             f"small_sizes_sweep visits at most {2 * budget} sizes")
 
 
+def ran_lines(results: list[dict[str, Any]]) -> list[str]:
+    """One line per level and device whose calls say how they ran (``Record.ran``), e.g.
+    ``sharded level on cpu ran with backend gloo, world sizes 1, 2, 3, 4``."""
+    merged: dict[tuple[str, str], dict[str, set[Any]]] = {}
+    for r in results:
+        for key, values in (r.get("ran") or {}).items():
+            merged.setdefault((r["level"], r["device"]), {}).setdefault(key, set()).update(values)
+    lines = []
+    for (level, device), ran in sorted(merged.items()):
+        parts = [f"{key.replace('_', ' ')} {', '.join(str(v) for v in sorted(values))}"
+                 for key, values in sorted(ran.items())]
+        lines.append(f"{level} level on {device} ran with " + ", ".join(parts))
+    return lines
+
+
 def details(cert: dict[str, Any]) -> list[str]:
     """The lines under the table: declared policies, then each failure, expected
     failure, stale entry and (once per reason) skip."""
@@ -282,6 +297,7 @@ def details(cert: dict[str, Any]) -> list[str]:
     flash = cert["implementation"].get("flash_capabilities") or {}
     # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
     lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]
+    lines += ran_lines(cert["results"])
     left_out = levels_left_out(cert)
     lines += [left_out] if left_out else []
     shown = levels_shown(cert["results"])

@@ -2,7 +2,10 @@
 
 A :class:`ShardedCase` is one sequence, given whole: query (B, N, L, E), key (B, K, L, E),
 value (B, K, L, Ev), heads-first as at the SDPA level, with the world size, the layout
-(``spec.sharding``), ``causal`` (over global positions; L == S) and the scale. A call
+(``spec.sharding``), ``causal`` (over global positions; L == S), the scale, and the
+declared features' arguments: ``window`` (left, right) over global positions, and
+padding (L not a multiple of the layout's divisor: the ranks get the sequence padded at
+the end, and ``seq_len=L``). A call
 (:class:`ShardedCallSpec`) hands the full arrays to ranks ``0..W-1`` of the worker group
 (``conformance.sharded.group``); each rank takes its shard, calls ``impl.sharded`` and
 sends back its output, LSE and gradient shards, which :func:`run_sharded` puts back in
@@ -18,16 +21,20 @@ from typing import Any
 
 import numpy as np
 
+from conformance.core.cases import _scale_sign
 from conformance.core.compare import fail
+from conformance.core.observe import observe_sharded
+from conformance.sharded.backends import backend_for
 from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised, Target
 from spec import sharding
 
-__all__ = ["ATTRIBUTES", "ShardedCallSpec", "ShardedCase", "ShardedResult",
+__all__ = ["ATTRIBUTES", "ShardedCallSpec", "ShardedCase", "ShardedResult", "backend_for", "call_options",
            "case_from_meta", "case_meta", "run_call", "run_sharded", "validate"]
 
 #: Attributes of a sharded-level call (the keys an expected failure's ``match`` may use).
-ATTRIBUTES = frozenset({"level", "device", "dtype", "world_size", "sharding", "sharded_causal", "scale",
-                        "B", "N", "K", "L", "E", "Ev", "gqa", "grad"})
+ATTRIBUTES = frozenset({"level", "device", "dtype", "world_size", "sharding", "sharded_causal", "scale", "scale_sign",
+                        "B", "N", "K", "L", "E", "Ev", "gqa", "grad", "window", "window_left", "window_right",
+                        "padded", "sharded_features", "backend", "shard_length"})
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -44,6 +51,10 @@ class ShardedCase:
     dtype: str = "float64"
     device: str = "cpu"
     regime: str = "normal"
+    window: tuple[int, int] = (-1, -1)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
 
     @property
     def level(self) -> str:
@@ -57,14 +68,29 @@ class ShardedCase:
     Ev = property(lambda self: int(self.value.shape[3]))
 
     @property
+    def padded_length(self) -> int:
+        """The length the ranks shard: L, or L padded up to the layout's divisor."""
+        return sharding.padded_length(self.L, self.world_size, self.layout)
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_length != self.L
+
+    @property
     def shard_length(self) -> int:
-        return self.L // self.world_size
+        return self.padded_length // self.world_size
+
+    def features(self) -> set[str]:
+        """The ``Capabilities.sharded_features`` this case uses."""
+        return ({"window"} if self.window != (-1, -1) else set()) | ({"padding"} if self.padded else set())
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         out = {"level": "sharded", "device": self.device, "dtype": self.dtype, "world_size": self.world_size,
                "sharding": self.layout, "sharded_causal": bool(self.causal), "scale": self.scale,
-               "B": self.B, "N": self.N, "K": self.K, "L": self.L, "S": self.L, "E": self.E, "Ev": self.Ev,
-               "gqa": self.K != self.N}
+               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K, "L": self.L, "S": self.L, "E": self.E, "Ev": self.Ev,
+               "gqa": self.K != self.N, "window": self.window != (-1, -1), "window_left": self.window[0],
+               "window_right": self.window[1], "padded": self.padded, "sharded_features": self.features(),
+               "backend": backend_for(self.device), "shard_length": self.shard_length}
         out.update(extra)
         return out
 
@@ -74,9 +100,11 @@ class ShardedCase:
         return ShardedCase(**values)
 
     def describe(self) -> str:
+        padded = f", padded to {self.padded_length}" if self.padded else ""
+        window = f" window={self.window}" if self.window != (-1, -1) else ""
         return (f"sharded world_size={self.world_size} layout={self.layout} B={self.B} N={self.N} K={self.K} "
-                f"L={self.L} (shard {self.shard_length}) E={self.E} Ev={self.Ev} causal={self.causal} "
-                f"scale={self.scale} dtype={self.dtype} device={self.device} regime={self.regime}")
+                f"L={self.L} (shard {self.shard_length}{padded}) E={self.E} Ev={self.Ev} causal={self.causal}"
+                f"{window} scale={self.scale} dtype={self.dtype} device={self.device} regime={self.regime}")
 
     def __repr__(self) -> str:
         return f"ShardedCase({self.describe()})"
@@ -108,8 +136,9 @@ class ShardedCallSpec:
 
     def arguments(self) -> str:
         c = self.case
+        extra = "".join(f", {k}={v!r}" for k, v in call_options(c).items())
         return (f"group=<ranks 0..{c.world_size - 1}>, world_size={c.world_size}, causal={c.causal!r}, "
-                f"softmax_scale={c.scale!r}, layout={c.layout!r}")
+                f"softmax_scale={c.scale!r}, layout={c.layout!r}{extra}")
 
     def describe(self) -> str:
         grad = "; backward with a random grad_output" if self.grad_output is not None else ""
@@ -118,9 +147,25 @@ class ShardedCallSpec:
     def same_as(self, case: Any) -> bool:
         return self.case is case
 
+    def ran(self) -> dict[str, set[Any]]:
+        """How the call ran, for the certificate: the backend and the world size."""
+        return {"backend": {backend_for(self.case.device)}, "world_sizes": {self.case.world_size}}
+
+
+def call_options(case: ShardedCase) -> dict[str, Any]:
+    """The keyword arguments of a declared feature that ``case`` uses, as passed to every
+    rank: ``window_size`` only for a window, ``seq_len`` (the unpadded L) only for a
+    padded sequence (an implementation declaring neither never receives them)."""
+    options: dict[str, Any] = {}
+    if case.window != (-1, -1):
+        options["window_size"] = case.window
+    if case.padded:
+        options["seq_len"] = case.L
+    return options
+
 
 def validate(case: ShardedCase) -> None:
-    """ValueError when the spec calls ``case`` invalid (shapes, GQA, divisibility)."""
+    """ValueError when the spec calls ``case`` invalid (shapes, GQA, window)."""
     for name in ("query", "key", "value"):
         if np.ndim(getattr(case, name)) != 4:
             raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 4-D (B, heads, L, dim)")
@@ -128,7 +173,8 @@ def validate(case: ShardedCase) -> None:
         raise ValueError("key and value must have the query's length L (self-attention over one sequence)")
     if case.N % case.K:
         raise ValueError(f"K={case.K} kv heads must divide N={case.N} query heads (GQA)")
-    sharding.positions(case.L, case.world_size, 0, case.layout)  # SpecError (a ValueError) if L does not divide
+    sharding.positions(case.padded_length, case.world_size, 0, case.layout)  # SpecError (a ValueError)
+    sharding.allowed([0], [0], window=case.window)  # SpecError for a window side below -1
 
 
 def _shapes(case: ShardedCase) -> dict[str, tuple[int, ...]]:
@@ -155,8 +201,10 @@ def _unshard(case: ShardedCase, replies: list[dict[str, Any]], lse_declared: boo
         if lse_declared and reply["lse"].shape != shapes["lse"]:
             fail(f"rank {rank}: LSE shard has shape {reply['lse'].shape}, but should be (B, N, L_shard) = "
                  f"{shapes['lse']}")
-    output = sharding.unshard([r["output"] for r in replies], case.layout)
-    lse = sharding.unshard([r["lse"][..., None] for r in replies], case.layout)[..., 0] if lse_declared else None
+    L = case.L
+    output = sharding.unshard([r["output"] for r in replies], case.layout, length=L)
+    lse = sharding.unshard([r["lse"][..., None] for r in replies], case.layout, length=L)[..., 0] \
+        if lse_declared else None
     grads = None
     if with_grad:
         grads = []
@@ -168,7 +216,7 @@ def _unshard(case: ShardedCase, replies: list[dict[str, Any]], lse_declared: boo
             bad = [rank for rank, p in enumerate(parts) if p.shape != shapes[name]]
             if bad:
                 fail(f"rank {bad[0]}: {name} shard has shape {parts[bad[0]].shape}, should be {shapes[name]}")
-            grads.append(sharding.unshard(parts, case.layout))
+            grads.append(sharding.unshard(parts, case.layout, length=L))
         grads = tuple(grads)
     return ShardedResult(output, lse, grads)
 
@@ -182,8 +230,8 @@ def run_call(impl: Any, call: ShardedCallSpec, *, timeout: float, lse_declared: 
     case = call.case
     request = {"query": case.query, "key": case.key, "value": case.value, "layout": case.layout,
                "causal": bool(case.causal), "scale": case.scale, "dtype": case.dtype, "device": case.device,
-               "grad_output": call.grad_output}
-    group = groups.group_for(impl)
+               "options": call_options(case), "grad_output": call.grad_output}
+    group = groups.group_for(impl, case.device)
     name = getattr(impl, "name", "the implementation")
     try:
         replies = group.call(request, case.world_size, timeout)
@@ -206,7 +254,9 @@ def run_sharded(target: Target, case: ShardedCase, grad_output: np.ndarray | Non
     call = ShardedCallSpec(case, grad_output)
     if target.log is not None:
         target.log.calls.append(call)
-    return run_call(target.impl, call, timeout=target.timeout, lse_declared=target.caps.sharded_lse)
+    result = run_call(target.impl, call, timeout=target.timeout, lse_declared=target.caps.sharded_lse)
+    observe_sharded(case, result.output)
+    return result
 
 
 # -- saving and reproducing ------------------------------------------------------------------
@@ -217,11 +267,12 @@ _ARRAYS = ("query", "key", "value")
 def case_meta(case: ShardedCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     meta = {"kind": "sharded", "world_size": int(case.world_size), "layout": case.layout,
             "causal": bool(case.causal), "scale": case.scale, "dtype": case.dtype, "device": case.device,
-            "regime": case.regime}
+            "regime": case.regime, "window": [int(x) for x in case.window]}
     return meta, {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
 
 
 def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> ShardedCase:
     return ShardedCase(**{n: arrays[n] for n in _ARRAYS}, world_size=int(meta["world_size"]),
                        layout=meta["layout"], causal=bool(meta["causal"]), scale=meta["scale"],
-                       dtype=meta["dtype"], device=meta["device"], regime=meta.get("regime", "normal"))
+                       dtype=meta["dtype"], device=meta["device"], regime=meta.get("regime", "normal"),
+                       window=tuple(meta.get("window", (-1, -1))))

@@ -1,9 +1,11 @@
 """The sharded level's persistent worker group (the pytest side).
 
 A :class:`WorkerGroup` is ``world`` processes (``python -m conformance.sharded.worker``,
-connected back to the supervisor over a local socket) joined in one gloo process group, started on the first sharded call of an
-implementation and reused by every later one (the group of each ``--impl`` is kept in
-:data:`_GROUPS`; ``close_all`` ends them at the end of the run, and at exit). Each call
+connected back to the supervisor over a local socket) joined in one process group,
+gloo on the CPU or NCCL on CUDA with one process per GPU (``backends``), started on the
+first sharded call of an implementation on that device and reused by every later one
+(the group of each ``--impl`` and device is kept in :data:`_GROUPS`; ``close_all`` ends
+them at the end of the run, and at exit). Each call
 hands the same request (the case's full arrays) to ranks ``0..w-1``, which shard it
 themselves, and waits for every reply with a deadline:
 
@@ -32,11 +34,13 @@ import time
 from multiprocessing.connection import Listener, wait
 from typing import Any
 
+from conformance.sharded import backends
+
 __all__ = ["WorkerGroup", "GroupError", "GroupHung", "GroupCrashed", "GroupRaised", "GroupStartFailed",
-           "group_for", "register", "close_all", "live_processes", "DEFAULT_WORLD", "START_TIMEOUT"]
+           "group_for", "world_for", "register", "close_all", "live_processes", "DEFAULT_WORLD", "START_TIMEOUT"]
 
 #: Ranks in every group: world sizes 1..DEFAULT_WORLD run on its prefix subgroups.
-DEFAULT_WORLD = 4
+DEFAULT_WORLD = backends.MAX_RANKS
 #: Seconds a group may take to start (spawn, import torch, rendezvous, resolve).
 START_TIMEOUT = 180.0
 #: Seconds the other ranks get to answer after one raised.
@@ -74,8 +78,9 @@ class WorkerGroup:
     """``world`` rank processes serving ``impl_spec`` (module docstring)."""
 
     def __init__(self, impl_spec: str, options: dict[str, str] | None = None, *, world: int = DEFAULT_WORLD,
-                 start_timeout: float = START_TIMEOUT) -> None:
+                 start_timeout: float = START_TIMEOUT, device: str = "cpu") -> None:
         self.impl_spec, self.options, self.world = impl_spec, dict(options or {}), world
+        self.device, self.backend = device, backends.backend_for(device)
         self.start_timeout = start_timeout
         self.processes: list[Any] = []
         self.conns: list[Any] = []
@@ -106,6 +111,7 @@ class WorkerGroup:
         address = self._socket_address()
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         config = json.dumps({"world": self.world, "init_file": f"{self.tmp}/rendezvous",
+                             "backend": self.backend, "device": self.device,
                              "address": address, "impl_spec": self.impl_spec,
                              "options": self.options, "timeout": max(60.0, self.start_timeout)})
         env = dict(os.environ, OMP_NUM_THREADS="1", CONFORMANCE_SHARDED_AUTHKEY=authkey.hex())
@@ -254,7 +260,7 @@ class WorkerGroup:
 
 
 #: One group per implementation (its --impl spec and options).
-_GROUPS: dict[tuple[str, tuple[tuple[str, str], ...]], WorkerGroup] = {}
+_GROUPS: dict[tuple[str, tuple[tuple[str, str], ...], str], WorkerGroup] = {}
 #: How each resolved implementation was named (``register``): id(impl) -> (spec, options).
 _NAMES: dict[int, tuple[str, dict[str, str]]] = {}
 
@@ -264,16 +270,22 @@ def register(impl: Any, impl_spec: str, options: dict[str, str] | None) -> None:
     _NAMES[id(impl)] = (impl_spec, dict(options or {}))
 
 
-def group_for(impl: Any) -> WorkerGroup:
-    """The worker group of ``impl`` (created, not started, on first use; as many ranks as the
-    largest world size it declares, at most :data:`DEFAULT_WORLD`). An implementation
-    nobody registered is resolved in the ranks by its name (a built-in or ``mutant:NAME``)."""
+def group_for(impl: Any, device: str = "cpu") -> WorkerGroup:
+    """The worker group of ``impl`` on ``device`` (created, not started, on first use; as many
+    ranks as the largest world size it declares, at most :data:`DEFAULT_WORLD`, and on CUDA
+    at most one per GPU: ``backends.world_limit``). An implementation nobody registered is
+    resolved in the ranks by its name (a built-in or ``mutant:NAME``)."""
     spec, options = _NAMES.get(id(impl), (impl.name, {}))
-    key = (spec, tuple(sorted(options.items())))
+    key = (spec, tuple(sorted(options.items())), device)
     if key not in _GROUPS:
-        world = max(1, min(DEFAULT_WORLD, impl.caps("sharded").max_world_size))
-        _GROUPS[key] = WorkerGroup(spec, options, world=world)
+        _GROUPS[key] = WorkerGroup(spec, options, world=world_for(impl, device), device=device)
     return _GROUPS[key]
+
+
+def world_for(impl: Any, device: str = "cpu", n_gpus: int | None = None) -> int:
+    """The ranks of ``impl``'s group on ``device``: its ``max_world_size``, capped by
+    :data:`DEFAULT_WORLD` and, on CUDA, by the GPUs (``backends.ranks_for``)."""
+    return backends.ranks_for(impl.caps("sharded"), device, n_gpus)
 
 
 def close_all() -> None:

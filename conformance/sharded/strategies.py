@@ -1,12 +1,14 @@
 """Hypothesis strategies and directed cases of the sharded level.
 
-The world size is drawn first (1..min(4, max_world_size), shrinking toward 1), then the
-layout among the declared ones, the length as a multiple of the layout's divisor (W
-contiguous, 2W zigzag: ``spec.sharding.divisor``; lengths that do not divide are never
-drawn, as no padding support is part of the contract), then B, the heads (GQA where
-declared; multiples of W under ``sharded_heads_divisible``), E, Ev, causal and the
-scale. Values are standard normal, rounded to the dtype; about one case in eight is in
-the ``large`` regime (q and k scaled so that logits reach the hundreds: exp of an LSE
+The world size is drawn first (1..min(4, max_world_size, and on CUDA the GPUs),
+shrinking toward 1), then the layout among the declared ones, the length as a multiple
+of the layout's divisor (W contiguous, 2W zigzag: ``spec.sharding.divisor``), less a
+few positions where ``padding`` is declared (``sharded_features``: lengths that do not
+divide, shrinking toward none), then B, the heads (GQA where declared; multiples of W
+under ``sharded_heads_divisible``), E, Ev, causal, the scale, and where ``window`` is
+declared a window ``(left, right)`` of 0..L or -1 per side (shrinking toward none; its
+edges fall inside a shard or across a boundary as the draw puts them). Values are
+standard normal, rounded to the dtype; about one case in eight is in the ``large`` regime (q and k scaled so that logits reach the hundreds: exp of an LSE
 overflows in float32 there, and beyond 709 in float64).
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
+from conformance.sharded import backends
 from conformance.sharded.cases import ShardedCase
 from spec import sharding
 from spec.emulate import round_to
@@ -24,18 +27,20 @@ from spec.emulate import round_to
 __all__ = ["sharded_cases", "sharded_directed", "make_case"]
 
 #: The largest world size drawn (the worker group's size).
-MAX_WORLD = 4
+MAX_WORLD = backends.MAX_RANKS
 
 
 def make_case(*, world_size: int, layout: str, B: int = 1, N: int = 1, K: int | None = None,
               shard: int = 1, E: int = 2, Ev: int | None = None, causal: bool = False,
               scale: float | None = None, dtype: str = "float64", device: str = "cpu", seed: int = 0,
-              regime: str = "normal") -> ShardedCase:
+              regime: str = "normal", pad: int = 0, window: tuple[int, int] = (-1, -1)) -> ShardedCase:
     """One case from sizes: L = shard units of the layout's divisor (``shard`` per rank and
-    chunk pair: L = shard * divisor)."""
+    chunk pair: L = shard * divisor), less ``pad`` positions (the padding the ranks get)."""
     K = N if K is None else K
     Ev = E if Ev is None else Ev
-    L = shard * sharding.divisor(layout, world_size)
+    L = shard * sharding.divisor(layout, world_size) - pad
+    if not 0 <= pad < shard * sharding.divisor(layout, world_size):
+        raise ValueError(f"pad={pad} must leave at least one position of the {L + pad}")
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((B, N, L, E)), rng.standard_normal((B, K, L, E))
     v = rng.standard_normal((B, K, L, Ev))
@@ -44,11 +49,17 @@ def make_case(*, world_size: int, layout: str, B: int = 1, N: int = 1, K: int | 
     elif regime == "huge":  # every logit above 709: exp(lse) overflows in float64 too
         q, k = np.full_like(q, 30.0) + q, np.full_like(k, 30.0) + k
     return ShardedCase(round_to(q, dtype), round_to(k, dtype), round_to(v, dtype), world_size=world_size,
-                       layout=layout, causal=causal, scale=scale, dtype=dtype, device=device, regime=regime)
+                       layout=layout, causal=causal, scale=scale, dtype=dtype, device=device, regime=regime,
+                       window=window)
 
 
-def _world_sizes(caps: Any, min_world: int) -> st.SearchStrategy[int]:
-    top = min(MAX_WORLD, caps.max_world_size)
+def top_world(caps: Any, device: str = "cpu") -> int:
+    """The largest world size drawn for ``caps`` on ``device`` (the worker group's size)."""
+    return backends.ranks_for(caps, device)
+
+
+def _world_sizes(caps: Any, min_world: int, device: str) -> st.SearchStrategy[int]:
+    top = top_world(caps, device)
     return st.integers(min(min_world, top), top)
 
 
@@ -56,9 +67,12 @@ def _world_sizes(caps: Any, min_world: int) -> st.SearchStrategy[int]:
 def sharded_cases(draw: Any, *, dtype: str, device: str, caps: Any, min_world: int = 1,
                   layouts: tuple[str, ...] | None = None, causal: bool | None = None) -> ShardedCase:
     """A sharded case inside ``caps`` (module docstring)."""
-    W = draw(_world_sizes(caps, min_world), label="world_size")
+    W = draw(_world_sizes(caps, min_world, device), label="world_size")
     layout = draw(st.sampled_from(sorted(layouts or caps.sharded_layouts)), label="layout")
     shard = draw(st.integers(1, 3), label="shard units")
+    pad = 0
+    if "padding" in caps.sharded_features:
+        pad = draw(st.integers(0, sharding.divisor(layout, W) - 1), label="padding")
     B = draw(st.integers(1, 2), label="B")
     unit = W if caps.sharded_heads_divisible else 1
     K = unit * draw(st.integers(1, 2), label="kv heads / unit")
@@ -70,19 +84,26 @@ def sharded_cases(draw: Any, *, dtype: str, device: str, caps: Any, min_world: i
     scale = None
     if caps.custom_scale and draw(st.integers(0, 3), label="custom scale?") == 3:
         scale = draw(st.sampled_from([0.5, 2.0, 0.125, -1.0]), label="scale")
+    window = (-1, -1)
+    if "window" in caps.sharded_features and draw(st.integers(0, 1), label="window?"):
+        L = shard * sharding.divisor(layout, W) - pad
+        window = (draw(st.integers(-1, L), label="window left"), draw(st.integers(-1, L), label="window right"))
     regime = "large" if draw(st.integers(0, 7), label="regime") == 7 else "normal"
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
     return make_case(world_size=W, layout=layout, B=B, N=K * group, K=K, shard=shard, E=E, Ev=Ev,
-                     causal=causal, scale=scale, dtype=dtype, device=device, seed=seed, regime=regime)
+                     causal=causal, scale=scale, dtype=dtype, device=device, seed=seed, regime=regime,
+                     pad=pad, window=window)
 
 
 def sharded_directed(*, dtype: str, device: str, caps: Any, min_world: int = 1,
                      layouts: tuple[str, ...] | None = None, causal_only: bool = False) -> list[ShardedCase]:
     """Directed cases: causal masks whose diagonal crosses every shard boundary (one
-    position per rank and chunk), each layout at every world size, a GQA case, and the
+    position per rank and chunk), each layout at every world size, a GQA case, the
     ``huge`` regime (logits above 709: a merge that exponentiates an LSE without the
-    running max overflows in every dtype)."""
-    top = min(MAX_WORLD, caps.max_world_size)
+    running max overflows in every dtype), and where declared windows whose edges fall
+    inside a shard and across its boundaries (two positions per rank and chunk, one
+    key back and one forward), and a padded sequence whose last rank holds padding only."""
+    top = top_world(caps, device)
     out = []
     for layout in sorted(layouts or caps.sharded_layouts):
         for W in range(max(2, min_world), top + 1):
@@ -99,4 +120,16 @@ def sharded_directed(*, dtype: str, device: str, caps: Any, min_world: int = 1,
         if caps.gqa:
             out.append(make_case(world_size=W, layout=layout, N=2 * heads, K=heads, shard=1, E=2,
                                  causal=caps.causal is not None, dtype=dtype, device=device, seed=3))
+    features = caps.sharded_features
+    for layout in sorted(layouts or caps.sharded_layouts) if "window" in features else ():
+        heads = top if caps.sharded_heads_divisible else 1
+        for causal in ((True,) if causal_only or caps.causal is not None else ()) + (() if causal_only else (False,)):
+            out.append(make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, causal=causal,
+                                 window=(1, 1), dtype=dtype, device=device, seed=11))
+    if "padding" in features and not causal_only and top >= 2:
+        layout = "contiguous" if "contiguous" in (layouts or caps.sharded_layouts) else "zigzag"
+        heads = top if caps.sharded_heads_divisible else 1
+        d = sharding.divisor(layout, top)
+        out.append(make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, pad=d - 1,
+                             dtype=dtype, device=device, seed=13))
     return out

@@ -1,6 +1,7 @@
 """One rank of the sharded level's worker group (a spawned process; ``group`` starts it).
 
-It joins a gloo process group of ``world`` ranks (a file rendezvous), builds the prefix
+It joins a process group of ``world`` ranks (a file rendezvous; gloo on the CPU, NCCL on
+CUDA with this rank on GPU ``rank``), builds the prefix
 subgroups ``[0..w-1]`` for every world size w (so that a rank's rank in a subgroup is its
 global rank), resolves the implementation itself (``implementations.registry``), says
 ready, then serves requests from its pipe until told to stop: each ``run`` request holds
@@ -44,11 +45,15 @@ def _describe(x: Any) -> str:
 def run_case(torch: Any, impl: Any, group: Any, rank: int, request: dict[str, Any]) -> dict[str, Any]:
     """This rank's part of one sharded call (see the module docstring)."""
     W, layout, dtype, device = request["world_size"], request["layout"], request["dtype"], request["device"]
+    options = dict(request.get("options") or {})
+    pad = "seq_len" in options  # a padded sequence: every array padded at the end with zeros
     grad = request.get("grad_output") is not None
-    q, k, v = (_tensor(torch, sharding.shard(request[n], W, rank, layout), dtype, device, grad)
+    q, k, v = (_tensor(torch, sharding.shard(request[n], W, rank, layout, pad=pad), dtype, device, grad)
                for n in ("query", "key", "value"))
+    if "window_size" in options:
+        options["window_size"] = tuple(options["window_size"])
     result = impl.sharded(q, k, v, group=group, rank=rank, world_size=W, causal=request["causal"],
-                          softmax_scale=request["scale"], layout=layout)
+                          softmax_scale=request["scale"], layout=layout, **options)
     lse = None
     if isinstance(result, (tuple, list)):
         if len(result) < 1:
@@ -63,7 +68,7 @@ def run_case(torch: Any, impl: Any, group: Any, rank: int, request: dict[str, An
                              "lse": None if not isinstance(lse, torch.Tensor) else _numpy(lse),
                              "returned_lse": lse is not None}
     if grad:
-        g = _tensor(torch, sharding.shard(request["grad_output"], W, rank, layout), dtype, device, False)
+        g = _tensor(torch, sharding.shard(request["grad_output"], W, rank, layout, pad=pad), dtype, device, False)
         if not out.requires_grad:
             return {"contract": "the output does not require grad (no autograd graph), but autograd is declared"}
         out.backward(g)
@@ -86,8 +91,11 @@ def main(rank: int, config: dict[str, Any]) -> None:
     from implementations import registry
 
     torch.set_num_threads(1)
+    backend = config.get("backend", "gloo")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        if backend == "nccl":  # one process per GPU: rank r on cuda:r, every "cuda" tensor there
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
         groups = {w: dist.new_group(list(range(w))) for w in range(1, world + 1)}
         impl = registry.resolve(impl_spec, options or None, timeout=None)

@@ -32,4 +32,6 @@ BUILTINS: dict[str, str] = {
     # sharded (context-parallel) level
     "ring": "implementations.builtins.ring_attention:make_implementation",
     "ulysses": "implementations.builtins.ulysses_attention:make_implementation",
+    "torch-cp": "implementations.builtins.torch_cp:make_implementation",
+    "torch-cp-alltoall": "implementations.builtins.torch_cp:make_implementation",
 }

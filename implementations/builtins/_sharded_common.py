@@ -39,9 +39,21 @@ def fold_kv(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x if N == kv_heads else x.reshape(B, kv_heads, N // kv_heads, S, D).sum(2)
 
 
-def allowed(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> torch.Tensor | None:
-    """(Lq, Lk) bool, True = may attend: key position <= query position (causal), else None."""
-    return (kpos[None, :] <= qpos[:, None]) if causal else None
+def allowed(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: tuple[int, int] = (-1, -1),
+            seq_len: int | None = None) -> torch.Tensor | None:
+    """(Lq, Lk) bool, True = may attend, over global positions (``spec.sharding.allowed``):
+    causal ``k <= q``; window ``q - left <= k <= q + right`` (-1 unbounded, causal sets
+    right = 0); keys at positions ``>= seq_len`` are padding. None: every key."""
+    left, right = (int(window[0]), int(window[1])) if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    q, k = qpos[:, None], kpos[None, :]
+    mask = None
+    for bound in ((k >= q - left) if left >= 0 else None, (k <= q + right) if right >= 0 else None,
+                  (k < seq_len).expand(q.shape[0], -1) if seq_len is not None else None):
+        if bound is not None:
+            mask = bound if mask is None else mask & bound
+    return mask
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -87,8 +99,9 @@ def global_rank(group: Any, rank: int) -> int:
 def sharded_capabilities(**changes: Any) -> Any:
     from implementations.base import Capabilities
 
-    base = Capabilities(devices=("cpu",), dtypes=("float64", "float32"), causal="upper_left",
+    base = Capabilities(devices=("cpu", "cuda"), dtypes=("float64", "float32"), causal="upper_left",
                         fully_masked="zero", different_v_dim=True, gqa=True, dropout=False,
                         custom_scale=True, autograd=True, mask_grad=False, mask_kinds=frozenset({"none"}),
-                        sharded_layouts=frozenset({"contiguous", "zigzag"}), sharded_lse=True)
+                        sharded_layouts=frozenset({"contiguous", "zigzag"}), sharded_lse=True,
+                        sharded_features=frozenset({"window", "padding"}))
     return base.replace(**changes)

@@ -2,8 +2,9 @@
 
 Every rank holds its shard of q, k, v (``spec.sharding``: contiguous or zigzag). The k/v
 block travels around the ring (rank r sends to r+1 and receives from r-1, point to point:
-``isend``/``recv``, which gloo supports); at step s rank r holds the block of rank
-``(r - s) mod W``, attends it with the causal rule over **global** positions, and merges
+``isend``/``recv``, which gloo and NCCL support); at step s rank r holds the block of rank
+``(r - s) mod W``, attends it with the causal rule, the window and the padding over
+**global** positions (``spec.sharding.allowed``), and merges
 the partial result into its running one through the LSE with the running max
 (``spec.merge_partials``). The backward is manual (``torch.autograd.Function``): the
 block travels again with its dK/dV accumulators, each rank adds its contribution, and a
@@ -32,9 +33,10 @@ class RingAttention:
 
     # -- the steps (overridden one at a time by the bug zoo) -------------------------------
 
-    def block_mask(self, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> torch.Tensor | None:
-        """Which keys of the block each query may attend (global positions)."""
-        return common.allowed(qpos, kpos, causal)
+    def block_mask(self, qpos: torch.Tensor, kpos: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor | None:
+        """Which keys of the block each query may attend (global positions: causal, window,
+        padding)."""
+        return common.allowed(qpos, kpos, ctx["causal"], ctx["window"], ctx["seq_len"])
 
     def merge(self, out, lse, bout, blse):
         return common.merge(out, lse, bout, blse)
@@ -76,7 +78,7 @@ class RingAttention:
             src = (r - s) % W
             kpos = self.positions(L, W, src, ctx["layout"], q.device)
             bout, blse = common.block_attention(q, block[..., :E], block[..., E:], ctx["scale"],
-                                                self.block_mask(qpos, kpos, ctx["causal"]))
+                                                self.block_mask(qpos, kpos, ctx))
             out, lse = self.merge(out, lse, bout, blse)
             if s + 1 < W:
                 block = self.exchange(block, ctx)
@@ -94,7 +96,7 @@ class RingAttention:
             src = (r - s) % W
             kb, vb = travelling[..., :E], travelling[..., E:E + Ev]
             kpos = self.positions(L, W, src, ctx["layout"], q.device)
-            logits = common.scores(q, kb, scale, self.block_mask(qpos, kpos, ctx["causal"]))
+            logits = common.scores(q, kb, scale, self.block_mask(qpos, kpos, ctx))
             p = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(logits), torch.exp(logits - safe_lse))
             dv = common.fold_kv(p.transpose(-1, -2) @ grad_out, K)
             dp = grad_out @ common.repeat_kv(vb, N).transpose(-1, -2)
@@ -111,11 +113,13 @@ class RingAttention:
         return dq, grads[..., :E], grads[..., E:]
 
     def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False,
-                 softmax_scale=None, layout="contiguous"):
+                 softmax_scale=None, layout="contiguous", window_size=(-1, -1), seq_len=None):
         rank = dist.get_rank(group) if rank is None else int(rank)
         world_size = dist.get_world_size(group) if world_size is None else int(world_size)
+        length = q.shape[-2] * world_size  # the padded length; seq_len: the real one
         ctx = {"group": group, "rank": rank, "world_size": world_size, "causal": bool(causal),
-               "layout": layout, "length": q.shape[-2] * world_size,
+               "layout": layout, "length": length, "window": tuple(window_size),
+               "seq_len": None if seq_len is None or int(seq_len) >= length else int(seq_len),
                "scale": common.scale_of(softmax_scale, q.shape[-1])}
         return _Ring.apply(q, k, v, self, ctx)
 
@@ -146,6 +150,6 @@ def make_implementation(*, name: str = "ring", ring: RingAttention | None = None
         name=name, capabilities=caps, sharded_capabilities=caps, sharded=ring or RingAttention(),
         version=torch.__version__, listed=not name.startswith("mutant:"),
         description=description or "ring attention over torch.distributed point-to-point (isend/recv), "
-        "LSE merge with the running max, manual backward with dK/dV sent home "
+        "LSE merge with the running max, manual backward with dK/dV sent home, window and padding "
         "(implementations/builtins/ring_attention.py)",
     )

@@ -4,13 +4,13 @@ Every rank holds its sequence shard of q, k, v with every head. An all-to-all re
 from sequence to heads: rank j gets heads ``j*N/W .. (j+1)*N/W - 1`` (kv heads likewise,
 so N and K must be multiples of W: ``sharded_heads_divisible``) over the whole sequence,
 in rank order of the shards, whose global positions ``spec.sharding`` gives; it attends
-them with the causal rule over those positions, and a second all-to-all re-shards the
-output back from heads to sequence.
+them with the causal rule, the window and the padding over those positions
+(``spec.sharding.allowed``), and a second all-to-all re-shards the output back from
+heads to sequence.
 
-gloo has no ``all_to_all`` on the CPU, so the all-to-all is emulated with ``all_gather``
-(each rank gathers every rank's tensor and keeps its own slice: W times the traffic of a
-real all-to-all, the same result). Backward is autograd: each all-to-all is a
-``torch.autograd.Function`` whose backward is the inverse all-to-all.
+Each all-to-all is ``dist.all_to_all`` (gloo has it on the CPU, NCCL on CUDA): rank r
+sends its j-th slice to rank j and receives rank i's slice for it. Backward is autograd:
+each all-to-all is a ``torch.autograd.Function`` whose backward is the inverse all-to-all.
 """
 
 from __future__ import annotations
@@ -26,31 +26,32 @@ from implementations.builtins import _sharded_common as common
 __all__ = ["UlyssesAttention", "make_implementation"]
 
 
-def _gather(x: torch.Tensor, ctx: dict[str, Any]) -> list[torch.Tensor]:
-    """Every rank's ``x`` (same shape on every rank), in rank order."""
+def _all_to_all(parts: list[torch.Tensor], ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """Send ``parts[j]`` to rank j; the parts every rank sent here, in rank order."""
     if ctx["world_size"] == 1:
-        return [x]
-    parts = [torch.empty_like(x) for _ in range(ctx["world_size"])]
-    dist.all_gather(parts, x.contiguous(), group=ctx["group"])
-    return parts
+        return parts
+    parts = [p.contiguous() for p in parts]
+    received = [torch.empty_like(parts[0]) for _ in parts]
+    dist.all_to_all(received, parts, group=ctx["group"])
+    return received
 
 
 def seq_to_heads(x: torch.Tensor, ctx: dict[str, Any], order: list[int]) -> torch.Tensor:
     """(B, H, Ls, D) sequence shard, all heads -> (B, H/W, L, D): this rank's head group over
     the shards of every rank, concatenated in rank order."""
-    W, r = ctx["world_size"], ctx["rank"]
+    W = ctx["world_size"]
     per = x.shape[1] // W
-    parts = _gather(x, ctx)
-    return torch.cat([parts[i][:, r * per:(r + 1) * per] for i in order], dim=2)
+    parts = _all_to_all([x[:, j * per:(j + 1) * per] for j in range(W)], ctx)
+    return torch.cat([parts[i] for i in order], dim=2)
 
 
 def heads_to_seq(x: torch.Tensor, ctx: dict[str, Any], order: list[int]) -> torch.Tensor:
     """(B, H/W, L, D) head group over the whole sequence -> (B, H, Ls, D): this rank's
     sequence shard with every head; ``order[j]`` is the rank whose head group goes j-th."""
-    W, r = ctx["world_size"], ctx["rank"]
+    W = ctx["world_size"]
     Ls = x.shape[2] // W
-    parts = _gather(x, ctx)
-    return torch.cat([parts[j][:, :, r * Ls:(r + 1) * Ls] for j in order], dim=1)
+    parts = _all_to_all([x[:, :, j * Ls:(j + 1) * Ls] for j in range(W)], ctx)
+    return torch.cat([parts[j] for j in order], dim=1)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -84,7 +85,7 @@ class UlyssesAttention:
         return list(range(world_size))
 
     def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False,
-                 softmax_scale=None, layout="contiguous"):
+                 softmax_scale=None, layout="contiguous", window_size=(-1, -1), seq_len=None):
         rank = dist.get_rank(group) if rank is None else int(rank)
         W = dist.get_world_size(group) if world_size is None else int(world_size)
         for name, t in (("q", q), ("k", k)):
@@ -97,7 +98,9 @@ class UlyssesAttention:
         order = list(range(W))
         qh, kh, vh = (_SeqToHeads.apply(t, ctx, order) for t in (q, k, v))
         scale = common.scale_of(softmax_scale, q.shape[-1])
-        out, lse = common.block_attention(qh, kh, vh, scale, common.allowed(pos, pos, bool(causal)))
+        mask = common.allowed(pos, pos, bool(causal), tuple(window_size), seq_len if seq_len is not None and
+                              int(seq_len) < L else None)
+        out, lse = common.block_attention(qh, kh, vh, scale, mask)
         out = _HeadsToSeq.apply(out, ctx, self.head_order(W))
         with torch.no_grad():
             lse = heads_to_seq(lse[..., None], ctx, self.head_order(W))[..., 0]
@@ -111,7 +114,7 @@ def make_implementation(*, name: str = "ulysses", ulysses: UlyssesAttention | No
     return Implementation(
         name=name, capabilities=caps, sharded_capabilities=caps, sharded=ulysses or UlyssesAttention(),
         version=torch.__version__, listed=not name.startswith("mutant:"),
-        description=description or "all-to-all (Ulysses) attention: sequence to heads and back, the "
-        "all-to-all emulated with all_gather (gloo has none on the CPU), autograd backward "
+        description=description or "all-to-all (Ulysses) attention: sequence to heads and back with "
+        "dist.all_to_all, window and padding, autograd backward "
         "(implementations/builtins/ulysses_attention.py)",
     )

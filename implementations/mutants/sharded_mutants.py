@@ -5,7 +5,9 @@ Each mutant is the ``ring`` or ``ulysses`` built-in (``implementations/builtins/
 ring_attention.py``, ``ulysses_attention.py``) with one step overridden; its capabilities
 are the built-in's. ``smallest_case`` uses this level's vocabulary: ``world_size``,
 ``layout``, ``L`` (the whole sequence), ``N``, ``K``, ``E``, ``causal``, ``grad``
-(the backward is compared), ``values`` (``"huge"``: every logit above 709).
+(the backward is compared), ``values`` (``"huge"``: every logit above 709), ``window``
+(left, right), ``padded_to`` (the padded length the ranks shard). ``expected_cause``: the
+``spec.variants`` sharded variant of the bug (all but the gradient-only dK/dV one).
 """
 
 from __future__ import annotations
@@ -23,13 +25,38 @@ __all__ = ["SHARDED_MUTANTS"]
 
 
 class LocalCausalOffset(RingAttention):
-    """Each k/v block is masked with the local triangle (positions counted from the
-    block's start), as if every block sat on the diagonal: the rank's offset is lost."""
+    """Each k/v block is masked with the local triangle (key index <= query index within
+    the shards, tril(ones)), as if every block sat on the diagonal: the rank's offset is lost."""
 
-    def block_mask(self, qpos, kpos, causal):
-        if not causal:
-            return None
-        return common.allowed(qpos - qpos[0], kpos - kpos[0], True)
+    def block_mask(self, qpos, kpos, ctx):
+        if not ctx["causal"]:
+            return super().block_mask(qpos, kpos, ctx)
+        local = common.allowed(torch.arange(qpos.shape[0], device=qpos.device),
+                               torch.arange(kpos.shape[0], device=kpos.device), True)
+        rest = common.allowed(qpos, kpos, False, ctx["window"], ctx["seq_len"])
+        return local if rest is None else local & rest
+
+
+class LocalWindowOffset(RingAttention):
+    """The sliding window is placed from the query's index within its rank's shard instead
+    of its global position (the rank's offset lost): keys are compared with a query as
+    if every shard started at position 0."""
+
+    def block_mask(self, qpos, kpos, ctx):
+        if ctx["window"] == (-1, -1):
+            return super().block_mask(qpos, kpos, ctx)
+        local = torch.arange(qpos.shape[0], device=qpos.device)
+        window = common.allowed(local, kpos, False, ctx["window"] if not ctx["causal"] else (ctx["window"][0], -1))
+        rest = common.allowed(qpos, kpos, ctx["causal"], (-1, -1), ctx["seq_len"])
+        return window if rest is None else (rest if window is None else window & rest)
+
+
+class PaddingAttended(RingAttention):
+    """The sequence is padded to a multiple of the world size, but the padded keys are not
+    masked: every query attends the zero keys (and values) at the padding positions."""
+
+    def block_mask(self, qpos, kpos, ctx):
+        return super().block_mask(qpos, kpos, dict(ctx, seq_len=None))
 
 
 class MergeWithoutMax(RingAttention):
@@ -86,9 +113,16 @@ def _ulysses(name: str, ulysses: UlyssesAttention, bug: str):
     return lambda: make_ulysses(name=f"mutant:{name}", ulysses=ulysses, description=bug)
 
 
+#: The spec.variants variant that models each mutant's bug (the diagnosis names it).
+_CAUSES = {"sharded_causal_offset": "sharded_causal_local", "sharded_window_local": "sharded_window_local",
+           "sharded_padding_attended": "sharded_padding_attended", "sharded_merge_no_max": "sharded_merge_no_max",
+           "sharded_zigzag_swapped": "sharded_zigzag_swapped", "sharded_last_step_skipped": "sharded_last_step_skipped",
+           "sharded_heads_reversed": "sharded_heads_reversed"}
+
+
 def _mutant(name: str, bug: str, origin: str, smallest: dict, prop: str, build, safe: dict | None = None) -> Mutant:
     return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest, expected_property=prop,
-                  build=build, level="sharded", safe_case=safe)
+                  build=build, level="sharded", safe_case=safe, expected_cause=_CAUSES.get(name))
 
 
 SHARDED_MUTANTS = [
@@ -98,6 +132,19 @@ SHARDED_MUTANTS = [
             {"world_size": 2, "layout": "contiguous", "L": 2, "N": 1, "E": 2, "causal": True},
             "sharded_forward", _ring("sharded_causal_offset", LocalCausalOffset(), "local causal mask per block"),
             safe={"world_size": 1, "layout": "contiguous", "L": 2, "causal": True}),
+    _mutant("sharded_window_local", LocalWindowOffset.__doc__.split(":")[0],
+            "hand-written pitfall: a sliding window over a sharded sequence placed with the query's index "
+            "in its shard (arange(L_shard)) where the key positions are global: the rank's offset "
+            "r * L_shard is left out",
+            {"world_size": 2, "layout": "contiguous", "L": 2, "N": 1, "E": 1, "window": (0, 0)},
+            "sharded_forward", _ring("sharded_window_local", LocalWindowOffset(), "window from local query positions"),
+            safe={"world_size": 1, "layout": "contiguous", "L": 2, "window": (0, 0)}),
+    _mutant("sharded_padding_attended", PaddingAttended.__doc__.split(":")[0],
+            "hand-written pitfall: a sequence zero-padded to a multiple of the world size (or of 2W for "
+            "zigzag) with the padded keys left unmasked, as if the padding were part of the sequence",
+            {"world_size": 1, "layout": "zigzag", "L": 1, "N": 1, "E": 1, "padded_to": 2},
+            "sharded_forward", _ring("sharded_padding_attended", PaddingAttended(), "padded keys attended"),
+            safe={"world_size": 1, "layout": "contiguous", "L": 1}),
     _mutant("sharded_merge_no_max", MergeWithoutMax.__doc__.split(":")[0],
             "hand-written pitfall: the LSE merge written from the formula without the running max "
             "(spec.merge_partials subtracts it first)",

@@ -12,6 +12,8 @@ Public API::
     MHAProblem(params, query, key, value, *, key_padding_mask, attn_mask, is_causal,
                need_weights, average_attn_weights, batch_first, dtype, dropout, training,
                fully_masked)                                # MHAProblem.from_case(case, **changes)
+    ShardedProblem(query, key, value, *, world_size, layout, causal, window, scale, dtype)
+                                                            # ShardedProblem.from_case(case)
     Variant(id, level, summary, models, applies, compute, detect, precision)
         variant.applies(problem) -> bool
         variant.compute(problem) -> VariantResult(output, weights, slack)   # None: not deterministic
@@ -33,23 +35,26 @@ variant with the real bug it stands for.
 
 from __future__ import annotations
 
-from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, Variant, VariantResult
+from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, ShardedProblem, Variant, VariantResult
 from ._rank import (COARSE_ERROR_FLOOR, CONCRETE_POLICIES, DEFAULT_ULPS, Allowed, Match, Observed, as_correct,
                     correct_fit, default_allowed, finite_evidence, fit, partition, precision_factor, rank, reference,
                     variant_fit)
 from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
 from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
+from .sharded import SHARDED_VARIANTS
 
 __all__ = [
     "SDPAProblem",
     "MHAProblem",
+    "ShardedProblem",
     "Problem",
     "Variant",
     "VariantResult",
     "VARIANTS",
     "SDPA_VARIANTS",
     "MHA_VARIANTS",
+    "SHARDED_VARIANTS",
     "ALIASES",
     "lookup",
     "reference",

@@ -12,15 +12,15 @@ from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
-from .. import _checks
+from .. import _checks, sharding
 from ..emulate import EMULATED_DTYPES
 from ..errors import fail
 from ..mha import MHAParams
 
-__all__ = ["LEVELS", "POLICIES", "UNIT_ROUNDOFF", "SDPAProblem", "MHAProblem", "Problem", "Variant",
-           "VariantResult"]
+__all__ = ["LEVELS", "POLICIES", "UNIT_ROUNDOFF", "SDPAProblem", "MHAProblem", "ShardedProblem", "Problem",
+           "Variant", "VariantResult"]
 
-LEVELS = ("sdpa", "mha")
+LEVELS = ("sdpa", "mha", "sharded")
 #: Unit roundoff (half the machine epsilon) of each dtype a problem may be computed in.
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 #: Fully-masked-row policies an implementation may declare ("unspecified": any output).
@@ -163,7 +163,63 @@ class MHAProblem:
         return self.query.ndim == 2
 
 
-Problem = Union[SDPAProblem, MHAProblem]
+@dataclass(frozen=True, eq=False)
+class ShardedProblem:
+    """One context-parallel call (``spec.sharding``), described by its whole sequence.
+
+    ``query`` (B, N, L, E), ``key`` (B, K, L, E), ``value`` (B, K, L, Ev): the unsharded
+    arrays (L the real length: a sequence that does not divide is padded at the end
+    with zeros to ``spec.sharding.padded_length`` before it is sharded);
+    ``world_size``, ``layout`` (``spec.sharding.LAYOUTS``), ``causal`` (bool, over global
+    positions), ``window`` ``(left, right)`` over global positions, ``scale`` (None =
+    1/sqrt(E)), ``dtype`` the precision the ranks computed in. Rows never lack a key
+    (L == S, the diagonal is always attended), so ``fully_masked`` is ``"zero"`` (a
+    variant that empties a row outputs 0 there, as a ring's empty merge does). Field
+    names are the runner's sharded case's (``from_case``).
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    world_size: int = 1
+    layout: str = "contiguous"
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    scale: float | None = None
+    dtype: str = "float64"
+    fully_masked: str = "zero"
+
+    level = "sharded"
+
+    def __post_init__(self) -> None:
+        for name, letters in (("query", "(B, N, L, E)"), ("key", "(B, K, L, E)"), ("value", "(B, K, L, Ev)")):
+            array = _checks.as_float64(name, getattr(self, name))
+            if array.ndim != 4:
+                fail(name, array, f"must have rank 4, shape {letters}", "add the batch and head dims")
+            object.__setattr__(self, name, array)
+        if not self.key.shape[2] == self.value.shape[2] == self.query.shape[2]:
+            fail("key", self.key.shape, "must have the query's length L (one sequence, L == S)",
+                 "pass the unsharded query, key and value of one sequence")
+        sharding.padded_length(self.query.shape[2], self.world_size, self.layout)  # checks both
+        object.__setattr__(self, "window", tuple(int(x) for x in self.window))
+        sharding.allowed([0], [0], window=self.window)                            # checks the window
+        _check_common(self.dtype, self.fully_masked)
+
+    @classmethod
+    def from_case(cls, case: Any, **changes: Any) -> "ShardedProblem":
+        """Copy the fields ``case`` has under the same names; ``changes`` override."""
+        return _from_case(cls, case, changes)
+
+    @property
+    def length(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def padded_length(self) -> int:
+        return sharding.padded_length(self.length, self.world_size, self.layout)
+
+
+Problem = Union[SDPAProblem, MHAProblem, ShardedProblem]
 
 
 @dataclass(frozen=True)

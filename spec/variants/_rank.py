@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _attention, mha
-from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, Variant, VariantResult
+from . import _attention, mha, sharded
+from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, ShardedProblem, Variant, VariantResult
 from .registry import VARIANTS, lookup
 
 __all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "COARSE_ERROR_FLOOR", "default_allowed", "fit", "rank",
@@ -50,7 +50,10 @@ class Match(NamedTuple):
 
 
 def reference(problem: Problem) -> VariantResult:
-    """The correct convention on ``problem`` (:func:`spec.sdpa` or :func:`spec.mha_forward`)."""
+    """The correct convention on ``problem`` (:func:`spec.sdpa`, :func:`spec.mha_forward`, or
+    full-sequence attention for a sharded problem)."""
+    if isinstance(problem, ShardedProblem):
+        return sharded.reference(problem)
     return _attention.reference(problem) if isinstance(problem, SDPAProblem) else mha.reference(problem)
 
 

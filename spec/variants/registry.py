@@ -1,4 +1,4 @@
-"""The table of variants: every id, in tie-breaking order, SDPA first."""
+"""The table of variants: every id, in tie-breaking order, SDPA first, then MHA, then sharded."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from ..errors import fail
 from ._core import Variant
 from .mha import MHA_VARIANTS
 from .sdpa import SDPA_VARIANTS
+from .sharded import SHARDED_VARIANTS
 
 __all__ = ["VARIANTS", "ALIASES", "lookup"]
 
 #: Every variant by id. Iteration order is the order :func:`spec.variants.rank` keeps
 #: among equal fits: within each level, narrower conventions come first.
-VARIANTS: dict[str, Variant] = {variant.id: variant for variant in (*SDPA_VARIANTS, *MHA_VARIANTS)}
+VARIANTS: dict[str, Variant] = {variant.id: variant for variant in (*SDPA_VARIANTS, *MHA_VARIANTS,
+                                                                    *SHARDED_VARIANTS)}
 
 #: Other names for a variant. A fully-masked row with uniform weights outputs the mean
 #: of V, so "mean of V" is the same convention, not a second one.

@@ -12,7 +12,7 @@ from implementations.base import Capabilities, Implementation, ImplementationErr
 EXPECTED_BUILTINS = {
     "spec", "handwritten", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-flash-cuda",
     "sdpa-efficient", "sdpa-cudnn", "torch-mha", "flex", "flash-ref", "triton", "jax",
-    "varlen-reference", "ring", "ulysses",
+    "varlen-reference", "ring", "ulysses", "torch-cp", "torch-cp-alltoall",
 }
 
 SDPA_SOURCE = textwrap.dedent(

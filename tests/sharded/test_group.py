@@ -98,7 +98,7 @@ def test_failures_are_property_failures(monkeypatch):
         def call(self, *args):
             raise groups.GroupCrashed("rank 1's process ended (exit code 3) during the call", 1)
 
-    monkeypatch.setattr(groups, "group_for", lambda impl: Broken())
+    monkeypatch.setattr(groups, "group_for", lambda impl, device="cpu": Broken())
     with pytest.raises(ImplementationCrashed, match="rank 1's process ended"):
         run_call(Impl(), ShardedCallSpec(make_case(world_size=2, layout="contiguous")), timeout=1.0,
                  lse_declared=False)

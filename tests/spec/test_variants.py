@@ -24,6 +24,7 @@ from spec import variants as V
 ROOT = pathlib.Path(spec.__file__).parent.parent
 SDPA_IDS = [v.id for v in V.SDPA_VARIANTS]
 MHA_IDS = [v.id for v in V.MHA_VARIANTS]
+SHARDED_IDS = [v.id for v in V.SHARDED_VARIANTS]
 
 
 # --------------------------------------------------------------------------- cases
@@ -174,7 +175,26 @@ MHA_CASES: dict[str, Callable[[], V.MHAProblem]] = {
     "mha_softmax_over_queries": lambda: mha_problem(1),
 }
 
-CASES = {**SDPA_CASES, **MHA_CASES}
+def sharded_problem(seed: int = 0, *, L: int = 2, N: int = 1, E: int = 2, spread: float = 1.0,
+                    **fields) -> V.ShardedProblem:
+    rng = np.random.default_rng(seed)
+    return V.ShardedProblem(rng.normal(0, spread, (1, N, L, E)), rng.normal(0, spread, (1, N, L, E)),
+                            rng.normal(0, 1, (1, N, L, E)), **fields)
+
+
+#: The smallest case of each sharded variant's bug (tests/spec/test_sharded_variants.py
+#: works each out by hand).
+SHARDED_CASES: dict[str, Callable[[], V.ShardedProblem]] = {
+    "sharded_causal_local": lambda: sharded_problem(1, world_size=2, causal=True),
+    "sharded_window_local": lambda: sharded_problem(2, world_size=2, window=(0, 0)),
+    "sharded_zigzag_swapped": lambda: sharded_problem(3, world_size=1, layout="zigzag", causal=True),
+    "sharded_last_step_skipped": lambda: sharded_problem(4, L=3, world_size=3),
+    "sharded_padding_attended": lambda: sharded_problem(5, L=1, world_size=1, layout="zigzag"),
+    "sharded_heads_reversed": lambda: sharded_problem(6, N=2, world_size=2),
+    "sharded_merge_no_max": lambda: sharded_problem(7, L=2, E=4, spread=30.0, world_size=2),   # logits > 709
+}
+
+CASES = {**SDPA_CASES, **MHA_CASES, **SHARDED_CASES}
 
 #: Variants with exactly the same output as the key's on the key's case.
 TIES = {
@@ -205,10 +225,12 @@ def test_every_deterministic_variant_has_a_case():
 
 
 def test_table_is_well_formed():
-    assert set(SDPA_IDS).isdisjoint(MHA_IDS) and len(V.VARIANTS) == len(SDPA_IDS) + len(MHA_IDS)
+    assert set(SDPA_IDS).isdisjoint(MHA_IDS) and set(SHARDED_IDS).isdisjoint(SDPA_IDS + MHA_IDS)
+    assert len(V.VARIANTS) == len(SDPA_IDS) + len(MHA_IDS) + len(SHARDED_IDS)
     for variant in V.VARIANTS.values():
         assert variant.level in V.LEVELS
         assert variant.id.startswith("mha_") == (variant.level == "mha"), variant.id
+        assert variant.id.startswith("sharded_") == (variant.level == "sharded"), variant.id
         assert variant.summary and "." not in variant.summary[-1:] and "\n" not in variant.summary
         assert variant.models, variant.id
     required = {"causal_upper_left", "causal_lower_right", "causal_ignored", "causal_ignored_when_L1",
