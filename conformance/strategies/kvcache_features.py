@@ -31,8 +31,8 @@ __all__ = ["CACHE_FEATURES", "LARGE_LOGITS", "batch_rows", "fit_rotary_window", 
 #: The cache options, by ``ALL_KVCACHE_FEATURES`` name.
 CACHE_FEATURES = ("rotary", "cache_batch_idx", "cache_leftpad", "num_splits")
 #: A query scaled by this (exact: a power of two) gives logits whose exp overflows float32
-#: (> 88) in a split-KV merge without the running max.
-LARGE_LOGITS = 32.0
+#: (> 88) and often float64 (> 709) in a split-KV merge without the running max.
+LARGE_LOGITS = 512.0
 
 
 def rotary_multiple(caps: Capabilities | None) -> int:
