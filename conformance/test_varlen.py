@@ -342,8 +342,9 @@ def test_kvcache_leftpad_equivalence(target: Target, case: KVCacheCase) -> float
     call = run_kvcache(target, case)
     expected, allowed, live = kvcache_bounds(target, case)
     worst = 0.0
+    pads = case.cache_leftpad or (0,) * case.B
     for b, row in enumerate(cache_rows(case)):
-        a = case.cache_leftpad[b]
+        a = pads[b]
         tables = {}
         if case.rotary_cos is not None:
             tables = {"rotary_cos": np.roll(case.rotary_cos, -a, axis=0),

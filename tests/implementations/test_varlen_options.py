@@ -198,5 +198,8 @@ def test_the_reference_declares_the_cache_options_and_signatures_claim_theirs(tm
                                 {"kvcache_features": "window,rotary", "rotary_dim_multiple": "16"})
     assert declared.caps("kvcache").kvcache_features == {"window", "rotary"}
     assert declared.caps("kvcache").rotary_dim_multiple == 16
+    from implementations.registry.describing import describe
+
+    assert "kvcache_features=rotary,window rotary_dim_multiple=16" in describe(declared)
     with pytest.raises(Exception, match="rotary_dim_multiple"):
         Capabilities(rotary_dim_multiple=3)
