@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.calls.cache_options import check_lse_against_oracle
+from spec.emulate import round_to
+from conformance.calls.cache_options import (
+    cache_rows,
+    check_cache_after,
+    check_lse_against_oracle,
+    rotated_new_keys,
+    rotated_query,
+)
 from conformance.directed.helpers import skip_unless
 from conformance.core.target import Target
 from conformance.harness.runner import conformance_property
+from conformance.strategies.kvcache_features import kvcache_feature_directed, rotary_multiple
 from conformance.strategies.varlen import (
     kvcache_cases,
     kvcache_directed,
+    kvcache_head_dims,
     varlen_cases,
     varlen_directed,
 )
@@ -223,3 +232,161 @@ def test_kvcache_lse_agreement(target: Target, case: KVCacheCase) -> float:
     ratio = check_kvcache_against_oracle(target, case, call.output)
     return max(ratio, check_lse_against_oracle("softmax_lse (B, N, L)", call.lse,
                                                *kvcache_lse_bounds(target, case, call.lse_dtype)))
+
+
+# -- the KV cache's own options: rotary, cache_batch_idx, cache_leftpad, num_splits ----------
+
+#: The cache options drawn half the time where declared (each property forces its own).
+CACHE_DRAWN = {"rotary": None, "cache_batch_idx": None, "cache_leftpad": None, "num_splits": None}
+
+
+def _cache_cases(target: Target, feature: str) -> object:
+    return _kvcache(target, **DRAWN, **{**CACHE_DRAWN, feature: True})
+
+
+def _cache_directed(target: Target, feature: str) -> list[KVCacheCase]:
+    return kvcache_feature_directed(feature, dtype=target.dtype, device=target.device, caps=target.caps)
+
+
+def _cache_feature_missing(target: Target, feature: str) -> str | None:
+    """Why ``feature`` cannot be drawn for ``target`` (None: it can)."""
+    caps = target.caps
+    if feature not in caps.kvcache_features:
+        return f"{feature} not declared at the kvcache level (kvcache_features)"
+    if feature == "rotary":
+        if not caps.kv_append:
+            return "rotary applies only with appended keys, and kv_append is not declared"
+        if max(kvcache_head_dims(caps)) < rotary_multiple(caps):
+            return f"no declared head dim holds a rotary dim (a multiple of {rotary_multiple(caps)})"
+    return None
+
+
+def _cache_checked(target: Target, case: KVCacheCase) -> float:
+    """The call against spec.kvcache_attention: the output, then both caches."""
+    call = run_kvcache(target, case)
+    ratio = check_kvcache_against_oracle(target, case, call.output)
+    ref = case.oracle()
+    check_cache_after("k_cache after the call", call.k_cache, ref.k_cache, case, keys=True)
+    check_cache_after("v_cache after the call", call.v_cache, ref.v_cache, case, keys=False)
+    return ratio
+
+
+@conformance_property("kvcache_rotary_agreement", level="kvcache", section="spec.kvcache_attention (rotary)",
+                      cases=lambda t: _cache_cases(t, "rotary"), directed=lambda t: _cache_directed(t, "rotary"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "rotary"))
+def test_kvcache_rotary_agreement(target: Target, case: KVCacheCase) -> float:
+    """With rotary_cos/rotary_sin (rotary_interleaved True: pairs (2j, 2j + 1); False: (j,
+    j + R/2)) q and the appended keys are rotated at their cache positions before the
+    attention: new key i at cache_seqlens[b] + i, query i there too when causal or local,
+    else every query at cache_seqlens[b]; the output equals spec.kvcache_attention under
+    the tolerance rule, and the cache holds the rotated keys (within a rotation's
+    rounding) and the values as given."""
+    return _cache_checked(target, case)
+
+
+@conformance_property("kvcache_rotary_equivalence", level="kvcache",
+                      section="spec.kvcache_attention (rotary positions)",
+                      cases=lambda t: _cache_cases(t, "rotary"), directed=lambda t: _cache_directed(t, "rotary"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "rotary"))
+def test_kvcache_rotary_equivalence(target: Target, case: KVCacheCase) -> float:
+    """Rotary in the call equals rotating before it: the output with rotary_cos/rotary_sin
+    equals the implementation's output for the same step without them, its q and new
+    keys rotated beforehand by spec.apply_rotary at the positions the contract gives
+    (rounded to the dtype), within twice the tolerance rule."""
+    plain = case.replace(query=round_to(rotated_query(case), case.dtype),
+                         k_new=round_to(rotated_new_keys(case), case.dtype), rotary_cos=None, rotary_sin=None)
+    rotated = run_kvcache(target, case).output
+    beforehand = run_kvcache(target, plain).output
+    expected, allowed, live = kvcache_bounds(target, case)
+    return compare_pair(target, "rotary in the call vs q and k rotated before it", rotated, beforehand, allowed,
+                        live, expected=expected,
+                        names=("the call with rotary_cos/rotary_sin", "the call with q and k rotated beforehand"),
+                        paths=("rotary embedding in the call", "plain decoding call"))
+
+
+@conformance_property("kvcache_batch_idx_agreement", level="kvcache",
+                      section="spec.kvcache_attention (cache_batch_idx)",
+                      cases=lambda t: _cache_cases(t, "cache_batch_idx"),
+                      directed=lambda t: _cache_directed(t, "cache_batch_idx"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "cache_batch_idx"))
+def test_kvcache_batch_idx_agreement(target: Target, case: KVCacheCase) -> float:
+    """With cache_batch_idx, sequence b reads and writes cache row cache_batch_idx[b] of a
+    cache holding more rows than sequences: the output equals spec.kvcache_attention, the
+    appended keys and values land in the named rows at cache_seqlens[b] (exactly; rotated
+    keys within a rotation's rounding), and the rows no sequence names are untouched."""
+    return _cache_checked(target, case)
+
+
+@conformance_property("kvcache_leftpad_agreement", level="kvcache", section="spec.kvcache_attention (cache_leftpad)",
+                      cases=lambda t: _cache_cases(t, "cache_leftpad"),
+                      directed=lambda t: _cache_directed(t, "cache_leftpad"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "cache_leftpad"))
+def test_kvcache_leftpad_agreement(target: Target, case: KVCacheCase) -> float:
+    """With cache_leftpad, sequence b attends only its keys cache_leftpad[b] ..
+    cache_seqlens[b] + S_new - 1, and nothing else moves: the bottom-right diagonal, the
+    window and ALiBi stay in cache indices (p_i = S_b - L + i), the new keys go to
+    cache_seqlens[b]; the output equals spec.kvcache_attention and the caches the spec's."""
+    return _cache_checked(target, case)
+
+
+@conformance_property("kvcache_leftpad_equivalence", level="kvcache",
+                      section="spec.kvcache_attention (cache_leftpad)",
+                      cases=lambda t: _cache_cases(t, "cache_leftpad"),
+                      directed=lambda t: _cache_directed(t, "cache_leftpad"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "cache_leftpad"))
+def test_kvcache_leftpad_equivalence(target: Target, case: KVCacheCase) -> float:
+    """A left pad of a is a cache that starts a rows later: each sequence's output equals
+    the implementation's output for that sequence alone, its cache row rolled up by a
+    (the pad moved past the capacity), cache_seqlens[b] - a, no pad, and the rotary
+    tables rolled up by a as well, within twice the tolerance rule."""
+    call = run_kvcache(target, case)
+    expected, allowed, live = kvcache_bounds(target, case)
+    worst = 0.0
+    pads = case.cache_leftpad or (0,) * case.B
+    for b, row in enumerate(cache_rows(case)):
+        a = pads[b]
+        tables = {}
+        if case.rotary_cos is not None:
+            tables = {"rotary_cos": np.roll(case.rotary_cos, -a, axis=0),
+                      "rotary_sin": np.roll(case.rotary_sin, -a, axis=0)}
+        alone = case.replace(
+            query=case.query[b:b + 1], k_cache=np.roll(case.k_cache[row:row + 1], -a, axis=1),
+            v_cache=np.roll(case.v_cache[row:row + 1], -a, axis=1), cache_seqlens=(case.cache_seqlens[b] - a,),
+            k_new=None if case.k_new is None else case.k_new[b:b + 1],
+            v_new=None if case.v_new is None else case.v_new[b:b + 1], cache_batch_idx=None, cache_leftpad=None,
+            alibi_slopes=case.sequence_slopes(b), **tables)
+        output = run_kvcache(target, alone).output
+        worst = max(worst, compare_pair(target, f"sequence {b} with cache_leftpad={a} vs its cache rolled up by {a}",
+                                        call.output[b:b + 1], output, allowed[b:b + 1], live[b:b + 1],
+                                        expected=expected[b:b + 1],
+                                        names=("the call with cache_leftpad", f"the call of sequence {b} with its "
+                                               "cache starting at the pad"),
+                                        paths=("cache_leftpad handling", "plain cache call")))
+    return worst
+
+
+@conformance_property("kvcache_num_splits_equivalence", level="kvcache",
+                      section="spec.kvcache_attention (num_splits)",
+                      cases=lambda t: _cache_cases(t, "num_splits"),
+                      directed=lambda t: _cache_directed(t, "num_splits"),
+                      skip_reason=lambda t: _cache_feature_missing(t, "num_splits"))
+def test_kvcache_num_splits_equivalence(target: Target, case: KVCacheCase) -> float:
+    """Split-KV decoding changes nothing: the output with num_splits = n (2 to 4: the keys
+    in n chunks, the partials merged by their LSEs) equals the implementation's output
+    with num_splits = 1 within twice the tolerance rule, logits beyond exp's range
+    included; with the LSE declared, the returned LSEs agree too."""
+    lse = "lse" in target.caps.kvcache_features
+    split = run_kvcache(target, case, lse=lse)
+    whole = run_kvcache(target, case.replace(num_splits=1), lse=lse)
+    expected, allowed, live = kvcache_bounds(target, case)
+    ratio = compare_pair(target, f"num_splits={case.num_splits} vs num_splits=1", split.output, whole.output,
+                         allowed, live, expected=expected,
+                         names=(f"the call with num_splits={case.num_splits}", "the call with num_splits=1"),
+                         paths=("split-KV merge", "unsplit decoding"))
+    if not lse:
+        return ratio
+    expected_lse, allowed_lse = kvcache_lse_bounds(target, case, split.lse_dtype)
+    check_lse_against_oracle(f"softmax_lse with num_splits={case.num_splits}", split.lse, expected_lse, allowed_lse)
+    whole_lse = np.where(np.isposinf(whole.lse), -np.inf, whole.lse)
+    return max(ratio, check_lse_against_oracle(f"softmax_lse with num_splits={case.num_splits} vs num_splits=1",
+                                               split.lse, whole_lse, 2 * allowed_lse))

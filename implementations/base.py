@@ -249,6 +249,9 @@ class Capabilities:
     varlen_features: frozenset[str] = frozenset()
     #: KV-cache level: the ``flash_attn_with_kvcache`` options honoured (``ALL_KVCACHE_FEATURES``).
     kvcache_features: frozenset[str] = frozenset()
+    #: KV-cache level, with ``rotary``: the rotary dim R (2·rotary_cos.shape[1]) a multiple of
+    #: this (FlashAttention-2: 16); None: any even R <= E.
+    rotary_dim_multiple: int | None = None
     #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
     #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
     flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
@@ -386,6 +389,10 @@ def _check_size_declarations(caps: Capabilities) -> None:
                 f"head_dims={dims} has no head dim inside min_head_dim={caps.min_head_dim}, "
                 f"max_head_dim={caps.max_head_dim}; widen the bounds or the set")
         object.__setattr__(caps, "head_dims", dims)
+    if caps.rotary_dim_multiple is not None and (not isinstance(caps.rotary_dim_multiple, int)
+                                                 or caps.rotary_dim_multiple < 2 or caps.rotary_dim_multiple % 2):
+        raise ImplementationError(f"rotary_dim_multiple={caps.rotary_dim_multiple!r} must be an even integer >= 2 "
+                                  "(FlashAttention-2: 16), or None (any even rotary dim)")
     if caps.seq_multiple is not None:
         if not isinstance(caps.seq_multiple, int) or caps.seq_multiple < 1:
             raise ImplementationError(f"seq_multiple={caps.seq_multiple!r} must be a positive integer "
@@ -661,6 +668,9 @@ class Implementation:
                 reasons.append(f"{dim}={v} > max_seq_len={c.max_seq_len}")
             if v is not None and c.seq_multiple and v % c.seq_multiple and level in ("sdpa", "mha", "flash"):
                 reasons.append(f"{dim}={v} is not a multiple of seq_multiple={c.seq_multiple}")
+        rotary_dim = case.get("rotary_dim")
+        if rotary_dim and c.rotary_dim_multiple and rotary_dim % c.rotary_dim_multiple:
+            reasons.append(f"rotary_dim={rotary_dim} is not a multiple of rotary_dim_multiple={c.rotary_dim_multiple}")
         for feature in ("kv_paged", "kv_append"):
             if case.get(feature) and not getattr(c, feature):
                 reasons.append(f"{feature} not supported")

@@ -27,8 +27,12 @@ FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
     window_mask(L, S, window, *, causal, alignment), alibi_bias(L, S, slopes, *, alignment)
     merge_partials(out1, lse1, out2, lse2) -> FlashResult
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options), document_mask(...)
-    kvcache_attention(q, k_cache, v_cache, *, cache_seqlens, k, v, block_table, **options)
-        -> KVCacheResult(output, lse, k_cache, v_cache); gather_pages(cache, block_table)
+    kvcache_attention(q, k_cache, v_cache, *, cache_seqlens, k, v, block_table, rotary_cos,
+                      rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad, num_splits,
+                      **options) -> KVCacheResult(output, lse, k_cache, v_cache)
+    gather_pages(cache, block_table)
+    apply_rotary(x, cos, sin, positions, *, interleaved), rotary_positions(cache_seqlens, L,
+                 S_new, *, causal, window) -> (query positions, new-key positions)
     variants (module): wrong conventions as data, VARIANTS, rank(observed, problem, ...)
 """
 
@@ -43,6 +47,7 @@ from .flash import (FlashGrads, FlashResult, alibi_bias, flash_attention, flash_
                     merge_partials, window_mask)
 from .kvcache import KVCacheResult, gather_pages, kvcache_attention
 from .mha import MHAParams, mha_forward
+from .rotary import apply_rotary, rotary_positions
 from .varlen import document_mask, varlen_attention
 from .variants import VARIANTS
 
@@ -71,6 +76,8 @@ __all__ = [
     "kvcache_attention",
     "KVCacheResult",
     "gather_pages",
+    "apply_rotary",
+    "rotary_positions",
     "variants",
     "VARIANTS",
 ]

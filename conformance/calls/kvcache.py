@@ -38,6 +38,14 @@ from conformance.calls.varlen import (
     _tensor,
 )
 from conformance.calls.cache_options import (
+    attended_keys,
+    cache_call_kwargs,
+    cache_features,
+    cache_fields_from_meta,
+    cache_meta,
+    cache_spec_kwargs,
+    cache_text,
+    check_cache_after,
     check_lse_against_oracle,
     flash_options,
     float32_tensor,
@@ -45,6 +53,7 @@ from conformance.calls.cache_options import (
     option_kwargs,
     option_text,
     sequence_lse_bounds,
+    rotated_query,
     slopes_row,
     split_lse,
 )
@@ -81,6 +90,7 @@ __all__ = [
 KVCACHE_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
     "gqa", "different_v_dim", "kv_paged", "kv_append", "window", "softcap", "alibi", "kvcache_features", "lse",
+    "rotary", "rotary_dim", "rotary_interleaved", "cache_batch_idx", "cache_leftpad", "num_splits",
 })
 
 
@@ -93,7 +103,12 @@ class KVCacheCase:
     ``page_size`` (None: contiguous only) divides S_cache; paged, the caches are handed over
     as pages (num_pages, page_size, K, E|Ev): logical page j of sequence b is physical page
     ``page_order[b * max_pages + j]`` (``len(page_order) = num_pages >= B * max_pages``; the
-    spare pages hold ``spare``-seeded garbage), and ``block_table[b, j]`` says so."""
+    spare pages hold ``spare``-seeded garbage), and ``block_table[b, j]`` says so.
+
+    The cache options (``conformance.calls.cache_options``): rotary tables ``rotary_cos``/
+    ``rotary_sin`` (seqlen_ro, R/2), exact in the dtype (handed over in it); sequence b
+    reads and writes cache row ``cache_batch_idx[b]`` (k_cache then (B_cache, S_cache, K,
+    E)); its keys start at ``cache_leftpad[b]``; ``num_splits`` is passed when not None."""
 
     query: np.ndarray
     k_cache: np.ndarray
@@ -110,6 +125,12 @@ class KVCacheCase:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: np.ndarray | None = None    # (N,) or (B, N), float32-exact
+    rotary_cos: np.ndarray | None = None      # (seqlen_ro, R/2), exact in the dtype
+    rotary_sin: np.ndarray | None = None
+    rotary_interleaved: bool = True           # FlashAttention's default
+    cache_batch_idx: tuple[int, ...] | None = None
+    cache_leftpad: tuple[int, ...] | None = None
+    num_splits: int | None = None
 
     @property
     def level(self) -> str:
@@ -159,7 +180,8 @@ class KVCacheCase:
         """``spec.kvcache_attention`` on the logical (contiguous) caches."""
         return spec.kvcache_attention(self.query, self.k_cache, self.v_cache,
                                       cache_seqlens=np.array(self.cache_seqlens), k=self.k_new,
-                                      v=self.v_new, causal=self.causal, scale=self.scale, **flash_options(self))
+                                      v=self.v_new, causal=self.causal, scale=self.scale, **flash_options(self),
+                                      **cache_spec_kwargs(self))
 
     def sequence_slopes(self, b: int) -> np.ndarray | None:
         """ALiBi slopes of sequence b alone: (N,) kept, row b of (B, N) as (1, N)."""
@@ -175,7 +197,13 @@ class KVCacheCase:
                "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
                "kv_paged": self.paged, "kv_append": self.k_new is not None,
                "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
-               "alibi": self.alibi_slopes is not None, "kvcache_features": option_features(self)}
+               "alibi": self.alibi_slopes is not None,
+               "kvcache_features": option_features(self) | cache_features(self),
+               "rotary": self.rotary_cos is not None,
+               "rotary_dim": None if self.rotary_cos is None else 2 * int(np.shape(self.rotary_cos)[1]),
+               "rotary_interleaved": None if self.rotary_cos is None else bool(self.rotary_interleaved),
+               "cache_batch_idx": self.cache_batch_idx is not None, "cache_leftpad": self.cache_leftpad is not None,
+               "num_splits": self.num_splits}
         out.update(extra)
         return out
 
@@ -187,7 +215,8 @@ class KVCacheCase:
                  if self.paged else "")
         return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
-                f"{pages} causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
+                f"{pages} causal={self.causal}{option_text(self)}{cache_text(self)} scale={self.scale} "
+                f"dtype={self.dtype} "
                 f"device={self.device}")
 
     def __repr__(self) -> str:
@@ -204,11 +233,13 @@ def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.nd
     expected, allowed = np.zeros(shape), np.zeros(shape)
     live = np.zeros((*shape[:3], 1), dtype=bool)
     options = flash_options(case)
-    for b, S_b in enumerate(case.valid_lengths()):
+    query = rotated_query(case)
+    for b in range(case.B):
         if options.get("alibi_slopes") is not None:
             options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        keys, values = attended_keys(case, ref.k_cache, ref.v_cache, b)
         expected[b], allowed[b], live[b] = _sequence_bounds(
-            target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
+            target, query[b], keys, values, causal=case.causal,
             scale=case.scale, dtype=case.dtype, device=case.device, options=options)
     return expected, allowed, live
 
@@ -218,11 +249,13 @@ def kvcache_lse_bounds(target: Target, case: KVCacheCase, stored: str | None) ->
     ref = case.oracle()
     expected, allowed = np.zeros((case.B, case.N, case.L)), np.zeros((case.B, case.N, case.L))
     options = flash_options(case)
-    for b, S_b in enumerate(case.valid_lengths()):
+    query = rotated_query(case)
+    for b in range(case.B):
         if options.get("alibi_slopes") is not None:
             options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        keys, values = attended_keys(case, ref.k_cache, ref.v_cache, b)
         expected[b], allowed[b] = sequence_lse_bounds(
-            target, case.query[b], ref.k_cache[b, :S_b], ref.v_cache[b, :S_b], causal=case.causal,
+            target, query[b], keys, values, causal=case.causal,
             scale=case.scale, dtype=case.dtype, device=case.device, options=options, stored=stored)
     return expected, allowed
 
@@ -237,8 +270,8 @@ def check_kvcache_against_oracle(target: Target, case: KVCacheCase, output: np.n
 @dataclass
 class KVCacheCall:
     output: np.ndarray   # (B, L, N, Ev), float64 copy
-    k_cache: np.ndarray  # the key cache after the call, in the logical layout (B, S_cache, K, E)
-    v_cache: np.ndarray  # (B, S_cache, K, Ev)
+    k_cache: np.ndarray  # the key cache after the call, in the logical layout (B | B_cache, S_cache, K, E)
+    v_cache: np.ndarray  # (B | B_cache, S_cache, K, Ev)
     lse: np.ndarray | None = None  # (B, N, L) with return_softmax_lse=True
     lse_dtype: str | None = None
 
@@ -297,6 +330,7 @@ class KVCacheCallSpec:
         if self.paged:
             text += f"block_table=<page_order {list(c.page_order or ())} in pages of {c.page_size}>, "
         options = "".join(f", {k}={v!r}" for k, v in option_kwargs(c, lambda a: "<float32 tensor>").items())
+        options += cache_text(c, arguments=True)
         return (text + f"softmax_scale={c.scale!r}, causal={c.causal!r}{options}"
                 + (", return_softmax_lse=True" if self.lse else ""))
 
@@ -323,6 +357,7 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
         k_cache, v_cache, block_table = _tensor(case.k_cache, case), _tensor(case.v_cache, case), None
     new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
+    extra.update(cache_call_kwargs(case, lambda a: _tensor(a, case), lambda x: _int32(x, case.device)))
     if call.lse:
         extra["return_softmax_lse"] = True
     out = invoke(
@@ -385,6 +420,9 @@ def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]
             "softcap": float(case.softcap)}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
+    options, tables = cache_meta(case)
+    meta.update(options)
+    arrays.update(tables)
     return meta, arrays
 
 
@@ -395,7 +433,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCac
                        scale=meta["scale"], page_size=meta["page_size"],
                        page_order=None if order is None else tuple(int(n) for n in order),
                        dtype=meta["dtype"], device=meta["device"], window=tuple(meta.get("window", (-1, -1))),
-                       softcap=float(meta.get("softcap", 0.0)), alibi_slopes=arrays.get("alibi_slopes"))
+                       softcap=float(meta.get("softcap", 0.0)), alibi_slopes=arrays.get("alibi_slopes"),
+                       **cache_fields_from_meta(meta, arrays))
 
 
 def validate(case: KVCacheCase) -> None:
@@ -435,13 +474,13 @@ def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_
         report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
         return report
     options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
-    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}), "
-                        "tolerance rule per sequence; the caches after the call exactly")
+    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}"
+                        f"{cache_text(case, arguments=True)}), tolerance rule per sequence; the caches after "
+                        "the call exactly (rotated keys within the rounding of a rotation)")
     ref = case.oracle()
-    valid = case.valid_lengths()
     checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
-              lambda: assert_same_cache("k_cache after the call", result.k_cache, ref.k_cache, valid),
-              lambda: assert_same_cache("v_cache after the call", result.v_cache, ref.v_cache, valid)]
+              lambda: check_cache_after("k_cache after the call", result.k_cache, ref.k_cache, case, keys=True),
+              lambda: check_cache_after("v_cache after the call", result.v_cache, ref.v_cache, case, keys=False)]
     if result.lse is not None:
         checks.append(lambda: check_lse_against_oracle("softmax_lse", result.lse,
                                                        *kvcache_lse_bounds(target, case, result.lse_dtype)))

@@ -45,6 +45,8 @@ __all__ = [
     "sdpa_allowed",
     "grad_allowed",
     "lse_allowed",
+    "ROTATION_ULPS",
+    "rotation_allowed",
     "spread_over_head",
     "MHA_TOLERANCES",
     "MHATolerance",
@@ -129,6 +131,20 @@ def lse_allowed(dtype: str, naive_error: float, score_size: np.ndarray, *, tf32:
     |score| (``score_size``, per row), the size a score's own rounding error scales with."""
     tol, eps = tolerance_for(dtype, tf32=tf32)
     return tol.k * naive_error + tol.floor * eps * (1.0 + score_size)
+
+
+#: Rotated keys written into a KV cache (``flash_attn_with_kvcache`` with ``rotary_cos``):
+#: ``x_a·c − x_b·s`` computed in any order and precision at least the dtype's, then
+#: stored in the dtype, may land one unit in the last place from the correctly rounded
+#: float64 value, plus the computation's own rounding: a few ulps of the terms' size.
+ROTATION_ULPS = 8.0
+
+
+def rotation_allowed(dtype: str, size: np.ndarray) -> np.ndarray:
+    """Elementwise allowed error of a rotated and stored key, ``size`` = |x_a·c| + |x_b·s|
+    (what the two products' rounding scales with); the dtype's smallest normal as a floor."""
+    tiny = {"float64": 2.2e-308, "float32": 1.2e-38, "float16": 6.1e-5, "bfloat16": 1.2e-38}[dtype]
+    return ROTATION_ULPS * EPS[dtype] * np.maximum(size, tiny)
 
 
 #: Smallest positive subnormal of each dtype: gradients below a few of these

@@ -28,10 +28,20 @@ from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
 from conformance.strategies.flash import alibi_slopes, softcaps, window_sides
+from conformance.strategies.kvcache_features import (
+    CACHE_FEATURES,
+    batch_rows,
+    fit_rotary_window,
+    leftpads,
+    num_splits_fields,
+    rotary_multiple,
+    rotary_tables,
+    wanted_cache,
+)
 from implementations.base import Capabilities
 from spec.emulate import round_to
 
-__all__ = ["kvcache_cases", "kvcache_directed", "varlen_cases", "varlen_directed"]
+__all__ = ["kvcache_cases", "kvcache_directed", "kvcache_head_dims", "varlen_cases", "varlen_directed"]
 
 
 def _length(draw: st.DrawFn, max_len: int) -> int:
@@ -42,11 +52,12 @@ def _length(draw: st.DrawFn, max_len: int) -> int:
     return draw(st.integers(0, max_len)) if picked is None else picked
 
 
-def _heads(draw: st.DrawFn, caps: Capabilities | None) -> tuple[int, int, int, int]:
-    """(N, K, E, Ev) within the claims."""
+def _heads(draw: st.DrawFn, caps: Capabilities | None, min_e: int = 1) -> tuple[int, int, int, int]:
+    """(N, K, E, Ev) within the claims (E >= ``min_e`` where a declared head dim is)."""
     K = draw(st.integers(1, 2))
     group = draw(st.integers(1, 3)) if caps is None or caps.gqa else 1
-    E = draw(st.sampled_from(_head_dims(caps, (1, 2, 3, 4, 8))))
+    dims = kvcache_head_dims(caps)
+    E = draw(st.sampled_from([d for d in dims if d >= min_e] or dims))
     if caps is not None and not caps.different_v_dim:
         return K * group, K, E, E
     Ev = draw(st.sampled_from([E] + [d for d in _head_dims(caps, (1, 2, 5)) if d != E]))
@@ -67,6 +78,11 @@ def _head_dims(caps: Capabilities | None, typical: tuple[int, ...]) -> list[int]
     if inside:
         return inside
     return sorted({d for d in (lo, lo + 1, 2 * lo) if hi is None or d <= hi})
+
+
+def kvcache_head_dims(caps: Capabilities | None) -> list[int]:
+    """The head dims E the kvcache strategies draw from, inside the declarations."""
+    return _head_dims(caps, (1, 2, 3, 4, 8))
 
 
 def _max_length(caps: Capabilities | None, wanted: int) -> int:
@@ -187,27 +203,41 @@ def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabili
                   paged: bool = False, append: bool | None = None, max_batch: int = 3,
                   max_query: int = 3, max_cache: int = 9, window: bool | None = False,
                   softcap: bool | None = False, alibi: bool | None = False,
-                  at_least_one: bool = False) -> st.SearchStrategy[KVCacheCase]:
+                  at_least_one: bool = False, rotary: bool | None = False, cache_batch_idx: bool | None = False,
+                  cache_leftpad: bool | None = False,
+                  num_splits: bool | None = False) -> st.SearchStrategy[KVCacheCase]:
     """Decoding steps: B in ``1..max_batch`` sequences of ``1..max_query`` queries against
     caches of ``cache_seqlens[b]`` valid rows (0 included) and room to spare (so reading
     past the valid rows shows); ``append`` (None: drawn where declared) adds 1..2 new keys.
     ``paged``: the case carries a page size (1..4, dividing the valid lengths or not) and
     a page order (a permutation, spare pages included). Shrinks toward B = L = 1, an empty
     cache, no append, pages in order. ``window``/``softcap``/``alibi``: as for
-    :func:`varlen_cases`, where ``caps.kvcache_features`` declares them."""
+    :func:`varlen_cases`, where ``caps.kvcache_features`` declares them. ``rotary``,
+    ``cache_batch_idx``, ``cache_leftpad``, ``num_splits``: the cache's own options, likewise
+    True, False or None where declared (``conformance.strategies.kvcache_features``:
+    rotary forces appended keys; the two others keep the cache contiguous)."""
     can_append = caps is None or caps.kv_append
     if append and not can_append:
         raise InvalidArgument("append=True but caps.kv_append is False; pass append=None or False")
     if paged and caps is not None and not caps.kv_paged:
         raise InvalidArgument("paged=True but caps.kv_paged is False; check paged layouts only where declared")
+    if paged and (cache_batch_idx or cache_leftpad):
+        raise InvalidArgument("cache_batch_idx/cache_leftpad=True with paged=True: FlashAttention pages neither; "
+                              "draw them with contiguous caches")
 
     max_query, max_cache = _max_length(caps, max_query), _max_length(caps, max_cache)
 
     def draw_example(draw: st.DrawFn) -> KVCacheCase:
         B = draw(st.integers(1, max_batch))
         L = draw(st.integers(1, max_query))
-        N, K, E, Ev = _heads(draw, caps)
-        new = draw(st.integers(0, 2)) if (append is None and can_append) else (draw(st.integers(1, 2)) if append else 0)
+        N, K, E, Ev = _heads(draw, caps, rotary_multiple(caps) if rotary is True else 1)
+        chosen_cache = wanted_cache(draw, cache_declared, cache_wanted, can_append=can_append and append is not False,
+                                    paged=paged, E=E, caps=caps)
+        if "rotary" in chosen_cache:  # rotation needs new keys
+            new = draw(st.integers(1, 2))
+        else:
+            new = draw(st.integers(0, 2)) if (append is None and can_append) else (
+                draw(st.integers(1, 2)) if append else 0)
         new = min(new, max_cache)
         seqlens = tuple(_length(draw, max_cache - new) for _ in range(B))
         capacity = max(seqlens) + new + draw(st.integers(0, 3))           # room past the valid rows
@@ -220,24 +250,40 @@ def kvcache_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabili
             order = tuple(draw(st.permutations(range(B * max_pages + spare))))
         is_causal = _causal(draw, caps, None)
         scale = _scale(draw, caps, dtype)
+        rows, cache_fields = B, {}
+        if "cache_batch_idx" in chosen_cache:
+            rows, cache_fields["cache_batch_idx"] = batch_rows(draw, B)
+        if "cache_leftpad" in chosen_cache:
+            cache_fields["cache_leftpad"] = leftpads(draw, seqlens)
+        boost = 1.0
+        if "num_splits" in chosen_cache:
+            cache_fields["num_splits"], boost = num_splits_fields(draw)
         rng = draw_seed(draw)
         k_new = _values(rng, (B, new, K, E), dtype) if new else None
         v_new = _values(rng, (B, new, K, Ev), dtype) if new else None
-        q, k_cache = _values(rng, (B, L, N, E), dtype), _values(rng, (B, capacity, K, E), dtype)
-        v_cache = _values(rng, (B, capacity, K, Ev), dtype)
+        q, k_cache = _values(rng, (B, L, N, E), dtype) * boost, _values(rng, (rows, capacity, K, E), dtype)
+        v_cache = _values(rng, (rows, capacity, K, Ev), dtype)
+        if "rotary" in chosen_cache:  # a row for the capacity and every rotated position
+            ro_rows = max(capacity, max(seqlens) + max(L, new)) + draw(st.integers(0, 1))
+            cache_fields.update(rotary_tables(draw, rng, E=E, caps=caps, rows=ro_rows, dtype=dtype))
         chosen = _wanted(draw, declared, wanted, at_least_one)
         fields = _options(draw, rng, chosen, B=B, N=N, L=L, S=max(seqlens) + new,
                           max_logit=_max_logit(q, k_cache, scale))
+        if "rotary" in chosen_cache and "window" in fields:
+            fields["window"] = fit_rotary_window(draw, fields["window"], capacity)
         return KVCacheCase(
             q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
             causal=is_causal, scale=scale, page_size=page_size, page_order=order, dtype=dtype, device=device,
-            **fields)
+            **fields, **cache_fields)
 
     declared = caps.kvcache_features if caps is not None else frozenset(OPTION_FEATURES)
+    cache_declared = caps.kvcache_features if caps is not None else frozenset(CACHE_FEATURES)
     wanted = {"window": window, "softcap": softcap, "alibi": alibi}
+    cache_wanted = {"rotary": rotary, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+                    "num_splits": num_splits}
     arguments: dict[str, Any] = {"dtype": dtype, "device": device, "caps": caps, "paged": paged, "append": append,
                                      "max_batch": max_batch, "max_query": max_query, "max_cache": max_cache,
-                                     **wanted, "at_least_one": at_least_one}
+                                     **wanted, "at_least_one": at_least_one, **cache_wanted}
     return named_strategy(kvcache_cases, arguments, draw_example)
 
 

@@ -20,7 +20,9 @@ modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
 (bugs that live at one (L, S) size); :mod:`.flash_mutants` (``flash_attn_func`` with
 one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-sequence
 and KV-cache bugs, at the varlen and kvcache levels); :mod:`.cache_option_mutants`
-(FlashAttention's options there: window, softcap, LSE); :mod:`.contract_mutants` (bare
+(FlashAttention's options there: window, softcap, LSE); :mod:`.cache_feature_mutants`
+(the KV cache's own options: rotary, cache_batch_idx, cache_leftpad, split-KV);
+:mod:`.contract_mutants` (bare
 functions resolved through recognition and probing, whose bug a behaviour-driven probe
 used to turn into a declaration; its ``CONTRACT_CONTROLS`` declare a non-default
 convention and must pass); :mod:`.learner_mutants` (hand-written modules with no adapter,
@@ -34,6 +36,7 @@ expectation and gets the spread wrong: ignored, one mask for the batch, on the o
 
 from __future__ import annotations
 
+from implementations.mutants.cache_feature_mutants import CACHE_FEATURE_MUTANTS
 from implementations.mutants.cache_option_mutants import CACHE_OPTION_MUTANTS
 from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
 from implementations.mutants.dropout_mutants import DROPOUT_MUTANTS
@@ -57,6 +60,6 @@ MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
               *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
-              *CACHE_OPTION_MUTANTS, *DROPOUT_MUTANTS, *LONG_BLOCK_MUTANTS,
+              *CACHE_OPTION_MUTANTS, *CACHE_FEATURE_MUTANTS, *DROPOUT_MUTANTS, *LONG_BLOCK_MUTANTS,
               *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }

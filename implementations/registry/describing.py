@@ -100,7 +100,9 @@ def describe(impl: Implementation) -> str:
             c = impl.caps(level)
             features = getattr(c, f"{level}_features")
             lines.append(f"  {level} level: {_caps_line(c, 'sdpa')} kv_paged={_yes(c.kv_paged)} "
-                         f"kv_append={_yes(c.kv_append)} {level}_features={','.join(sorted(features)) or 'none'}")
+                         f"kv_append={_yes(c.kv_append)} {level}_features={','.join(sorted(features)) or 'none'}"
+                         + (f" rotary_dim_multiple={c.rotary_dim_multiple}"
+                            if level == "kvcache" and c.rotary_dim_multiple else ""))
     for entry in impl.expected_failures:
         match = f" {dict(entry.match)}" if entry.match else ""
         ref = f" [{entry.reference}]" if entry.reference else ""

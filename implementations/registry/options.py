@@ -183,6 +183,7 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "min_head_dim": _parse_optional_int,
         "head_dims": _parse_head_dims,
         "seq_multiple": _parse_optional_int,
+        "rotary_dim_multiple": _parse_optional_int,
     }
     for field in dataclasses.fields(Capabilities):
         if field.type in ("bool", bool):

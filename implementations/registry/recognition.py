@@ -297,13 +297,26 @@ def _varlen_level(names: list[str]) -> str | None:
     return None
 
 
+#: kvcache-level features read from ``flash_attn_with_kvcache``'s signature: the feature is
+#: claimed when every parameter named is there (its meaning is FlashAttention's contract).
+KVCACHE_FEATURE_PARAMETERS = {
+    "window": ("window_size",), "softcap": ("softcap",), "alibi": ("alibi_slopes",),
+    "lse": ("return_softmax_lse",), "rotary": ("rotary_cos", "rotary_sin"),
+    "cache_batch_idx": ("cache_batch_idx",), "cache_leftpad": ("cache_leftpad",), "num_splits": ("num_splits",),
+}
+
+
 def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, name: str,
                       origin: str) -> Implementation:
     """A FlashAttention-signature function, called as is; its capabilities are read from the
     signature (a missing ``causal``, ``softmax_scale``, ``k``/``v`` or ``block_table``
-    parameter: that feature is not claimed), not probed: ``--impl-option`` overrides them
-    (FlashAttention itself: ``--device cuda --impl-option dtypes=float16,bfloat16``)."""
+    parameter: that feature is not claimed; at the kvcache level each option of
+    :data:`KVCACHE_FEATURE_PARAMETERS` whose parameters are there is claimed), not probed:
+    ``--impl-option`` overrides them (FlashAttention itself: ``--device cuda --impl-option
+    dtypes=float16,bfloat16``)."""
     has = set(names)
+    kvcache_features = frozenset(feature for feature, parameters in KVCACHE_FEATURE_PARAMETERS.items()
+                                 if level == "kvcache" and set(parameters) <= has)
     caps = Capabilities(
         causal="lower_right" if "causal" in has else None,
         custom_scale="softmax_scale" in has,
@@ -313,6 +326,7 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         mask_kinds=frozenset({"none"}),
         kv_paged="block_table" in has,
         kv_append={"k", "v"} <= has,
+        kvcache_features=kvcache_features,
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
         sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )

@@ -69,6 +69,26 @@ def _same_lse(got: np.ndarray, want: np.ndarray) -> bool:
                 and np.allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-12, atol=1e-12))
 
 
+def _cache_options(case: dict, rng: np.random.Generator) -> tuple[dict, dict]:
+    """(spec options, FlashAttention keyword arguments) of the cache vocabulary:
+    ``rotary_dim``/``rotary_interleaved`` (a table of random angles), ``cache_batch_idx``,
+    ``cache_leftpad``, ``num_splits``."""
+    options, kwargs = {}, {}
+    if case.get("rotary_dim"):
+        angle = rng.uniform(0, 2 * np.pi, (case["S_cache"] + case["L"] + 2, case["rotary_dim"] // 2))
+        options.update(rotary_cos=np.cos(angle), rotary_sin=np.sin(angle),
+                       rotary_interleaved=bool(case.get("rotary_interleaved", True)))
+        kwargs.update(rotary_cos=torch.tensor(np.cos(angle)), rotary_sin=torch.tensor(np.sin(angle)),
+                      rotary_interleaved=bool(case.get("rotary_interleaved", True)))
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        if case.get(name) is not None:
+            options[name] = np.array(case[name])
+            kwargs[name] = torch.tensor(case[name], dtype=torch.int32)
+    if case.get("num_splits") is not None:
+        options["num_splits"] = kwargs["num_splits"] = int(case["num_splits"])
+    return options, kwargs
+
+
 def _kvcache_agrees(fn, case: dict) -> bool:
     """``fn`` (flash_attn_with_kvcache's signature) = spec.kvcache_attention on ``case``:
     the output and the caches after the call."""
@@ -81,12 +101,18 @@ def _kvcache_agrees(fn, case: dict) -> bool:
         rows = (case["num_pages"], case["page_size"])
         table = np.array(case["block_table"])
     else:
-        rows = (B, case["S_cache"])
+        rows = (case.get("B_cache", B), case["S_cache"])
     k_cache, v_cache = rng.standard_normal((*rows, K, E)), rng.standard_normal((*rows, K, Ev))
+    if case.get("values") == "huge":  # q = 30, keys ±30: logits beyond float64's exp range
+        q = np.full(q.shape, 30.0)
+        k_cache = np.where(np.arange(k_cache.size).reshape(k_cache.shape) % 3 == 1, -30.0, 30.0)
     k_new = rng.standard_normal((B, new, K, E)) if new else None
     v_new = rng.standard_normal((B, new, K, Ev)) if new else None
     causal = bool(case.get("causal"))
     options, kwargs = _options(case)
+    cache_options, cache_kwargs = _cache_options(case, rng)
+    options.update(cache_options)
+    kwargs.update(cache_kwargs)
     want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=np.array(seqlens), k=k_new, v=v_new,
                                   block_table=table, causal=causal, **options)
     k_t, v_t = torch.tensor(k_cache), torch.tensor(v_cache)
@@ -99,8 +125,9 @@ def _kvcache_agrees(fn, case: dict) -> bool:
         got, lse = got
         if not _same_lse(lse.numpy(), want.lse):
             return False
-    return (bool(np.allclose(got.numpy(), want.output, rtol=1e-12, atol=1e-12))
-            and np.array_equal(k_t.numpy(), want.k_cache) and np.array_equal(v_t.numpy(), want.v_cache))
+    return (bool(np.allclose(got.numpy(), want.output, rtol=1e-12, atol=1e-12))      # NaN never agrees
+            and bool(np.allclose(k_t.numpy(), want.k_cache, rtol=1e-13, atol=0))        # rotated keys: computed
+            and np.array_equal(v_t.numpy(), want.v_cache))
 
 
 def _agrees(level: str, fn, case: dict) -> bool:
@@ -138,7 +165,9 @@ def test_smallest_case_is_claimed(name):
              "E": case["E"], "Ev": case["Ev"], "kv_paged": bool(case.get("page_size")),
              "kv_append": bool(case.get("S_new"))}
     options = {name for name, key in (("window", "window"), ("softcap", "softcap"), ("alibi", "alibi"),
-                                      ("lse", "lse")) if case.get(key)}
+                                      ("lse", "lse"), ("rotary", "rotary_dim"), ("cache_batch_idx", "cache_batch_idx"),
+                                      ("cache_leftpad", "cache_leftpad"), ("num_splits", "num_splits"))
+               if case.get(key) is not None and case.get(key) is not False}
     attrs[f"{mutant.level}_features"] = options
     assert mutant.build().not_supported_reasons(attrs) == []
 

@@ -305,6 +305,47 @@ def test_replay_of_a_saved_kvcache_case_reruns_its_property(pytester, tmp_path, 
     assert conformance_run(pytester, "--impl=varlen-reference", f"--replay={path}").ret == 0
 
 
+def _cache_options_case():
+    """A kvcache case with every cache option: rotary tables, cache_batch_idx over a
+    four-row cache, cache_leftpad and num_splits."""
+    from conformance.calls.kvcache import KVCacheCase
+
+    rng = np.random.default_rng(7)
+    angle = rng.uniform(0, 2 * np.pi, (6, 2))                          # rotary_dim 4: two pairs
+    return KVCacheCase(rng.standard_normal((2, 2, 2, 4)), rng.standard_normal((4, 5, 1, 4)),
+                       rng.standard_normal((4, 5, 1, 2)), cache_seqlens=(1, 3), k_new=rng.standard_normal((2, 1, 1, 4)),
+                       v_new=rng.standard_normal((2, 1, 1, 2)), causal=True, rotary_cos=np.cos(angle),
+                       rotary_sin=np.sin(angle), rotary_interleaved=False, cache_batch_idx=(3, 1),
+                       cache_leftpad=(0, 2), num_splits=2)
+
+
+def test_a_kvcache_call_with_the_cache_options_round_trips(tmp_path):
+    """Rotary tables, cache_batch_idx, cache_leftpad and num_splits are saved with the case
+    and the call, rebuilt by load_call, and the rebuilt call tells the reference (agrees)
+    from a mutant of each option (shows a failure)."""
+    from conformance.calls.kvcache import KVCacheCallSpec, report_kvcache_call, run_kvcache
+
+    case = _cache_options_case()
+    target = Target(resolve("varlen-reference"), "kvcache", "float64", "cpu", log=CallLog())
+    run_kvcache(target, case, lse=True)
+    [call] = target.log.calls
+    path = failures.save_case(case, tmp_path / "kv.npz", call=call, property="kvcache_rotary_agreement",
+                              target="kvcache-float64-cpu")
+    loaded, meta = failures.load_case(path)
+    assert loaded.describe() == case.describe() and "cache_batch_idx=[3, 1] B_cache=4" in loaded.describe()
+    failures.validate_saved(loaded, meta, registered_properties())
+    back = failures.load_call(path)
+    assert isinstance(back, KVCacheCallSpec) and back.lse and back.attrs() == call.attrs()
+    assert back.attrs()["kvcache_features"] == {"rotary", "cache_batch_idx", "cache_leftpad", "num_splits", "lse"}
+    for name in ("rotary_cos", "rotary_sin"):
+        assert np.array_equal(getattr(back.case, name), getattr(case, name)), name
+    assert "rotary_interleaved=False" in back.arguments() and "num_splits=2" in back.arguments()
+    assert not report_kvcache_call(target.impl, back).shows_failure
+    for mutant in ("kvcache_rotary_interleave_swapped", "kvcache_batch_idx_ignored_on_read",
+                   "kvcache_leftpad_ignored", "kvcache_split_merge_without_rescale"):
+        assert report_kvcache_call(resolve(f"mutant:{mutant}"), back).shows_failure, mutant
+
+
 def test_varlen_call_round_trips_and_a_bad_saved_case_is_refused(tmp_path):
     from conformance.calls.varlen import VarlenCallSpec, VarlenCase
 
