@@ -20,7 +20,7 @@ from conformance.core import tolerance
 from conformance.core.target import Target
 from spec.emulate import _rounder
 
-__all__ = ["allowed_lse", "allowed_output", "emulate_flash", "oracle"]
+__all__ = ["allowed_lse", "allowed_output", "emulate_flash", "fp8_allowed_lse", "fp8_allowed_output", "oracle"]
 
 
 def oracle(case: FlashCase, **overrides: Any) -> spec.FlashResult:
@@ -128,3 +128,36 @@ def allowed_lse(target: Target, case: FlashCase, ref: spec.FlashResult | None = 
     if stored in _PRECISION and _PRECISION[stored] < _PRECISION[case.dtype]:
         allowed = np.maximum(allowed, tolerance.lse_allowed(stored, naive, size))
     return allowed
+
+
+# --------------------------------------------------------------------------- FP8 inputs
+
+
+def _fp8_row_sizes(case: FlashCase) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """(problem, forward, keys n (B, N, L, 1), score sizes Z (B, N, L, 1)) of an FP8 case,
+    on the dequantised values (the oracle's problem)."""
+    problem, forward = _forward(case)
+    keys = np.broadcast_to(problem.allowed, forward.weights.shape).sum(axis=-1, keepdims=True)
+    return problem, forward, keys.astype(np.float64), _score_sizes(case, problem, forward)
+
+
+def fp8_allowed_output(case: FlashCase, ref: spec.FlashResult, out_dtype: str) -> np.ndarray:
+    """Elementwise allowed error (B, L, N, Ev) of an FP8 call's output returned in
+    ``out_dtype``: ``tolerance.fp8_allowed`` with M = weights @ |v|, A = Σ |v| over the
+    attended keys, on the dequantised values."""
+    problem, forward, keys, size = _fp8_row_sizes(case)
+    magnitude = forward.weights @ np.abs(problem.value)                      # (B, N, L, Ev)
+    attended = np.broadcast_to(problem.allowed, forward.weights.shape).astype(np.float64)
+    key_values = attended @ np.abs(problem.value)                            # (B, N, L, Ev)
+    t = (0, 2, 1, 3)
+    allowed = tolerance.fp8_allowed(case.fp8, out_dtype, magnitude=magnitude, key_values=key_values,
+                                    keys=keys, score_size=size, head_dim=case.E,
+                                    expected=ref.output.transpose(t))
+    return allowed.transpose(t)
+
+
+def fp8_allowed_lse(case: FlashCase, ref: spec.FlashResult, stored: str) -> np.ndarray:
+    """Allowed error (B, N, L) of an FP8 call's LSE returned in ``stored``."""
+    _, _, keys, size = _fp8_row_sizes(case)
+    return tolerance.fp8_lse_allowed(case.fp8, stored, keys=keys[..., 0], score_size=size[..., 0],
+                                     head_dim=case.E, expected=ref.lse)

@@ -18,7 +18,8 @@ Modules: :mod:`.sdpa_mutants`, :mod:`.tiled_mutants`, :mod:`.mha_mutants`,
 every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
 modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
 (bugs that live at one (L, S) size); :mod:`.flash_mutants` (``flash_attn_func`` with
-one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-sequence
+one step wrong, one per flash-level property); :mod:`.flash_extra_mutants` (its FP8
+inputs and its dropout); :mod:`.varlen_mutants` (packed-sequence
 and KV-cache bugs, at the varlen and kvcache levels); :mod:`.cache_option_mutants`
 (FlashAttention's options there: window, softcap, LSE); :mod:`.contract_mutants` (bare
 functions resolved through recognition and probing, whose bug a behaviour-driven probe
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from implementations.mutants.cache_option_mutants import CACHE_OPTION_MUTANTS
 from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
+from implementations.mutants.flash_extra_mutants import FLASH_EXTRA_MUTANTS
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
 from implementations.mutants.learner_mutants import LEARNER_MUTANTS
 from implementations.mutants.mha_mutants import MHA_MUTANTS
@@ -51,7 +53,8 @@ __all__ = ["MUTANTS", "Mutant"]
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
-              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *FLASH_EXTRA_MUTANTS,
+              *VARLEN_MUTANTS,
               *CACHE_OPTION_MUTANTS,
               *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }

@@ -247,8 +247,11 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
         attrs["layout"] = case.get("layout", "contiguous")
     elif level == "flash":
         attrs["causal"] = "lower_right" if case.get("causal") else None
-        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse", "sinks") if case.get(f)}
+        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse", "sinks", "dropout_pattern")
+                                   if case.get(f)}
         attrs["grad"] = bool(case.get("grad"))
+        attrs["fp8"] = case.get("fp8")
+        attrs["dropout_p"] = case.get("dropout_p", 0.0)
     else:
         features = set()
         for name in ("key_padding_mask", "attn_mask", "is_causal"):
