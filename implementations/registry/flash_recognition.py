@@ -212,7 +212,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     if _takes_sinks(fn) and feature_runs("sinks", "sinks=[1.5, -0.5]", lambda: fn(q, k, v, sinks=sinks),
                                          sinks=sinks.numpy()):
         features.add("sinks")
-    dropout = _probe_dropout(probe, fn, q, k, v, notes)
+    dropout = _probe_dropout(probe, fn, q, k, v, base, notes)
     if dropout and _probe_dropout_pattern(probe, fn, q, k, v, notes):
         features.add("dropout_pattern")
     fp8_dtypes = _probe_fp8(probe, fn, q, k, v, notes) if _names_any(fn, DESCALE_PARAMETERS) else ()
@@ -313,17 +313,21 @@ def _names_any(fn: Any, names: tuple[str, ...]) -> bool:
     return any(name in parameters for name in names)
 
 
-def _probe_dropout(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
+def _probe_dropout(probe: _Prober, fn, q, k, v, base: np.ndarray, notes: list[str]) -> bool:
     """``dropout_p=0.5`` runs and returns the output: dropout declared (its meaning,
-    FlashAttention's, is tested by the dropout properties); a call that raises: unsupported."""
+    FlashAttention's, is tested by the dropout properties; a call without effect is noted);
+    a call that raises: unsupported."""
     try:
         got = _output_of(probe.call("dropout", lambda: fn(q, k, v, dropout_p=0.5)))
     except CallRaised as exc:
         notes.append(f"dropout: dropout_p=0.5 raised {summarise(exc.error)}; declared unsupported")
         return False
+    contract = (f"the contract ({_FLASH_CONTRACT}) is tested and fails; if dropout is not meant to be "
+                "supported, make dropout_p > 0 raise (or declare --impl-option dropout=false)")
     if not _is_tensor(got, tuple(q.shape[:3]) + (v.shape[-1],)):
-        notes.append(f"dropout: dropout_p=0.5 returned {_describe_result(got)}, not the output; "
-                     f"the contract ({_FLASH_CONTRACT}) is tested and fails")
+        notes.append(f"dropout: dropout_p=0.5 returned {_describe_result(got)}, not the output; {contract}")
+    elif np.array_equal(got.detach().double().numpy(), base):
+        notes.append(f"dropout: dropout_p=0.5 has no effect (the output equals the plain call's); {contract}")
     return True
 
 
