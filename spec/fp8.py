@@ -18,14 +18,13 @@ tensor), or (B, K), one per batch element and **kv head** (FlashAttention-3's
 query heads that read kv head g, i.e. query head h uses ``q_descale[b, h // (N // K)]``
 (FlashAttention-3's test reference repeats it ``"b h -> b 1 (h g) 1"``).
 
-Pure NumPy (+ ``ml_dtypes`` for the formats' rounding); never imports torch.
+Pure NumPy (+ ``ml_dtypes``, imported when a value is rounded); never imports torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from . import _checks
@@ -45,20 +44,26 @@ class FP8Format(NamedTuple):
     max: float
     smallest_normal: float
     smallest_subnormal: float
-    unit_roundoff: float
-    numpy_type: Any
+
+    @property
+    def unit_roundoff(self) -> float:
+        return 2.0 ** -(self.mantissa_bits + 1)
+
+    @property
+    def numpy_type(self) -> Any:
+        """ml_dtypes' scalar type (imported here: ml_dtypes costs start-up time)."""
+        import ml_dtypes
+
+        return getattr(ml_dtypes, self.name)
 
 
-def _format(name: str) -> FP8Format:
-    numpy_type = getattr(ml_dtypes, name)
-    info = ml_dtypes.finfo(numpy_type)
-    mantissa = int(info.nmant)
-    return FP8Format(name, mantissa, float(info.max), float(info.smallest_normal),
-                     float(info.smallest_subnormal), 2.0 ** -(mantissa + 1), numpy_type)
-
-
-#: The formats, by the name torch and ml_dtypes give them.
-FORMATS: dict[str, FP8Format] = {name: _format(name) for name in ("float8_e4m3fn", "float8_e5m2")}
+#: The formats, by the name torch and ml_dtypes give them (OCP FP8: E4M3 without
+#: infinities, E5M2 IEEE-like; ``tests/spec/test_spec_fp8.py`` checks them against
+#: ml_dtypes' bit patterns).
+FORMATS: dict[str, FP8Format] = {
+    "float8_e4m3fn": FP8Format("float8_e4m3fn", 3, 448.0, 2.0 ** -6, 2.0 ** -9),
+    "float8_e5m2": FP8Format("float8_e5m2", 2, 57344.0, 2.0 ** -14, 2.0 ** -16),
+}
 
 
 def format_of(name: Any) -> FP8Format:
