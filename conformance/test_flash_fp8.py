@@ -6,9 +6,10 @@ roundoffs (``tolerance.fp8_allowed``).
 FP8 is certified here, at the flash level only: ``flash_attn_func`` (FlashAttention-3) is
 the API that takes FP8 q, k, v with descale factors; an SDPA-signature function has no
 descale arguments, and ``torch.nn.functional.scaled_dot_product_attention`` takes no FP8
-inputs. The property runs once per run, on one target: its output is 16- or 32-bit
-whatever the target's dtype (FlashAttention-3 returns bfloat16), so the target chosen
-is the lowest-precision dtype the flash level declares.
+inputs. An FP8 call's output is 16- or 32-bit whatever the target's dtype
+(FlashAttention-3 returns bfloat16): the property runs on every flash target (so that a
+run restricted with ``--dtype`` still checks it), the target's dtype only the one the drawn
+values pass through before they are quantised.
 """
 
 from __future__ import annotations
@@ -25,22 +26,10 @@ from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
 from spec import fp8 as spec_fp8
 
-#: The target an FP8 property runs on: the first of these the flash level declares.
-FP8_TARGET_ORDER = ("bfloat16", "float16", "float32", "float64")
-
-
-def fp8_target_dtype(target: Target) -> str | None:
-    """The dtype of the one flash target FP8 inputs are checked on (None: no dtype declared)."""
-    dtypes = target.impl.caps("flash").dtypes
-    return next((d for d in FP8_TARGET_ORDER if d in dtypes), None)
-
 
 def _skip(target: Target) -> str | None:
-    chosen = fp8_target_dtype(target)
-    return (skip_unless(bool(target.caps.fp8_dtypes), "no FP8 formats declared (fp8_dtypes; a function naming "
-                        "q_descale/k_descale/v_descale is probed, or --impl-option dtypes=...,float8_e4m3fn)")
-            or skip_unless(target.dtype == chosen, f"FP8 inputs are checked once, on the {chosen} target (an "
-                           "FP8 call's output is 16- or 32-bit whatever the target's dtype)"))
+    return skip_unless(bool(target.caps.fp8_dtypes), "no FP8 formats declared (fp8_dtypes; a function naming "
+                       "q_descale/k_descale/v_descale is probed, or --impl-option dtypes=...,float8_e4m3fn)")
 
 
 def _cases(target: Target) -> Any:

@@ -330,7 +330,8 @@ def flash_dropout_allowed(c: np.ndarray, samples: int, elements: int, rounding: 
 #    (float32) add nothing beyond it.
 # 2. Scores moved by at most δ_i move each weight by a factor within e^(±2 δ_i), so the
 #    output by at most (e^(2 δ_i) - 1) · Σ_j w_ij |v_j - O_i| <= 2 (e^(2 δ_i) - 1) · M_i,
-#    M_i = Σ_j w_ij |v_j| (``magnitude``; |O_i| <= M_i).
+#    M_i = Σ_j w_ij |v_j| (``magnitude``; |O_i| <= M_i); and never by more than 2 A_i (both
+#    outputs are convex combinations of the attended values), which caps it at huge δ_i.
 # 3. P_ij = exp(s_ij - m_i) ∈ (0, 1] (m_i the row max: the largest term is 1, so the row sum
 #    ℓ_i >= 1) is rounded to the FP8 format for the PV product: r(P) = P + d with
 #    |d| <= u_p · P + σ/2 (u_p the format's unit roundoff, σ its smallest subnormal; an offset
@@ -370,7 +371,8 @@ def fp8_allowed(fmt: str, out_dtype: str, *, magnitude: np.ndarray, key_values: 
     u, half_sub = f.unit_roundoff, f.smallest_subnormal / 2
     delta = fp8_score_error(head_dim, score_size)
     rounding = (2 * u * magnitude + half_sub * (key_values + keys * magnitude)) / (1 - u - keys * half_sub)
-    scores = 2 * np.expm1(2 * delta) * magnitude
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.minimum(2 * np.expm1(np.minimum(2 * delta, 700.0)) * magnitude, 2 * key_values)
     output = EPS[out_dtype] * np.abs(expected) + SUBNORMAL[out_dtype]
     floor = TOLERANCES["float32"].floor * EPS["float32"] * magnitude * (1 + score_size)
     return rounding + scores + output + floor
