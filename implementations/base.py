@@ -259,6 +259,10 @@ class Capabilities:
     #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
     #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
     flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
+    #: SDPA level: the callable takes learned sinks (N,) as ``sinks=`` (one logit per query
+    #: head joining the softmax denominator, ``spec.sdpa(sinks=)``; recognised from a
+    #: parameter named ``sinks``, ``s_aux`` or ``learnable_sink`` and probed).
+    sdpa_sinks: bool = False
     #: Flash level: the 8-bit float formats (:data:`FP8_DTYPES`) q, k, v may be given in,
     #: with ``q_descale``/``k_descale``/``v_descale`` (FlashAttention-3); () = no FP8 inputs.
     fp8_dtypes: tuple[str, ...] = ()
@@ -644,6 +648,8 @@ class Implementation:
                 reasons.append(f"GQA (K < N) not supported{in_dtype.get('gqa', '')}")
         if case.get("dropout_p", 0.0) and not c.dropout:
             reasons.append("dropout not supported")
+        if level == "sdpa" and case.get("sinks") and not c.sdpa_sinks:
+            reasons.append("learned sinks not supported at the SDPA level (sdpa_sinks)")
         if case.get("fp8") is not None and case["fp8"] not in c.fp8_dtypes:
             reasons.append(f"q, k, v in {case['fp8']} not supported (fp8_dtypes={list(c.fp8_dtypes)})")
         if case.get("scale") is not None and not c.custom_scale:

@@ -34,7 +34,7 @@ __all__ = ["save_case", "load_case", "load_call", "validate_saved", "Replay", "a
 
 FAILURE_DIR = Path(os.environ.get("ATTENTION_CONFORMANCE_FAILURES", ".conformance/failures"))
 
-_SDPA_ARRAYS = ("query", "key", "value", "attend_mask", "additive_mask")
+_SDPA_ARRAYS = ("query", "key", "value", "attend_mask", "additive_mask", "sinks")
 _MHA_ARRAYS = ("query", "key", "value", "key_padding_mask", "attn_mask")
 _MHA_FLAGS = ("is_causal", "need_weights", "average_attn_weights", "batch_first", "unbatched", "dtype", "device")
 #: What a saved file's ``kind`` may be: a level.

@@ -20,8 +20,9 @@ from implementations.mutants._base import (
     sdpa_implementation,
 )
 from implementations.mutants.flash_mutants import FLASH_CAPABILITIES, FlashBase
+from implementations.mutants.sdpa_sink_mutants import SDPA_SINK_CAPABILITIES, SinkSDPA
 
-__all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha", "flash"]
+__all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha", "flash", "sinks"]
 
 naive = sdpa_implementation("control:naive", NaiveSDPA(), SDPA_CAPABILITIES,
                             "correct straight-line SDPA (base of the SDPA mutants)")
@@ -40,5 +41,8 @@ flash = Implementation(name="control:flash", capabilities=FLASH_CAPABILITIES, fl
                        description="correct flash_attn_func in plain PyTorch, FP8 inputs with "
                                    "FlashAttention-3's numerics (base of the flash mutants)")
 
+sinks = sdpa_implementation("control:sinks", SinkSDPA(), SDPA_SINK_CAPABILITIES,
+                            "correct straight-line SDPA with learned sinks (base of the SDPA sink mutants)")
+
 CONTROLS = {"naive": naive, "lower_right": lower_right, "manual_backward": manual_backward, "tiled": tiled, "mha": mha,
-            "flash": flash}
+            "flash": flash, "sinks": sinks}
