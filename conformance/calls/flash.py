@@ -41,12 +41,14 @@ from conformance.calls.flash_bounds import (
     _forward,
     allowed_lse,
     allowed_output,
+    check_dropout_mean,
+    dropout_pattern_of,
     emulate_flash,
     fp8_allowed_lse,
     fp8_allowed_output,
     oracle,
 )
-from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase, case_from_meta, case_meta
+from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase, case_from_meta, case_meta, tile_flash_case
 from conformance.calls.call_reports import CallReport
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
@@ -92,24 +94,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- calls
-
-
-def tile_flash_case(case: FlashCase, samples: int) -> FlashCase:
-    """``samples`` copies of ``case`` along the batch (B -> samples·B): q, k, v, and the
-    per-batch ALiBi slopes (B, N) and descales (B, K)."""
-    if samples == 1:
-        return case
-
-    def tile(a: np.ndarray | None, per_batch: bool = True) -> np.ndarray | None:
-        if a is None or not per_batch:
-            return a
-        return np.tile(a, (samples,) + (1,) * (a.ndim - 1))
-
-    slopes = case.alibi_slopes
-    descales = {n: tile(getattr(case, n), getattr(case, n) is not None and getattr(case, n).ndim == 2)
-                for n in ("q_descale", "k_descale", "v_descale")}
-    return case.replace(query=tile(case.query), key=tile(case.key), value=tile(case.value),
-                        alibi_slopes=tile(slopes, slopes is not None and slopes.ndim == 2), **descales)
 
 
 @dataclass(frozen=True, eq=False)
@@ -410,40 +394,6 @@ def check_fp8(target: Target, case: FlashCase, call: Any) -> float:
             ratio = max(ratio, compare_values(f"softmax_lse (q, k, v in {case.fp8})", call.lse, ref.lse,
                                               fp8_allowed_lse(case, ref, stored)).ratio)
     return ratio
-
-
-def check_dropout_mean(target: Target, case: FlashCase, call: Any) -> float:
-    """A dropout call on ``samples`` copies of ``case`` (V >= 0): no NaN in rows attending a
-    key, and the mean over the copies is the dropout-free oracle within Hoeffding's bound
-    plus each sample's rounding (``tolerance.flash_dropout_allowed``)."""
-    __tracebackhide__ = True
-    p, samples = call.spec.dropout_p, call.spec.samples
-    out = call.output.reshape(samples, case.B, case.L, case.N, case.Ev)
-    rows = ~case.empty_rows()
-    if np.isnan(out[:, :, rows]).any():
-        fail(f"dropout output has NaN with dropout_p={p}")
-    ref = oracle(case)
-    problem, forward = _forward(case)
-    c = (forward.weights @ np.abs(problem.value)).transpose(0, 2, 1, 3) / (1 - p)   # (B, L, N, Ev)
-    rounding = allowed_output(target, case, ref) / (1 - p)
-    mean = out.mean(axis=0)
-    bound = tolerance.flash_dropout_allowed(c, samples, mean.size, rounding)
-    return compare_values(f"mean of {samples} dropout outputs (dropout_p={p})", mean, ref.output, bound,
-                          where=rows[None, :, None, None]).ratio
-
-
-def dropout_pattern_of(case: FlashCase, call: Any) -> np.ndarray:
-    """The dropout pattern (B, N, L, S), True = kept, read off ``return_attn_probs``' third
-    element (FlashAttention-2's S_dmask (B, N, >= L, >= S): negative where dropped)."""
-    __tracebackhide__ = True
-    probs = call.probs
-    B, N, L, S = case.B * call.spec.samples, case.N, case.L, case.S
-    if probs is None or probs.ndim != 4 or probs.shape[:2] != (B, N) or probs.shape[2] < L or probs.shape[3] < S:
-        shape = None if probs is None else probs.shape
-        fail(f"return_attn_probs=True with dropout_p={call.spec.dropout_p} returned S_dmask of shape {shape}, "
-             f"but should return (output, softmax_lse, S_dmask (B, N, >= L, >= S) = ({B}, {N}, >= {L}, >= {S})) "
-             "as flash_attn_func does (dropout_pattern declared)")
-    return ~(probs[:, :, :L, :S] < 0)
 
 
 def compare_dropout_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any],

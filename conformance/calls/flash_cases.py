@@ -18,7 +18,7 @@ import numpy as np
 import spec
 from conformance.core.cases import SDPACase, _scale_sign
 
-__all__ = ["FLASH_ATTRIBUTES", "FlashCase", "case_from_meta", "case_meta"]
+__all__ = ["FLASH_ATTRIBUTES", "FlashCase", "case_from_meta", "case_meta", "tile_flash_case"]
 
 
 #: Attributes of a flash-level call (``FlashCase.attrs()`` and what the call adds:
@@ -190,6 +190,24 @@ class FlashCase:
         return SDPACase(self.query.transpose(t), self.key.transpose(t), self.value.transpose(t),
                         attend_mask=None if additive is not None else attend, additive_mask=additive,
                         scale=self.scale, dtype=self.dtype, device=self.device)
+
+
+def tile_flash_case(case: FlashCase, samples: int) -> FlashCase:
+    """``samples`` copies of ``case`` along the batch (B -> samples·B): q, k, v, and the
+    per-batch ALiBi slopes (B, N) and descales (B, K)."""
+    if samples == 1:
+        return case
+
+    def tile(a: np.ndarray | None, per_batch: bool = True) -> np.ndarray | None:
+        if a is None or not per_batch:
+            return a
+        return np.tile(a, (samples,) + (1,) * (a.ndim - 1))
+
+    slopes = case.alibi_slopes
+    descales = {n: tile(getattr(case, n), getattr(case, n) is not None and getattr(case, n).ndim == 2)
+                for n in ("q_descale", "k_descale", "v_descale")}
+    return case.replace(query=tile(case.query), key=tile(case.key), value=tile(case.value),
+                        alibi_slopes=tile(slopes, slopes is not None and slopes.ndim == 2), **descales)
 
 
 # --------------------------------------------------------------------------- saving
