@@ -155,7 +155,7 @@ class FlashCallSpec:
         text = ", ".join(f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}"
                          for k, v in self.keyword_arguments().items())
         if self.case.fp8 is not None:
-            text = f"q, k, v in {self.case.fp8}; " + text
+            text += f"; q, k, v in {self.case.fp8}"
         if self.dropout_p:
             text += f"; torch seeded with {self.dropout_seed}"
         if self.samples > 1:
