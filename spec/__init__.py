@@ -10,8 +10,8 @@ masks in its own convention (bool **True = blocked**). :mod:`spec.masks` convert
 
 Public API::
 
-    sdpa(query, key, value, *, attend_mask, additive_mask, causal, scale, fully_masked) -> SDPAResult
-    sdpa_vjp(query, key, value, grad_output, *, attend_mask, additive_mask, causal, scale) -> SDPAGrads
+    sdpa(query, key, value, *, attend_mask, additive_mask, causal, scale, fully_masked, sinks) -> SDPAResult
+    sdpa_vjp(query, key, value, grad_output, *, attend_mask, additive_mask, causal, scale, sinks) -> SDPAGrads
     emulate_sdpa(query, key, value, *, dtype, attend_mask, additive_mask, causal, scale, fully_masked)
     MHAParams, mha_forward(params, query, key, value, *, key_padding_mask, attn_mask, ...)
     emulate_mha(params, query, key, value, *, dtype, <mha_forward's options>) -> (output, weights)
