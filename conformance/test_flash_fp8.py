@@ -63,6 +63,10 @@ def _directed(target: Target) -> list[FlashCase]:
             if caps.causal == "lower_right":
                 variants.append(dict(variants[0], causal=True))
             for changes in variants:
+                forms = {"per_head" if d.shape != (1,) else "per_tensor"
+                         for d in (changes["q_descale"], changes["k_descale"], changes["v_descale"])}
+                if not forms <= set(caps.fp8_descales):
+                    continue
                 if caps.causal_only:
                     changes = {**changes, "causal": True}
                 out.append(base.replace(**changes))

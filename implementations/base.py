@@ -63,6 +63,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "ALL_DTYPES",
+    "FP8_DESCALE_FORMS",
     "FP8_DTYPES",
     "ALL_FLASH_FEATURES",
     "ALL_KVCACHE_FEATURES",
@@ -91,6 +92,10 @@ ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: The 8-bit float formats q, k, v may come in at the flash level (``Capabilities.fp8_dtypes``,
 #: ``spec.fp8.FORMATS``); never a target dtype: an FP8 call's output is 16- or 32-bit.
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: How an FP8 call's descale factors may be given (``Capabilities.fp8_descales``): not
+#: passed (1), one per tensor (shape (1,)), one per batch element and kv head ((B, K),
+#: FlashAttention-3's only shape).
+FP8_DESCALE_FORMS = ("none", "per_tensor", "per_head")
 CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
 FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
 #: What blocks every key of a fully-masked row, as the implementation is called: a bool
@@ -266,6 +271,9 @@ class Capabilities:
     #: Flash level: the 8-bit float formats (:data:`FP8_DTYPES`) q, k, v may be given in,
     #: with ``q_descale``/``k_descale``/``v_descale`` (FlashAttention-3); () = no FP8 inputs.
     fp8_dtypes: tuple[str, ...] = ()
+    #: How the descales of those calls may be given (:data:`FP8_DESCALE_FORMS`); a form that
+    #: raises in the probe is left out (FlashAttention-3 takes (B, K) or none, not (1,)).
+    fp8_descales: tuple[str, ...] = FP8_DESCALE_FORMS
     # -- sharded (context-parallel) level (``conformance/test_sharded.py`` consumes them) --
     #: The sequence layouts (``spec.sharding.LAYOUTS``) the sharded callable honours.
     sharded_layouts: frozenset[str] = frozenset({"contiguous", "zigzag"})
@@ -301,6 +309,11 @@ class Capabilities:
             raise ImplementationError(
                 f"fp8_dtypes={self.fp8_dtypes!r} contains {bad!r}; each must be one of {FP8_DTYPES}")
         object.__setattr__(self, "fp8_dtypes", tuple(d for d in FP8_DTYPES if d in self.fp8_dtypes))
+        bad = [d for d in self.fp8_descales if d not in FP8_DESCALE_FORMS]
+        if bad or not self.fp8_descales:
+            raise ImplementationError(
+                f"fp8_descales={self.fp8_descales!r}: each must be one of {FP8_DESCALE_FORMS}, at least one")
+        object.__setattr__(self, "fp8_descales", tuple(d for d in FP8_DESCALE_FORMS if d in self.fp8_descales))
         if self.causal is not None and self.causal not in CAUSAL_ALIGNMENTS:
             raise ImplementationError(
                 f"causal={self.causal!r} is not an alignment; use one of "
@@ -652,6 +665,9 @@ class Implementation:
             reasons.append("learned sinks not supported at the SDPA level (sdpa_sinks)")
         if case.get("fp8") is not None and case["fp8"] not in c.fp8_dtypes:
             reasons.append(f"q, k, v in {case['fp8']} not supported (fp8_dtypes={list(c.fp8_dtypes)})")
+        missing = set(case.get("descale_forms", ())) - set(c.fp8_descales)
+        if case.get("fp8") is not None and missing:
+            reasons.append(f"descales given {sorted(missing)} not supported (fp8_descales={list(c.fp8_descales)})")
         if case.get("scale") is not None and not c.custom_scale:
             reasons.append("custom scale not supported")
         elif case.get("scale") is not None and c.positive_scale and case["scale"] <= 0:

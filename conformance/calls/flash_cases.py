@@ -27,7 +27,7 @@ FLASH_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "regime", "B", "N", "K", "L",
     "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows", "window", "window_left",
     "window_right", "softcap", "alibi", "sinks", "flash_features", "grad", "lse", "fp8", "descale",
-    "dropout_p",
+    "descale_forms", "dropout_p",
 })
 
 
@@ -113,6 +113,14 @@ class FlashCase:
                 options[name] = getattr(self, name)
         return options
 
+    def descale_forms(self) -> frozenset[str]:
+        """How q's, k's and v's descales are each given: ``none``, ``per_tensor`` (1,),
+        ``per_head`` (B, K) (``Capabilities.fp8_descales``); empty without FP8 inputs."""
+        if self.fp8 is None:
+            return frozenset()
+        return frozenset("none" if d is None else "per_tensor" if d.shape == (1,) else "per_head"
+                         for d in (self.q_descale, self.k_descale, self.v_descale))
+
     def descale_form(self) -> str | None:
         """How the FP8 case's descales are given: ``per_head`` when one is (B, K), else
         ``per_tensor`` when one is given, else ``none``; None without FP8 inputs."""
@@ -151,7 +159,7 @@ class FlashCase:
             "window": self.window != (-1, -1), "window_left": self.window[0], "window_right": self.window[1],
             "softcap": self.softcap, "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None, "flash_features": self.features(),
-            "fp8": self.fp8, "descale": self.descale_form(),
+            "fp8": self.fp8, "descale": self.descale_form(), "descale_forms": self.descale_forms(),
             "dropout_p": 0.0,  # a call's (FlashCallSpec.attrs) when it drops out
         }
         out.update(extra)

@@ -138,13 +138,16 @@ def _descale(draw: st.DrawFn, rng: np.random.Generator, x: np.ndarray, fmt: spec
     return np.float32(d).astype(np.float64)
 
 
-def fp8_inputs(draw: st.DrawFn, rng: np.random.Generator, case: FlashCase, formats: Sequence[str]) -> FlashCase:
-    """``case`` with q, k, v quantised to an FP8 format of ``formats`` (with their descales)."""
+def fp8_inputs(draw: st.DrawFn, rng: np.random.Generator, case: FlashCase, formats: Sequence[str],
+               descales: Sequence[str] = ("none", "per_tensor", "per_head")) -> FlashCase:
+    """``case`` with q, k, v quantised to an FP8 format of ``formats`` (with their descales,
+    each given in one of the forms ``descales``)."""
     fmt = spec_fp8.format_of(weighted(draw, [(name, 1) for name in formats]))
     changes: dict[str, Any] = {"fp8": fmt.name}
+    forms = [(form, weight) for form, weight in (("none", 1), ("per_tensor", 2), ("per_head", 3)) if form in descales]
     for name, descale in (("query", "q_descale"), ("key", "k_descale"), ("value", "v_descale")):
         x = getattr(case, name)
-        form = weighted(draw, [("none", 1), ("per_tensor", 2), ("per_head", 3)])
+        form = weighted(draw, forms)
         d = None if form == "none" else _descale(draw, rng, x, fmt, form == "per_head", case.K)
         if d is None:
             scaled = x
@@ -223,7 +226,8 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
             changes["sinks"] = sink_logits(draw, rng, N, float(finite.max()) if finite.size else 1.0)
         case = case.replace(**changes) if changes else case
         if fp8:
-            case = fp8_inputs(draw, rng, case, caps.fp8_dtypes if caps is not None else spec_fp8.FORMATS)
+            case = (fp8_inputs(draw, rng, case, caps.fp8_dtypes, caps.fp8_descales) if caps is not None
+                    else fp8_inputs(draw, rng, case, tuple(spec_fp8.FORMATS)))
         return case
 
     return named_strategy(flash_cases, arguments, draw_case)

@@ -216,6 +216,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     if dropout and _probe_dropout_pattern(probe, fn, q, k, v, notes):
         features.add("dropout_pattern")
     fp8_dtypes = _probe_fp8(probe, fn, q, k, v, notes) if _names_any(fn, DESCALE_PARAMETERS) else ()
+    fp8_descales = _probe_descale_forms(probe, fn, q, k, v, fp8_dtypes[0], notes) if fp8_dtypes else None
     causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64,
                                         None if plan.causal_only else base, notes, tol)
 
@@ -262,6 +263,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         gqa=found["gqa"],
         dropout=dropout,
         fp8_dtypes=fp8_dtypes,
+        **({} if fp8_descales is None else {"fp8_descales": fp8_descales}),
         custom_scale=_supports(probe, "custom_scale", "softmax_scale=0.5",
                                lambda: fn(q, k, v, softmax_scale=0.5), notes, plan.dtype),
         autograd=found["autograd"],
@@ -353,6 +355,26 @@ def _probe_dropout_pattern(probe: _Prober, fn, q, k, v, notes: list[str]) -> boo
                      "dropout_pattern_agreement skips")
         return False
     return True
+
+
+def _probe_descale_forms(probe: _Prober, fn, q, k, v, fmt: str, notes: list[str]) -> tuple[str, ...]:
+    """The descale forms an FP8 call in ``fmt`` takes besides (B, K) (the form its probe ran
+    with): one per tensor, shape (1,), and none at all; a form that raises is left out, noted
+    (FlashAttention-3 checks the shape (B, K))."""
+    import torch
+
+    t = getattr(torch, fmt)
+    forms = ["per_head"]
+    for form, descale in (("per_tensor", torch.full((1,), 0.5)), ("none", None)):
+        try:
+            probe.call(f"fp8 descales {form}", lambda d=descale: fn(q.to(t), k.to(t), v.to(t), q_descale=d,
+                                                                   k_descale=d, v_descale=d))
+        except CallRaised as exc:
+            notes.append(f"fp8_descales: descales {'of shape (1,)' if form == 'per_tensor' else 'left out'} "
+                         f"raised {summarise(exc.error)}; not drawn")
+            continue
+        forms.append(form)
+    return tuple(forms)
 
 
 def _probe_fp8(probe: _Prober, fn, q, k, v, notes: list[str]) -> tuple[str, ...]:

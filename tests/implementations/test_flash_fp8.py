@@ -152,6 +152,9 @@ SOURCE = textwrap.dedent(
     def fa3_signature(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                       v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                       pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+        for d in (q_descale, k_descale, v_descale):  # FlashAttention-3: CHECK_SHAPE(d, batch_size, num_heads_k)
+            if d is not None and tuple(d.shape) != (q.shape[0], k.shape[2]):
+                raise RuntimeError(f"descale must have shape (batch_size, num_heads_k), got {tuple(d.shape)}")
         return reference(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
                          k_descale=k_descale, v_descale=v_descale, window_size=window_size, softcap=softcap,
                          return_attn_probs=return_attn_probs)
@@ -173,6 +176,8 @@ def test_descale_arguments_are_recognised_and_probed(tmp_path):
     path.write_text(SOURCE)
     fa3 = registry.resolve(f"{path}:fa3_signature").caps("flash")
     assert fa3.fp8_dtypes == FORMATS
+    assert fa3.fp8_descales == ("none", "per_head")                   # (1,) refused, noted
+    assert any(n.startswith("fp8_descales: descales of shape (1,) raised") for n in fa3.probe_notes)
     assert "alibi" not in fa3.flash_features and not fa3.dropout        # FlashAttention-3 has neither
     assert any(n.startswith("dropout: dropout_p=0.5 raised") for n in fa3.probe_notes)
     only = registry.resolve(f"{path}:e4m3_only").caps("flash")
@@ -193,6 +198,20 @@ def test_the_strategy_draws_exact_fp8_cases(data):
             assert d.shape in ((1,), (case.B, case.K)) and (d > 0).all()
             np.testing.assert_array_equal(np.float32(d).astype(np.float64), d)   # float32-exact
     spec.flash_attention(case.query, case.key, case.value, **case.options())   # valid per the spec
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_the_strategy_keeps_to_the_declared_descale_forms(data):
+    caps = FLASH_CAPABILITIES.replace(fp8_descales=("none", "per_head"))
+    case = data.draw(flash_cases(dtype="float32", caps=caps, fp8=True))
+    assert case.descale_forms() <= {"none", "per_head"}
+    impl = MUTANTS["flash_fp8_k_descale_ignored"].build()
+    reasons = impl.not_supported_reasons({"level": "flash", "fp8": "float8_e4m3fn", "descale_forms": {"per_tensor"}})
+    assert reasons == []
+    narrow = registry.resolve("flash-ref", {"fp8_descales": "per_head"})
+    assert narrow.not_supported_reasons({"level": "flash", "fp8": "float8_e4m3fn", "descale_forms": {"per_tensor"}}) == [
+        "descales given ['per_tensor'] not supported (fp8_descales=['per_head'])"]
 
 
 def test_the_strategy_draws_every_format_and_descale_form():
