@@ -117,8 +117,10 @@ def streaming_mask(L: int, S: int, sink_tokens: int, window: int | tuple[int, in
 
     Query i sees key j iff ``j`` is in its window, or ``j < sink_tokens`` and ``j <= p_i +
     right`` (the sink tokens never see the future: they are the sequence's first keys).
-    No attention API certified here takes ``sink_tokens``; this mask is how the pattern is
-    expressed at the SDPA level (``spec.sdpa(attend_mask=streaming_mask(...))``).
+    FlashAttention-3's early ``sink_token_length`` (its test reference's
+    ``construct_local_mask``) is this rule, bottom-right aligned; no attention API certified
+    here takes ``sink_tokens``, and this mask is how the pattern is expressed at the SDPA
+    level (``spec.sdpa(attend_mask=streaming_mask(...))``).
     """
     window_part = sliding_window_mask(L, S, window, alignment)
     sink_tokens = _check_size("sink_tokens", sink_tokens)
