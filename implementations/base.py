@@ -33,7 +33,11 @@ An :class:`Implementation` exposes attention at one or both of two levels:
   ``v (B, S, K, Ev)``, causal **lower-right**; returns the output ``(B, L, N, Ev)``,
   or ``(output, lse (B, N, L), attn_probs or None)`` with ``return_attn_probs``.
   What it supports is ``Capabilities.flash_features`` (``spec.flash``); its
-  ``Capabilities.causal`` is ``"lower_right"`` (or None: no ``causal=True``).
+  ``Capabilities.causal`` is ``"lower_right"`` (or None: no ``causal=True``). With
+  ``Capabilities.dropout`` it takes ``dropout_p > 0`` (after the softmax, rescaled by
+  1/(1 - p)); with ``Capabilities.fp8_dtypes`` it takes q, k, v in those 8-bit float
+  formats with FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale`` (float32,
+  per tensor or (B, K)) and returns a 16- or 32-bit float output (``spec.fp8``).
 * **Sharded (context-parallel) level** — ``sharded(q, k, v, *, group, rank, world_size,
   causal=False, softmax_scale=None, layout="contiguous")``, called on every rank of a
   ``torch.distributed`` process group with that rank's shard of one sequence: q
@@ -59,6 +63,8 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "ALL_DTYPES",
+    "FP8_DESCALE_FORMS",
+    "FP8_DTYPES",
     "ALL_FLASH_FEATURES",
     "ALL_KVCACHE_FEATURES",
     "ALL_VARLEN_FEATURES",
@@ -83,6 +89,13 @@ __all__ = [
 ]
 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: The 8-bit float formats q, k, v may come in at the flash level (``Capabilities.fp8_dtypes``,
+#: ``spec.fp8.FORMATS``); never a target dtype: an FP8 call's output is 16- or 32-bit.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: How an FP8 call's descale factors may be given (``Capabilities.fp8_descales``): not
+#: passed (1), one per tensor (shape (1,)), one per batch element and kv head ((B, K),
+#: FlashAttention-3's only shape).
+FP8_DESCALE_FORMS = ("none", "per_tensor", "per_head")
 CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
 FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
 #: What blocks every key of a fully-masked row, as the implementation is called: a bool
@@ -157,6 +170,9 @@ ALL_FLASH_FEATURES = frozenset(
         "alibi",    # alibi_slopes (N,) or (B, N)
         "lse",      # return_attn_probs=True returns (output, lse, ...)
         "sinks",    # sinks= (N,) learned sink logits (gpt-oss style; not in flash_attn_func)
+        # return_attn_probs=True with dropout_p > 0 returns (out, lse, S_dmask), S_dmask
+        # (B, N, >= L, >= S) negative where a weight was dropped (FlashAttention-2's contract)
+        "dropout_pattern",
     }
 )
 #: Optional FlashAttention options at the varlen level (``flash_attn_varlen_func``'s
@@ -255,6 +271,16 @@ class Capabilities:
     #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
     #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
     flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
+    #: SDPA level: the callable takes learned sinks (N,) as ``sinks=`` (one logit per query
+    #: head joining the softmax denominator, ``spec.sdpa(sinks=)``; recognised from a
+    #: parameter named ``sinks``, ``s_aux`` or ``learnable_sink`` and probed).
+    sdpa_sinks: bool = False
+    #: Flash level: the 8-bit float formats (:data:`FP8_DTYPES`) q, k, v may be given in,
+    #: with ``q_descale``/``k_descale``/``v_descale`` (FlashAttention-3); () = no FP8 inputs.
+    fp8_dtypes: tuple[str, ...] = ()
+    #: How the descales of those calls may be given (:data:`FP8_DESCALE_FORMS`); a form that
+    #: raises in the probe is left out (FlashAttention-3 takes (B, K) or none, not (1,)).
+    fp8_descales: tuple[str, ...] = FP8_DESCALE_FORMS
     # -- sharded (context-parallel) level (``conformance/test_sharded.py`` consumes them) --
     #: The sequence layouts (``spec.sharding.LAYOUTS``) the sharded callable honours.
     sharded_layouts: frozenset[str] = frozenset({"contiguous", "zigzag"})
@@ -285,7 +311,18 @@ class Capabilities:
         if bad:
             raise ImplementationError(
                 f"dtypes={self.dtypes!r} contains {bad!r}; each must be one of {ALL_DTYPES}"
+                + (" (8-bit float formats go in fp8_dtypes)" if set(bad) <= set(FP8_DTYPES) else "")
             )
+        bad = [d for d in self.fp8_dtypes if d not in FP8_DTYPES]
+        if bad:
+            raise ImplementationError(
+                f"fp8_dtypes={self.fp8_dtypes!r} contains {bad!r}; each must be one of {FP8_DTYPES}")
+        object.__setattr__(self, "fp8_dtypes", tuple(d for d in FP8_DTYPES if d in self.fp8_dtypes))
+        bad = [d for d in self.fp8_descales if d not in FP8_DESCALE_FORMS]
+        if bad or not self.fp8_descales:
+            raise ImplementationError(
+                f"fp8_descales={self.fp8_descales!r}: each must be one of {FP8_DESCALE_FORMS}, at least one")
+        object.__setattr__(self, "fp8_descales", tuple(d for d in FP8_DESCALE_FORMS if d in self.fp8_descales))
         if self.causal is not None and self.causal not in CAUSAL_ALIGNMENTS:
             raise ImplementationError(
                 f"causal={self.causal!r} is not an alignment; use one of "
@@ -642,6 +679,13 @@ class Implementation:
                 reasons.append(f"GQA (K < N) not supported{in_dtype.get('gqa', '')}")
         if case.get("dropout_p", 0.0) and not c.dropout:
             reasons.append("dropout not supported")
+        if level == "sdpa" and case.get("sinks") and not c.sdpa_sinks:
+            reasons.append("learned sinks not supported at the SDPA level (sdpa_sinks)")
+        if case.get("fp8") is not None and case["fp8"] not in c.fp8_dtypes:
+            reasons.append(f"q, k, v in {case['fp8']} not supported (fp8_dtypes={list(c.fp8_dtypes)})")
+        missing = set(case.get("descale_forms", ())) - set(c.fp8_descales)
+        if case.get("fp8") is not None and missing:
+            reasons.append(f"descales given {sorted(missing)} not supported (fp8_descales={list(c.fp8_descales)})")
         if case.get("scale") is not None and not c.custom_scale:
             reasons.append("custom scale not supported")
         elif case.get("scale") is not None and c.positive_scale and case["scale"] <= 0:

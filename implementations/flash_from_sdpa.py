@@ -105,7 +105,7 @@ def _derived_flash_capabilities(caps: Capabilities) -> Capabilities:
     """The flash-level capabilities of :class:`FlashFromSDPA` over an SDPA with ``caps``.
 
     Devices, dtypes, GQA, Ev != E, scale, autograd, size bounds and length declarations are
-    the SDPA's; ``causal`` is lower-right when a mask can carry it (or the SDPA's flag is
+    the SDPA's; no dropout (the SDPA level certifies the SDPA's) and no FP8 inputs; ``causal`` is lower-right when a mask can carry it (or the SDPA's flag is
     lower-right); ``flash_features`` is {window, alibi} within what the masks allow (and
     within ``caps.flash_features``, so ``--impl-option flash_features=...`` narrows it);
     rows attending no key are 0 (FlashAttention's; see the module docstring).
@@ -133,6 +133,10 @@ def _derived_flash_capabilities(caps: Capabilities) -> Capabilities:
         fully_masked="zero",
         mask_grad=False,
         batch_dims=None,
+        # The SDPA's dropout is certified at the SDPA level (dropout_expectation); the flash
+        # level's dropout properties are for a flash callable of its own.
+        dropout=False,
+        fp8_dtypes=(),
         flash_features=frozenset(features & DERIVED_FLASH_FEATURES & set(caps.flash_features)),
         probe_notes=tuple(sorted(set(notes), key=notes.index)),
     )

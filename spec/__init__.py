@@ -10,8 +10,8 @@ masks in its own convention (bool **True = blocked**). :mod:`spec.masks` convert
 
 Public API::
 
-    sdpa(query, key, value, *, attend_mask, additive_mask, causal, scale, fully_masked) -> SDPAResult
-    sdpa_vjp(query, key, value, grad_output, *, attend_mask, additive_mask, causal, scale) -> SDPAGrads
+    sdpa(query, key, value, *, attend_mask, additive_mask, causal, scale, fully_masked, sinks) -> SDPAResult
+    sdpa_vjp(query, key, value, grad_output, *, attend_mask, additive_mask, causal, scale, sinks) -> SDPAGrads
     emulate_sdpa(query, key, value, *, dtype, attend_mask, additive_mask, causal, scale, fully_masked)
     MHAParams, mha_forward(params, query, key, value, *, key_padding_mask, attn_mask, ...)
     emulate_mha(params, query, key, value, *, dtype, <mha_forward's options>) -> (output, weights)
@@ -21,9 +21,12 @@ Public API::
 FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
 
     flash_attention(q, k, v, *, causal, window, softcap, alibi_slopes, scale, return_lse,
-                    fully_masked, alignment) -> output | FlashResult(output, lse)
+                    fully_masked, alignment, sinks, q_descale, k_descale, v_descale,
+                    dropout_p, dropout_mask) -> output | FlashResult(output, lse)
     flash_attention_vjp(q, k, v, grad_output, *, causal, window, softcap, alibi_slopes,
-                        scale, alignment) -> FlashGrads(dquery, dkey, dvalue)
+                        scale, alignment, sinks, dropout_p, dropout_mask)
+        -> FlashGrads(dquery, dkey, dvalue)
+    fp8 (module): FORMATS, quantize, representable, descale_array, dequantize
     window_mask(L, S, window, *, causal, alignment), alibi_bias(L, S, slopes, *, alignment)
     merge_partials(out1, lse1, out2, lse2) -> FlashResult
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **options), document_mask(...)
@@ -38,7 +41,7 @@ FlashAttention's features, in its layout q (B, L, N, E), k/v (B, S, K, E|Ev)::
 
 from __future__ import annotations
 
-from . import masks, variants
+from . import fp8, masks, variants
 from ._sdpa import SDPAGrads, SDPAResult, sdpa, sdpa_vjp
 from .emulate import emulate_sdpa
 from .emulate_mha import MHASteps, emulate_mha, emulate_mha_steps
@@ -64,6 +67,7 @@ __all__ = [
     "MHAParams",
     "mha_forward",
     "masks",
+    "fp8",
     "flash_attention",
     "FlashResult",
     "flash_attention_vjp",

@@ -17,9 +17,13 @@ def is_bfloat16(dtype: np.dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
 
 
+#: ml_dtypes' 8-bit float formats (``spec.fp8``), read exactly like bfloat16.
+FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
+
+
 def is_real_float(dtype: np.dtype) -> bool:
     dtype = np.dtype(dtype)
-    return np.issubdtype(dtype, np.floating) or is_bfloat16(dtype)
+    return np.issubdtype(dtype, np.floating) or is_bfloat16(dtype) or dtype.name in FP8_DTYPE_NAMES
 
 
 def as_float64(name: str, value: Any) -> np.ndarray:
@@ -27,7 +31,7 @@ def as_float64(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype == np.bool_ or not (is_real_float(array.dtype) or np.issubdtype(array.dtype, np.integer)):
         fail(name, array, f"must hold real numbers, got dtype {array.dtype}",
-             "pass a float array (float16, bfloat16, float32 or float64)")
+             "pass a float array (float8, float16, bfloat16, float32 or float64)")
     return array.astype(np.float64)
 
 

@@ -88,6 +88,26 @@ def sinks_array(sinks: Any, heads: int) -> np.ndarray | None:
     return sinks
 
 
+def dropout_pattern(dropout_p: Any, mask: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The dropout pattern as float64 (B, N, L, S) holding ``mask / (1 - dropout_p)`` (kept
+    weights rescaled, dropped ones 0), or None without dropout. ``dropout_p`` in [0, 1);
+    ``mask`` bool (B, N, L, S), True = kept, required when ``dropout_p > 0``."""
+    if not (is_int(dropout_p) or isinstance(dropout_p, (float, np.floating))) or not 0 <= float(dropout_p) < 1:
+        fail("dropout_p", dropout_p, "must be a number in [0, 1)",
+             "pass the probability of dropping a weight (0 = no dropout; 1 would rescale by 1/0)")
+    if mask is None:
+        if dropout_p:
+            fail("dropout_mask", mask, f"is needed with dropout_p={float(dropout_p)}: the spec draws nothing",
+                 "pass the pattern the call drew (bool (B, N, L, S), True = kept); the expectation "
+                 "over patterns is the output with dropout_p=0")
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != tuple(shape):
+        fail("dropout_mask", mask, f"must be bool with shape (B, N, L, S) = {tuple(shape)}",
+             "pass one keep flag per query head, query and key (True = kept)")
+    return mask / (1.0 - float(dropout_p))
+
+
 def int_vector(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):

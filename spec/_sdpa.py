@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _checks, masks
+from ._flash_checks import sinks_array
 from .errors import fail
 
 __all__ = ["SDPAResult", "SDPAGrads", "sdpa", "sdpa_vjp"]
@@ -53,11 +54,12 @@ class Problem:
     additive_shape: tuple[int, ...] | None
     scale: float
     group: int                 # N // K query heads per kv head
+    sinks: np.ndarray | None = None  # (N, 1, 1) learned sink logits, None = no sink
 
 
 def prepare(query: Any, key: Any, value: Any, *, attend_mask: Any = None,
             additive_mask: Any = None, causal: str | None = None,
-            scale: float | None = None) -> Problem:
+            scale: float | None = None, sinks: Any = None) -> Problem:
     """Validate an SDPA call and bring it to float64 with the kv heads repeated."""
     q = _checks.as_float64("query", query)
     k = _checks.as_float64("key", key)
@@ -98,6 +100,7 @@ def prepare(query: Any, key: Any, value: Any, *, attend_mask: Any = None,
         additive_shape=additive_shape,
         scale=scale,
         group=group,
+        sinks=None if sinks is None else sinks_array(sinks, N).reshape(N, 1, 1),
     )
 
 
@@ -112,10 +115,16 @@ def attention_weights(problem: Problem, fully_masked: str) -> tuple[np.ndarray, 
     # 3. subtract each row's max over attended keys, so exp never overflows
     empty_row = ~p.allowed.any(axis=-1, keepdims=True)           # (..., N, L, 1)
     row_max = np.where(empty_row, 0.0, scores.max(axis=-1, keepdims=True))
+    if p.sinks is not None:  # a sink joins the max (exp never overflows) and the denominator
+        row_max = np.where(empty_row, p.sinks, np.maximum(row_max, p.sinks))
     with np.errstate(over="ignore", under="ignore"):
         unnormalised = np.exp(scores - row_max)                  # (..., N, L, S), blocked = 0
-    # 4. normalise; rows with no attended key follow the policy
+        sink_term = None if p.sinks is None else np.exp(p.sinks - row_max)   # <= 1
+    # 4. normalise; rows with no attended key follow the policy (with a sink: 0, all the
+    #    row's weight is on the sink, which carries no value and is dropped)
     total = unnormalised.sum(axis=-1, keepdims=True)             # (..., N, L, 1), >= 1 if any key
+    if sink_term is not None:
+        return unnormalised / (total + sink_term), logits
     weights = unnormalised / np.where(empty_row, 1.0, total)
     if fully_masked == "nan":
         weights = np.where(empty_row, np.nan, weights)
@@ -126,7 +135,7 @@ def attention_weights(problem: Problem, fully_masked: str) -> tuple[np.ndarray, 
 
 def sdpa(query: Any, key: Any, value: Any, *, attend_mask: Any = None,
          additive_mask: Any = None, causal: str | None = None, scale: float | None = None,
-         fully_masked: str = "zero") -> SDPAResult:
+         fully_masked: str = "zero", sinks: Any = None) -> SDPAResult:
     """Scaled dot-product attention, the float64 reference.
 
     Shapes: ``query`` (..., N, L, E), ``key`` (..., K, S, E), ``value`` (..., K, S, Ev);
@@ -144,13 +153,17 @@ def sdpa(query: Any, key: Any, value: Any, *, attend_mask: Any = None,
     * ``fully_masked``: what a query row that may attend no key gives:
       ``"zero"`` (output 0, weights 0; PyTorch SDPA since 2.5), ``"nan"``, or ``"uniform"``
       (weights 1/S on every key, output the mean of all values).
+    * ``sinks`` (N,): learned sink logits, one per query head, as ``spec.flash_attention``'s:
+      each joins its head's softmax denominator as a logit compared with the final scores
+      (not scaled, after the masks), carries no value and is dropped, so a row's weights
+      sum to less than 1 and a row attending no key gives 0 whatever ``fully_masked`` says.
 
     Returns :class:`SDPAResult` ``(output (..., N, L, Ev), weights (..., N, L, S),
     logits (..., N, L, S))``. Invalid input raises :class:`spec.SpecError`.
     """
     _checks.check_policy(fully_masked)
     problem = prepare(query, key, value, attend_mask=attend_mask, additive_mask=additive_mask,
-                      causal=causal, scale=scale)
+                      causal=causal, scale=scale, sinks=sinks)
     weights, logits = attention_weights(problem, fully_masked)
     # 5. output = weights · v                                    (..., N, L, Ev)
     output = weights @ problem.value
@@ -172,7 +185,7 @@ def _reduce_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def sdpa_vjp(query: Any, key: Any, value: Any, grad_output: Any, *, attend_mask: Any = None,
              additive_mask: Any = None, causal: str | None = None,
-             scale: float | None = None) -> SDPAGrads:
+             scale: float | None = None, sinks: Any = None) -> SDPAGrads:
     """Vector-Jacobian product of :func:`sdpa` (policy ``"zero"``) in closed form, float64.
 
     ``grad_output`` (..., N, L, Ev) is the upstream gradient of the output. With
@@ -183,9 +196,11 @@ def sdpa_vjp(query: Any, key: Any, value: Any, grad_output: Any, *, attend_mask:
 
     with dK, dV summed over each GQA group back to K heads and the mask gradient summed
     back to the additive mask's own shape. Fully-masked rows and blocked keys get zero.
+    With ``sinks`` P holds the sink in its denominator and the formulas are unchanged (the
+    sink has no value); the sinks' own gradient is not modelled.
     """
     problem = prepare(query, key, value, attend_mask=attend_mask, additive_mask=additive_mask,
-                      causal=causal, scale=scale)
+                      causal=causal, scale=scale, sinks=sinks)
     p = problem
     grad_output = _checks.as_float64("grad_output", grad_output)
     expected = (*p.query.shape[:-1], p.value.shape[-1])

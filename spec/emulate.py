@@ -87,7 +87,7 @@ def _rounder(dtype: str) -> tuple[Callable[[np.ndarray], np.ndarray], Any]:
 
 def emulate_sdpa(query: Any, key: Any, value: Any, *, dtype: str, attend_mask: Any = None,
                  additive_mask: Any = None, causal: str | None = None,
-                 scale: float | None = None, fully_masked: str = "zero") -> np.ndarray:
+                 scale: float | None = None, fully_masked: str = "zero", sinks: Any = None) -> np.ndarray:
     """Output (..., N, L, Ev) of a naive SDPA run in ``dtype`` arithmetic, as float64 values.
 
     Same arguments and mask polarity as :func:`spec.sdpa` (``attend_mask`` True = may
@@ -98,7 +98,7 @@ def emulate_sdpa(query: Any, key: Any, value: Any, *, dtype: str, attend_mask: A
     _checks.check_choice("dtype", dtype, tuple(EMULATED_DTYPES))
     _checks.check_policy(fully_masked)
     p = prepare(query, key, value, attend_mask=attend_mask, additive_mask=additive_mask,
-                causal=causal, scale=scale)
+                causal=causal, scale=scale, sinks=sinks)
     output, _ = attend(p, dtype, fully_masked)
     return output.astype(np.float64)
 
@@ -117,8 +117,14 @@ def attend(p: Problem, dtype: str, fully_masked: str) -> tuple[np.ndarray, np.nd
         # 3-4. softmax in the accumulation dtype, weights rounded once to dtype
         empty_row = ~p.allowed.any(axis=-1, keepdims=True)                   # (..., N, L, 1)
         row_max = np.where(empty_row, accumulate(0), scores.max(axis=-1, keepdims=True))
+        if p.sinks is not None:  # the sink (read in the accumulation dtype) joins max and sum
+            sink = accumulate(p.sinks)
+            row_max = np.where(empty_row, sink, np.maximum(row_max, sink))
         unnormalised = np.exp(scores - row_max)
         total = unnormalised.sum(axis=-1, keepdims=True)
+        if p.sinks is not None:
+            total = total + np.exp(sink - row_max)
+            empty_row = np.zeros_like(empty_row)             # the sink holds an empty row's weight
         weights = store(unnormalised / np.where(empty_row, accumulate(1), total))
         if fully_masked == "nan":
             weights = np.where(empty_row, accumulate(np.nan), weights)

@@ -21,6 +21,14 @@ FlashAttention's, the default) or ``p_i = i`` (``"upper_left"``, PyTorch ``is_ca
   exp(score_ij))``; the sink's own weight is dropped, so a row's weights sum to less than
   1 and a row attending no key gives 0. The sink is compared with the final scores as
   given (not scaled, capped or biased). The LSE stays the keys' (the sink left out).
+* FP8 inputs: q, k, v holding 8-bit float values with ``q_descale``, ``k_descale``,
+  ``v_descale`` (None, per tensor, or (B, K)) stand for ``value · descale``
+  (:mod:`spec.fp8`, exact in float64); everything above runs on those values.
+* dropout ``dropout_p`` with a given pattern ``dropout_mask`` (B, N, L, S), True = kept:
+  the weights (after the softmax, the sink's dropped weight aside) are multiplied by the
+  pattern and by ``1 / (1 - dropout_p)``; the LSE is not (it is the softmax's
+  normaliser). The expectation over patterns of independent keeps with probability
+  ``1 - dropout_p`` is the output without dropout.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import numpy as np
 
 from . import _checks
 from . import _flash_checks as checks
+from . import fp8
 from ._sdpa import _sum_groups
 from .errors import fail
 
@@ -116,12 +125,16 @@ class Problem:
 
 def prepare(query: Any, key: Any, value: Any, *, causal: Any = False, window: Any = (-1, -1),
             softcap: Any = 0.0, alibi_slopes: Any = None, scale: Any = None,
-            alignment: Any = "lower_right", sinks: Any = None) -> Problem:
-    """Validate a FlashAttention-layout call and bring it to float64, heads first."""
+            alignment: Any = "lower_right", sinks: Any = None, q_descale: Any = None,
+            k_descale: Any = None, v_descale: Any = None) -> Problem:
+    """Validate a FlashAttention-layout call and bring it to float64, heads first (FP8
+    values multiplied by their descale factors first, :func:`spec.fp8.dequantize`)."""
     q = _checks.as_float64("query", query)
     k = _checks.as_float64("key", key)
     v = _checks.as_float64("value", value)
     checks.head_layout(q, k, v, 2, LAYOUT)
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        q, k, v = fp8.dequantize(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     B, L, N, E = q.shape
     S, K = k.shape[1], k.shape[2]
     slopes = checks.slopes_array(alibi_slopes, B, N)                     # (1 or B, N)
@@ -188,7 +201,9 @@ def flash_attention(query: Any, key: Any, value: Any, *, causal: bool = False,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Any = None, scale: float | None = None,
                     return_lse: bool = False, fully_masked: str = "zero",
-                    alignment: str = "lower_right", sinks: Any = None) -> np.ndarray | FlashResult:
+                    alignment: str = "lower_right", sinks: Any = None, q_descale: Any = None,
+                    k_descale: Any = None, v_descale: Any = None, dropout_p: float = 0.0,
+                    dropout_mask: Any = None) -> np.ndarray | FlashResult:
     """FlashAttention's forward (``flash_attn_func``) as the float64 reference.
 
     Shapes: query (B, L, N, E), key (B, S, K, E), value (B, S, K, Ev), K dividing N.
@@ -207,18 +222,32 @@ def flash_attention(query: Any, key: Any, value: Any, *, causal: bool = False,
     ``sinks`` (N,): learned sink logits that join each row's softmax denominator and are
     dropped after it (no value); a row attending no key then puts all its weight on the
     sink and gives 0 whatever ``fully_masked`` says. The LSE stays the keys' own.
+
+    ``q_descale``, ``k_descale``, ``v_descale`` (None, a scalar, (1,) or (B, K)): the
+    inputs hold FP8 values standing for ``value · descale`` (:mod:`spec.fp8`); the result
+    is that of the dequantised inputs.
+
+    ``dropout_p`` in [0, 1) with ``dropout_mask`` bool (B, N, L, S), True = kept (the
+    pattern a call drew): the weights are multiplied by the pattern and ``1 / (1 -
+    dropout_p)`` before the values; the LSE is the softmax's, untouched. ``dropout_p > 0``
+    needs the pattern (the spec draws nothing; the expectation over patterns is the
+    output with ``dropout_p = 0``).
     """
     _checks.check_policy(fully_masked)
     p = prepare(query, key, value, causal=causal, window=window, softcap=softcap,
-                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment, sinks=sinks)
+                alibi_slopes=alibi_slopes, scale=scale, alignment=alignment, sinks=sinks,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    keep = checks.dropout_pattern(dropout_p, dropout_mask, p.query.shape[:3] + p.key.shape[2:3])
     if p.sinks is not None:
         fully_masked = "zero"                                            # the sink holds the row's mass
     if fully_masked == "uniform" and p.key.shape[-2] == 0:
         fail("fully_masked", fully_masked, "needs S >= 1 keys to average (S=0 here)",
              "pass fully_masked='zero' or 'nan' when a sequence may have no keys")
     forward = attend(p)
-    # 6. output = weights · v; rows attending no key follow the policy  (B, N, L, Ev)
-    output = forward.weights @ p.value
+    # 6. output = weights · v (dropped and rescaled by a dropout pattern); rows attending
+    #    no key follow the policy                                        (B, N, L, Ev)
+    weights = forward.weights if keep is None else forward.weights * keep
+    output = weights @ p.value
     if fully_masked == "nan":
         output = np.where(forward.empty_row, np.nan, output)
     elif fully_masked == "uniform":
@@ -231,7 +260,8 @@ def flash_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any, *,
                         causal: bool = False, window: tuple[int, int] = (-1, -1),
                         softcap: float = 0.0, alibi_slopes: Any = None,
                         scale: float | None = None, alignment: str = "lower_right",
-                        sinks: Any = None) -> FlashGrads:
+                        sinks: Any = None, dropout_p: float = 0.0,
+                        dropout_mask: Any = None) -> FlashGrads:
     """Vector-Jacobian product of :func:`flash_attention` (policy ``"zero"``) in closed form.
 
     ``grad_output`` (B, L, N, Ev). With P the weights, O the output, dO the upstream
@@ -244,9 +274,12 @@ def flash_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any, *,
     blocked keys and rows attending no key get zero gradient. With ``sinks`` P holds the
     weights with the sink in the denominator and the formulas are unchanged (the sink has
     no value, so rowsum(dO ⊙ O) is still Σ_j P_j dP_j); the sinks' own gradient is not modelled.
+    With a dropout pattern, D = mask / (1 - dropout_p): O = (P ⊙ D) V, so dV = (P ⊙ D)ᵀ dO and
+    dP = D ⊙ (dO Vᵀ), and Σ_j P_j dP_j = dO · O still: dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
     """
     p = prepare(query, key, value, causal=causal, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, scale=scale, alignment=alignment, sinks=sinks)
+    keep = checks.dropout_pattern(dropout_p, dropout_mask, p.query.shape[:3] + p.key.shape[2:3])
     grad_output = _checks.as_float64("grad_output", grad_output)
     B, N, L, Ev = p.query.shape[:3] + p.value.shape[-1:]
     if grad_output.shape != (B, L, N, Ev):
@@ -255,10 +288,13 @@ def flash_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any, *,
     grad = grad_output.transpose(0, 2, 1, 3)                             # (B, L, N, Ev) -> (B, N, L, Ev)
     forward = attend(p)
     weights = forward.weights                                            # (B, N, L, S)
-    output = weights @ p.value                                           # (B, N, L, Ev)
-    # 1. through output = P V
-    dvalue = np.swapaxes(weights, -1, -2) @ grad                        # (B, N, S, Ev)
+    dropped = weights if keep is None else weights * keep               # P ⊙ D
+    output = dropped @ p.value                                           # (B, N, L, Ev)
+    # 1. through output = (P ⊙ D) V
+    dvalue = np.swapaxes(dropped, -1, -2) @ grad                        # (B, N, S, Ev)
     dweights = grad @ np.swapaxes(p.value, -1, -2)                      # (B, N, L, S)
+    if keep is not None:
+        dweights = dweights * keep
     # 2. through the softmax: dZ = P ⊙ (dP − Σ_j P_j dP_j), and Σ_j P_j dP_j = dO · O
     row_dot = (grad * output).sum(axis=-1, keepdims=True)               # (B, N, L, 1)
     dscores = weights * (dweights - row_dot)                             # (B, N, L, S)

@@ -33,6 +33,7 @@ __all__ = [
     "causal_mask",
     "padding_mask",
     "sliding_window_mask",
+    "streaming_mask",
     "fully_masked_rows",
     "combined_attend_mask",
     "from_mha_bool",
@@ -106,6 +107,27 @@ def sliding_window_mask(L: int, S: int, window: int | tuple[int, int],
     position = np.arange(L)[:, None] + _diagonal_offset(L, S, alignment)  # (L, 1)
     keys = np.arange(S)[None, :]                                                          # (1, S)
     return (keys >= position - left) & (keys <= position + right)
+
+
+def streaming_mask(L: int, S: int, sink_tokens: int, window: int | tuple[int, int],
+                   alignment: str = "lower_right") -> np.ndarray:
+    """StreamingLLM's attend mask, bool (L, S): the first ``sink_tokens`` keys ("attention
+    sinks" kept in the cache) visible to every query that may see them causally, plus the
+    sliding window of :func:`sliding_window_mask` (``window`` as there; an int is causal).
+
+    Query i sees key j iff ``j`` is in its window, or ``j < sink_tokens`` and ``j <= p_i +
+    right`` (the sink tokens never see the future: they are the sequence's first keys).
+    FlashAttention-3's early ``sink_token_length`` (its test reference's
+    ``construct_local_mask``) is this rule, bottom-right aligned; no attention API certified
+    here takes ``sink_tokens``, and this mask is how the pattern is expressed at the SDPA
+    level (``spec.sdpa(attend_mask=streaming_mask(...))``).
+    """
+    window_part = sliding_window_mask(L, S, window, alignment)
+    sink_tokens = _check_size("sink_tokens", sink_tokens)
+    right = 0 if isinstance(window, (int, np.integer)) else int(window[1])
+    position = np.arange(L)[:, None] + _diagonal_offset(L, S, alignment)                  # (L, 1)
+    keys = np.arange(S)[None, :]                                                          # (1, S)
+    return window_part | ((keys < sink_tokens) & (keys <= position + right))
 
 
 def combined_attend_mask(shape: tuple[int, ...], attend_mask: np.ndarray | None = None,

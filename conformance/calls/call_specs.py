@@ -248,11 +248,13 @@ def run_sdpa_call(impl: Any, call: SDPACallSpec, *, invoke: Invoke = call_direct
         tensors = dict(tensors, value=tensors["key"])  # one tensor: its gradient is dk + dv
     sdpa = impl.sdpa if caps.batch_dims is None else partial(_call_4d, impl.sdpa)
 
+    sinks = {} if tensors.get("sinks") is None else {"sinks": tensors["sinks"]}  # only when the case has them
+
     def forward() -> Any:
         with _seeded(call.dropout_seed, case.device):
             return sdpa(tensors["query"], tensors["key"], tensors["value"],
                         attn_mask=tensors["attn_mask"], dropout_p=call.dropout_p,
-                        is_causal=call.is_causal, scale=case.scale, enable_gqa=call.enable_gqa)
+                        is_causal=call.is_causal, scale=case.scale, enable_gqa=call.enable_gqa, **sinks)
 
     out = invoke(forward)
     if check_output:

@@ -26,7 +26,7 @@ import numpy as np
 
 import spec
 from conformance.core import tolerance
-from conformance.calls.call_specs import Invoke, call_directly, case_rng
+from conformance.calls.call_specs import Invoke, _seeded, call_directly, case_rng, content_seed
 from conformance.calls.sdpa import assert_returned_tensor, grad_magnitudes
 from conformance.core.cases import SDPACase
 from conformance.core.compare import (
@@ -37,8 +37,18 @@ from conformance.core.compare import (
     fail,
 )
 from conformance.calls.declarations import require_inside
-from conformance.calls.flash_bounds import _forward, allowed_lse, allowed_output, emulate_flash, oracle
-from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase
+from conformance.calls.flash_bounds import (
+    _forward,
+    allowed_lse,
+    allowed_output,
+    check_dropout_mean,
+    dropout_pattern_of,
+    emulate_flash,
+    fp8_allowed_lse,
+    fp8_allowed_output,
+    oracle,
+)
+from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase, case_from_meta, case_meta, tile_flash_case
 from conformance.calls.call_reports import CallReport
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
@@ -59,11 +69,18 @@ __all__ = [
     "case_meta",
     "check_gradients",
     "check_lse",
+    "check_dropout_mean",
+    "check_fp8",
     "check_output",
+    "compare_dropout_gradients",
+    "dropout_pattern_of",
     "emulate_flash",
     "expect_flash_raises",
     "flash_inputs",
+    "fp8_allowed_lse",
+    "fp8_allowed_output",
     "oracle",
+    "tile_flash_case",
     "report_call",
     "report_flash_call",
     "run_flash",
@@ -82,11 +99,16 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class FlashCallSpec:
     """One call of ``impl.flash``, exactly as made: the case, whether the LSE was asked
-    for (``return_attn_probs=True``), and the upstream gradient backpropagated after."""
+    for (``return_attn_probs=True``), the upstream gradient backpropagated after, and
+    ``dropout_p`` with the seed torch's generator is seeded with for the call (the call
+    is then made on ``samples`` copies of the case along the batch)."""
 
     case: FlashCase
     lse: bool = False
     grad_output: np.ndarray | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    samples: int = 1
 
     @property
     def level(self) -> str:
@@ -98,20 +120,22 @@ class FlashCallSpec:
 
     @property
     def called_case(self) -> FlashCase:
-        return self.case
+        return tile_flash_case(self.case, self.samples)
 
     @property
     def passed_case(self) -> FlashCase:
-        return self.case
+        return self.called_case
 
     def attrs(self) -> dict[str, Any]:
-        return self.case.attrs(grad=self.grad, lse=self.lse)
+        return self.case.attrs(grad=self.grad, lse=self.lse, dropout_p=self.dropout_p)
 
     def keyword_arguments(self) -> dict[str, Any]:
         """What is passed besides q, k, v (tensors as placeholders): the options that
         differ from flash_attn_func's defaults, and softmax_scale and causal always."""
         c = self.case
         kwargs: dict[str, Any] = {"softmax_scale": c.scale, "causal": c.causal}
+        if self.dropout_p:
+            kwargs["dropout_p"] = self.dropout_p
         if c.window != (-1, -1):
             kwargs["window_size"] = c.window
         if c.softcap:
@@ -120,6 +144,9 @@ class FlashCallSpec:
             kwargs["alibi_slopes"] = "<float32 tensor>"
         if c.sinks is not None:
             kwargs["sinks"] = "<float32 tensor>"
+        for name in _DESCALES:
+            if getattr(c, name) is not None:
+                kwargs[name] = f"<float32 tensor {tuple(getattr(c, name).shape)}>"
         if self.lse:
             kwargs["return_attn_probs"] = True
         return kwargs
@@ -127,6 +154,12 @@ class FlashCallSpec:
     def arguments(self) -> str:
         text = ", ".join(f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}"
                          for k, v in self.keyword_arguments().items())
+        if self.case.fp8 is not None:
+            text += f"; q, k, v in {self.case.fp8}"
+        if self.dropout_p:
+            text += f"; torch seeded with {self.dropout_seed}"
+        if self.samples > 1:
+            text += f"; {self.samples} copies along the batch"
         if self.grad:
             text += "; backward with a seeded upstream gradient"
         return text
@@ -135,16 +168,23 @@ class FlashCallSpec:
         return f"{self.case.describe()}; {self.arguments()}"
 
     def same_as(self, case: Any) -> bool:
-        return self.case is case and not self.grad and not self.lse
+        return self.case is case and not self.grad and not self.lse and not self.dropout_p and self.samples == 1
+
+
+#: FlashAttention-3's descale arguments of FP8 q, k, v.
+_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def flash_inputs(case: FlashCase, *, requires_grad: bool = False) -> dict[str, Any]:
     """Contiguous tensors of the case (q, k, v in its dtype, slopes float32) on its device."""
     import torch
 
-    dtype = dtype_of(case.dtype)
+    fp8 = case.fp8 is not None
+    dtype = getattr(torch, case.fp8) if fp8 else dtype_of(case.dtype)
 
     def tensor(a: np.ndarray) -> Any:
+        if fp8:  # float64 -> float8 (exact: the values are the format's), on the CPU, then moved
+            return torch.tensor(np.ascontiguousarray(a), dtype=torch.float64).to(dtype).to(case.device)
         t = torch.tensor(np.ascontiguousarray(a), dtype=dtype, device=case.device)
         return t.requires_grad_(True) if requires_grad else t
 
@@ -152,7 +192,8 @@ def flash_inputs(case: FlashCase, *, requires_grad: bool = False) -> dict[str, A
         return None if a is None else torch.tensor(a, dtype=torch.float32, device=case.device)
 
     return {"q": tensor(case.query), "k": tensor(case.key), "v": tensor(case.value),
-            "alibi_slopes": float32(case.alibi_slopes), "sinks": float32(case.sinks)}
+            "alibi_slopes": float32(case.alibi_slopes), "sinks": float32(case.sinks),
+            **{name: float32(getattr(case, name)) for name in _DESCALES}}
 
 
 @dataclass
@@ -160,6 +201,7 @@ class FlashOutcome:
     tensor: Any  # the output tensor
     lse: Any  # the LSE tensor (None unless asked for)
     inputs: dict[str, Any]  # the tensors handed over (.grad filled after backward)
+    probs: Any = None  # return_attn_probs' third element (FlashAttention-2's S_dmask), if a tensor
 
 
 def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_directly,
@@ -169,23 +211,25 @@ def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_dire
     __tracebackhide__ = True
     import torch
 
-    case = call.case
+    case = call.called_case
     tensors = inputs if inputs is not None else flash_inputs(case, requires_grad=call.grad)
     kwargs = call.keyword_arguments()
-    for name in ("alibi_slopes", "sinks"):
+    for name in ("alibi_slopes", "sinks", *_DESCALES):
         if name in kwargs:
             kwargs[name] = tensors[name]
 
     def forward() -> Any:
-        return impl.flash(tensors["q"], tensors["k"], tensors["v"], **kwargs)
+        with _seeded(call.dropout_seed, case.device):
+            return impl.flash(tensors["q"], tensors["k"], tensors["v"], **kwargs)
 
     result = invoke(forward)
-    lse = None
+    lse = probs = None
     if call.lse and check_output:
         if not isinstance(result, (tuple, list)) or len(result) < 2:
             fail(f"return_attn_probs=True returned {type(result).__name__}, but should return "
                  "(output, softmax_lse, ...) as flash_attn_func does")
         out, lse = result[0], result[1]
+        probs = result[2] if len(result) > 2 and isinstance(result[2], torch.Tensor) else None
     else:
         out = result[0] if isinstance(result, (tuple, list)) and call.lse else result
     if check_output:
@@ -198,9 +242,9 @@ def run_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_dire
             fail(f"softmax_lse shape={tuple(getattr(lse, 'shape', ()))}, but should be "
                  f"{(case.B, case.N, case.L)} (B, N, L)")
     if call.grad_output is not None:
-        g = torch.from_numpy(call.grad_output).to(dtype_of(case.dtype)).to(out.device)
+        g = torch.from_numpy(np.tile(call.grad_output, (call.samples, 1, 1, 1))).to(out.dtype).to(out.device)
         invoke(out.backward, g)
-    return FlashOutcome(out, lse, tensors)
+    return FlashOutcome(out, lse, tensors, probs)
 
 
 @dataclass
@@ -211,13 +255,22 @@ class FlashCall:
     inputs: dict[str, Any]
     spec: FlashCallSpec
     lse_dtype: str | None = None  # the dtype the LSE came back in ("float32", ...)
+    probs: np.ndarray | None = None  # float64 copy of return_attn_probs' third element, if a tensor
+
+    @property
+    def out_dtype(self) -> str:
+        return str(self.tensor.dtype).removeprefix("torch.")
 
 
-def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
-              grad_output: np.ndarray | None = None) -> FlashCall:
-    """Call ``target.impl.flash`` on ``case`` through ``core.target.call_guarded`` and log the call."""
+def run_flash(target: Target, case: FlashCase, *, lse: bool = False, grad_output: np.ndarray | None = None,
+              dropout_p: float = 0.0, samples: int = 1) -> FlashCall:
+    """Call ``target.impl.flash`` on ``case`` through ``core.target.call_guarded`` and log the
+    call; with ``dropout_p``, torch's generator is seeded from the case's contents and the
+    call is made on ``samples`` copies of the case along the batch."""
     __tracebackhide__ = True
-    call = FlashCallSpec(case, lse=lse, grad_output=grad_output)
+    seed = content_seed("flash-dropout", case.query, case.key, case.value) if dropout_p else None
+    call = FlashCallSpec(case, lse=lse, grad_output=grad_output, dropout_p=dropout_p, dropout_seed=seed,
+                         samples=samples)
     require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
@@ -229,7 +282,8 @@ def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
         # FlashAttention-2 writes +inf for a row attending no key; the spec says -inf.
         lse_values = np.where(np.isposinf(lse_values), -np.inf, lse_values)
     lse_dtype = None if outcome.lse is None else str(outcome.lse.dtype).removeprefix("torch.")
-    return FlashCall(to_numpy(outcome.tensor), lse_values, outcome.tensor, outcome.inputs, call, lse_dtype)
+    probs = None if outcome.probs is None else to_numpy(outcome.probs)
+    return FlashCall(to_numpy(outcome.tensor), lse_values, outcome.tensor, outcome.inputs, call, lse_dtype, probs)
 
 
 def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:
@@ -250,14 +304,15 @@ def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:
 
 
 def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: str = "output",
-                 ref: spec.FlashResult | None = None) -> Comparison:
-    """The output against ``spec.flash_attention`` under the tolerance rule; rows attending
-    no key follow the declared policy (zero: exactly 0, nan: NaN)."""
+                 ref: spec.FlashResult | None = None, allowed: np.ndarray | None = None) -> Comparison:
+    """The output against ``spec.flash_attention`` under the tolerance rule (or ``allowed``);
+    rows attending no key follow the declared policy (zero: exactly 0, nan: NaN)."""
     __tracebackhide__ = True
     ref = ref if ref is not None else oracle(case)
     rows = ~case.empty_rows()                                                 # (L,)
     where = rows[None, :, None, None]
-    comparison = compare_values(what, actual, ref.output, allowed_output(target, case, ref), where=where)
+    allowed = allowed if allowed is not None else allowed_output(target, case, ref)
+    comparison = compare_values(what, actual, ref.output, allowed, where=where)
     dead = actual[:, ~rows]
     policy = "zero" if case.sinks is not None else target.caps.fully_masked
     if dead.size and case.sinks is not None and not (dead == 0).all():
@@ -292,10 +347,13 @@ def check_gradients(target: Target, case: FlashCase) -> float:
     return compare_gradients(target, call.spec, call.inputs)
 
 
-def compare_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any]) -> float:
+def compare_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any], *,
+                      expected: spec.FlashGrads | None = None, factor: float = 1.0) -> float:
+    """dq, dk, dv against ``expected`` (default the VJP of the call's case) within the
+    gradient floor at the case's magnitudes, times ``factor``."""
     __tracebackhide__ = True
     case, grad_out = call.case, call.grad_output
-    grads = spec.flash_attention_vjp(case.query, case.key, case.value, grad_out, **case.options())
+    grads = expected or spec.flash_attention_vjp(case.query, case.key, case.value, grad_out, **case.options())
     problem, forward = _forward(case)
     t = (0, 2, 1, 3)
     view = SDPACase(problem.query, case.key.transpose(t), case.value.transpose(t), scale=problem.scale)
@@ -310,9 +368,43 @@ def compare_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, An
         if grad is None:
             fail(f"{what} is None, but should be a gradient (autograd is declared)")
         bound = bounds[{"dq": "dquery", "dk": "dkey", "dv": "dvalue"}[what]].transpose(t)
-        allowed = tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
+        allowed = factor * tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
         worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
     return worst
+
+
+#: The dtypes an FP8 call's output may come back in (FlashAttention-3's is bfloat16).
+FP8_OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_fp8(target: Target, case: FlashCase, call: Any) -> float:
+    """An FP8 call (``case.fp8``): the output, in a 16- or 32-bit float dtype, against the
+    oracle on the dequantised inputs within ``tolerance.fp8_allowed`` for the dtype it came
+    back in; the LSE, when asked for, within ``tolerance.fp8_lse_allowed``."""
+    __tracebackhide__ = True
+    if call.out_dtype not in FP8_OUTPUT_DTYPES:
+        fail(f"output dtype={call.out_dtype} for q, k, v in {case.fp8}, but should be one of "
+             f"{', '.join(FP8_OUTPUT_DTYPES)} (an FP8 call's output is not FP8; FlashAttention-3 returns bfloat16)")
+    ref = oracle(case)
+    ratio = check_output(target, case, call.output, ref=ref, what=f"output (q, k, v in {case.fp8})",
+                         allowed=fp8_allowed_output(case, ref, call.out_dtype)).ratio
+    if call.lse is not None:
+        stored = call.lse_dtype if call.lse_dtype in tolerance.EPS else "float32"
+        with np.errstate(invalid="ignore"):  # -inf against -inf
+            ratio = max(ratio, compare_values(f"softmax_lse (q, k, v in {case.fp8})", call.lse, ref.lse,
+                                              fp8_allowed_lse(case, ref, stored)).ratio)
+    return ratio
+
+
+def compare_dropout_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any],
+                              keep: np.ndarray) -> float:
+    """dq, dk, dv of a dropout call against ``spec.flash_attention_vjp`` with the call's own
+    pattern ``keep``, within the gradient floor at the dropout-free magnitudes / (1 - p)."""
+    __tracebackhide__ = True
+    case, p = call.case, call.dropout_p
+    grads = spec.flash_attention_vjp(case.query, case.key, case.value, call.grad_output, **case.options(),
+                                     dropout_p=p, dropout_mask=keep)
+    return compare_gradients(target, call, tensors, expected=grads, factor=1 / (1 - p))
 
 
 def assert_output_contract(target: Target, case: FlashCase, call: FlashCall) -> None:
@@ -322,25 +414,6 @@ def assert_output_contract(target: Target, case: FlashCase, call: FlashCall) -> 
 
 
 # --------------------------------------------------------------------------- saving and reproducing
-
-
-_ARRAYS = ("query", "key", "value", "alibi_slopes", "sinks")
-
-
-def case_meta(case: FlashCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(meta, arrays)`` of a flash case for ``conformance.reporting.failures`` (kind ``"flash"``)."""
-    arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS if getattr(case, n) is not None}
-    meta = {"kind": "flash", "causal": case.causal, "window": list(case.window), "softcap": case.softcap,
-            "scale": case.scale, "dtype": case.dtype, "device": case.device, "regime": case.regime,
-            "notes": list(case.notes)}
-    return meta, arrays
-
-
-def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> FlashCase:
-    return FlashCase(**{n: arrays.get(n) for n in _ARRAYS}, causal=bool(meta["causal"]),
-                     window=tuple(meta["window"]), softcap=float(meta["softcap"]), scale=meta["scale"],
-                     dtype=meta["dtype"], device=meta["device"], regime=meta["regime"],
-                     notes=tuple(meta["notes"]))
 
 
 def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_directly) -> CallReport:
@@ -368,25 +441,53 @@ def report_flash_call(impl: Any, call: FlashCallSpec, *, invoke: Invoke = call_d
     except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
         report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
         return report
-    report.lines.append(f"oracle: spec.flash_attention({', '.join(f'{k}={v!r}' for k, v in case.options().items() if k not in ('alibi_slopes', 'sinks'))}, ...)")
-    checks = [lambda: check_output(target, case, to_numpy(outcome.tensor), ref=ref)]
-    if outcome.lse is not None:
-        lse = to_numpy(outcome.lse)
-        stored = str(outcome.lse.dtype).removeprefix("torch.")
-        checks.append(lambda: check_lse(target, case, np.where(np.isposinf(lse), -np.inf, lse), ref=ref,
-                                        stored=stored))
-    if call.grad:
-        checks.append(lambda: compare_gradients(target, call, outcome.inputs))
+    shown = ", ".join(f"{k}={v!r}" for k, v in case.options().items() if not isinstance(v, np.ndarray))
+    report.lines.append(f"oracle: spec.flash_attention({shown}, ...)")
+    lse = None if outcome.lse is None else to_numpy(outcome.lse)
+    made = FlashCall(to_numpy(outcome.tensor), None if lse is None else np.where(np.isposinf(lse), -np.inf, lse),
+                     outcome.tensor, outcome.inputs, call,
+                     None if lse is None else str(outcome.lse.dtype).removeprefix("torch."),
+                     None if outcome.probs is None else to_numpy(outcome.probs))
+    checks = _report_checks(target, case, call, made, ref)
     for check in checks:
         try:
             check()
         except PropertyFailure as exc:
             report.finding(str(exc))
-    out = to_numpy(outcome.tensor)
+    out = made.output if call.samples == 1 else made.output.reshape(call.samples, *ref.output.shape).mean(0)
+    if call.samples > 1:
+        report.lines.append(f"the output below is the mean of the {call.samples} copies")
     diff = np.abs(out - ref.output)[np.isfinite(out) & np.isfinite(ref.output)]
     report.max_difference = float(diff.max()) if diff.size else 0.0
     report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
     return report
+
+
+def _report_checks(target: Target, case: FlashCase, call: FlashCallSpec, made: FlashCall,
+                   ref: spec.FlashResult) -> list[Any]:
+    """The checks of a remade call, as its property made them: an FP8 call by its own bound,
+    a dropout call by the mean of its copies or by the pattern it returned, else the output,
+    the LSE and the gradients against the oracle."""
+    if case.fp8 is not None:
+        return [lambda: check_fp8(target, case, made)]
+    if call.dropout_p:
+        if call.samples > 1:
+            return [lambda: check_dropout_mean(target, case, made)]
+        if made.probs is None:
+            return []
+        keep = dropout_pattern_of(case, made)
+        with_pattern = oracle(case, dropout_p=call.dropout_p, dropout_mask=keep)
+        checks = [lambda: check_output(target, case, made.output, ref=with_pattern,
+                                       allowed=allowed_output(target, case, ref) / (1 - call.dropout_p))]
+        if call.grad:
+            checks.append(lambda: compare_dropout_gradients(target, call, made.inputs, keep))
+        return checks
+    checks = [lambda: check_output(target, case, made.output, ref=ref)]
+    if made.lse is not None:
+        checks.append(lambda: check_lse(target, case, made.lse, ref=ref, stored=made.lse_dtype))
+    if call.grad:
+        checks.append(lambda: compare_gradients(target, call, made.inputs))
+    return checks
 
 
 def show_flash_call(impl: Any, call: FlashCallSpec) -> CallReport:
@@ -401,6 +502,10 @@ def validate(case: FlashCase) -> None:
     for name in ("query", "key", "value"):
         if np.ndim(getattr(case, name)) != 4:
             raise ValueError(f"{name} has shape {np.shape(getattr(case, name))}, but should be 4-D")
+    if case.fp8 is not None:
+        for name in ("query", "key", "value"):
+            if not spec.fp8.representable(getattr(case, name), case.fp8).all():
+                raise ValueError(f"{name} holds values that are not {case.fp8} values")
     spec.flash_attention(case.query, case.key, case.value, **case.options())
 
 

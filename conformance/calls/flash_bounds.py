@@ -1,8 +1,10 @@
 """The flash level's oracle and error bounds: ``spec.flash_attention`` on a
 :class:`~conformance.calls.flash_cases.FlashCase`, a naive same-precision ``flash_attn_func``
 (:func:`emulate_flash`) and the allowed errors of the output and the LSE built from it
-(``conformance.core.tolerance``'s rule). ``conformance.calls.flash`` makes the calls and
-checks them against these (as ``mha_bounds`` is for the MHA level).
+(``conformance.core.tolerance``'s rule), the bounds of an FP8 call (``tolerance.fp8_allowed``)
+and the checks of a dropout call (the mean of its copies; the pattern it returned).
+``conformance.calls.flash`` makes the calls and checks them against these (as
+``mha_bounds`` is for the MHA level).
 
 Dimension letters: B batch, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim.
@@ -17,10 +19,12 @@ import numpy as np
 import spec
 from conformance.calls.flash_cases import FlashCase
 from conformance.core import tolerance
+from conformance.core.compare import compare_values, fail
 from conformance.core.target import Target
 from spec.emulate import _rounder
 
-__all__ = ["allowed_lse", "allowed_output", "emulate_flash", "oracle"]
+__all__ = ["allowed_lse", "allowed_output", "check_dropout_mean", "dropout_pattern_of", "emulate_flash",
+           "fp8_allowed_lse", "fp8_allowed_output", "oracle"]
 
 
 def oracle(case: FlashCase, **overrides: Any) -> spec.FlashResult:
@@ -128,3 +132,73 @@ def allowed_lse(target: Target, case: FlashCase, ref: spec.FlashResult | None = 
     if stored in _PRECISION and _PRECISION[stored] < _PRECISION[case.dtype]:
         allowed = np.maximum(allowed, tolerance.lse_allowed(stored, naive, size))
     return allowed
+
+
+# --------------------------------------------------------------------------- FP8 inputs
+
+
+def _fp8_row_sizes(case: FlashCase) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """(problem, forward, keys n (B, N, L, 1), score sizes Z (B, N, L, 1)) of an FP8 case,
+    on the dequantised values (the oracle's problem)."""
+    problem, forward = _forward(case)
+    keys = np.broadcast_to(problem.allowed, forward.weights.shape).sum(axis=-1, keepdims=True)
+    return problem, forward, keys.astype(np.float64), _score_sizes(case, problem, forward)
+
+
+def fp8_allowed_output(case: FlashCase, ref: spec.FlashResult, out_dtype: str) -> np.ndarray:
+    """Elementwise allowed error (B, L, N, Ev) of an FP8 call's output returned in
+    ``out_dtype``: ``tolerance.fp8_allowed`` with M = weights @ |v|, A = Σ |v| over the
+    attended keys, on the dequantised values."""
+    problem, forward, keys, size = _fp8_row_sizes(case)
+    magnitude = forward.weights @ np.abs(problem.value)                      # (B, N, L, Ev)
+    attended = np.broadcast_to(problem.allowed, forward.weights.shape).astype(np.float64)
+    key_values = attended @ np.abs(problem.value)                            # (B, N, L, Ev)
+    t = (0, 2, 1, 3)
+    allowed = tolerance.fp8_allowed(case.fp8, out_dtype, magnitude=magnitude, key_values=key_values,
+                                    keys=keys, score_size=size, head_dim=case.E,
+                                    expected=ref.output.transpose(t))
+    return allowed.transpose(t)
+
+
+def fp8_allowed_lse(case: FlashCase, ref: spec.FlashResult, stored: str) -> np.ndarray:
+    """Allowed error (B, N, L) of an FP8 call's LSE returned in ``stored``."""
+    _, _, keys, size = _fp8_row_sizes(case)
+    return tolerance.fp8_lse_allowed(case.fp8, stored, keys=keys[..., 0], score_size=size[..., 0],
+                                     head_dim=case.E, expected=ref.lse)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def check_dropout_mean(target: Target, case: FlashCase, call: Any) -> float:
+    """A dropout call on ``samples`` copies of ``case`` (V >= 0): no NaN in rows attending a
+    key, and the mean over the copies is the dropout-free oracle within Hoeffding's bound
+    plus each sample's rounding (``tolerance.flash_dropout_allowed``)."""
+    __tracebackhide__ = True
+    p, samples = call.spec.dropout_p, call.spec.samples
+    out = call.output.reshape(samples, case.B, case.L, case.N, case.Ev)
+    rows = ~case.empty_rows()
+    if np.isnan(out[:, :, rows]).any():
+        fail(f"dropout output has NaN with dropout_p={p}")
+    ref = oracle(case)
+    problem, forward = _forward(case)
+    c = (forward.weights @ np.abs(problem.value)).transpose(0, 2, 1, 3) / (1 - p)   # (B, L, N, Ev)
+    rounding = allowed_output(target, case, ref) / (1 - p)
+    mean = out.mean(axis=0)
+    bound = tolerance.flash_dropout_allowed(c, samples, mean.size, rounding)
+    return compare_values(f"mean of {samples} dropout outputs (dropout_p={p})", mean, ref.output, bound,
+                          where=rows[None, :, None, None]).ratio
+
+
+def dropout_pattern_of(case: FlashCase, call: Any) -> np.ndarray:
+    """The dropout pattern (B, N, L, S), True = kept, read off ``return_attn_probs``' third
+    element (FlashAttention-2's S_dmask (B, N, >= L, >= S): negative where dropped)."""
+    __tracebackhide__ = True
+    probs = call.probs
+    B, N, L, S = case.B * call.spec.samples, case.N, case.L, case.S
+    if probs is None or probs.ndim != 4 or probs.shape[:2] != (B, N) or probs.shape[2] < L or probs.shape[3] < S:
+        shape = None if probs is None else probs.shape
+        fail(f"return_attn_probs=True with dropout_p={call.spec.dropout_p} returned S_dmask of shape {shape}, "
+             f"but should return (output, softmax_lse, S_dmask (B, N, >= L, >= S) = ({B}, {N}, >= {L}, >= {S})) "
+             "as flash_attn_func does (dropout_pattern declared)")
+    return ~(probs[:, :, :L, :S] < 0)

@@ -67,6 +67,7 @@ def oracle(case: SDPACase, **overrides: Any) -> spec.SDPAResult:
         additive_mask=case.additive_mask,
         causal=case.causal,
         scale=case.scale,
+        sinks=case.sinks,
         fully_masked="zero",
     )
     args.update(overrides)
@@ -106,7 +107,7 @@ def naive_error(case: SDPACase, reference: np.ndarray, rows: np.ndarray) -> floa
     emulated = spec.emulate_sdpa(
         case.query, case.key, case.value, dtype=case.dtype,
         attend_mask=case.attend_mask, additive_mask=case.additive_mask,
-        causal=case.causal, scale=case.scale, fully_masked="zero",
+        causal=case.causal, scale=case.scale, fully_masked="zero", sinks=case.sinks,
     )
     diff = np.where(rows, np.abs(emulated - reference), 0.0)
     finite = np.isfinite(diff)
@@ -361,7 +362,7 @@ def compare_gradients(target: Target, call: SDPACallSpec, tensors: dict[str, Any
     ref = oracle(case)
     grads = spec.sdpa_vjp(case.query, case.key, case.value, grad_out,
                           attend_mask=case.attend_mask, additive_mask=case.additive_mask,
-                          causal=case.causal, scale=case.scale)
+                          causal=case.causal, scale=case.scale, sinks=case.sinks)
     bounds = grad_magnitudes(case, ref, grad_out)
     logit_range = grad_logit_range(case, ref)
     worst = 0.0

@@ -50,7 +50,7 @@ NOTE_STRIDE0_HEADS = "stride0:heads"
 SDPA_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "mask_kind", "causal", "scale", "scale_sign", "layout", "regime",
     "B", "N", "K", "L", "S", "E", "Ev", "gqa", "different_v_dim", "fully_masked_rows",
-    "is_causal", "dropout_p", "grad",
+    "is_causal", "dropout_p", "grad", "sinks",
 })
 #: Attributes of an MHA-level call: ``MHACase.attrs()`` and what the call adds
 #: (``replay.MHACallSpec.attrs``: ``grad`` (autograd on, else torch.no_grad()),
@@ -86,7 +86,9 @@ class SDPACase:
     added to scaled scores), broadcastable to (B, N, L, S). ``causal`` is the
     alignment the case asks for (None, "upper_left", "lower_right"); the runner
     passes ``is_causal=True`` only to implementations whose flag means that
-    alignment. ``scale=None`` means the default 1/sqrt(E).
+    alignment. ``scale=None`` means the default 1/sqrt(E). ``sinks`` (N,): learned sink
+    logits (float32-exact), handed over as ``sinks=`` to an SDPA callable that declares
+    them (``Capabilities.sdpa_sinks``); None: no sinks, nothing passed.
     """
 
     query: np.ndarray
@@ -96,6 +98,7 @@ class SDPACase:
     additive_mask: np.ndarray | None = None
     causal: str | None = None
     scale: float | None = None
+    sinks: np.ndarray | None = None
     dtype: str = "float64"
     device: str = "cpu"
     layout: str = "contiguous"
@@ -167,6 +170,7 @@ class SDPACase:
         }
         out["gqa"] = self.K != self.N
         out["different_v_dim"] = self.E != self.Ev
+        out["sinks"] = self.sinks is not None
         try:
             out["fully_masked_rows"] = bool(self.fully_masked_rows().any())
         except ValueError:  # an invalid case (a mask of the wrong shape) has no rows to judge
@@ -189,9 +193,10 @@ class SDPACase:
         for m in (self.attend_mask, self.additive_mask):
             if m is not None:
                 mask += f"{tuple(m.shape)}"
+        sinks = "" if self.sinks is None else f" sinks={[float(x) for x in self.sinks]}"
         return (
             f"{sizes} dtype={self.dtype} device={self.device} mask={mask} "
-            f"causal={self.causal} scale={self.scale} layout={self.layout} "
+            f"causal={self.causal} scale={self.scale}{sinks} layout={self.layout} "
             f"regime={self.regime}"
         )
 

@@ -151,7 +151,7 @@ def _stride0_axes(case: SDPACase) -> tuple[int, ...]:
 
 
 def sdpa_inputs(case: SDPACase, *, requires_grad: bool = False) -> dict[str, Any]:
-    """``dict(query=, key=, value=, attn_mask=)`` torch tensors for ``case``.
+    """``dict(query=, key=, value=, attn_mask=, sinks=)`` torch tensors for ``case``.
 
     On ``case.device`` with ``case.dtype`` and ``case.layout`` applied. ``attn_mask``
     is the case's bool mask (True = may attend), or its additive mask in the case
@@ -170,6 +170,8 @@ def sdpa_inputs(case: SDPACase, *, requires_grad: bool = False) -> dict[str, Any
         "key": key,
         "value": value,
         "attn_mask": _sdpa_mask(case, dtype, requires_grad),
+        # learned sinks (N,), float32 (the case's are float32-exact); None: nothing passed
+        "sinks": None if case.sinks is None else torch.tensor(case.sinks, dtype=torch.float32, device=case.device),
     }
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spec import fp8 as spec_fp8
+
 __all__ = [
     "TOLERANCES",
     "Tolerance",
@@ -62,6 +64,11 @@ __all__ = [
     "SCALING_VARIANCE_FACTOR",
     "scaling_variance_accepted",
     "scaling_variance_ratio",
+    "FP8_ACCUMULATION_EPS",
+    "fp8_score_error",
+    "fp8_allowed",
+    "fp8_lse_allowed",
+    "flash_dropout_allowed",
 ]
 
 #: Unit roundoff (half the machine epsilon) of each dtype, and of TF32.
@@ -320,3 +327,93 @@ def scaling_variance_accepted(statistic: float) -> bool:
 def scaling_variance_ratio(statistic: float) -> float:
     """Headroom of the statistic: |log statistic| / log FACTOR (1 at the edge)."""
     return abs(np.log(statistic)) / np.log(SCALING_VARIANCE_FACTOR)
+
+
+def flash_dropout_allowed(c: np.ndarray, samples: int, elements: int, rounding: np.ndarray) -> np.ndarray:
+    """``flash_dropout_expectation``: each sample of an output element lies in [0, c] (V
+    positive, c = Σ w|v| / (1 - p)), so Hoeffding bounds the mean as for SDPA; a 16-bit
+    kernel's samples carry a rounding error each, at most ``rounding`` (the no-dropout
+    bound at magnitude c, ``flash_bounds.allowed_output`` / (1 - p)), which can shift the
+    mean by as much: it is added, as at the MHA level."""
+    return hoeffding_halfwidth(c, samples, elements) + DROPOUT_SLACK * c + rounding
+
+
+# -- FP8 inputs (flash level, spec.fp8) -----------------------------------------
+#
+# An FP8 call's inputs are exact: the oracle runs on stored · descale, which float64 holds
+# exactly (spec.fp8). So the whole error is the kernel's own rounding, and the bound below
+# is derived from the formats' unit roundoffs for a kernel computing as FlashAttention-3's
+# FP8 forward does (per query row i, heads first; w the oracle's weights, n_i the number of
+# keys row i attends):
+#
+# 1. Scores s_ij = (scale · qd · kd) · Σ_e q8_e k8_e. A product of two FP8 values has at most
+#    8 significant bits: exact in float32. The sum of E products in an accumulator of unit
+#    roundoff u_a is within γ_E · Σ_e |q8_e k8_e| (γ_n = n u_a / (1 - n u_a)), and the three
+#    factors add three roundings: |δs_ij| <= δ_i = γ_{E+3} · Z_i, Z_i the row's largest
+#    scale · |qd kd| · Σ_e |q8_e k8_e| (``flash_bounds._score_sizes`` of the dequantised
+#    problem). u_a is FP8_ACCUMULATION_EPS, not float32's: Hopper's FP8 tensor cores keep
+#    about 14 bits of the accumulation (DeepSeek-V3 technical report, §3.3.2); a float32
+#    accumulator (2^-24) is well inside. Soft-capping (1-Lipschitz) and the ALiBi bias
+#    (float32) add nothing beyond it.
+# 2. Scores moved by at most δ_i move each weight by a factor within e^(±2 δ_i), so the
+#    output by at most (e^(2 δ_i) - 1) · Σ_j w_ij |v_j - O_i| <= 2 (e^(2 δ_i) - 1) · M_i,
+#    M_i = Σ_j w_ij |v_j| (``magnitude``; |O_i| <= M_i); and never by more than 2 A_i (both
+#    outputs are convex combinations of the attended values), which caps it at huge δ_i.
+# 3. P_ij = exp(s_ij - m_i) ∈ (0, 1] (m_i the row max: the largest term is 1, so the row sum
+#    ℓ_i >= 1) is rounded to the FP8 format for the PV product: r(P) = P + d with
+#    |d| <= u_p · P + σ/2 (u_p the format's unit roundoff, σ its smallest subnormal; an offset
+#    such as FlashAttention-3's 2^8 only makes σ/2 smaller). With the row sum taken over the
+#    float32 P (FlashAttention-3) O'_i - O_i = Σ_j d_ij v_j / ℓ_i; over the rounded P it is
+#    Σ_j d_ij (v_j - O_i) / (ℓ_i + Σ_j d_ij). Both are within
+#        R_i = (2 u_p M_i + σ/2 · (A_i + n_i M_i)) / (1 - u_p - n_i σ/2),
+#    A_i = Σ_j |v_j| over the attended keys (``key_values``).
+# 4. v_descale multiplies the float32 accumulator (one float32 rounding) and the output is
+#    rounded to its dtype: u_out · |O_i| (+ half its smallest subnormal).
+# 5. What the model leaves to float32 (the exp, the scale's product, v_descale) is covered by
+#    the SDPA rule's float32 floor, 256 u_32 · M_i · (1 + Z_i).
+#
+# No multiple k: every term is a worst case under the model, and the certificate's ratio
+# shows how far inside a kernel is (the zoo's FlashBase, which rounds P to FP8 as
+# FlashAttention-3 does, must pass: tests/implementations/test_flash_fp8.py).
+
+#: Unit roundoff of the scores' accumulation in an FP8 kernel (step 1 above).
+FP8_ACCUMULATION_EPS = 2.0**-14
+
+
+def fp8_score_error(head_dim: int, score_size: np.ndarray) -> np.ndarray:
+    """δ_i of step 1: the largest error of a computed score of a row whose largest
+    scale·|qd kd|·Σ_e|q8 k8| is ``score_size``."""
+    n = head_dim + 3
+    gamma = n * FP8_ACCUMULATION_EPS / (1 - n * FP8_ACCUMULATION_EPS)
+    return gamma * score_size
+
+
+def fp8_allowed(fmt: str, out_dtype: str, *, magnitude: np.ndarray, key_values: np.ndarray,
+                keys: np.ndarray, score_size: np.ndarray, head_dim: int, expected: np.ndarray) -> np.ndarray:
+    """Elementwise allowed error of an FP8 call's output (steps 1-5 above): ``fmt`` the
+    inputs' format, ``out_dtype`` the dtype the output came back in; ``magnitude`` M,
+    ``key_values`` A (elementwise, as the output), ``keys`` n and ``score_size`` Z (per row,
+    broadcastable), ``expected`` the oracle's output."""
+    f = spec_fp8.format_of(fmt)
+    u, half_sub = f.unit_roundoff, f.smallest_subnormal / 2
+    delta = fp8_score_error(head_dim, score_size)
+    rounding = (2 * u * magnitude + half_sub * (key_values + keys * magnitude)) / (1 - u - keys * half_sub)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.minimum(2 * np.expm1(np.minimum(2 * delta, 700.0)) * magnitude, 2 * key_values)
+    output = EPS[out_dtype] * np.abs(expected) + SUBNORMAL[out_dtype]
+    floor = TOLERANCES["float32"].floor * EPS["float32"] * magnitude * (1 + score_size)
+    return rounding + scores + output + floor
+
+
+def fp8_lse_allowed(fmt: str, stored: str, *, keys: np.ndarray, score_size: np.ndarray, head_dim: int,
+                    expected: np.ndarray) -> np.ndarray:
+    """Allowed error of an FP8 call's LSE (per row): the scores' δ_i (step 1), plus
+    -log(1 - u_p - n_i σ/2) for a row sum over the FP8-rounded P (step 3; FlashAttention-3
+    sums the float32 P and needs none of it), plus float32's floor at 1 + Z_i and the
+    rounding of the dtype the LSE is returned in."""
+    f = spec_fp8.format_of(fmt)
+    u, half_sub = f.unit_roundoff, f.smallest_subnormal / 2
+    sum_rounding = -np.log1p(-(u + keys * half_sub))
+    floor = TOLERANCES["float32"].floor * EPS["float32"] * (1 + score_size)
+    size = np.where(np.isfinite(expected), np.abs(expected), 0.0)
+    return fp8_score_error(head_dim, score_size) + sum_rounding + floor + EPS[stored] * size

@@ -34,7 +34,7 @@ __all__ = ["save_case", "load_case", "load_call", "validate_saved", "Replay", "a
 
 FAILURE_DIR = Path(os.environ.get("ATTENTION_CONFORMANCE_FAILURES", ".conformance/failures"))
 
-_SDPA_ARRAYS = ("query", "key", "value", "attend_mask", "additive_mask")
+_SDPA_ARRAYS = ("query", "key", "value", "attend_mask", "additive_mask", "sinks")
 _MHA_ARRAYS = ("query", "key", "value", "key_padding_mask", "attn_mask")
 _MHA_FLAGS = ("is_causal", "need_weights", "average_attn_weights", "batch_first", "unbatched", "dtype", "device")
 #: What a saved file's ``kind`` may be: a level.
@@ -247,7 +247,7 @@ def validate_saved(case: Any, meta: dict[str, Any], properties: Any) -> None:
                 raise ValueError(f"layout={case.layout!r} causal={case.causal!r}: layout must be one of "
                                  f"{LAYOUTS}, causal None, 'upper_left' or 'lower_right'")
             spec.sdpa(case.query, case.key, case.value, attend_mask=case.attend_mask,
-                      additive_mask=case.additive_mask, causal=case.causal, scale=case.scale)
+                      additive_mask=case.additive_mask, causal=case.causal, scale=case.scale, sinks=case.sinks)
         elif level in levels.LEVEL_MODULES:
             levels.module(level).validate(case)
         else:
@@ -283,7 +283,7 @@ def _call_size(call: Any) -> int:
 
 def _kwargs(values: dict[str, Any], defaults: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" if isinstance(v, str) and v.isidentifier() and k in ("attend_mask",
-                     "additive_mask", "key_padding_mask", "attn_mask", "grad_output") else f"{k}={v!r}"
+                     "additive_mask", "sinks", "key_padding_mask", "attn_mask", "grad_output") else f"{k}={v!r}"
                      for k, v in values.items() if k not in defaults or defaults[k] != v)
 
 
@@ -307,6 +307,9 @@ def _sdpa_literal(case: SDPACase) -> list[str]:
     if case.additive_mask is not None:
         lines.append(f"additive_mask = {_literal(case.additive_mask)}  # added to the scaled scores")
         masks["additive_mask"] = "additive_mask"
+    if case.sinks is not None:
+        lines.append(f"sinks = {_literal(case.sinks)}  # (N,) learned sink logits")
+        masks["sinks"] = "sinks"
     fields = dict(masks, causal=case.causal, scale=case.scale, dtype=case.dtype, device=case.device,
                   layout=case.layout, regime=case.regime, notes=case.notes)
     defaults = {"causal": None, "scale": None, "regime": "normal", "notes": ()}

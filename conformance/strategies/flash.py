@@ -17,7 +17,13 @@ where they matter:
 * learned ``sinks`` (N,) relative to the case's largest |score| m: zero, random around
   the scores, far above every score (the sink takes nearly all the mass), far below (it
   changes almost nothing), 1000 above (exp(sink - max over the keys) overflows unless the
-  sink joins the max), one per head differing; exact in bfloat16, float16 and float32.
+  sink joins the max), one per head differing; exact in bfloat16, float16 and float32;
+* FP8 inputs (``fp8=True``, the formats of ``caps.fp8_dtypes``): each of q, k, v with no
+  descale, one per tensor, or one per batch element and kv head (FlashAttention-3's),
+  each factor as a quantisation makes it (amax / the format's largest, times a jitter in
+  [1, 2)), a power of two, or a random float32; the values quantised as ``stored =
+  round(value / descale)`` (saturating at the format's largest), so ``stored · descale``
+  is about the drawn value and exact in float64 (``spec.fp8``).
 
 Simplest first everywhere, so a failing case shrinks toward no feature and small sizes.
 """
@@ -38,10 +44,11 @@ from conformance.strategies.shape_budget import check_shape_budget, shape_pool
 from conformance.strategies.sizes import draw_sizes, size_bounds
 from conformance.strategies.values import _draw_scale, _scale_kind_choices, sdpa_values
 from implementations.base import Capabilities
+from spec import fp8 as spec_fp8
 from spec.emulate import round_to
 
-__all__ = ["FLASH_REGIMES", "alibi_slopes", "exact_sinks", "flash_cases", "sink_logits", "softcaps",
-           "window_sides"]
+__all__ = ["FLASH_REGIMES", "alibi_slopes", "exact_sinks", "flash_cases", "fp8_inputs", "sink_logits",
+           "softcaps", "window_sides"]
 
 #: Value regimes drawn at the flash level (``values.REGIMES``), simplest first.
 FLASH_REGIMES = ("normal", "large_logits", "near_ties", "wide_range", "ascending")
@@ -113,18 +120,59 @@ def sink_logits(draw: st.DrawFn, rng: np.random.Generator, N: int, max_score: fl
     return exact_sinks(values)
 
 
+def _descale(draw: st.DrawFn, rng: np.random.Generator, x: np.ndarray, fmt: spec_fp8.FP8Format,
+             per_head: bool, K: int) -> np.ndarray:
+    """One descale factor (float32-exact, > 0): shape (1,), or (B, K) for ``x`` (B, T, H, X)
+    whose H = K or N heads share K factors by group (query head h: h // (N // K))."""
+    kind = weighted(draw, [("amax", 3), ("power_of_two", 2), ("random", 1)])
+    shape = (x.shape[0], K) if per_head else (1,)
+    if kind == "amax":  # the scale a quantiser picks: the largest |value| lands near the format's max
+        B, T, H, X = x.shape
+        grouped = np.abs(x).reshape(B, T, K, H // K, X)
+        amax = grouped.max(axis=(1, 3, 4)) if per_head else np.abs(x).max(keepdims=True).reshape(1)
+        d = np.maximum(amax, 2.0 ** -20) / fmt.max * rng.uniform(1.0, 2.0, shape)
+    elif kind == "power_of_two":
+        d = 2.0 ** rng.integers(-6, 7, shape).astype(np.float64)
+    else:
+        d = 2.0 ** rng.uniform(-8.0, 4.0, shape)
+    return np.float32(d).astype(np.float64)
+
+
+def fp8_inputs(draw: st.DrawFn, rng: np.random.Generator, case: FlashCase, formats: Sequence[str],
+               descales: Sequence[str] = ("none", "per_tensor", "per_head")) -> FlashCase:
+    """``case`` with q, k, v quantised to an FP8 format of ``formats`` (with their descales,
+    each given in one of the forms ``descales``)."""
+    fmt = spec_fp8.format_of(weighted(draw, [(name, 1) for name in formats]))
+    changes: dict[str, Any] = {"fp8": fmt.name}
+    forms = [(form, weight) for form, weight in (("none", 1), ("per_tensor", 2), ("per_head", 3)) if form in descales]
+    for name, descale in (("query", "q_descale"), ("key", "k_descale"), ("value", "v_descale")):
+        x = getattr(case, name)
+        form = weighted(draw, forms)
+        d = None if form == "none" else _descale(draw, rng, x, fmt, form == "per_head", case.K)
+        if d is None:
+            scaled = x
+        elif name == "query" and d.shape != (1,):  # (B, K) read by query head h // (N // K)
+            scaled = x / np.repeat(d, case.N // case.K, axis=1)[:, None, :, None]
+        else:
+            scaled = x / (d[:, None, :, None] if d.shape != (1,) else d)
+        changes[name] = spec_fp8.quantize(scaled, fmt.name, saturate=True)
+        changes[descale] = d
+    return case.replace(**changes)
+
+
 def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
                 window: bool | None = False, softcap: bool | None = False, alibi: bool | None = False,
                 causal: bool | None = None, regimes: Sequence[str] | None = None,
                 scale_kinds: Sequence[str] | bool = True, min_S: int = 1, max_L: int | None = 33,
                 max_S: int | None = 33, max_heads: int = 4, gqa: bool | None = None,
                 split: bool = False, shape_budget: int | None = None,
-                sinks: bool | None = False) -> st.SearchStrategy[FlashCase]:
+                sinks: bool | None = False, fp8: bool = False) -> st.SearchStrategy[FlashCase]:
     """Flash-level cases within ``caps``. Each feature: True (always), False (never),
     None (drawn, half the time, when ``caps.flash_features`` has it). ``causal`` likewise
     (needs ``caps.causal == "lower_right"``). ``split``: S >= 2 (the case is split in two
     key sets). ``shape_budget``: sizes from at most this many shapes (JIT implementations,
-    :mod:`conformance.strategies.shape_budget`), one with L > S and one with L <= S among them."""
+    :mod:`conformance.strategies.shape_budget`), one with L > S and one with L <= S among them.
+    ``fp8``: q, k, v in one of ``caps.fp8_dtypes`` (:func:`fp8_inputs`), drawn last."""
     arguments = dict(locals())
     features = caps.flash_features if caps is not None else frozenset({"window", "softcap", "alibi", "sinks"})
     can_causal = caps is None or caps.causal == "lower_right"
@@ -176,6 +224,10 @@ def flash_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabiliti
             capped = forward.logits if scored.softcap == 0 else scored.softcap * np.tanh(forward.logits / scored.softcap)
             finite = np.abs(capped[np.isfinite(capped)])
             changes["sinks"] = sink_logits(draw, rng, N, float(finite.max()) if finite.size else 1.0)
-        return case.replace(**changes) if changes else case
+        case = case.replace(**changes) if changes else case
+        if fp8:
+            case = (fp8_inputs(draw, rng, case, caps.fp8_dtypes, caps.fp8_descales) if caps is not None
+                    else fp8_inputs(draw, rng, case, tuple(spec_fp8.FORMATS)))
+        return case
 
     return named_strategy(flash_cases, arguments, draw_case)

@@ -7,6 +7,13 @@ a softmax from each row's max, the output and the log-sum-exp; learned ``sinks``
 FlashAttention's: q (B, L, N, E), k (B, S, K, E), v (B, S, K, Ev); causal and window
 align bottom-right (query i lines up with key ``i + S - L``). Autograd does the backward.
 16-bit inputs are computed in float32 and the output rounded back, as the kernels do.
+
+Dropout (``dropout_p > 0``) drops each weight after the softmax with probability p (torch's
+generator) and rescales the kept ones by 1/(1 - p); ``return_attn_probs=True`` then returns
+FlashAttention-2's ``(out, lse, S_dmask)`` with S_dmask the weights, negated where dropped.
+FP8 q, k, v (``float8_e4m3fn``, ``float8_e5m2``) with FlashAttention-3's ``q_descale``,
+``k_descale``, ``v_descale`` (float32, per tensor or (B, K)) are dequantised to float32 and
+computed there; the output is bfloat16 (FlashAttention-3's).
 """
 
 from __future__ import annotations
@@ -34,23 +41,58 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size, softc
         raise ValueError(f"softcap={softcap} must be a finite number >= 0 (0 = off)")
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _descale(name: str, descale, B: int, K: int, device) -> torch.Tensor:
+    """A descale factor as float32 (B, K, 1, 1): None -> 1; shape () or (1,) -> every (b, g)."""
+    if descale is None:
+        return torch.ones(B, K, 1, 1, device=device)
+    d = descale.to(device=device, dtype=torch.float32)
+    if d.numel() == 1:
+        return d.reshape(1, 1, 1, 1).expand(B, K, 1, 1)
+    if tuple(d.shape) != (B, K):
+        raise ValueError(f"{name} must have shape (1,) or (B, K) = ({B}, {K}), got {tuple(d.shape)}")
+    return d.reshape(B, K, 1, 1)
+
+
+def _inputs(q, k, v, q_descale, k_descale, v_descale, compute):
+    """q, k, v heads first in ``compute``, kv heads repeated to the query heads; FP8 inputs
+    multiplied by their descales first (query head h by its kv head h // (N // K)'s)."""
+    B, _, N, _ = q.shape
+    K = k.shape[2]
+    group = N // K
+    query, key, value = (x.transpose(1, 2).to(compute) for x in (q, k, v))   # (B, H, T, X)
+    if q.dtype in _FP8:
+        query = query * _descale("q_descale", q_descale, B, K, q.device).repeat_interleave(group, dim=1)
+        key = key * _descale("k_descale", k_descale, B, K, q.device)
+        value = value * _descale("v_descale", v_descale, B, K, q.device)
+    elif any(d is not None for d in (q_descale, k_descale, v_descale)):
+        raise ValueError("q_descale, k_descale and v_descale are for FP8 q, k, v (float8_e4m3fn, float8_e5m2)")
+    return query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None,
+                    q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention-2's forward: returns the output (B, L, N, Ev), or with
-    ``return_attn_probs`` the tuple ``(output, lse (B, N, L), None)``. ``sinks`` (N,): a
-    logit per query head joining each row's softmax, dropped after it (the LSE is the keys')."""
-    if dropout_p:
-        raise NotImplementedError("flash-ref has no dropout; dropout_p must be 0")
+    ``return_attn_probs`` the tuple ``(output, lse (B, N, L), S_dmask)`` (S_dmask (B, N, L, S)
+    the weights, negative where dropout dropped them; None without dropout). ``sinks`` (N,):
+    a logit per query head joining each row's softmax, dropped after it (the LSE is the
+    keys'). FP8 q, k, v take FlashAttention-3's descales and give a bfloat16 output."""
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
     _check(q, k, v, window_size, softcap)
+    if q.dtype in _FP8 and not (k.dtype == v.dtype == q.dtype):
+        raise ValueError(f"FP8 q, k, v must share one format, got {q.dtype}, {k.dtype}, {v.dtype}")
     _, L, N, E = q.shape
-    S, K = k.shape[1], k.shape[2]
+    S = k.shape[1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     scale = 1.0 / math.sqrt(E) if softmax_scale is None else softmax_scale
 
     # (B, L, N, E) -> (B, N, L, E); each kv head serves N // K query heads.
-    query = q.transpose(1, 2).to(compute)
-    key = k.transpose(1, 2).repeat_interleave(N // K, dim=1).to(compute)
-    value = v.transpose(1, 2).repeat_interleave(N // K, dim=1).to(compute)
+    query, key, value = _inputs(q, k, v, q_descale, k_descale, v_descale, compute)
 
     # 1. scaled logits (B, N, L, S)
     scores = scale * (query @ key.transpose(-1, -2))
@@ -89,13 +131,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         shifted = torch.where(empty, sink, torch.maximum(row_max, sink)).detach()
         e = torch.exp(scores - shifted)
         weights = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - shifted))
-    # 6. output (B, N, L, Ev) -> (B, L, N, Ev); LSE (B, N, L), -inf where no key is attended
-    output = (weights @ value).transpose(1, 2).to(q.dtype)
+    # 6. dropout after the softmax: each weight kept with probability 1 - p, rescaled by 1/(1 - p)
+    keep = None
+    if dropout_p:
+        keep = torch.rand(weights.shape, device=q.device) >= dropout_p
+        dropped = weights * keep / (1.0 - dropout_p)
+    else:
+        dropped = weights
+    # 7. output (B, N, L, Ev) -> (B, L, N, Ev); LSE (B, N, L), -inf where no key is attended
+    output = (dropped @ value).transpose(1, 2).to(out_dtype)
     if not return_attn_probs:
         return output
     lse = torch.where(empty, torch.full_like(total, float("-inf")),
                       row_max + torch.log(torch.where(empty, torch.ones_like(total), total)))
-    return output, lse[..., 0], None
+    probs = None if keep is None else torch.where(keep, weights, -weights).detach().to(out_dtype)
+    return output, lse[..., 0], probs
 
 
 def make_implementation(name: str = "flash-ref") -> Implementation:
@@ -105,15 +155,16 @@ def make_implementation(name: str = "flash-ref") -> Implementation:
         mask_kinds=frozenset({"none"}),
         causal="lower_right",
         fully_masked="zero",
-        dropout=False,
+        dropout=True,
         mask_grad=False,
-        flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks"}),
+        flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks", "dropout_pattern"}),
+        fp8_dtypes=("float8_e4m3fn", "float8_e5m2"),
     )
     return Implementation(
         name=name,
         capabilities=caps,
         flash=flash_attn_func,
         version=torch_version(),
-        description="flash_attn_func (window, softcap, ALiBi, LSE, GQA, learned sinks) in plain PyTorch, "
-                    "autograd backward",
+        description="flash_attn_func (window, softcap, ALiBi, LSE, GQA, learned sinks, dropout with its "
+                    "pattern, FP8 q/k/v with descales) in plain PyTorch, autograd backward",
     )

@@ -46,11 +46,14 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Same signature and meaning as ``torch.nn.functional.scaled_dot_product_attention``.
 
     query (..., N, L, E), key (..., K, S, E), value (..., K, S, Ev) -> (..., N, L, Ev).
     ``is_causal`` is upper-left aligned (query i sees keys 0..i), as in PyTorch.
+    ``sinks`` (N,): learned sink logits (gpt-oss), one per query head, that join the
+    softmax and are dropped after it (``spec.sdpa(sinks=)``).
     """
     output, _ = attention_with_weights(
         query,
@@ -61,6 +64,7 @@ def scaled_dot_product_attention(
         is_causal=is_causal,
         scale=scale,
         enable_gqa=enable_gqa,
+        sinks=sinks,
     )
     return output
 
@@ -75,6 +79,7 @@ def attention_with_weights(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SDPA returning ``(output (..., N, L, Ev), weights (..., N, L, S))``."""
     _check_inputs(query, key, value, attn_mask, enable_gqa)
@@ -108,9 +113,17 @@ def attention_with_weights(
     # 4. Softmax over keys. A row that is -inf everywhere has no distribution:
     #    softmax it as zeros (finite, so no NaN reaches the gradient) and then
     #    define its weights as 0.
-    fully_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., N, L, 1)
-    weights = torch.softmax(scores.masked_fill(fully_masked, 0.0), dim=-1)
-    weights = weights.masked_fill(fully_masked, 0.0)  # (..., N, L, S)
+    if sinks is not None:
+        # Learned sinks: one more column, the head's sink logit, in the softmax; it is
+        # dropped after it (no value), so a row with every key blocked gives 0.
+        if tuple(sinks.shape) != (N,):
+            raise ValueError(f"sinks must have shape (N,) = ({N},), got {tuple(sinks.shape)}")
+        sink = sinks.to(device=q.device, dtype=work_dtype).reshape(N, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # (..., N, L, S)
+    else:
+        fully_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., N, L, 1)
+        weights = torch.softmax(scores.masked_fill(fully_masked, 0.0), dim=-1)
+        weights = weights.masked_fill(fully_masked, 0.0)  # (..., N, L, S)
 
     # 5. Dropout on the weights (functional SDPA always applies dropout_p).
     if dropout_p > 0.0:

@@ -19,6 +19,7 @@ def make_implementation() -> Implementation:
         causal="upper_left",
         fully_masked="zero",
         dropout=True,
+        sdpa_sinks=True,
     )
     return Implementation(
         name="handwritten",

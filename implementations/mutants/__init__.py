@@ -18,7 +18,9 @@ Modules: :mod:`.sdpa_mutants`, :mod:`.tiled_mutants`, :mod:`.mha_mutants`,
 every property is shown to fail on its own); :mod:`.real_code_mutants` (bugs
 modelled on real libraries, named in their ``origin``); :mod:`.size_mutants`
 (bugs that live at one (L, S) size); :mod:`.flash_mutants` (``flash_attn_func`` with
-one step wrong, one per flash-level property); :mod:`.varlen_mutants` (packed-sequence
+one step wrong, one per flash-level property); :mod:`.sdpa_sink_mutants` (learned sinks
+at the SDPA level); :mod:`.flash_extra_mutants` (its FP8
+inputs and its dropout); :mod:`.varlen_mutants` (packed-sequence
 and KV-cache bugs, at the varlen and kvcache levels); :mod:`.cache_option_mutants`
 (FlashAttention's options there: window, softcap, LSE); :mod:`.cache_feature_mutants`
 (the KV cache's own options: rotary, cache_batch_idx, cache_leftpad, split-KV);
@@ -40,6 +42,7 @@ from implementations.mutants.cache_feature_mutants import CACHE_FEATURE_MUTANTS
 from implementations.mutants.cache_option_mutants import CACHE_OPTION_MUTANTS
 from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
 from implementations.mutants.dropout_mutants import DROPOUT_MUTANTS
+from implementations.mutants.flash_extra_mutants import FLASH_EXTRA_MUTANTS
 from implementations.mutants.flash_mutants import FLASH_MUTANTS
 from implementations.mutants.learner_mutants import LEARNER_MUTANTS
 from implementations.mutants.long_block_mutants import LONG_BLOCK_MUTANTS
@@ -48,6 +51,7 @@ from implementations.mutants.property_mutants import PROPERTY_MUTANTS
 from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
 from implementations.mutants.record import Mutant
 from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
+from implementations.mutants.sdpa_sink_mutants import SDPA_SINK_MUTANTS
 from implementations.mutants.sharded_mutants import SHARDED_MUTANTS
 from implementations.mutants.size_mutants import SIZE_MUTANTS
 from implementations.mutants.tiled_mutants import TILED_MUTANTS
@@ -59,7 +63,8 @@ __all__ = ["MUTANTS", "Mutant"]
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (*SDPA_MUTANTS, *TILED_MUTANTS, *MHA_MUTANTS, *TRITON_MUTANTS,
-              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *FLASH_MUTANTS, *VARLEN_MUTANTS,
-              *CACHE_OPTION_MUTANTS, *CACHE_FEATURE_MUTANTS, *DROPOUT_MUTANTS, *LONG_BLOCK_MUTANTS,
+              *PROPERTY_MUTANTS, *REAL_CODE_MUTANTS, *SIZE_MUTANTS, *SDPA_SINK_MUTANTS, *FLASH_MUTANTS,
+              *FLASH_EXTRA_MUTANTS, *VARLEN_MUTANTS, *CACHE_OPTION_MUTANTS, *CACHE_FEATURE_MUTANTS,
+              *DROPOUT_MUTANTS, *LONG_BLOCK_MUTANTS,
               *CONTRACT_MUTANTS, *LEARNER_MUTANTS, *SHARDED_MUTANTS)
 }

@@ -128,6 +128,8 @@ def sdpa_call(case: dict, seed: int = 0) -> SDPACall:
         kwargs["dropout_p"] = case["dropout_p"]
     if case["N"] != case["K"]:
         kwargs["enable_gqa"] = True
+    if case.get("sinks") is not None:  # learned sinks (N,), one logit per query head
+        kwargs["sinks"] = torch.tensor(case["sinks"], dtype=torch.float32)
     return SDPACall(q, k, v, kwargs, repeat=bool(case.get("repeat")), causal=causal)
 
 
@@ -245,10 +247,14 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
         attrs["dropout_p"] = case.get("dropout_p", 0.0)
         attrs["grad"] = bool(case.get("grad"))
         attrs["layout"] = case.get("layout", "contiguous")
+        attrs["sinks"] = case.get("sinks") is not None
     elif level == "flash":
         attrs["causal"] = "lower_right" if case.get("causal") else None
-        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse", "sinks") if case.get(f)}
+        attrs["flash_features"] = {f for f in ("window", "softcap", "alibi", "lse", "sinks", "dropout_pattern")
+                                   if case.get(f)}
         attrs["grad"] = bool(case.get("grad"))
+        attrs["fp8"] = case.get("fp8")
+        attrs["dropout_p"] = case.get("dropout_p", 0.0)
     else:
         features = set()
         for name in ("key_padding_mask", "attn_mask", "is_causal"):

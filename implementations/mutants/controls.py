@@ -6,6 +6,7 @@ each of them; otherwise a mutant could be "caught" by a bug of its base.
 
 from __future__ import annotations
 
+from implementations.base import Implementation
 from implementations.mutants._base import (
     MHA_CAPABILITIES,
     SDPA_CAPABILITIES,
@@ -18,8 +19,10 @@ from implementations.mutants._base import (
     mha_implementation,
     sdpa_implementation,
 )
+from implementations.mutants.flash_mutants import FLASH_CAPABILITIES, FlashBase
+from implementations.mutants.sdpa_sink_mutants import SDPA_SINK_CAPABILITIES, SinkSDPA
 
-__all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha"]
+__all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha", "flash", "sinks"]
 
 naive = sdpa_implementation("control:naive", NaiveSDPA(), SDPA_CAPABILITIES,
                             "correct straight-line SDPA (base of the SDPA mutants)")
@@ -34,4 +37,12 @@ tiled = sdpa_implementation("control:tiled", TiledSDPA(), SDPA_CAPABILITIES.repl
 mha = mha_implementation("control:mha", HandwrittenMHA, MHA_CAPABILITIES,
                          "correct hand-written nn.MultiheadAttention drop-in (base of the MHA mutants)")
 
-CONTROLS = {"naive": naive, "lower_right": lower_right, "manual_backward": manual_backward, "tiled": tiled, "mha": mha}
+flash = Implementation(name="control:flash", capabilities=FLASH_CAPABILITIES, flash=FlashBase(), listed=False,
+                       description="correct flash_attn_func in plain PyTorch, FP8 inputs with "
+                                   "FlashAttention-3's numerics (base of the flash mutants)")
+
+sinks = sdpa_implementation("control:sinks", SinkSDPA(), SDPA_SINK_CAPABILITIES,
+                            "correct straight-line SDPA with learned sinks (base of the SDPA sink mutants)")
+
+CONTROLS = {"naive": naive, "lower_right": lower_right, "manual_backward": manual_backward, "tiled": tiled, "mha": mha,
+            "flash": flash, "sinks": sinks}

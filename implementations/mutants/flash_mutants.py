@@ -1,7 +1,12 @@
 """Flash-level mutants: ``flash_attn_func`` with one step wrong, one per flash property.
 
 :class:`FlashBase` is a correct ``flash_attn_func`` in plain PyTorch whose steps
-(logits, soft-cap, ALiBi bias, window, LSE) are methods; each mutant overrides one.
+(logits, soft-cap, ALiBi bias, window, LSE, dropout, FP8 dequantisation) are methods; each
+mutant overrides one. Its FP8 path computes as FlashAttention-3's forward does: q·k of the
+FP8 values in float32 with ``softmax_scale · q_descale · k_descale`` folded into the
+scale, ``P = exp(s - m)`` scaled by 2^8 and rounded to the inputs' FP8 format for the
+P·V product, the row sum over the float32 P, ``v_descale`` applied to the output, the
+output in bfloat16 (the FP8 mutants are in :mod:`.flash_extra_mutants`).
 :class:`ManualBackwardFlash` is the same forward with FlashAttention's backward written
 out (recompute P, ``D = rowsum(dO ⊙ O)``, ``dS = P ⊙ (dP − D)``) instead of autograd. Both
 declare :data:`FLASH_CAPABILITIES`, honest about everything but their bug; the records
@@ -27,10 +32,15 @@ FLASH_CAPABILITIES = Capabilities(
     mask_kinds=frozenset({"none"}),
     causal="lower_right",
     fully_masked="zero",
-    dropout=False,
+    dropout=True,
     mask_grad=False,
-    flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks"}),
+    flash_features=frozenset({"window", "softcap", "alibi", "lse", "sinks", "dropout_pattern"}),
+    fp8_dtypes=("float8_e4m3fn", "float8_e5m2"),
 )
+#: FlashAttention-3 scales P by 2^FP8_P_OFFSET before its FP8 cast (``Max_offset``: the
+#: row max lands at 256, away from the format's subnormals) and divides it out again.
+FP8_P_OFFSET = 8
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class FlashBase:
@@ -92,10 +102,80 @@ class FlashBase:
         """The output with sinks: the key weights times the values (the sink has no value)."""
         return self.attend(weights, value)
 
+    # -- dropout (after the softmax, rescaled by 1 / (1 - p)) --
+
+    def drop(self, s: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+        """The weights with dropout: each kept with the pattern ``keep``, rescaled by 1/(1 - p)."""
+        return weights * keep / (1.0 - p)
+
+    def dropout_lse(self, lse: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+        """The LSE of a dropout call: the softmax's, dropout plays no part in it."""
+        return lse
+
+    # -- FP8 inputs (FlashAttention-3's numerics) --
+
+    def descale_q(self, q: torch.Tensor, q_descale: torch.Tensor, group: int) -> torch.Tensor:
+        """q (B, L, N, E) in float32 times q_descale (B, K) of its kv head: h // group."""
+        return q.float() * q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
+
+    def descale_k(self, k: torch.Tensor, k_descale: torch.Tensor) -> torch.Tensor:
+        return k.float() * k_descale[:, None, :, None]
+
+    def value_fp8(self, v: torch.Tensor, v_descale: torch.Tensor) -> torch.Tensor:
+        """V for the P·V product: the stored FP8 values (v_descale is applied to the output)."""
+        return v.float()
+
+    def round_p(self, p: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, float]:
+        """P = exp(s - m) in (0, 1] rounded to the FP8 format after a 2^8 offset, and the
+        factor the P·V product is divided by to undo it."""
+        offset = 2.0 ** FP8_P_OFFSET
+        return (p * offset).to(fmt).float(), offset
+
+    def fp8_lse(self, row_max: torch.Tensor, scaled_total: torch.Tensor, offset: float) -> torch.Tensor:
+        """The LSE from the row sum of the offset P (2^8 · Σ exp(s - m)): the offset taken out."""
+        return row_max + torch.log(scaled_total) - math.log(offset)
+
+    def _fp8_call(self, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sinks, q_descale, k_descale, v_descale):
+        B, _, N, _ = q.shape
+        K = k.shape[2]
+
+        def full(d):  # None / (1,) / (B, K) -> float32 (B, K)
+            d = torch.ones(1) if d is None else d.float()
+            return d.reshape(1, 1).expand(B, K) if d.numel() == 1 else d
+
+        qd, kd, vd = full(q_descale), full(k_descale), full(v_descale)
+        s, _ = self.scores(self.descale_q(q, qd, N // K), self.descale_k(k, kd), softmax_scale, causal,
+                           window_size, softcap, alibi_slopes)
+        value = self.value_fp8(v, vd).transpose(1, 2).repeat_interleave(N // K, dim=1)
+        key_max = s.amax(dim=-1, keepdim=True)
+        row_max = key_max if sinks is None else torch.maximum(key_max, sinks.float().reshape(1, N, 1, 1))
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        p = torch.exp(s - row_max)                                           # float32, <= 1
+        keys_total = p.sum(dim=-1, keepdim=True)
+        total = keys_total if sinks is None else keys_total + torch.exp(sinks.float().reshape(1, N, 1, 1) - row_max)
+        p8, offset = self.round_p(p, q.dtype)
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        out = (p8 @ value) / (safe * offset)
+        out = out * vd.repeat_interleave(N // K, dim=1)[:, :, None, None]
+        out = out.transpose(1, 2).to(torch.bfloat16)
+        if not return_attn_probs:
+            return out
+        # the LSE is the keys' own (a sink left out), from the keys' max
+        key_row_max = torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max))
+        key_total = torch.exp(s - key_row_max).sum(dim=-1, keepdim=True)
+        empty = key_total == 0
+        lse = self.fp8_lse(key_row_max, torch.where(empty, torch.ones_like(key_total), key_total) * offset, offset)
+        return out, torch.where(empty, torch.full_like(lse, float("-inf")), lse)[..., 0], None
+
     def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
-        if dropout_p:
-            raise NotImplementedError("no dropout")
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None,
+                 q_descale=None, k_descale=None, v_descale=None):
+        if q.dtype in _FP8:
+            if dropout_p:
+                raise NotImplementedError("no dropout with FP8 inputs (FlashAttention-3 has none)")
+            return self._fp8_call(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  return_attn_probs, sinks, q_descale, k_descale, v_descale)
         N, K = q.shape[2], k.shape[2]
         s, scale = self.scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
         value = v.transpose(1, 2).repeat_interleave(N // K, dim=1)
@@ -105,15 +185,27 @@ class FlashBase:
         total = e.sum(dim=-1, keepdim=True)
         empty = total == 0
         safe_total = torch.where(empty, torch.ones_like(total), total)
+        keep = None
         if sinks is None:
-            out = self.attend(e / safe_total, value).transpose(1, 2)
+            weights = e / safe_total
         else:
             weights, sink_weight = self.sink_weights(s, sinks.to(s.dtype).reshape(1, N, 1, 1), key_max, scale)
-            out = self.attend_sink(weights, sink_weight, value).transpose(1, 2)
+        used = weights
+        if dropout_p:  # after the softmax (the sink's dropped weight aside)
+            keep = torch.rand(weights.shape, device=q.device) >= dropout_p
+            used = self.drop(s, weights, keep, dropout_p)
+        if sinks is None:
+            out = self.attend(used, value).transpose(1, 2)
+        else:
+            out = self.attend_sink(used, sink_weight, value).transpose(1, 2)
         if not return_attn_probs:
             return out
         lse = torch.where(empty, torch.full_like(total, float("-inf")), self.log_sum_exp(row_max, safe_total))
-        return out, lse[..., 0], None
+        probs = None
+        if keep is not None:
+            lse = self.dropout_lse(lse, e, keep, row_max)
+            probs = torch.where(keep, weights, -weights).detach()
+        return out, lse[..., 0], probs
 
     def attend(self, weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return weights @ value
@@ -169,12 +261,14 @@ class ManualBackwardFlash(FlashBase):
     with_row_term = True
 
     def __call__(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None,
+                 q_descale=None, k_descale=None, v_descale=None):
         options = {"softmax_scale": softmax_scale, "causal": causal, "window_size": tuple(window_size),
                    "softcap": softcap, "alibi_slopes": alibi_slopes}
-        if sinks is not None:  # the hand-written backward has no sink: autograd through the forward
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        if sinks is not None or q.dtype in _FP8:  # the hand-written backward has neither: the forward alone
             return FlashBase.__call__(self, q, k, v, dropout_p, return_attn_probs=return_attn_probs,
-                                      sinks=sinks, **options)
+                                      sinks=sinks, **options, **descales)
         if return_attn_probs or dropout_p:
             return FlashBase.__call__(self, q, k, v, dropout_p, return_attn_probs=return_attn_probs, **options)
         return _FlashBackward.apply(q, k, v, self, options, self.with_row_term)

@@ -12,7 +12,8 @@ vocabulary that ``tests/mutants/test_mutant_records.py`` turns into tensors:
   ``"lower_right"`` for a mutant declaring FlashAttention's, whose reference is then
   the explicit ``tril(ones(L, S), S - L)`` mask), ``dropout_p``, ``repeat`` (call
   twice on the same input tensors and compare the second result: exposes inputs
-  modified in place);
+  modified in place), ``sinks`` (SDPA: learned sink logits, one per query head, passed as
+  ``sinks=``; the reference is then ``spec.sdpa(sinks=)``);
 * ``mask`` (SDPA, True = may attend): ``"block_last"`` (every query row blocks the
   last key), ``"all_blocked"``, ``"additive"`` (randn, no zeros),
   ``"additive_all_blocked"`` (float, all -inf), ``"causal"`` (bool

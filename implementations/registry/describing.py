@@ -85,14 +85,16 @@ def describe(impl: Implementation) -> str:
     if impl.description:
         lines.append(f"  {impl.description}")
     if impl.sdpa is not None:
-        lines.append(f"  SDPA level: {_caps_line(impl.caps('sdpa'), 'sdpa')}")
+        sinks = " sinks=yes" if impl.caps("sdpa").sdpa_sinks else ""
+        lines.append(f"  SDPA level: {_caps_line(impl.caps('sdpa'), 'sdpa')}{sinks}")
     if impl.mha is not None:
         lines.append(f"  MHA level: {_caps_line(impl.caps('mha'), 'mha')}")
     if impl.flash is not None:
         c = impl.caps("flash")
         derived = " (derived from the SDPA level through masks)" if is_derived_flash(impl) else ""
         lines.append(f"  flash level{derived}: {_caps_line(c, 'sdpa')} "
-                     f"flash_features={','.join(sorted(c.flash_features)) or 'none'}{_source(c, 'flash_features')}")
+                     f"flash_features={','.join(sorted(c.flash_features)) or 'none'}{_source(c, 'flash_features')}"
+                     + (f" fp8={','.join(c.fp8_dtypes)}" if c.fp8_dtypes else ""))
         lines += [f"  flash probe note: {note}" for note in c.probe_notes
                   if impl.flash_capabilities is not None and note not in impl.capabilities.probe_notes]
     for level in VARLEN_LEVELS:  # varlen / kvcache

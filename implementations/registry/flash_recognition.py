@@ -47,7 +47,14 @@ from implementations.registry.probe_plan import first_call_hint, probe_plan
 __all__ = ["FLASH_PARAMETERS", "FlashAdapter", "is_flash_signature", "probe_flash", "recognise_flash"]
 
 FLASH_PARAMETERS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
-                    "alibi_slopes", "deterministic", "return_attn_probs", "sinks")
+                    "alibi_slopes", "deterministic", "return_attn_probs", "sinks", "q_descale",
+                    "k_descale", "v_descale")
+#: FlashAttention-3's descale factors of FP8 q, k, v (``spec.fp8``); a function naming them
+#: is probed with FP8 inputs (``Capabilities.fp8_dtypes``).
+DESCALE_PARAMETERS = ("q_descale", "k_descale", "v_descale")
+#: Other parameters of FlashAttention-3's ``flash_attn_func``: recognised, never passed
+#: (left at their defaults): the suite certifies none of them.
+FA3_OTHER_PARAMETERS = ("qv", "attention_chunk", "num_splits", "pack_gqa", "sm_margin")
 #: Names kernels give the learned-sink argument (N,) besides ``sinks``: FlashAttention-3's
 #: ``learnable_sink``, vLLM's ``s_aux``. The suite passes ``sinks=``; the adapter renames it.
 SINK_ALIASES = ("learnable_sink", "s_aux")
@@ -55,7 +62,7 @@ SINK_ALIASES = ("learnable_sink", "s_aux")
 _FLASH_CONTRACT = "flash_attn_func's"
 _DEFAULTS = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
              "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,
-             "sinks": None}
+             "sinks": None, "q_descale": None, "k_descale": None, "v_descale": None}
 
 
 def is_flash_signature(parameters: list[inspect.Parameter]) -> bool:
@@ -66,13 +73,15 @@ def is_flash_signature(parameters: list[inspect.Parameter]) -> bool:
     if [p.name for p in parameters[:3]] != ["q", "k", "v"]:
         return False
     rest = [p.name for p in parameters[3:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return bool(rest) and all(name in FLASH_PARAMETERS or name in SINK_ALIASES for name in rest)
+    return bool(rest) and all(name in FLASH_PARAMETERS or name in SINK_ALIASES or name in FA3_OTHER_PARAMETERS
+                              for name in rest)
 
 
 def recognise_flash(fn: Callable[..., Any], parameters: list[inspect.Parameter], *, name: str,
                     origin: str, version: str, timeout: float | None) -> Implementation:
     """A flash-level :class:`Implementation` for ``fn``, capabilities probed."""
     unknown = [p.name for p in parameters[3:] if p.name not in FLASH_PARAMETERS and p.name not in SINK_ALIASES
+               and (p.name not in FA3_OTHER_PARAMETERS or p.default is p.empty)
                and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if unknown:
         raise ImplementationError(
@@ -203,6 +212,11 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     if _takes_sinks(fn) and feature_runs("sinks", "sinks=[1.5, -0.5]", lambda: fn(q, k, v, sinks=sinks),
                                          sinks=sinks.numpy()):
         features.add("sinks")
+    dropout = _probe_dropout(probe, fn, q, k, v, base, notes)
+    if dropout and _probe_dropout_pattern(probe, fn, q, k, v, notes):
+        features.add("dropout_pattern")
+    fp8_dtypes = _probe_fp8(probe, fn, q, k, v, notes) if _names_any(fn, DESCALE_PARAMETERS) else ()
+    fp8_descales = _probe_descale_forms(probe, fn, q, k, v, fp8_dtypes[0], notes) if fp8_dtypes else None
     causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64,
                                         None if plan.causal_only else base, notes, tol)
 
@@ -247,7 +261,9 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         fully_masked=fully_masked,
         different_v_dim=found["different_v_dim"],
         gqa=found["gqa"],
-        dropout=False,
+        dropout=dropout,
+        fp8_dtypes=fp8_dtypes,
+        **({} if fp8_descales is None else {"fp8_descales": fp8_descales}),
         custom_scale=_supports(probe, "custom_scale", "softmax_scale=0.5",
                                lambda: fn(q, k, v, softmax_scale=0.5), notes, plan.dtype),
         autograd=found["autograd"],
@@ -287,11 +303,105 @@ def _takes_sinks(fn: Any) -> bool:
     """Whether the function names a sinks argument (``sinks`` or an alias): sinks are no
     flash_attn_func argument, so a function without one (``**kwargs`` that may swallow it
     included) is not probed for them and does not claim them."""
+    return _names_any(fn, ("sinks", *SINK_ALIASES))
+
+
+def _names_any(fn: Any, names: tuple[str, ...]) -> bool:
+    """Whether the function's own signature names one of ``names`` (``**kwargs`` does not)."""
     try:
         parameters = inspect.signature(fn.fn if isinstance(fn, FlashAdapter) else fn).parameters
     except (TypeError, ValueError):
         return False
-    return any(name == "sinks" or name in SINK_ALIASES for name in parameters)
+    return any(name in parameters for name in names)
+
+
+def _probe_dropout(probe: _Prober, fn, q, k, v, base: np.ndarray, notes: list[str]) -> bool:
+    """``dropout_p=0.5`` runs and returns the output: dropout declared (its meaning,
+    FlashAttention's, is tested by the dropout properties; a call without effect is noted);
+    a call that raises: unsupported."""
+    try:
+        got = _output_of(probe.call("dropout", lambda: fn(q, k, v, dropout_p=0.5)))
+    except CallRaised as exc:
+        notes.append(f"dropout: dropout_p=0.5 raised {summarise(exc.error)}; declared unsupported")
+        return False
+    contract = (f"the contract ({_FLASH_CONTRACT}) is tested and fails; if dropout is not meant to be "
+                "supported, make dropout_p > 0 raise (or declare --impl-option dropout=false)")
+    if not _is_tensor(got, tuple(q.shape[:3]) + (v.shape[-1],)):
+        notes.append(f"dropout: dropout_p=0.5 returned {_describe_result(got)}, not the output; {contract}")
+    elif np.array_equal(got.detach().double().numpy(), base):
+        notes.append(f"dropout: dropout_p=0.5 has no effect (the output equals the plain call's); {contract}")
+    return True
+
+
+def _probe_dropout_pattern(probe: _Prober, fn, q, k, v, notes: list[str]) -> bool:
+    """``return_attn_probs=True`` with ``dropout_p=0.5`` returns ``(out, lse, S_dmask)`` with
+    S_dmask (B, N, >= L, >= S) (FlashAttention-2: negative where dropped): the feature
+    ``dropout_pattern``; anything else is noted and the pattern property skips."""
+    import torch
+
+    try:
+        got = probe.call("dropout_pattern", lambda: fn(q, k, v, dropout_p=0.5, return_attn_probs=True))
+    except CallRaised as exc:
+        notes.append(f"dropout_pattern: return_attn_probs=True with dropout_p=0.5 raised {summarise(exc.error)}; "
+                     "not declared")
+        return False
+    B, L, N = q.shape[:3]
+    S = k.shape[1]
+    third = got[2] if isinstance(got, (tuple, list)) and len(got) >= 3 else None
+    if not (isinstance(third, torch.Tensor) and third.dim() == 4 and tuple(third.shape[:2]) == (B, N)
+            and third.shape[2] >= L and third.shape[3] >= S):
+        notes.append(f"dropout_pattern: return_attn_probs=True with dropout_p=0.5 returned no S_dmask "
+                     f"(B, N, >= L, >= S) third (got {_describe_result(third)}); not declared, so "
+                     "dropout_pattern_agreement skips")
+        return False
+    return True
+
+
+def _probe_descale_forms(probe: _Prober, fn, q, k, v, fmt: str, notes: list[str]) -> tuple[str, ...]:
+    """The descale forms an FP8 call in ``fmt`` takes besides (B, K) (the form its probe ran
+    with): one per tensor, shape (1,), and none at all; a form that raises is left out, noted
+    (FlashAttention-3 checks the shape (B, K))."""
+    import torch
+
+    t = getattr(torch, fmt)
+    forms = ["per_head"]
+    for form, descale in (("per_tensor", torch.full((1,), 0.5)), ("none", None)):
+        try:
+            probe.call(f"fp8 descales {form}", lambda d=descale: fn(q.to(t), k.to(t), v.to(t), q_descale=d,
+                                                                   k_descale=d, v_descale=d))
+        except CallRaised as exc:
+            notes.append(f"fp8_descales: descales {'of shape (1,)' if form == 'per_tensor' else 'left out'} "
+                         f"raised {summarise(exc.error)}; not drawn")
+            continue
+        forms.append(form)
+    return tuple(forms)
+
+
+def _probe_fp8(probe: _Prober, fn, q, k, v, notes: list[str]) -> tuple[str, ...]:
+    """The 8-bit formats in which q, k, v with ``q_descale``, ``k_descale``, ``v_descale``
+    (float32, one per batch element and kv head) run and return the output (its meaning,
+    ``spec.fp8``'s, is tested by ``fp8_agreement``)."""
+    import torch
+
+    from implementations.base import FP8_DTYPES
+
+    B, K = q.shape[0], k.shape[2]
+    descale = torch.full((B, K), 0.5)
+    found = []
+    for name in FP8_DTYPES:
+        t = getattr(torch, name)
+        try:
+            got = _output_of(probe.call(f"fp8 {name}", lambda t=t: fn(
+                q.to(t), k.to(t), v.to(t), q_descale=descale, k_descale=descale, v_descale=descale)))
+        except CallRaised as exc:
+            notes.append(f"fp8_dtypes: q, k, v in {name} with descales raised {summarise(exc.error)}; "
+                         "not declared")
+            continue
+        if not _is_tensor(got, tuple(q.shape[:3]) + (v.shape[-1],)):
+            notes.append(f"fp8_dtypes: q, k, v in {name} returned {_describe_result(got)}, not the output; "
+                         "fp8_agreement is run and fails")
+        found.append(name)
+    return tuple(found)
 
 
 def _is_tensor(out: Any, shape: tuple[int, ...]) -> bool:

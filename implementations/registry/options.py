@@ -25,6 +25,11 @@ probe calls are built inside them (:mod:`.probe_plan`). A declaration that claim
 probe saw fail (a declared dtype whose plain call raised, a declared mask kind that
 raised) is refused (:func:`apply_options`).
 
+``dtypes`` also takes the 8-bit float formats (``dtypes=bfloat16,float8_e4m3fn``): those
+go to ``fp8_dtypes`` (q, k, v in that format with descale factors at the flash level; an
+FP8 call's output is 16- or 32-bit, so an 8-bit format is never a target dtype), the
+others stay ``dtypes`` (a list of 8-bit formats alone leaves ``dtypes`` as it was).
+
 ``derived_flash=false`` is not a capability: it turns off the flash level the registry
 derives from an SDPA callable (``implementations.flash_from_sdpa``); read it with
 :func:`derived_flash_wanted`.
@@ -41,6 +46,8 @@ from implementations.base import (
     ALL_KVCACHE_FEATURES,
     ALL_VARLEN_FEATURES,
     ALL_MASK_KINDS,
+    FP8_DESCALE_FORMS,
+    FP8_DTYPES,
     ALL_MHA_FEATURES,
     ALL_SHARDED_FEATURES,
     CAUSAL_ALIGNMENTS,
@@ -168,7 +175,9 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
     """Capabilities field -> parser of its ``--impl-option`` text (every bool field too)."""
     parsers: dict[str, Callable[[str], Any]] = {
         "devices": _parse_list(("cpu", "cuda", "mps", "xpu")),
-        "dtypes": _parse_list(ALL_DTYPES),
+        "dtypes": _parse_list(ALL_DTYPES + FP8_DTYPES),
+        "fp8_dtypes": lambda text: () if text.strip().lower() == "none" else _parse_list(FP8_DTYPES)(text),
+        "fp8_descales": _parse_list(FP8_DESCALE_FORMS),
         "mask_kinds": lambda text: frozenset(_parse_list(ALL_MASK_KINDS)(text)),
         "causal": _parse_choice(CAUSAL_ALIGNMENTS, allow_none=True),
         "fully_masked": _parse_fully_masked,
@@ -263,7 +272,24 @@ def parse_options(options: Mapping[str, str] | None) -> ParsedOptions:
                 f"--impl-option {key_name}={text}: {scope!r} before the dot is neither a level "
                 f"({', '.join(OPTION_LEVELS)}) nor a dtype ({', '.join(ALL_DTYPES)}); write e.g. "
                 f"mha.mask_kinds=none,bool or float64.mask_kinds=none,bool")
+    for values in (parsed.common, *parsed.per_level.values()):
+        _split_fp8(values)
     return parsed
+
+
+def _split_fp8(values: dict[str, Any]) -> None:
+    """``dtypes`` naming 8-bit float formats: those move to ``fp8_dtypes`` (added to any
+    given there); ``dtypes`` keeps the others, or is dropped when none is left."""
+    dtypes = values.get("dtypes")
+    if dtypes is None or not set(dtypes) & set(FP8_DTYPES):
+        return
+    values["fp8_dtypes"] = tuple(dict.fromkeys((*values.get("fp8_dtypes", ()),
+                                                *(d for d in dtypes if d in FP8_DTYPES))))
+    rest = tuple(d for d in dtypes if d not in FP8_DTYPES)
+    if rest:
+        values["dtypes"] = rest
+    else:
+        del values["dtypes"]
 
 
 def _refuse_contradictions(caps: Capabilities, changes: Mapping[str, Any], level: str) -> None:

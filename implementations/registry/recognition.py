@@ -42,8 +42,10 @@ from implementations.registry.flash_recognition import (
     recognise_flash,
 )
 from implementations.registry.learner import is_learner_candidate, recognise_learner
+from implementations.registry.probe_plan import probe_plan
 from implementations.registry.probing import (
     DEFAULT_PROBE_TIMEOUT,
+    _Prober,
     build_limit,
     probe_mha,
     probe_sdpa,
@@ -192,10 +194,15 @@ def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter],
             f"Expected parameters: {', '.join(SDPA_PARAMETERS)}"
         )
     accepted = set(SDPA_PARAMETERS) if has_var_kw else names & set(SDPA_PARAMETERS)
-    sdpa = _SDPAAdapter(fn, accepted) if accepted != set(SDPA_PARAMETERS) else fn
+    sink_name = next((n for n in SDPA_SINK_NAMES if n in names), None)
+    wrap = accepted != set(SDPA_PARAMETERS) or sink_name not in (None, "sinks")
+    sdpa = _SDPAAdapter(fn, accepted, sink_name) if wrap else fn
+    caps = probe_sdpa(sdpa, origin=origin, timeout=timeout)
+    if sink_name is not None:
+        caps = _probe_sinks(sdpa, caps, origin=origin, timeout=timeout)
     return Implementation(
         name=name,
-        capabilities=probe_sdpa(sdpa, origin=origin, timeout=timeout),
+        capabilities=caps,
         sdpa=sdpa,
         version=_version_of(fn),
         description=f"SDPA-signature function {origin}; capabilities probed, semantics "
@@ -205,15 +212,17 @@ def _recognise_sdpa(fn: Callable[..., Any], parameters: list[inspect.Parameter],
 
 class _SDPAAdapter:
     """Calls a function that lacks some of SDPA's optional parameters: a missing one
-    is dropped while it has its default value and refused otherwise."""
+    is dropped while it has its default value and refused otherwise. Learned sinks go
+    over under the function's own name for them (``sink_name``), only when given."""
 
     _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
-    def __init__(self, fn: Callable[..., Any], accepted: set[str]) -> None:
-        self.fn, self.accepted = fn, accepted
+    def __init__(self, fn: Callable[..., Any], accepted: set[str], sink_name: str | None = None) -> None:
+        self.fn, self.accepted, self.sink_name = fn, accepted, sink_name
         self.__name__ = getattr(fn, "__name__", "sdpa")
 
-    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                 sinks=None):
         given = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
         kwargs = {}
         for key_name, value_given in given.items():
@@ -221,7 +230,40 @@ class _SDPAAdapter:
                 kwargs[key_name] = value_given
             elif value_given is not self._DEFAULTS[key_name] and value_given != self._DEFAULTS[key_name]:
                 raise NotImplementedError(f"{self.__name__} has no {key_name} parameter")
+        if sinks is not None:
+            if self.sink_name is None:
+                raise NotImplementedError(f"{self.__name__} has no sinks parameter")
+            kwargs[self.sink_name] = sinks
         return self.fn(query, key, value, **kwargs)
+
+
+#: Names an SDPA-signature function may give learned sinks (N,): ``sinks`` (gpt-oss),
+#: ``s_aux`` (vLLM), ``learnable_sink`` (FlashAttention-3). The suite passes ``sinks=``.
+SDPA_SINK_NAMES = ("sinks", "s_aux", "learnable_sink")
+
+
+def _probe_sinks(sdpa: Callable[..., Any], caps: Any, *, origin: str, timeout: float | None) -> Any:
+    """A function naming a sinks argument: one call with sinks (N=2,) that runs and returns
+    the (B, N, L, Ev) output declares ``sdpa_sinks`` (the meaning, ``spec.sdpa(sinks=)``'s, is
+    then tested); one that raises is noted and not declared."""
+    import torch
+
+    probe = _Prober(origin, timeout)
+    plan = probe_plan(level="sdpa")     # inside the declarations in force, as every probe call
+    gen = torch.Generator().manual_seed(0)
+    L, E = plan.L, plan.E
+    q, k, v = (torch.randn(1, 2, L, E, generator=gen).to(getattr(torch, plan.dtype)) for _ in range(3))
+    kwargs = {"is_causal": True} if plan.causal_only else {}
+    try:
+        out = probe.call("sinks", lambda: sdpa(q, k, v, sinks=torch.tensor([1.5, -0.5]), **kwargs))
+    except CallRaised as exc:
+        note = f"sdpa_sinks: sinks=[1.5, -0.5] raised {summarise(exc.error)}; declared unsupported"
+        return caps.replace(probe_notes=(*caps.probe_notes, note))
+    if not (isinstance(out, torch.Tensor) and tuple(out.shape) == (1, 2, L, E)):
+        note = (f"sdpa_sinks: sinks=[1.5, -0.5] returned {type(out).__name__}, not the (1, 2, {L}, {E}) output; "
+                "sdpa_sink_agreement is run and fails")
+        return caps.replace(sdpa_sinks=True, probe_notes=(*caps.probe_notes, note))
+    return caps.replace(sdpa_sinks=True)
 
 
 # --------------------------------------------------------------------------- MHA

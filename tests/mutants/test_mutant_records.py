@@ -80,12 +80,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> bool:
 
 
 def _reference_sdpa(call, *, requires_grad: bool):
-    """torch SDPA in float64 on the same stored values (contiguous copies)."""
+    """torch SDPA in float64 on the same stored values (contiguous copies); with learned
+    sinks (which torch's SDPA has none of) the handwritten built-in, itself checked against
+    spec.sdpa(sinks=) in tests/implementations/test_sdpa_sinks.py."""
     q, k, v = (t.detach().to(torch.float64).contiguous() for t in (call.query, call.key, call.value))
     if requires_grad:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     kwargs = dict(call.kwargs)
     kwargs.pop("dropout_p", None)
+    if "sinks" in kwargs:
+        from implementations.builtins.handwritten import scaled_dot_product_attention as handwritten
+
+        if call.causal == "lower_right":
+            L, S = q.shape[-2], k.shape[-2]
+            kwargs["is_causal"] = False
+            kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)
+        return handwritten(q, k, v, **kwargs), (q, k, v)
     if call.causal == "lower_right":  # torch's is_causal is upper-left: spell the triangle out
         L, S = q.shape[-2], k.shape[-2]
         kwargs["is_causal"] = False
@@ -380,6 +390,8 @@ def test_capabilities_are_the_bases(name):
         base = make_implementation().capabilities
     elif mutant.level == "sdpa" and not caps.dropout:
         base = base.replace(dropout=False)  # the tiled and manual-backward bases have none
+    elif mutant.level == "sdpa" and caps.sdpa_sinks:
+        base = base.replace(sdpa_sinks=True)  # the sink base (sdpa_sink_mutants.SinkSDPA) takes sinks
     elif isinstance(mutant.build().sdpa, LowerRightSDPA):
         base = LOWER_RIGHT_CAPABILITIES  # is_causal declared (and built) lower-right
     assert caps == base

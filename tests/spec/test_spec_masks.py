@@ -125,3 +125,26 @@ def test_fully_masked_rows_from_every_source():
     np.testing.assert_array_equal(rows, [[True, True, False]])
     # lower_right with L > S blocks the first L - S queries
     np.testing.assert_array_equal(masks.fully_masked_rows((1, 3, 1), causal="lower_right"), [[True, True, False]])
+
+
+def test_streaming_mask_is_the_sink_tokens_plus_the_window():
+    """StreamingLLM: keys 0..n-1 always (causally) visible, plus the causal window."""
+    got = masks.streaming_mask(5, 5, sink_tokens=1, window=1, alignment="upper_left")
+    np.testing.assert_array_equal(got, [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [1, 1, 1, 0, 0],
+                                        [1, 0, 1, 1, 0],
+                                        [1, 0, 0, 1, 1]])
+    # bottom-right aligned (decoding: 2 queries against 6 keys), 2 sink tokens, window 1
+    got = masks.streaming_mask(2, 6, sink_tokens=2, window=1)
+    np.testing.assert_array_equal(got, [[1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1]])
+    # brute force over sizes: key j visible iff in the window or (j < n and j <= p_i)
+    for L, S, n, w in [(3, 7, 2, 2), (6, 4, 1, 0), (4, 4, 0, 1), (1, 9, 3, 3)]:
+        for alignment in ("upper_left", "lower_right"):
+            got = masks.streaming_mask(L, S, sink_tokens=n, window=w, alignment=alignment)
+            for i in range(L):
+                p = i if alignment == "upper_left" else i + S - L
+                for j in range(S):
+                    assert got[i, j] == (p - w <= j <= p or (j < n and j <= p)), (L, S, n, w, alignment, i, j)
+    with pytest.raises(spec.SpecError, match="sink_tokens"):
+        masks.streaming_mask(2, 2, sink_tokens=-1, window=1)

@@ -172,3 +172,106 @@ def test_invalid_sinks_raise_spec_error(sinks, rule):
     with pytest.raises(spec.SpecError, match="sinks") as info:
         spec.flash_attention(q, k, v, sinks=sinks)
     assert rule in str(info.value)
+
+
+# --------------------------------------------------------------------------- at the SDPA level
+
+
+def brute_force_sdpa_sinks(q, k, v, sinks, *, attend=None, additive=None, causal=None, scale=None):
+    """SDPA with sinks by the definition, heads first: q (B, N, L, E), k/v (B, K, S, E|Ev);
+    attend bool (L, S) True = may attend, additive float (L, S), causal upper_left/lower_right."""
+    B, N, L, E = q.shape
+    K, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    out = np.zeros((B, N, L, Ev))
+    for b in range(B):
+        for h in range(N):
+            kv = h // (N // K)
+            for i in range(L):
+                scores = {}
+                for j in range(S):
+                    if attend is not None and not attend[i, j]:
+                        continue
+                    if causal == "upper_left" and j > i or causal == "lower_right" and j > i + S - L:
+                        continue
+                    s = scale * sum(q[b, h, i, e] * k[b, kv, j, e] for e in range(E))
+                    if additive is not None:
+                        if additive[i, j] == -math.inf:
+                            continue
+                        s += additive[i, j]
+                    scores[j] = s
+                top = max([sinks[h], *scores.values()])
+                denominator = math.exp(sinks[h] - top) + sum(math.exp(s - top) for s in scores.values())
+                for j, s in scores.items():
+                    out[b, h, i] += math.exp(s - top) / denominator * v[b, kv, j]
+    return out
+
+
+SDPA_MASKS = [dict(), dict(causal="upper_left"), dict(causal="lower_right"), dict(attend="random"),
+              dict(additive="random"), dict(attend="row0_blocked", causal="upper_left")]
+
+
+@pytest.mark.parametrize("masks", SDPA_MASKS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) or "none")
+@pytest.mark.parametrize("L,S", [(3, 4), (4, 2)])
+def test_sdpa_sinks_equal_brute_force(masks, L, S):
+    rng = np.random.default_rng(10)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in _qkv(rng, L=L, S=S))     # heads first
+    sinks = np.array([0.75, -2.0])
+    attend = additive = None
+    if masks.get("attend") == "random":
+        attend = rng.random((L, S)) < 0.7
+    elif masks.get("attend") == "row0_blocked":
+        attend = np.ones((L, S), bool)
+        attend[0] = False
+    if masks.get("additive") == "random":
+        additive = np.where(rng.random((L, S)) < 0.3, -np.inf, rng.normal(size=(L, S)))
+    got = spec.sdpa(q, k, v, sinks=sinks, attend_mask=attend, additive_mask=additive, causal=masks.get("causal"))
+    want = brute_force_sdpa_sinks(q, k, v, sinks, attend=attend, additive=additive, causal=masks.get("causal"))
+    assert_close("output", got.output, want, atol=1e-13, rtol=1e-12, call=str(masks))
+    # a row attending no key gives 0 whatever the policy: its weight is on the sink
+    for policy in ("nan", "uniform"):
+        np.testing.assert_array_equal(spec.sdpa(q, k, v, sinks=sinks, attend_mask=attend, additive_mask=additive,
+                                                causal=masks.get("causal"), fully_masked=policy).output, got.output)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_sinks_are_the_flash_levels_bit_for_bit(causal):
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, L=3, S=5)
+    sinks = np.array([0.5, 1000.0])
+    flash = spec.flash_attention(q, k, v, sinks=sinks, causal=causal)
+    t = (0, 2, 1, 3)
+    sdpa = spec.sdpa(q.transpose(t), k.transpose(t), v.transpose(t), sinks=sinks,
+                     causal="lower_right" if causal else None).output
+    np.testing.assert_array_equal(sdpa.transpose(t), flash)
+    # the emulation in float64 is the oracle, and in bfloat16 it is close
+    emulated = spec.emulate_sdpa(q.transpose(t), k.transpose(t), v.transpose(t), sinks=sinks, dtype="float64",
+                                 causal="lower_right" if causal else None)
+    np.testing.assert_array_equal(emulated, sdpa)
+
+
+def test_sdpa_vjp_with_sinks_matches_central_differences():
+    rng = np.random.default_rng(12)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in _qkv(rng, B=1, L=3, S=4, N=2, K=1, E=2, Ev=2))
+    sinks = [0.3, -0.6]
+    additive = rng.normal(size=(3, 4))
+    upstream = rng.normal(size=(1, 2, 3, 2))
+    grads = spec.sdpa_vjp(q, k, v, upstream, sinks=sinks, additive_mask=additive, causal="upper_left")
+
+    def loss(q, k, v):
+        return float((spec.sdpa(q, k, v, sinks=sinks, additive_mask=additive, causal="upper_left").output
+                      * upstream).sum())
+
+    def central(f, x, step=1e-6):
+        grad = np.zeros_like(x)
+        for index in np.ndindex(*x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[index] += step
+            minus[index] -= step
+            grad[index] = (f(plus) - f(minus)) / (2 * step)
+        return grad
+
+    expected = (central(lambda x: loss(x, k, v), q), central(lambda x: loss(q, x, v), k),
+                central(lambda x: loss(q, k, x), v))
+    for name, got, want in zip(("dquery", "dkey", "dvalue"), grads[:3], expected, strict=True):
+        assert_close(name, got, want, atol=1e-7, rtol=1e-6)
