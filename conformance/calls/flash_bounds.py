@@ -18,6 +18,7 @@ import numpy as np
 
 import spec
 from conformance.calls.flash_cases import FlashCase
+from conformance.calls.sdpa import check_dropout_spread
 from conformance.core import tolerance
 from conformance.core.compare import compare_values, fail
 from conformance.core.target import Target
@@ -186,8 +187,12 @@ def check_dropout_mean(target: Target, case: FlashCase, call: Any) -> float:
     rounding = allowed_output(target, case, ref) / (1 - p)
     mean = out.mean(axis=0)
     bound = tolerance.flash_dropout_allowed(c, samples, mean.size, rounding)
-    return compare_values(f"mean of {samples} dropout outputs (dropout_p={p})", mean, ref.output, bound,
-                          where=rows[None, :, None, None]).ratio
+    ratio = compare_values(f"mean of {samples} dropout outputs (dropout_p={p})", mean, ref.output, bound,
+                           where=rows[None, :, None, None]).ratio
+    # The mean alone passes a dropout_p that is ignored or one mask shared by every copy.
+    sigma = np.sqrt(p / (1 - p) * (forward.weights ** 2 @ problem.value ** 2)).transpose(0, 2, 1, 3)
+    return max(ratio, check_dropout_spread(out, sigma, c, rounding, rows[None, :, None, None],
+                                           f"dropout_p={p}"))
 
 
 def dropout_pattern_of(case: FlashCase, call: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ from implementations.mutants._base import (
     mha_implementation,
     sdpa_implementation,
 )
+from implementations.mutants.flash_mutants import FlashBase, flash_implementation
 from implementations.mutants.record import Mutant
 
 __all__ = ["DROPOUT_MUTANTS"]
@@ -56,6 +57,14 @@ class MHADropoutNeverCalled(HandwrittenMHA):
 
     def dropout_weights(self, weights, dropout_p):
         return weights
+
+
+class FlashDropoutMaskSharedAcrossBatch(FlashBase):
+    """``flash_attn_func`` whose dropout pattern is drawn for batch item 0 and reused by every
+    other item (the ``S_dmask`` it returns is the pattern it was meant to use)."""
+
+    def drop(self, s, weights, keep, p):
+        return super().drop(s, weights, keep[:1].expand_as(keep), p)
 
 
 def _sdpa(name, cls, *, bug, origin, smallest_case):
@@ -104,5 +113,19 @@ DROPOUT_MUTANTS = [
             "mutant:mha_dropout_never_called", MHADropoutNeverCalled, MHA_CAPABILITIES,
             "the module never applies its dropout"),
         safe_case={**ONE, "S": 2, "dropout": 0.0},
+    ),
+    Mutant(
+        name="flash_dropout_mask_shared_across_batch",
+        bug="one dropout pattern, batch item 0's, is applied to every batch item of a "
+            "flash_attn_func call",
+        origin="kernel bug: a dropout RNG offset derived from the head and position but not the "
+               "batch index",
+        smallest_case={**ONE, "B": 2, "dropout_p": 0.5},
+        expected_property="flash_dropout_expectation",
+        level="flash",
+        build=lambda: flash_implementation(
+            "flash_dropout_mask_shared_across_batch", FlashDropoutMaskSharedAcrossBatch(),
+            "one dropout pattern for the whole batch"),
+        safe_case={**ONE, "S": 2},
     ),
 ]
