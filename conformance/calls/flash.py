@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.core import tolerance
+from conformance.core import observe, tolerance
 from conformance.calls.call_specs import Invoke, call_directly, case_rng
 from conformance.calls.sdpa import assert_returned_tensor, grad_magnitudes
 from conformance.core.cases import SDPACase
@@ -229,7 +229,9 @@ def run_flash(target: Target, case: FlashCase, *, lse: bool = False,
         # FlashAttention-2 writes +inf for a row attending no key; the spec says -inf.
         lse_values = np.where(np.isposinf(lse_values), -np.inf, lse_values)
     lse_dtype = None if outcome.lse is None else str(outcome.lse.dtype).removeprefix("torch.")
-    return FlashCall(to_numpy(outcome.tensor), lse_values, outcome.tensor, outcome.inputs, call, lse_dtype)
+    output = to_numpy(outcome.tensor)
+    observe.observe_flash(case, output, lse_values, lse_dtype)
+    return FlashCall(output, lse_values, outcome.tensor, outcome.inputs, call, lse_dtype)
 
 
 def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:

@@ -86,7 +86,7 @@ def _allowed(L: int, S: int, window: tuple[int, int], causal: bool, offset: int,
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, causal: bool = False,
            window: tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: np.ndarray | None = None,
            sinks: np.ndarray | None = None, offset: int | None = None, policy: str = "zero",
-           dtype: str = "float64", steps: Steps = Steps()) -> Attended:
+           dtype: str = "float64", steps: Steps | None = None) -> Attended:
     """One sequence, q (L, N, E), k (S, K, E), v (S, K, Ev), under ``steps``.
 
     ``offset`` is p_i - i (None: S - L, the bottom-right alignment); ``slopes`` (N,);
@@ -94,6 +94,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, causal:
     "uniform": the mean of the S values; "unspecified" reads as zero); with sinks it is 0.
     ``dtype`` is the precision the implementation computed in (a sink's exp overflows
     in it)."""
+    steps = steps or Steps()
     L, N, _ = q.shape
     S, K, Ev = v.shape
     if L == 0 or S == 0:

@@ -372,12 +372,15 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
 
 
 def partition(problem: Problem, variants: Iterable[Variant | str],
-              allowed: Allowed | None = None, outputs_only: bool = False) -> list[list[str]]:
+              allowed: Allowed | None = None, outputs_only: bool = False,
+              parts: Iterable[str] | None = None) -> list[list[str]]:
     """``variants`` (deterministic ones of the problem's level) grouped by output on
     ``problem``: two variants are in one group when their results are each within
     the other's allowed error. More than one group: an observation on ``problem``
     can tell the groups apart. Groups and their members keep the given order.
-    ``outputs_only``: compare the outputs alone (an observation without weights)."""
+    ``outputs_only``: compare the outputs alone (an observation without weights);
+    ``parts``: compare those parts (:data:`PARTS`) where the results have them (what
+    the observation will hold)."""
     bound = _as_callable(allowed, problem)
     chosen = [lookup(v) if isinstance(v, str) else v for v in variants]
     chosen = [v for v in chosen if v.compute is not None and v.level == problem.level]
@@ -388,10 +391,11 @@ def partition(problem: Problem, variants: Iterable[Variant | str],
         mine = results[v.id]
         for group in groups:
             other = results[group[0]]
-            mine_parts = {part: getattr(mine, part) for part in PARTS if getattr(mine, part) is not None}
-            parts = ["output"] if outputs_only else _parts(mine_parts, other, correct)
+            mine_parts = {part: getattr(mine, part) for part in (PARTS if parts is None else parts)
+                          if getattr(mine, part) is not None}
+            compared = ["output"] if outputs_only else _parts(mine_parts, other, correct)
             close = max(max(_part_fit(problem, part, getattr(mine, part), other, bound),
-                            _part_fit(problem, part, getattr(other, part), mine, bound)) for part in parts)
+                            _part_fit(problem, part, getattr(other, part), mine, bound)) for part in compared)
             if close <= 1.0:
                 group.append(v.id)
                 break

@@ -34,9 +34,10 @@ def _sequences(p: FlashProblem, steps: Steps, policy: str | None = None) -> list
                    dtype=p.dtype, steps=steps) for b in range(p.query.shape[0])]
 
 
-def compute(p: FlashProblem, steps: Steps = Steps()) -> VariantResult:
-    """What ``flash_attn_func`` under ``steps`` returns on ``p``: output, LSE, and the sizes."""
-    parts = _sequences(p, steps)
+def compute(p: FlashProblem, steps: Steps | None = None) -> VariantResult:
+    """What ``flash_attn_func`` under ``steps`` (None: the spec's) returns on ``p``: output,
+    LSE, and the sizes."""
+    parts = _sequences(p, steps or Steps())
     return VariantResult(np.stack([a.output for a in parts]), lse=np.stack([a.lse for a in parts]),
                          magnitude=np.stack([a.magnitude for a in parts]),
                          score_size=np.stack([a.score_size for a in parts]))

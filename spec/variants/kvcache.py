@@ -21,7 +21,7 @@ import numpy as np
 from ..rotary import rotary_pairs
 from ._core import Variant, VariantResult
 from ._family import KVCacheProblem
-from ._kernel import Attended, Steps, attend, merge, plain_lse
+from ._kernel import Attended, attend, merge, plain_lse
 
 __all__ = ["KVCACHE_VARIANTS", "KVSteps", "reference", "compute", "live_rows", "compared_cache_rows"]
 
@@ -133,9 +133,11 @@ def _split_attend(p: KVCacheProblem, s: KVSteps, q: np.ndarray, keys: np.ndarray
     return Attended(output, lse, magnitude, score, live)
 
 
-def compute(p: KVCacheProblem, s: KVSteps = KVSteps()) -> VariantResult:
+def compute(p: KVCacheProblem, s: KVSteps | None = None) -> VariantResult:
     """What ``flash_attn_with_kvcache`` under ``s`` returns on ``p``: the output (B, L, N, Ev),
-    the LSE (B, N, L), the caches after the call (logical layout) and the sizes."""
+    the LSE (B, N, L), the caches after the call (logical layout) and the sizes (``s`` None:
+    the spec's steps)."""
+    s = s or KVSteps()
     B, L, N, _ = p.query.shape
     Ev = p.v_cache.shape[-1]
     policy = "zero" if p.fully_masked == "unspecified" else p.fully_masked

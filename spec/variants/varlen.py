@@ -26,11 +26,12 @@ def _slopes(p: VarlenProblem, b: int) -> np.ndarray | None:
     return rows[b % rows.shape[0]]
 
 
-def compute(p: VarlenProblem, steps: Steps = Steps(), *, neighbour_key: bool = False,
+def compute(p: VarlenProblem, steps: Steps | None = None, *, neighbour_key: bool = False,
             scale_over_e: bool = False) -> VariantResult:
     """What ``flash_attn_varlen_func`` returns on ``p`` under ``steps``; ``neighbour_key``:
     each sequence's key slice runs one row into the next sequence's; ``scale_over_e``: the
     default scale is 1/E."""
+    steps = steps or Steps()
     T, N, E = p.query.shape
     Ev, T_k = p.value.shape[-1], p.key.shape[0]
     scale = 1.0 / E if (scale_over_e and p.scale is None) else p.resolved_scale
