@@ -5,7 +5,8 @@ Each test runs the runner as a subprocess under the ``ci`` profile with
 ``--conformance-report PATH`` in its own folder (parallel-safe: ``-n 2``) and reads
 ``PATH.json``. The mutants run side by side in a few processes
 (``--impl=mutant:a,mutant:b,... --impl-exitfirst``), a minute or two each; ~10 s for
-the float32-softmax run. The correct built-ins' certificates having no causes
+the float32-softmax run. The flash, varlen and kvcache mutants run in two chunks of their
+own with those levels' files collected (~40 s each), the Triton window mutant apart. The correct built-ins' certificates having no causes
 is checked where they already run, in ``tests/test_mutants.py``.
 """
 
