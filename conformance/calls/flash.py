@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.core import tolerance
+from conformance.core import observe, tolerance
 from conformance.calls.call_specs import Invoke, _seeded, call_directly, case_rng, content_seed
 from conformance.calls.sdpa import assert_returned_tensor, grad_magnitudes
 from conformance.core.cases import SDPACase
@@ -283,7 +283,10 @@ def run_flash(target: Target, case: FlashCase, *, lse: bool = False, grad_output
         lse_values = np.where(np.isposinf(lse_values), -np.inf, lse_values)
     lse_dtype = None if outcome.lse is None else str(outcome.lse.dtype).removeprefix("torch.")
     probs = None if outcome.probs is None else to_numpy(outcome.probs)
-    return FlashCall(to_numpy(outcome.tensor), lse_values, outcome.tensor, outcome.inputs, call, lse_dtype, probs)
+    output = to_numpy(outcome.tensor)
+    if not dropout_p and case.fp8 is None:  # no variant models dropout or FP8 inputs
+        observe.observe_flash(case, output, lse_values, lse_dtype)
+    return FlashCall(output, lse_values, outcome.tensor, outcome.inputs, call, lse_dtype, probs)
 
 
 def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:

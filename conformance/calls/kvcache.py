@@ -58,6 +58,7 @@ from conformance.calls.cache_options import (
     split_lse,
 )
 from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.core.observe import observe_kvcache
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
 
@@ -387,7 +388,11 @@ def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None,
     require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
-    return run_kvcache_call(target.impl, call, invoke=partial(call_guarded, target))
+    result = run_kvcache_call(target.impl, call, invoke=partial(call_guarded, target))
+    lse = None if result.lse is None else np.where(np.isposinf(result.lse), -np.inf, result.lse)
+    observe_kvcache(case, result.output, paged=call.paged, k_cache=result.k_cache, v_cache=result.v_cache,
+                    lse=lse, lse_dtype=result.lse_dtype)
+    return result
 
 
 def assert_same_cache(what: str, actual: np.ndarray, expected: np.ndarray, valid: list[int]) -> None:

@@ -47,6 +47,7 @@ from conformance.calls.flash_bounds import oracle as flash_oracle
 from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.core.observe import observe_varlen
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 
@@ -367,7 +368,9 @@ def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
     require_inside(target, call)
     if target.log is not None:
         target.log.calls.append(call)
-    return to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
+    output = to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
+    observe_varlen(case, output)
+    return output
 
 
 def run_varlen_lse(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, str]:
@@ -379,7 +382,9 @@ def run_varlen_lse(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.nda
     if target.log is not None:
         target.log.calls.append(call)
     out, lse = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target))
-    return to_numpy(out), to_numpy(lse), str(lse.dtype).removeprefix("torch.")
+    output, lse_values, stored = to_numpy(out), to_numpy(lse), str(lse.dtype).removeprefix("torch.")
+    observe_varlen(case, output, np.where(np.isposinf(lse_values), -np.inf, lse_values), stored)
+    return output, lse_values, stored
 
 
 # -- saving and reproducing ------------------------------------------------------------------

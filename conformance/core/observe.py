@@ -1,8 +1,10 @@
 """What a diagnosis reads: the calls of the implementation in the example being checked.
 
-While a property runs, ``calls.sdpa.run_sdpa`` and ``calls.mha.run_mha`` hand each output
-to :func:`observe_sdpa` / :func:`observe_mha`, which append it to the current example's
-list (the runner starts a fresh list per example, :func:`start_example`): one list
+While a property runs, ``calls.sdpa.run_sdpa``, ``calls.mha.run_mha``, ``sharded.cases.run_sharded``
+and the FlashAttention levels' calls (``calls.flash.run_flash``, ``calls.varlen.run_varlen``,
+``calls.kvcache.run_kvcache``) hand each output to :func:`observe_sdpa`, :func:`observe_mha`,
+:func:`observe_sharded`, :func:`observe_flash`, :func:`observe_varlen` or
+:func:`observe_kvcache`, which append it to the current example's list (the runner starts a fresh list per example, :func:`start_example`): one list
 append per call, so a passing run is not slowed. ``conformance.diagnosis.diagnose`` reads the
 lists on a failure and re-exports these names.
 """
@@ -15,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["start_example", "observe_sdpa", "observe_mha", "observe_sharded"]
+__all__ = ["start_example", "observe_sdpa", "observe_mha", "observe_sharded", "observe_flash", "observe_varlen",
+           "observe_kvcache"]
 
 
 @dataclass
@@ -29,6 +32,9 @@ class _Call:
     dropout_p: float = 0.0
     overrides: dict[str, Any] = field(default_factory=dict)
     module: Any = None
+    #: The FlashAttention levels' other returns: ``lse`` and ``lse_dtype`` (when asked for),
+    #: ``k_cache``/``v_cache`` after the call and ``paged`` (kvcache).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +89,35 @@ def observe_sharded(case: Any, output: np.ndarray) -> None:
     example = _EXAMPLE.get()
     if example is not None:
         example.calls.append(_Call("sharded", case, output))
+
+
+def observe_flash(case: Any, output: np.ndarray, lse: np.ndarray | None = None, lse_dtype: str | None = None) -> None:
+    """``calls.flash.run_flash`` called ``flash_attn_func`` on ``case`` and got ``output``
+    (B, L, N, Ev) and, when asked for, ``lse`` (B, N, L; +inf read as -inf), float64, the
+    LSE returned in ``lse_dtype``."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("flash", case, output, extra={"lse": lse, "lse_dtype": lse_dtype}))
+
+
+def observe_varlen(case: Any, output: np.ndarray, lse: np.ndarray | None = None, lse_dtype: str | None = None) -> None:
+    """``calls.varlen`` called ``flash_attn_varlen_func`` on ``case`` and got ``output``
+    (T_q, N, Ev) and, when asked for, ``lse`` (N, T_q) returned in ``lse_dtype``."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("varlen", case, output, extra={"lse": lse, "lse_dtype": lse_dtype}))
+
+
+def observe_kvcache(case: Any, output: np.ndarray, *, paged: bool, k_cache: np.ndarray, v_cache: np.ndarray,
+                    lse: np.ndarray | None = None, lse_dtype: str | None = None) -> None:
+    """``calls.kvcache.run_kvcache`` called ``flash_attn_with_kvcache`` on ``case`` (its caches
+    as pages when ``paged``) and got ``output`` (B, L, N, Ev), the caches after the call in
+    the logical layout, and, when asked for, ``lse`` (B, N, L) returned in ``lse_dtype``."""
+    example = _EXAMPLE.get()
+    if example is not None:
+        example.calls.append(_Call("kvcache", case, output, extra={"paged": paged, "k_cache": k_cache,
+                                                                   "v_cache": v_cache, "lse": lse,
+                                                                   "lse_dtype": lse_dtype}))
 
 
 # --------------------------------------------------------------------------- diagnosing a failure

@@ -13,9 +13,10 @@ certificate groups the failures of a run by cause (:func:`cause_groups`).
 
 Where the output comes from, cheapest first:
 
-1. While a property runs, ``calls.sdpa.run_sdpa`` and ``calls.mha.run_mha`` hand each
-   output to :func:`observe_sdpa` / :func:`observe_mha`, which keep it in the list of the
-   current example (the runner starts a fresh list per example, :func:`start_example`):
+1. While a property runs, ``calls.sdpa.run_sdpa``, ``calls.mha.run_mha`` and the other
+   levels' calls (sharded, flash, varlen, kvcache) hand each output (with the LSE and the
+   caches after the call where the call returns them) to ``core.observe``, which keeps it
+   in the list of the current example (the runner starts a fresh list per example, :func:`start_example`):
    one list append per call, nothing else, so a passing run is not slowed.
 2. On a failure, the calls of the final (shrunk) example are read in order; for each
    whose output disagrees with the oracle under the tolerance rule,
@@ -76,7 +77,7 @@ from conformance.core.observe import (
     observe_sdpa,
     start_example,
 )
-from conformance.diagnosis.problems import _sdpa_problem, problem_of, sdpa_mask_kind
+from conformance.diagnosis.problems import problem_of, sdpa_mask_kind
 from conformance.diagnosis.ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
@@ -154,7 +155,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     case = record.failing_case
     if case is None:
         return _unknown("no shrunk case was kept")
-    if target.level not in V.LEVELS:  # flash / varlen / kvcache: no spec.variants model them yet
+    if target.level not in V.LEVELS:  # a level no spec.variants problem describes
         return _unknown(f"spec.variants has no {target.level}-level variants")
     if getattr(case, "sinks", None) is not None:  # the variants' problems carry no sinks
         return _unknown("spec.variants has no variants with learned sinks")
@@ -225,7 +226,7 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
         # prediction differs from the oracle's, to see whether the output follows it there
         tied = [*leaders, V.as_correct(verdict.call.level)] if weak else leaders
         for description, call in _discriminating_calls(target, verdict.call, tied, weak):
-            prepared = _sdpa_problem(target, call)
+            prepared = problem_of(target, call)
             if prepared is None:
                 continue
             problem, observed, allowed = prepared
@@ -317,8 +318,8 @@ def _hint(cause: dict[str, Any]) -> str:
 def _mask_kind(call: _Call) -> str:
     """The fully-masked-row kind of a call (``Capabilities.fully_masked_policy``)."""
     case = call.case
-    if call.level == "sharded":
-        return "causal"                                    # rows are never fully masked there
+    if call.level in ("sharded", *V.FLASH_FAMILY):
+        return "causal"                                    # no mask: only causal or a window empties rows
     if call.level == "mha":
         floats = [m for m in (case.key_padding_mask, case.attn_mask) if m is not None and m.dtype != np.bool_]
         return "additive" if floats else "bool"
@@ -433,6 +434,18 @@ def _call_once(target: Any, case: Any) -> _Call:
         from conformance.sharded.cases import run_sharded
 
         run_sharded(target, case)
+    elif target.level == "flash":
+        from conformance.calls.flash import run_flash
+
+        run_flash(target, case)
+    elif target.level == "varlen":
+        from conformance.calls.varlen import run_varlen
+
+        run_varlen(target, case)
+    elif target.level == "kvcache":
+        from conformance.calls.kvcache import run_kvcache
+
+        run_kvcache(target, case)
     else:
         from conformance.calls.sdpa import run_sdpa
 
@@ -483,6 +496,8 @@ def _unknown(why: str) -> Verdict:
 def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     """max |observed - oracle| / max |oracle| over the output elements finite in both;
     None when NaN or inf appear where the oracle has none (or the shapes differ)."""
+    if isinstance(observed, dict):
+        observed = observed["output"]
     output = np.asarray(observed[0] if isinstance(observed, tuple) else observed, dtype=np.float64)
     expected = np.asarray(correct.output, dtype=np.float64)
     if output.shape != expected.shape:

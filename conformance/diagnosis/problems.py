@@ -1,6 +1,7 @@
 """The problem a failing call states, for the variants of ``spec.variants`` to be fitted to:
-the SDPA, MHA or sharded problem of the case as called, what was observed, and the error
-each part of the result is allowed (``diagnose`` and ``ties`` both state problems)."""
+the SDPA, MHA, sharded, flash, varlen or kvcache problem of the case as called, what was
+observed, and the error each part of the result is allowed (``diagnose`` and ``ties`` both
+state problems)."""
 
 from __future__ import annotations
 
@@ -120,10 +121,101 @@ def _sharded_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable] | No
     return problem, call.output, allowed
 
 
+def _family_allowed(target: Any, dtype: str, base: dict[str, np.ndarray],
+                    stored: str | None) -> Callable[[str, V.VariantResult], Any]:
+    """The allowed error of each part at the FlashAttention levels: the level's own rule on
+    the call (``base``, what the property compares with), and for a variant, at least the
+    rounding floor of the rule at its own magnitude and scores (a variant that attends
+    other keys rounds as those keys make it: ``tolerance.sdpa_allowed`` and
+    ``tolerance.lse_allowed`` with no naive error; an LSE stored in a coarser dtype is
+    allowed that dtype's rounding too)."""
+    from conformance.core import tolerance
+
+    def allowed(part: str, result: V.VariantResult) -> Any:
+        bound = base[part]
+        if result.score_size is None or part not in ("output", "lse"):
+            return bound
+        size = np.nan_to_num(np.asarray(result.score_size, dtype=np.float64), nan=0.0, posinf=0.0)
+        if part == "output":
+            magnitude = np.nan_to_num(np.asarray(result.magnitude, dtype=np.float64), nan=0.0, posinf=0.0)
+            rows = np.swapaxes(size, -1, -2)[..., None]                  # (..., L, N, 1): the output's rows
+            return np.maximum(bound, tolerance.sdpa_allowed(dtype, 0.0, magnitude, tf32=target.tf32,
+                                                            logit_scale=rows))
+        floor = tolerance.lse_allowed(dtype, 0.0, size, tf32=target.tf32)
+        if stored is not None and stored in tolerance.EPS and tolerance.EPS[stored] > tolerance.EPS[dtype]:
+            floor = np.maximum(floor, tolerance.lse_allowed(stored, 0.0, size))
+        return np.maximum(bound, floor)
+
+    return allowed
+
+
+def _flash_policy(target: Any, case: Any) -> str:
+    """The fully-masked-row policy a flash-level call is judged by (sinks: always zero)."""
+    return "zero" if getattr(case, "sinks", None) is not None else target.caps.fully_masked
+
+
+def _flash_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable]:
+    """A ``flash_attn_func`` call: the output and, when asked for, the LSE, each within the
+    flash level's rule (``calls.flash_bounds``)."""
+    from conformance.calls import flash_bounds
+
+    case, lse, stored = call.case, call.extra.get("lse"), call.extra.get("lse_dtype")
+    problem = V.FlashProblem.from_case(case, fully_masked=_flash_policy(target, case))
+    ref = flash_bounds.oracle(case)
+    observed = {"output": call.output, "lse": lse}
+    base = {"output": flash_bounds.allowed_output(target, case, ref),
+            "lse": flash_bounds.allowed_lse(target, case, ref, stored=stored)}
+    return problem, observed, _family_allowed(target, case.dtype, base, stored)
+
+
+def _varlen_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable]:
+    """A ``flash_attn_varlen_func`` call: the packed output (and LSE) within the varlen
+    level's rule, sequence by sequence (``calls.varlen.varlen_bounds``)."""
+    from conformance.calls.varlen import varlen_bounds, varlen_lse_bounds
+
+    case, lse, stored = call.case, call.extra.get("lse"), call.extra.get("lse_dtype")
+    problem = V.VarlenProblem.from_case(case, fully_masked=target.caps.fully_masked)
+    observed = {"output": call.output, "lse": lse}
+    base = {"output": varlen_bounds(target, case)[1], "lse": varlen_lse_bounds(target, case, stored)[1]}
+    return problem, observed, _family_allowed(target, case.dtype, base, stored)
+
+
+def _kvcache_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable]:
+    """A ``flash_attn_with_kvcache`` call as made (a paged call's pages and block table as
+    handed over): the output (and LSE) within the kvcache level's rule
+    (``calls.kvcache.kvcache_bounds``), the caches after the call exactly, rotated keys
+    within a rotation's rounding (``tolerance.rotation_allowed`` at the largest rotated
+    entry: the runner's ``check_cache_after``)."""
+    from conformance.calls.kvcache import _pages, kvcache_bounds, kvcache_lse_bounds
+    from conformance.core import tolerance
+
+    case, lse, stored = call.case, call.extra.get("lse"), call.extra.get("lse_dtype")
+    pages = {}
+    if call.extra.get("paged"):
+        (k_pages, table), (v_pages, _) = _pages(case, case.k_cache), _pages(case, case.v_cache)
+        pages = {"k_cache": k_pages, "v_cache": v_pages, "block_table": table}
+    problem = V.KVCacheProblem.from_case(case, fully_masked=target.caps.fully_masked, **pages)
+    observed = {"output": call.output, "lse": lse, "k_cache": call.extra.get("k_cache"),
+                "v_cache": call.extra.get("v_cache")}
+    base = {"output": kvcache_bounds(target, case)[1], "lse": kvcache_lse_bounds(target, case, stored)[1],
+            "v_cache": 0.0, "k_cache": 0.0}
+    if case.rotary_cos is not None and case.k_new is not None:
+        table = np.abs(np.concatenate([case.rotary_cos, case.rotary_sin])).max()
+        size = 2 * float(np.abs(case.k_new).max()) * table
+        base["k_cache"] = tolerance.rotation_allowed(case.dtype, np.asarray(size))
+    return problem, observed, _family_allowed(target, case.dtype, base, stored)
+
+
 def problem_of(target: Any, call: _Call) -> tuple[Any, Any, Callable] | None:
     """The problem ``call`` states at its level (None: one that cannot be stated)."""
     if call.level == "sdpa":
         return _sdpa_problem(target, call)
     if call.level == "sharded":
         return _sharded_problem(target, call)
+    if call.level == "flash":
+        return _flash_problem(target, call)
+    if call.level == "varlen":
+        return _varlen_problem(target, call)
+    if call.level == "kvcache":
+        return _kvcache_problem(target, call)
     return _mha_problem(target, call)

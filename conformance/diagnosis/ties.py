@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from conformance.core.observe import _EXAMPLE, _Call, start_example
-from conformance.diagnosis.problems import _sdpa_problem, sdpa_mask_kind
+from conformance.diagnosis.problems import _sdpa_problem, problem_of, sdpa_mask_kind
 from spec import variants as V
 
 __all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
@@ -32,22 +32,38 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
     among cases that tell as many pairs apart, one where such a variant predicts a
     wrong but partly finite output comes first (only such a case can confirm it), and
     one is chosen for it even when every pair is already apart. Only a deterministic
-    SDPA call, and only cases the target claims (``directed.examples.admitted``); a call that
-    raises is left out."""
+    SDPA call or a flash or kvcache call (``family_cases``: made as the failing call was,
+    compared on what it returns), and only cases the target claims
+    (``directed.examples.admitted``, ``calls.declarations.outside_declarations``); a call
+    that raises is left out."""
+    from conformance.calls.declarations import outside_declarations
     from conformance.calls.sdpa import run_sdpa
+    from conformance.diagnosis.family_cases import derived_cases, run_like
     from conformance.directed.examples import admitted
 
-    if call.level != "sdpa" or call.dropout_p > 0:
+    if call.level in V.FLASH_FAMILY:
+        candidates = [(d, c) for d, c in derived_cases(call) if not outside_declarations(target, c)]
+        parts = ("output", "lse", "k_cache", "v_cache") if call.extra.get("lse") is not None else \
+            ("output", "k_cache", "v_cache")
+
+        def make(case: Any) -> None:
+            run_like(target, call, case)
+    elif call.level == "sdpa" and call.dropout_p == 0:
+        candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
+        parts = ("output",)
+
+        def make(case: Any) -> None:
+            run_sdpa(target, case)
+    else:
         return []
     apart: set[frozenset[str]] = set()
     unconfirmed = set(confirm)
     chosen: list[tuple[str, Any]] = []
-    candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
     while len(chosen) < MAX_DISCRIMINATING and candidates:
         scored = []
         for index, (description, case) in enumerate(candidates):
-            problem, allowed = _expected_problem(target, case)
-            groups = V.partition(problem, tied, allowed, outputs_only=True)
+            problem, allowed = _expected_problem(target, case, call)
+            groups = V.partition(problem, tied, allowed, parts=parts)
             pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
             confirms = {v for v in unconfirmed if _could_confirm(problem, v, allowed)}
             scored.append((len(pairs - apart), len(confirms), -index, description, case, pairs, confirms))
@@ -64,7 +80,7 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
     for description, case in chosen:
         start = len(_EXAMPLE.get().calls)
         try:
-            run_sdpa(target, case)
+            make(case)
         except Exception:  # noqa: BLE001, S112 - no output on this case: it tells nothing
             continue
         out.append((f"a discriminating case ({description})", _EXAMPLE.get().calls[start]))
@@ -103,11 +119,13 @@ def _first_block_blocked(case: Any, rng: np.random.Generator, shared: bool) -> t
     return (f"{n} more queries whose first key block is blocked (L={L + n}, S={S + n})", case.replace(**changes))
 
 
-def _expected_problem(target: Any, case: Any) -> tuple[Any, Any]:
-    """The problem of a call of ``case`` and the runner's allowed error for it (the
-    tolerance rule the observation will be judged by, so that variants told apart
-    here are told apart by the call too)."""
-
+def _expected_problem(target: Any, case: Any, like: _Call | None = None) -> tuple[Any, Any]:
+    """The problem of a call of ``case`` (made as ``like`` was, at the FlashAttention
+    levels) and the runner's allowed error for it (the tolerance rule the observation
+    will be judged by, so that variants told apart here are told apart by the call too)."""
+    if like is not None and like.level in V.FLASH_FAMILY:
+        problem, _, allowed = problem_of(target, _Call(like.level, case, None, extra={"paged": like.extra.get("paged")}))
+        return problem, allowed
     problem, _, allowed = _sdpa_problem(target, _Call("sdpa", case, None))
     return problem, allowed
 

@@ -108,6 +108,7 @@ CACHE_FEATURE_MUTANTS = [
         smallest_case={**ROTARY, "cache_seqlens": [1], "S_cache": 2},
         safe_case={**ROTARY, "cache_seqlens": [0], "S_cache": 2},
         expected_property="kvcache_rotary_agreement",
+        expected_cause="kvcache_rotary_relative_positions",
     ),
     _mutant(
         "kvcache_rotary_queries_per_row", kvcache=RotaryQueriesPerRow(),
@@ -118,6 +119,7 @@ CACHE_FEATURE_MUTANTS = [
         smallest_case={**ROTARY, "L": 2, "cache_seqlens": [1], "S_cache": 3},
         safe_case={**ROTARY, "L": 1, "cache_seqlens": [1], "S_cache": 3},
         expected_property="kvcache_rotary_equivalence",
+        expected_cause="kvcache_rotary_queries_per_row",
     ),
     _mutant(
         "kvcache_rotary_interleave_swapped", kvcache=RotaryInterleaveSwapped(),
@@ -128,6 +130,7 @@ CACHE_FEATURE_MUTANTS = [
         smallest_case={**ROTARY, "E": 4, "rotary_dim": 4, "cache_seqlens": [1], "S_cache": 2},
         safe_case={**ROTARY, "E": 4, "rotary_dim": 2, "cache_seqlens": [1], "S_cache": 2},
         expected_property="kvcache_rotary_agreement",
+        expected_cause="kvcache_rotary_interleave_swapped",
     ),
     _mutant(
         "kvcache_leftpad_causal_offset", kvcache=LeftpadCausalOffset(),
@@ -140,6 +143,7 @@ CACHE_FEATURE_MUTANTS = [
         safe_case={**ONE, "L": 2, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "causal": True,
                    "cache_leftpad": [0]},
         expected_property="kvcache_leftpad_agreement",
+        expected_cause="kvcache_leftpad_causal_offset",
     ),
     _mutant(
         "kvcache_leftpad_ignored", kvcache=LeftpadIgnored(),
@@ -149,6 +153,7 @@ CACHE_FEATURE_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "cache_leftpad": [1]},
         safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "cache_leftpad": [0]},
         expected_property="kvcache_leftpad_equivalence",
+        expected_cause="kvcache_leftpad_ignored",
     ),
     _mutant(
         "kvcache_batch_idx_ignored_on_write", kvcache=BatchIdxIgnoredOnWrite(),
@@ -160,6 +165,7 @@ CACHE_FEATURE_MUTANTS = [
         safe_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 1, "B_cache": 2,
                    "cache_batch_idx": [0]},
         expected_property="kvcache_batch_idx_agreement",
+        expected_cause="kvcache_batch_idx_ignored_on_write",
     ),
     _mutant(
         "kvcache_batch_idx_ignored_on_read", kvcache=BatchIdxIgnoredOnRead(),
@@ -171,6 +177,7 @@ CACHE_FEATURE_MUTANTS = [
         safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1, "B_cache": 2,
                    "cache_batch_idx": [0]},
         expected_property="kvcache_batch_idx_agreement",
+        expected_cause="kvcache_batch_idx_ignored_on_read",
     ),
     _mutant(
         "kvcache_split_merge_without_max", kvcache=SplitMergeWithoutMax(),
@@ -182,6 +189,7 @@ CACHE_FEATURE_MUTANTS = [
                        "values": "huge"},
         safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "num_splits": 2},
         expected_property="kvcache_num_splits_equivalence",
+        expected_cause="kvcache_split_merge_without_max",
     ),
     _mutant(
         "kvcache_split_merge_without_rescale", kvcache=SplitMergeWithoutRescale(),
@@ -191,5 +199,6 @@ CACHE_FEATURE_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "num_splits": 2},
         safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "num_splits": 1},
         expected_property="kvcache_num_splits_equivalence",
+        expected_cause="kvcache_split_merge_without_rescale",
     ),
 ]

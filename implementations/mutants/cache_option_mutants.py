@@ -89,6 +89,7 @@ CACHE_OPTION_MUTANTS = [
         smallest_case={**ONE, "lengths": [(1, 2)], "window": [0, 0], "softcap": 0.5},
         safe_case={**ONE, "lengths": [(1, 2)], "softcap": 0.5},
         expected_property="varlen_feature_agreement",
+        expected_cause="varlen_softcap_after_mask",
     ),
     _mutant(
         "varlen_lse_packed", varlen=LsePacked(),
@@ -97,6 +98,7 @@ CACHE_OPTION_MUTANTS = [
         smallest_case={**ONE, "lengths": [(1, 1), (0, 1)], "lse": True},
         safe_case={**ONE, "lengths": [(1, 1)], "lse": True},
         expected_property="varlen_lse_agreement",
+        expected_cause="varlen_lse_packed",
     ),
     _mutant(
         "kvcache_window_ignores_cache", kvcache=WindowIgnoresCache(),
@@ -105,6 +107,7 @@ CACHE_OPTION_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 1, "S_cache": 2, "window": [0, 0]},
         safe_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 2, "window": [0, 0]},
         expected_property="kvcache_feature_agreement",
+        expected_cause="kvcache_window_ignores_cache",
     ),
     _mutant(
         "kvcache_lse_whole_cache", kvcache=LseWholeCache(),
@@ -113,5 +116,6 @@ CACHE_OPTION_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 2, "lse": True},
         safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "lse": True},
         expected_property="kvcache_lse_agreement",
+        expected_cause="kvcache_lse_whole_cache",
     ),
 ]

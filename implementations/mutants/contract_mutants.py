@@ -119,12 +119,13 @@ def _case(**changes: Any) -> dict[str, Any]:
 
 def _mutant(name: str, make: Callable[[], Any], *, bug: str, origin: str, smallest_case: dict,
             expected_property: str, safe_case: dict | None, level: str = "sdpa",
-            options: dict[str, str] | None = None) -> Mutant:
+            options: dict[str, str] | None = None, expected_cause: str | None = None) -> Mutant:
     def build() -> Implementation:
         return recognised(f"mutant:{name}", make(), options, bug)
 
     return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest_case,
-                  expected_property=expected_property, build=build, level=level, safe_case=safe_case)
+                  expected_property=expected_property, build=build, level=level, safe_case=safe_case,
+                  expected_cause=expected_cause)
 
 
 _PROBE = "hand-written pitfall, passed as a bare function: "
@@ -158,13 +159,13 @@ CONTRACT_MUTANTS = [
             origin="real code: flash-attn < 2.1 aligned causal top-left; passed as a bare function, a "
                    "probe that read the behaviour declared it 'no causal flag'",
             smallest_case=_case(L=1, S=2, causal=True), expected_property="flash_agreement",
-            safe_case=_case(L=2, S=2, causal=True)),
+            safe_case=_case(L=2, S=2, causal=True), expected_cause="flash_causal_upper_left"),
     _mutant("contract_flash_window_no_effect", WindowIgnored, level="flash",
             bug="a bare flash_attn_func accepts window_size and ignores it",
             origin=_PROBE + "a probe that saw no effect declared the window unsupported, so window "
                    "tests skipped",
             smallest_case=_case(L=2, S=2, window=[0, 0]), expected_property="window_equivalence",
-            safe_case=_case(L=2, S=2)),
+            safe_case=_case(L=2, S=2), expected_cause="flash_window_ignored"),
     _mutant("contract_causal_rows_uniform", FlagEmptiedRowsUniform, options={"causal": "lower_right"},
             bug="rows the declared lower-right causal flag empties (L > S) give mean(V) while fully "
                 "masked rows give 0",

@@ -391,9 +391,20 @@ def _case(**changes):
     return {"B": 1, "N": 1, "K": 1, "L": 1, "S": 1, "E": 1, "Ev": 1, **changes}
 
 
+#: The spec.variants variant that models each mutant's bug (the diagnosis names it).
+_CAUSES = {"flash_causal_top_left": "flash_causal_upper_left",
+           "flash_window_left_off_by_one": "flash_window_left_off_by_one",
+           "flash_softcap_before_scale": "flash_softcap_before_scale", "flash_alibi_top_left": "flash_alibi_upper_left",
+           "flash_lse_uncapped": "flash_lse_uncapped", "flash_lse_log2": "flash_lse_log2",
+           "flash_sink_key_with_value": "flash_sink_with_value", "flash_sink_after_shift": "flash_sink_after_shift",
+           "flash_sink_per_row": "flash_sink_per_row", "flash_sink_weight_kept": "flash_sink_weight_kept",
+           "flash_sink_scaled": "flash_sink_scaled"}
+
+
 def _mutant(name, cls, bug, origin, smallest, safe, prop):
     return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest, expected_property=prop,
-                  build=lambda: flash_implementation(name, cls(), bug), level="flash", safe_case=safe)
+                  build=lambda: flash_implementation(name, cls(), bug), level="flash", safe_case=safe,
+                  expected_cause=_CAUSES.get(name))
 
 
 FLASH_MUTANTS = [

@@ -65,6 +65,7 @@ TRITON_MUTANTS = (
         origin="kernel bug (an off-by-one at the window's left edge), planted in the Triton kernel",
         smallest_case={"B": 1, "N": 1, "K": 1, "L": 2, "S": 2, "E": 1, "Ev": 1, "window": [1, 0]},
         expected_property="window_equivalence",
+        expected_cause="flash_window_left_off_by_one",
         build=_builder("window_left_off_by_one", "triton_window_left_off_by_one", level="flash"),
         level="flash",
         safe_case={"B": 1, "N": 1, "K": 1, "L": 2, "S": 2, "E": 1, "Ev": 1, "window": [-1, 0]},

@@ -79,13 +79,14 @@ class BlockTableIgnored(KVCacheAttention):
 
 
 def _mutant(name: str, *, varlen=None, kvcache=None, bug: str, origin: str, smallest_case: dict,
-            expected_property: str, safe_case: dict | None = None) -> Mutant:
+            expected_property: str, safe_case: dict | None = None, expected_cause: str | None = None) -> Mutant:
     def build():
         return make_implementation(name=f"mutant:{name}", varlen=varlen, kvcache=kvcache, description=bug)
 
     return Mutant(name=name, bug=bug, origin=origin, smallest_case=smallest_case,
                   expected_property=expected_property, build=build,
-                  level="varlen" if varlen is not None else "kvcache", safe_case=safe_case)
+                  level="varlen" if varlen is not None else "kvcache", safe_case=safe_case,
+                  expected_cause=expected_cause)
 
 
 ONE = {"N": 1, "K": 1, "E": 1, "Ev": 1}
@@ -99,6 +100,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "lengths": [(1, 1), (0, 1)]},
         safe_case={**ONE, "lengths": [(1, 1)]},
         expected_property="varlen_equivalence",
+        expected_cause="varlen_neighbour_key",
     ),
     _mutant(
         "varlen_scale_over_e", varlen=ScaleOverE(),
@@ -107,6 +109,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "E": 2, "Ev": 1, "lengths": [(1, 2)]},
         safe_case={**ONE, "lengths": [(1, 2)]},
         expected_property="varlen_agreement",
+        expected_cause="varlen_scale_over_e",
     ),
     _mutant(
         "kvcache_seqlens_off_by_one", kvcache=SeqlensOffByOne(),
@@ -115,6 +118,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 0, "S_cache": 1},
         safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1},
         expected_property="kvcache_equivalence",
+        expected_cause="kvcache_seqlens_off_by_one",
     ),
     _mutant(
         "kvcache_append_at_start", kvcache=AppendAtStart(),
@@ -123,6 +127,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 1, "S_cache": 2},
         safe_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 2},
         expected_property="kvcache_equivalence",
+        expected_cause="kvcache_append_at_start",
     ),
     _mutant(
         "kvcache_append_not_written", kvcache=AppendNotWritten(),
@@ -132,6 +137,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 1},
         safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1},
         expected_property="kvcache_equivalence",
+        expected_cause="kvcache_append_not_written",
     ),
     _mutant(
         "kvcache_causal_top_left", kvcache=CausalTopLeft(),
@@ -141,6 +147,7 @@ VARLEN_MUTANTS = [
         smallest_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "causal": True},
         safe_case={**ONE, "L": 1, "cache_seqlens": [2], "S_new": 0, "S_cache": 2, "causal": False},
         expected_property="kvcache_agreement",
+        expected_cause="kvcache_causal_upper_left",
     ),
     _mutant(
         "paged_block_table_ignored", kvcache=BlockTableIgnored(),
@@ -151,5 +158,6 @@ VARLEN_MUTANTS = [
         safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1, "page_size": 1,
                    "block_table": [[0]], "num_pages": 1},
         expected_property="paged_equivalence",
+        expected_cause="kvcache_block_table_ignored",
     ),
 ]

@@ -14,9 +14,17 @@ Public API::
                fully_masked)                                # MHAProblem.from_case(case, **changes)
     ShardedProblem(query, key, value, *, world_size, layout, causal, window, scale, dtype)
                                                             # ShardedProblem.from_case(case)
+    FlashProblem(query, key, value, *, causal, window, softcap, alibi_slopes, scale, sinks, dtype,
+                 fully_masked)                              # flash_attn_func's layout
+    VarlenProblem(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal, window, softcap,
+                  alibi_slopes, scale, dtype, fully_masked)  # flash_attn_varlen_func's
+    KVCacheProblem(query, k_cache, v_cache, cache_seqlens, *, k_new, v_new, block_table,
+                   rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
+                   num_splits, causal, window, softcap, alibi_slopes, scale, dtype, fully_masked)
     Variant(id, level, summary, models, applies, compute, detect, precision)
         variant.applies(problem) -> bool
-        variant.compute(problem) -> VariantResult(output, weights, slack)   # None: not deterministic
+        variant.compute(problem) -> VariantResult(output, weights, slack, lse, k_cache, v_cache,
+                                                  magnitude, score_size)   # None: not deterministic
     VARIANTS: dict[str, Variant]    ALIASES: dict[str, str]    lookup(name) -> Variant
     reference(problem) -> VariantResult                    # the correct convention
     rank(observed, problem, variants=None, allowed=None) -> list[Match(variant_id, fit)]
@@ -27,6 +35,8 @@ Public API::
     as_correct(level) -> Variant                           # the oracle as a pseudo-variant "correct"
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
 
+An observation is the output, an ``(output, weights)`` pair, or a dict of the parts a call
+returned (``output``, ``weights``, ``lse``, ``k_cache``, ``v_cache``).
 Conventions are the spec's: SDPA bool masks True = may attend, MHA bool masks True =
 blocked, float masks added. A problem's ``fully_masked`` is the policy the implementation
 declares ("zero", "nan", "uniform" or "unspecified"). docs/DIAGNOSIS.md lists every
@@ -35,7 +45,11 @@ variant with the real bug it stands for.
 
 from __future__ import annotations
 
-from ._core import LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, ShardedProblem, Variant, VariantResult
+from ._core import (FLASH_FAMILY, LEVELS, POLICIES, MHAProblem, Problem, SDPAProblem, ShardedProblem, Variant,
+                    VariantResult)
+from ._family import FamilyProblem, FlashProblem, KVCacheProblem, VarlenProblem
+from .flash import FLASH_VARIANTS
+from .kvcache import KVCACHE_VARIANTS
 from ._rank import (COARSE_ERROR_FLOOR, CONCRETE_POLICIES, DEFAULT_ULPS, Allowed, Match, Observed, as_correct,
                     correct_fit, default_allowed, finite_evidence, fit, partition, precision_factor, rank, reference,
                     variant_fit)
@@ -43,11 +57,16 @@ from .mha import MHA_VARIANTS
 from .registry import ALIASES, VARIANTS, lookup
 from .sdpa import KERNEL_BLOCK, SDPA_VARIANTS
 from .sharded import SHARDED_VARIANTS
+from .varlen import VARLEN_VARIANTS
 
 __all__ = [
     "SDPAProblem",
     "MHAProblem",
     "ShardedProblem",
+    "FlashProblem",
+    "VarlenProblem",
+    "KVCacheProblem",
+    "FamilyProblem",
     "Problem",
     "Variant",
     "VariantResult",
@@ -55,6 +74,9 @@ __all__ = [
     "SDPA_VARIANTS",
     "MHA_VARIANTS",
     "SHARDED_VARIANTS",
+    "FLASH_VARIANTS",
+    "VARLEN_VARIANTS",
+    "KVCACHE_VARIANTS",
     "ALIASES",
     "lookup",
     "reference",
@@ -75,5 +97,6 @@ __all__ = [
     "COARSE_ERROR_FLOOR",
     "KERNEL_BLOCK",
     "LEVELS",
+    "FLASH_FAMILY",
     "POLICIES",
 ]

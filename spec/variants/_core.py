@@ -17,10 +17,13 @@ from ..emulate import EMULATED_DTYPES
 from ..errors import fail
 from ..mha import MHAParams
 
-__all__ = ["LEVELS", "POLICIES", "UNIT_ROUNDOFF", "SDPAProblem", "MHAProblem", "ShardedProblem", "Problem",
+__all__ = ["LEVELS", "FLASH_FAMILY", "POLICIES", "UNIT_ROUNDOFF", "SDPAProblem", "MHAProblem", "ShardedProblem", "Problem",
            "Variant", "VariantResult"]
 
-LEVELS = ("sdpa", "mha", "sharded")
+LEVELS = ("sdpa", "mha", "sharded", "flash", "varlen", "kvcache")
+#: The FlashAttention levels (``spec.variants._family``): their results may carry an LSE,
+#: the caches after the call, and the sizes their allowed error is made from.
+FLASH_FAMILY = ("flash", "varlen", "kvcache")
 #: Unit roundoff (half the machine epsilon) of each dtype a problem may be computed in.
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 #: Fully-masked-row policies an implementation may declare ("unspecified": any output).
@@ -35,11 +38,23 @@ class VariantResult(NamedTuple):
     ``need_weights``). ``slack``: extra allowed error, elementwise or scalar, for a
     convention that rounds in a lower precision than the case's dtype (a real
     implementation of it rounds differently from this model); 0 for exact math.
+
+    The FlashAttention levels (flash, varlen, kvcache) return the call's other outputs
+    too, in the call's layouts: ``lse`` (B, N, L) or packed (N, T), the caches after the
+    call ``k_cache``/``v_cache`` (kvcache, in the logical layout the runner reads them
+    back in), and what each output element's rounding scales with: ``magnitude``
+    (weights · |V|, the output's shape) and ``score_size`` (the largest |score| a row
+    attends, the LSE's shape). None where the level has no such part.
     """
 
     output: np.ndarray
     weights: np.ndarray | None = None
     slack: np.ndarray | float = 0.0
+    lse: np.ndarray | None = None
+    k_cache: np.ndarray | None = None
+    v_cache: np.ndarray | None = None
+    magnitude: np.ndarray | None = None
+    score_size: np.ndarray | None = None
 
 
 def _from_case(cls: type, case: Any, changes: dict[str, Any]) -> Any:
@@ -226,8 +241,9 @@ Problem = Union[SDPAProblem, MHAProblem, ShardedProblem]
 class Variant:
     """One wrong convention of attention, as data.
 
-    ``id``: stable name (MHA ids start with ``mha_``). ``level``: ``"sdpa"`` or
-    ``"mha"``, the problem type it takes. ``summary``: what the wrong implementation
+    ``id``: stable name (the ids of every level but SDPA start with the level's name:
+    ``mha_``, ``sharded_``, ``flash_``, ``varlen_``, ``kvcache_``). ``level``: one of
+    :data:`LEVELS`, the problem type it takes. ``summary``: what the wrong implementation
     does, one sentence. ``models``: the real-world bug it stands for.
     ``applies(problem) -> bool``: whether the convention bears on this problem at all;
     False guarantees the variant's output equals the correct one (within the

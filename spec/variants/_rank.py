@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _attention, mha, sharded
-from ._core import UNIT_ROUNDOFF, Problem, SDPAProblem, ShardedProblem, Variant, VariantResult
+from . import _attention, flash, kvcache, mha, sharded, varlen
+from ._core import FLASH_FAMILY, UNIT_ROUNDOFF, Problem, SDPAProblem, ShardedProblem, Variant, VariantResult
 from .registry import VARIANTS, lookup
 
 __all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "COARSE_ERROR_FLOOR", "default_allowed", "fit", "rank",
@@ -22,10 +22,15 @@ __all__ = ["Match", "Allowed", "Observed", "DEFAULT_ULPS", "COARSE_ERROR_FLOOR",
 #: the implementation does (its own policy is free), so each is tried.
 CONCRETE_POLICIES = ("zero", "nan", "uniform")
 
-#: An output, or an ``(output, weights)`` pair (weights None when there are none).
-Observed = Union[np.ndarray, tuple]
+#: An output, an ``(output, weights)`` pair (weights None when there are none), or a dict
+#: of the parts a call returned (a subset of :data:`PARTS`; None values are left out).
+Observed = Union[np.ndarray, tuple, dict]
+#: The parts of a result an observation may be compared on, in the order they are compared.
+PARTS = ("output", "weights", "lse", "k_cache", "v_cache")
+#: Each FlashAttention level's module (its reference, live rows).
+_FAMILY = {"flash": flash, "varlen": varlen, "kvcache": kvcache}
 #: Allowed absolute error: a scalar or array for the output, or a callable
-#: ``allowed(part, result)`` with ``part`` "output" or "weights" and ``result`` the
+#: ``allowed(part, result)`` with ``part`` one of :data:`PARTS` and ``result`` the
 #: :class:`VariantResult` being compared against, returning a scalar or array.
 Allowed = Union[float, np.ndarray, Callable[[str, VariantResult], Any]]
 
@@ -50,10 +55,13 @@ class Match(NamedTuple):
 
 
 def reference(problem: Problem) -> VariantResult:
-    """The correct convention on ``problem`` (:func:`spec.sdpa`, :func:`spec.mha_forward`, or
-    full-sequence attention for a sharded problem)."""
+    """The correct convention on ``problem`` (:func:`spec.sdpa`, :func:`spec.mha_forward`,
+    full-sequence attention for a sharded problem, :func:`spec.flash_attention`,
+    :func:`spec.varlen_attention` or :func:`spec.kvcache_attention` with the LSE and caches)."""
     if isinstance(problem, ShardedProblem):
         return sharded.reference(problem)
+    if problem.level in FLASH_FAMILY:
+        return _FAMILY[problem.level].reference(problem)
     return _attention.reference(problem) if isinstance(problem, SDPAProblem) else mha.reference(problem)
 
 
@@ -63,7 +71,7 @@ def default_allowed(problem: Problem) -> Callable[[str, VariantResult], np.ndarr
     unit = UNIT_ROUNDOFF[problem.dtype]
 
     def allowed(part: str, result: VariantResult) -> np.ndarray:
-        expected = result.output if part == "output" else result.weights
+        expected = getattr(result, part)
         return DEFAULT_ULPS * unit * (1.0 + np.nan_to_num(np.abs(expected), nan=0.0, posinf=0.0))
 
     return allowed
@@ -87,7 +95,8 @@ def fit(actual: Any, expected: Any, allowed: Any, where: Any = None) -> float:
     if (selected & infinite & (actual != expected)).any():
         return float("inf")
     compared = selected & np.isfinite(actual) & np.isfinite(expected)
-    error = np.abs(actual - expected)[compared]
+    with np.errstate(invalid="ignore", over="ignore"):      # inf - inf where not compared
+        error = np.abs(actual - expected)[compared]
     bound = np.broadcast_to(np.asarray(allowed, dtype=np.float64), actual.shape)[compared]
     if error.size == 0:
         return 0.0
@@ -96,8 +105,28 @@ def fit(actual: Any, expected: Any, allowed: Any, where: Any = None) -> float:
     return float(np.nan_to_num(ratios, nan=np.inf).max())
 
 
+def _family_rows(problem: Problem, part: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The FlashAttention levels' compared elements: the caches' rows a call must leave
+    defined (each sequence's valid rows, the rows no sequence names); the output's rows that
+    attend no key only where they are declared zero (and, at the flash level, NaN), as the
+    runner compares them; None: everywhere."""
+    if part in ("k_cache", "v_cache"):
+        rows = kvcache.compared_cache_rows(problem)
+    elif part == "output" and not (problem.fully_masked == "zero"
+                                   or problem.fully_masked == "nan" and problem.level == "flash"):
+        rows = _FAMILY[problem.level].live_rows(problem)
+    else:
+        return None
+    try:
+        return np.broadcast_to(rows, shape)
+    except ValueError:
+        return None                                                       # another shape: shapes decide
+
+
 def _compared_rows(problem: Problem, part: str, shape: tuple[int, ...]) -> np.ndarray | None:
     """Where a declared "unspecified" policy leaves the output defined: bool, or None (everywhere)."""
+    if problem.level in FLASH_FAMILY:
+        return _family_rows(problem, part, shape)
     if problem.fully_masked != "unspecified":
         return None
     if isinstance(problem, SDPAProblem):
@@ -115,16 +144,25 @@ def _compared_rows(problem: Problem, part: str, shape: tuple[int, ...]) -> np.nd
         return None                                                       # another layout: shapes decide
 
 
-def _split(observed: Observed) -> tuple[np.ndarray, np.ndarray | None]:
+def _split(observed: Observed) -> dict[str, np.ndarray]:
+    """The observed parts by name (:data:`PARTS`), each an array; absent ones left out."""
+    if isinstance(observed, dict):
+        unknown = set(observed) - set(PARTS)
+        if unknown:
+            raise ValueError(f"observed parts {sorted(unknown)} are not among {PARTS}")
+        return {part: np.asarray(value) for part, value in observed.items() if value is not None}
     if isinstance(observed, tuple):
         output, weights = observed
-        return np.asarray(output), (None if weights is None else np.asarray(weights))
-    return np.asarray(observed), None
+        parts = {"output": np.asarray(output)}
+        if weights is not None:
+            parts["weights"] = np.asarray(weights)
+        return parts
+    return {"output": np.asarray(observed)}
 
 
 def _part_fit(problem: Problem, part: str, actual: np.ndarray, result: VariantResult,
               allowed: Callable[[str, VariantResult], Any], factor: float = 1.0) -> float:
-    expected = result.output if part == "output" else result.weights
+    expected = getattr(result, part)
     bound = factor * np.asarray(allowed(part, result), dtype=np.float64)
     if part == "output":
         bound = bound + np.asarray(result.slack, dtype=np.float64)
@@ -153,11 +191,11 @@ def _too_fine_for(observed: np.ndarray, result: VariantResult, correct: VariantR
     return own > 0 and seen < COARSE_ERROR_FLOOR * own
 
 
-def _parts(observed_weights: Any, result: VariantResult, correct: VariantResult) -> list[str]:
-    """The parts compared: the output, and the weights where every side has them."""
-    if observed_weights is not None and result.weights is not None and correct.weights is not None:
-        return ["output", "weights"]
-    return ["output"]
+def _parts(observed: dict[str, np.ndarray], result: VariantResult, correct: VariantResult) -> list[str]:
+    """The parts compared: the output, and each other part (weights, LSE, caches) that the
+    observation, the result and the correct convention all have."""
+    return ["output"] + [part for part in PARTS[1:] if part in observed and getattr(result, part) is not None
+                         and getattr(correct, part) is not None]
 
 
 def correct_fit(observed: Observed, problem: Problem, allowed: Allowed | None = None) -> float:
@@ -170,9 +208,8 @@ def correct_fit(observed: Observed, problem: Problem, allowed: Allowed | None = 
 def _correct_fit(observed: Observed, problem: Problem, bound: Callable[[str, VariantResult], Any],
                  correct: VariantResult) -> float:
     """:func:`correct_fit` with the allowed error and the oracle's result already made."""
-    output, weights = _split(observed)
-    return max(_part_fit(problem, part, {"output": output, "weights": weights}[part], correct, bound)
-               for part in _parts(weights, correct, correct))
+    parts = _split(observed)
+    return max(_part_fit(problem, part, parts[part], correct, bound) for part in _parts(parts, correct, correct))
 
 
 def _as_callable(allowed: Allowed | None, problem: Problem) -> Callable[[str, VariantResult], Any]:
@@ -212,12 +249,12 @@ def finite_evidence(observed: Observed, problem: Problem, variant: Variant | str
     variant = lookup(variant) if isinstance(variant, str) else variant
     if variant.compute is None or variant.level != problem.level:
         return False
-    output, weights = _split(observed)
+    observed_parts = _split(observed)
     bound = _as_callable(allowed, problem)
     correct = reference(problem)
     for result in _results(variant, problem):
-        for part in _parts(weights, result, correct):
-            seen = np.asarray(output if part == "output" else weights, dtype=np.float64)
+        for part in _parts(observed_parts, result, correct):
+            seen = np.asarray(observed_parts[part], dtype=np.float64)
             predicted = np.asarray(getattr(result, part), dtype=np.float64)
             right = np.asarray(getattr(correct, part), dtype=np.float64)
             if not seen.shape == predicted.shape == right.shape:
@@ -274,10 +311,10 @@ def rank(observed: Observed, problem: Problem,
     keep the table's order. Pure NumPy on the problem's arrays: no implementation is
     called.
     """
-    output, weights = _split(observed)
+    observed_parts = _split(observed)
+    output = observed_parts["output"]
     bound = _as_callable(allowed, problem)
     correct = reference(problem)
-    observed_parts = {"output": output, "weights": weights}
     if _correct_fit(observed, problem, bound, correct) <= 1.0:
         return []                                                         # the correct convention explains it
     matches = []
@@ -286,7 +323,7 @@ def rank(observed: Observed, problem: Problem,
             continue
         best = None
         for result in _results(variant, problem):
-            parts = _parts(weights, result, correct)
+            parts = _parts(observed_parts, result, correct)
             # each within the other's allowed error (the variant's own may be far wider)
             distance = max(max(_part_fit(problem, part, getattr(correct, part), result, bound),
                                _part_fit(problem, part, getattr(result, part), correct, bound)) for part in parts)
@@ -318,29 +355,32 @@ def variant_fit(observed: Observed, problem: Problem, variant: Variant | str,
     variant = lookup(variant) if isinstance(variant, str) else variant
     if variant.compute is None or variant.level != problem.level:
         return float("inf")
-    output, weights = _split(observed)
+    observed_parts = _split(observed)
+    output = observed_parts["output"]
     bound = _as_callable(allowed, problem)
     correct = reference(problem)
     factor = precision_factor(variant, problem)
-    observed_parts = {"output": output, "weights": weights}
     wrong = factor > 1.0 and _correct_fit(observed, problem, bound, correct) > 1.0
     best = float("inf")
     for result in _results(variant, problem):
         if wrong and _too_fine_for(output, result, correct):
             continue                                                      # wrong, but not that coarse
-        parts = _parts(weights, result, correct)
+        parts = _parts(observed_parts, result, correct)
         best = min(best, max(_part_fit(problem, part, observed_parts[part], result, bound, factor)
                              for part in parts))
     return best
 
 
 def partition(problem: Problem, variants: Iterable[Variant | str],
-              allowed: Allowed | None = None, outputs_only: bool = False) -> list[list[str]]:
+              allowed: Allowed | None = None, outputs_only: bool = False,
+              parts: Iterable[str] | None = None) -> list[list[str]]:
     """``variants`` (deterministic ones of the problem's level) grouped by output on
     ``problem``: two variants are in one group when their results are each within
     the other's allowed error. More than one group: an observation on ``problem``
     can tell the groups apart. Groups and their members keep the given order.
-    ``outputs_only``: compare the outputs alone (an observation without weights)."""
+    ``outputs_only``: compare the outputs alone (an observation without weights);
+    ``parts``: compare those parts (:data:`PARTS`) where the results have them (what
+    the observation will hold)."""
     bound = _as_callable(allowed, problem)
     chosen = [lookup(v) if isinstance(v, str) else v for v in variants]
     chosen = [v for v in chosen if v.compute is not None and v.level == problem.level]
@@ -351,10 +391,11 @@ def partition(problem: Problem, variants: Iterable[Variant | str],
         mine = results[v.id]
         for group in groups:
             other = results[group[0]]
-            parts = _parts(mine.weights, other, correct) if mine.weights is not None and not outputs_only \
-                else ["output"]
+            mine_parts = {part: getattr(mine, part) for part in (PARTS if parts is None else parts)
+                          if getattr(mine, part) is not None}
+            compared = ["output"] if outputs_only else _parts(mine_parts, other, correct)
             close = max(max(_part_fit(problem, part, getattr(mine, part), other, bound),
-                            _part_fit(problem, part, getattr(other, part), mine, bound)) for part in parts)
+                            _part_fit(problem, part, getattr(other, part), mine, bound)) for part in compared)
             if close <= 1.0:
                 group.append(v.id)
                 break

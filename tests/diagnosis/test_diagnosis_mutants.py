@@ -5,7 +5,8 @@ Each test runs the runner as a subprocess under the ``ci`` profile with
 ``--conformance-report PATH`` in its own folder (parallel-safe: ``-n 2``) and reads
 ``PATH.json``. The mutants run side by side in a few processes
 (``--impl=mutant:a,mutant:b,... --impl-exitfirst``), a minute or two each; ~10 s for
-the float32-softmax run. The correct built-ins' certificates having no causes
+the float32-softmax run. The flash, varlen and kvcache mutants run in two chunks of their
+own with those levels' files collected (~40 s each), the Triton window mutant apart. The correct built-ins' certificates having no causes
 is checked where they already run, in ``tests/test_mutants.py``.
 """
 
@@ -26,11 +27,17 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ROOT / "tests" / "diagnosis" / "impls_for_diagnosis.py"
 WITH_CAUSE = sorted(name for name, m in MUTANTS.items() if m.expected_cause)
-#: The mutants with a cause in three pytest processes (start-up paid once each; ``-n 2``
-#: shares them out): the Triton ones, under the interpreter, apart.
-_PLAIN = [name for name in WITH_CAUSE if not name.startswith("triton_")]
-CHUNKS = {"plain0": _PLAIN[0::2], "plain1": _PLAIN[1::2],
-          "triton": [name for name in WITH_CAUSE if name.startswith("triton_")]}
+#: The FlashAttention levels, whose certificates run the flash and varlen test files.
+_FAMILY_LEVELS = ("flash", "varlen", "kvcache")
+#: The mutants with a cause in a few pytest processes (start-up paid once each; ``-n 2``
+#: shares them out): the Triton ones, under the interpreter, apart; the flash, varlen and
+#: kvcache ones apart, their level's files collected.
+_PLAIN = [name for name in WITH_CAUSE if not name.startswith("triton_") and MUTANTS[name].level not in _FAMILY_LEVELS]
+_FAMILY = [name for name in WITH_CAUSE if not name.startswith("triton_") and MUTANTS[name].level in _FAMILY_LEVELS]
+_TRITON = [name for name in WITH_CAUSE if name.startswith("triton_")]
+CHUNKS = {"plain0": _PLAIN[0::2], "plain1": _PLAIN[1::2], "family0": _FAMILY[0::2], "family1": _FAMILY[1::2],
+          "triton": [name for name in _TRITON if MUTANTS[name].level not in _FAMILY_LEVELS],
+          "triton_flash": [name for name in _TRITON if MUTANTS[name].level in _FAMILY_LEVELS]}
 TIMEOUT_S = 1800
 #: Mutants whose bug two variants explain equally on every case the diagnosis can
 #: gather: the honest verdict is "unknown — closest, not confirmed" listing both.
@@ -39,17 +46,18 @@ TIMEOUT_S = 1800
 HONEST_TIES = {"logits_in_input_dtype": {"float16_overflow", "low_precision_accumulation"}}
 
 
-def certify(impl: str, workdir: Path, *args: str) -> tuple[dict, str]:
+def certify(impl: str, workdir: Path, *args: str, family: bool = False) -> tuple[dict, str]:
     """Run the suite on ``impl`` in ``workdir``; (JSON report, the whole output)."""
     report = workdir / "report"
-    # spec.variants models SDPA and MHA conventions; a flash level (derived from an SDPA
-    # mutant, or the Triton kernel's own), collected first, would fail first with no
-    # variant to name: the flash, varlen and kvcache levels are left out.
+    # An SDPA mutant's flash level (derived from it, or the Triton kernel's own), collected
+    # first, would fail first on a bug that is the SDPA level's (its variant is an SDPA
+    # one): for those the flash, varlen and kvcache files are left out. The mutants of
+    # those levels (``family``) run them.
+    ignored = [] if family else ["--ignore", str(ROOT / "conformance" / "test_flash.py"),
+                                 "--ignore", str(ROOT / "conformance" / "test_varlen.py")]
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={impl}",
            "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report),
-           "--impl-option", "derived_flash=false",
-           "--ignore", str(ROOT / "conformance" / "test_flash.py"),
-           "--ignore", str(ROOT / "conformance" / "test_varlen.py"), *args]
+           "--impl-option", "derived_flash=false", *ignored, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env["ATTENTION_CONFORMANCE_FAILURES"] = str(workdir / "failures")
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -73,13 +81,14 @@ def test_the_diagnosis_names_the_mutants_bug_first(chunk, tmp_path):
     """Each mutant of the chunk, certified side by side in one process and each stopped at
     its own first failure (as ``-x`` stops a run of one), gets its record's cause first."""
     names = CHUNKS[chunk]
-    if chunk == "triton":
+    if chunk.startswith("triton"):
         from implementations.builtins.triton_attention import make_implementation
 
         reason = make_implementation().unavailable_reason
         if reason:
             pytest.skip(f"triton unavailable: {reason}")
-    report, output = certify(",".join(f"mutant:{n}" for n in names), tmp_path, "--impl-exitfirst")
+    report, output = certify(",".join(f"mutant:{n}" for n in names), tmp_path, "--impl-exitfirst",
+                             family=chunk.startswith(("family", "triton_flash")))
     problems = []
     for name, cert in certificates_by_mutant(report, names).items():
         mutant = MUTANTS[name]

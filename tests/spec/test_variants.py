@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 import spec
+from flash_variant_cases import FAMILY_CASES, observed_parts
 from spec import variants as V
 
 ROOT = pathlib.Path(spec.__file__).parent.parent
 SDPA_IDS = [v.id for v in V.SDPA_VARIANTS]
 MHA_IDS = [v.id for v in V.MHA_VARIANTS]
 SHARDED_IDS = [v.id for v in V.SHARDED_VARIANTS]
+FAMILY_IDS = [v.id for v in (*V.FLASH_VARIANTS, *V.VARLEN_VARIANTS, *V.KVCACHE_VARIANTS)]
 
 
 # --------------------------------------------------------------------------- cases
@@ -194,7 +196,9 @@ SHARDED_CASES: dict[str, Callable[[], V.ShardedProblem]] = {
     "sharded_merge_no_max": lambda: sharded_problem(7, L=2, E=4, spread=30.0, world_size=2),   # logits > 709
 }
 
-CASES = {**SDPA_CASES, **MHA_CASES, **SHARDED_CASES}
+#: The flash, varlen and kvcache variants: their mutants' smallest cases
+#: (tests/spec/flash_variant_cases.py; tests/spec/test_flash_variants.py runs the mutants).
+CASES = {**SDPA_CASES, **MHA_CASES, **SHARDED_CASES, **FAMILY_CASES}
 
 #: Variants with exactly the same output as the key's on the key's case.
 TIES = {
@@ -212,6 +216,8 @@ TIES = {
     "fully_masked_uniform": {"mask_fill_finfo_min"},
     # with S <= 16 a fully blocked first key block is a fully blocked row
     "fully_masked_nan": {"first_block_nan"},
+    # a diagonal moved right by a pad of 1 with L = 2 is the top-left one
+    "kvcache_leftpad_causal_offset": {"kvcache_causal_upper_left"},
 }
 
 
@@ -226,11 +232,12 @@ def test_every_deterministic_variant_has_a_case():
 
 def test_table_is_well_formed():
     assert set(SDPA_IDS).isdisjoint(MHA_IDS) and set(SHARDED_IDS).isdisjoint(SDPA_IDS + MHA_IDS)
-    assert len(V.VARIANTS) == len(SDPA_IDS) + len(MHA_IDS) + len(SHARDED_IDS)
+    assert set(FAMILY_IDS).isdisjoint(SDPA_IDS + MHA_IDS + SHARDED_IDS)
+    assert len(V.VARIANTS) == len(SDPA_IDS) + len(MHA_IDS) + len(SHARDED_IDS) + len(FAMILY_IDS)
     for variant in V.VARIANTS.values():
         assert variant.level in V.LEVELS
-        assert variant.id.startswith("mha_") == (variant.level == "mha"), variant.id
-        assert variant.id.startswith("sharded_") == (variant.level == "sharded"), variant.id
+        for level in ("mha", "sharded", *V.FLASH_FAMILY):
+            assert variant.id.startswith(level + "_") == (variant.level == level), variant.id
         assert variant.summary and "." not in variant.summary[-1:] and "\n" not in variant.summary
         assert variant.models, variant.id
     required = {"causal_upper_left", "causal_lower_right", "causal_ignored", "causal_ignored_when_L1",
@@ -268,6 +275,9 @@ def test_variant_applies_and_differs_from_the_oracle(variant_id):
     differs = V.fit(correct.output, result.output, allowed) > 1
     if variant_id == "mha_weights_summed_over_heads":         # the output is right, the weights are not
         differs = V.fit(correct.weights, result.weights, V.default_allowed(problem)("weights", result)) > 1
+    if problem.level in V.FLASH_FAMILY:                       # or the LSE, or the caches after the call
+        differs = any(V.fit(getattr(correct, part), value, V.default_allowed(problem)(part, result)) > 1
+                      for part, value in observed_parts(result).items())
     assert differs
 
 
@@ -276,6 +286,8 @@ def test_rank_puts_the_variant_first_on_its_own_output(variant_id):
     problem, variant = CASES[variant_id](), V.VARIANTS[variant_id]
     result = variant.compute(problem)
     observed = (result.output, result.weights) if problem.level == "mha" else result.output
+    if problem.level in V.FLASH_FAMILY:
+        observed = observed_parts(result)
     matches = V.rank(observed, problem)
     assert matches and matches[0].fit == 0.0, matches
     exact = {m.variant_id for m in matches if m.fit == 0.0}
@@ -288,6 +300,7 @@ def test_rank_finds_nothing_in_the_correct_output(variant_id):
     correct = V.reference(problem)
     assert V.rank(correct.output, problem) == []
     assert V.rank((correct.output, correct.weights), problem) == []
+    assert V.rank(observed_parts(correct), problem) == []
 
 
 def test_non_deterministic_variant_is_described_not_computed():
