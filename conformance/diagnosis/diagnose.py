@@ -157,8 +157,8 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
         return _unknown("no shrunk case was kept")
     if target.level not in V.LEVELS:  # a level no spec.variants problem describes
         return _unknown(f"spec.variants has no {target.level}-level variants")
-    if getattr(case, "sinks", None) is not None:  # the variants' problems carry no sinks
-        return _unknown("spec.variants has no variants with learned sinks")
+    if target.level == "sdpa" and getattr(case, "sinks", None) is not None:  # SDPA problems carry no sinks
+        return _unknown("spec.variants has no SDPA-level variants with learned sinks")
     example = _EXAMPLE.get()
     calls = list(example.calls) if example is not None and example.case is case else []
     if not calls:
