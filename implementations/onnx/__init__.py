@@ -203,9 +203,10 @@ def _combined(eager: Capabilities, graph: Capabilities) -> Capabilities:
         values["flash_features"] = e.flash_features
         return values
 
-    base = in_dtype(dtypes[0]) if dtypes else in_dtype(eager.dtypes[0])
+    first = "float32" if "float32" in dtypes else (dtypes or eager.dtypes)[0]  # the probes' base dtype
+    base = in_dtype(first)
     by_dtype = {}
-    for dtype in dtypes[1:]:
+    for dtype in dtypes:
         differs = {k: v for k, v in in_dtype(dtype).items() if v != base[k] and k in PER_DTYPE_FIELDS}
         if differs:
             by_dtype[dtype] = differs

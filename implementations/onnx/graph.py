@@ -17,7 +17,8 @@ declarations, never from what a call returned:
   to the scaled scores), by its element type; a call without a mask feeds a mask that
   blocks nothing (all True, or zeros), the meaning of no mask;
 * the scale is the graph's own, taken as the default 1/sqrt(E): an explicit ``scale``
-  is refused (custom_scale is probed unsupported);
+  is refused (custom_scale is probed unsupported), and so is ``enable_gqa=True`` (K < N heads: the
+  signature does not say whether the graph groups heads);
 * a causal graph is declared with ``--impl-option onnx_causal=upper_left|lower_right``
   (then every call is causal: declared ``causal_only``); without it ``is_causal=True``
   is refused; ``dropout_p > 0`` is refused; no gradients.
@@ -149,6 +150,9 @@ class GraphSDPA:
                 f"is_causal={bool(is_causal)}: " + ("the graph is declared causal (onnx_causal): every call is causal"
                                                     if self.causal else "the graph has no causal flag (declare "
                                                     "--impl-option onnx_causal=ALIGNMENT for a causal graph)"))
+        if enable_gqa:
+            raise NotImplementedError("enable_gqa=True: an ONNX graph has no such input, and whether its MatMul "
+                                      "broadcasting groups heads as GQA does is not part of its signature")
         if query.dim() != 4:
             raise ValueError(f"the graph takes 4-D query, key, value; got rank {query.dim()}")
         B, N, L, _ = query.shape
@@ -159,7 +163,9 @@ class GraphSDPA:
                 raise NotImplementedError("the graph has no mask input")
             kind = None if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
             if kind is not None and kind != info.mask_kind:
-                raise NotImplementedError(f"a {kind} mask: the graph's mask input {info.mask} is {info.mask_kind}")
+                words = {"bool": "bool", "additive": "float (additive)"}
+                raise NotImplementedError(f"a {words[kind]} mask: the graph's mask input {info.mask} is "
+                                          f"{words[info.mask_kind]}")
             mask_dtype = getattr(torch, info.mask_dtype)
             if attn_mask is None:  # no mask: one that blocks nothing
                 attn_mask = torch.ones((), dtype=mask_dtype) if info.mask_kind == "bool" \
