@@ -44,6 +44,9 @@ MEASURED_SECONDS = {
     "tests/runner/test_isolated_certificate.py::test_an_isolated_failure*": 10,
     "tests/runner/test_regime_coverage.py::*": 12,
     "tests/test_installed_plugin.py::*": 6,
+    "tests/implementations/test_onnx.py::test_sdpa_exported_at_opset_17_certifies": 43,
+    "tests/implementations/test_onnx.py::test_an_existing_graph_certifies": 25,
+    "tests/implementations/test_onnx.py::test_an_export_*": 15,
 }
 
 
