@@ -47,6 +47,9 @@ MEASURED_SECONDS = {
     "tests/implementations/test_onnx.py::test_sdpa_exported_at_opset_17_certifies": 43,
     "tests/implementations/test_onnx.py::test_an_existing_graph_certifies": 25,
     "tests/implementations/test_onnx.py::test_an_export_*": 15,
+    "tests/implementations/test_keras_mha.py::test_keras_mha_certifies_with_its_expected_failures": 74,
+    "tests/implementations/test_keras_mha.py::test_keras_mha_deviations_fail_without_the_file": 38,
+    "tests/implementations/test_keras_mha.py::test_a_keras_mha_subclass_*": 31,
 }
 
 
