@@ -160,6 +160,11 @@ def exported_implementation(inner: Implementation, *, name: str, origin: str,
             "exports torch code only")
     exported = ExportedSDPA(inner.sdpa, exporter, opset, origin=origin)
     graph_caps = probe(exported, origin=name, timeout=timeout)
+    if not set(inner.capabilities.dtypes) & set(graph_caps.dtypes):
+        raise ImplementationError(
+            f"--impl={name!r}: the exported graph runs in none of the dtypes {origin} declares "
+            f"({', '.join(inner.capabilities.dtypes)}); the probes saw: "
+            + "; ".join(n for n in graph_caps.probe_notes if n.startswith("dtypes:")))
     caps = _combined(inner.capabilities, graph_caps)
     note = (f"onnx: {origin} exported by torch.onnx.export ({exporter} exporter, opset {opset}) once per "
             f"export key (the shapes and dtypes of {', '.join(INPUT_NAMES)}; is_causal, scale, enable_gqa), "
@@ -203,7 +208,7 @@ def _combined(eager: Capabilities, graph: Capabilities) -> Capabilities:
         values["flash_features"] = e.flash_features
         return values
 
-    first = "float32" if "float32" in dtypes else (dtypes or eager.dtypes)[0]  # the probes' base dtype
+    first = "float32" if "float32" in dtypes else dtypes[0]  # the probes' base dtype
     base = in_dtype(first)
     by_dtype = {}
     for dtype in dtypes:
@@ -211,7 +216,7 @@ def _combined(eager: Capabilities, graph: Capabilities) -> Capabilities:
         if differs:
             by_dtype[dtype] = differs
     return dataclasses.replace(
-        eager, dtypes=dtypes or graph.dtypes, devices=("cpu",), **base,
+        eager, dtypes=dtypes, devices=("cpu",), **base,
         causal=eager.causal if graph.causal is not None else None,
         dropout=False, autograd=False, mask_grad=False, tf32=False, jit=True,
         self_attention_lengths=eager.self_attention_lengths or graph.self_attention_lengths,
