@@ -230,7 +230,9 @@ def _as_float(mask: np.ndarray | None) -> np.ndarray | None:
     cases=lambda t: mha_cases_for(t, mask_kinds=("bool",)),
     directed=lambda t: mha_directed_for(t, mask_kinds=("bool",)),
     skip_reason=lambda t: skip_unless(has_feature(t, "key_padding_mask") or has_feature(t, "attn_mask"),
-                                   "no masks declared"),
+                                   "no masks declared")
+    or skip_unless("additive" in t.caps.mask_kinds, "float masks not declared (mask_kinds without additive): "
+                   "the float form of a bool mask cannot be compared"),
 )
 def test_mha_mask_conventions(target: Target, case: MHACase) -> float:
     """Bool masks mean True = blocked (the oracle agrees), and the float form

@@ -608,6 +608,9 @@ class Implementation:
     unavailable_reason: str | None = None
     #: Registry implementations listed by ``--impl=list``; mutants are not.
     listed: bool = True
+    #: What the implementation says about the run when its certificate is written, e.g.
+    #: how many graphs an exporter made (``run: ...`` lines under the certificate's table).
+    run_notes: Callable[[], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.unavailable_reason is None and all(

@@ -22,7 +22,7 @@ import pytest
 #: Seconds a test took, by node id pattern (first match wins). Only the order matters.
 MEASURED_SECONDS = {
     "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 140,
-    "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 131,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 70,
     "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 73,
     "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 75,
     "tests/test_mutants.py::test_every_mutant_is_killed[triton1]": 5,
@@ -48,6 +48,12 @@ MEASURED_SECONDS = {
     "tests/sharded/test_group.py::*": 25,
     "tests/sharded/test_torch_cp.py::*": 12,
     "tests/sharded/test_sharded_mutants.py::*": 8,
+    "tests/implementations/test_onnx.py::test_sdpa_exported_at_opset_17_certifies": 43,
+    "tests/implementations/test_onnx.py::test_an_existing_graph_certifies": 25,
+    "tests/implementations/test_onnx.py::test_an_export_*": 15,
+    "tests/implementations/test_keras_mha.py::test_keras_mha_certifies_with_its_expected_failures": 74,
+    "tests/implementations/test_keras_mha.py::test_keras_mha_deviations_fail_without_the_file": 38,
+    "tests/implementations/test_keras_mha.py::test_a_keras_mha_subclass_*": 31,
 }
 
 

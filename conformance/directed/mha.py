@@ -88,7 +88,8 @@ def _mha_options(target: Any, arguments: dict[str, Any]) -> dict[str, list[Any]]
         "need_weights": flag("need_weights", "need_weights"),
         "average_attn_weights": flag("average_attn_weights", "per_head_weights", on_means_feature=False),
         "is_causal": flag("is_causal", "is_causal") if "attn_mask" in features else [False],
-        "mask_kinds": [k for k in ("bool", "float") if given is None or k in given],
+        "mask_kinds": [k for k in ("bool", "float") if (given is None or k in given)
+                       and (k == "bool" or "additive" in target.caps.mask_kinds)],
     }
 
 

@@ -136,6 +136,7 @@ def implementation_entry(impl: Implementation, spec: str, options: dict[str, str
         "version": impl.version,
         "options": options,
         "compile_budget": compile_budget,
+        "run_notes": list(impl.run_notes()) if impl.run_notes is not None else [],
         "capabilities": _capabilities(impl.capabilities),
         "mha_capabilities": _capabilities(impl.caps("mha")),
         # None without a flash level; a derived one says so in its probe notes.
@@ -294,6 +295,7 @@ def details(cert: dict[str, Any]) -> list[str]:
     lines += [text for text in (provenance(caps), per_dtype(caps)) if text]
     budget_line = compile_budget_line(cert["implementation"].get("compile_budget"))
     lines += [budget_line] if budget_line else []
+    lines += [f"run: {n}" for n in cert["implementation"].get("run_notes") or ()]
     flash = cert["implementation"].get("flash_capabilities") or {}
     # The flash level's own notes, e.g. that it is derived from the SDPA level through masks.
     lines += [f"flash level: {n}" for n in flash.get("probe_notes") or () if n not in (caps.get("probe_notes") or ())]

@@ -332,6 +332,11 @@ def mha_cases(
     check_bool_or_none("self_attention", self_attention)
     allowed, required = mha_feature_sets(caps, features, required_features)
     kinds = choices("mask_kinds", mask_kinds, MHA_MASK_KINDS, MHA_MASK_KINDS)
+    if caps is not None and "additive" not in caps.mask_kinds:  # bool masks only (a float one is refused)
+        kinds = [k for k in kinds if k != "float"]
+        if not kinds:
+            raise fail("mask_kinds", mask_kinds, "needs float masks, which the capabilities do not declare "
+                       "(mask_kinds without 'additive')", "allow 'bool' or declare additive masks")
     need = resolve_flag("need_weights", need_weights, "need_weights", allowed, required)
     average = resolve_flag("average_attn_weights", average_attn_weights, "per_head_weights",
                             allowed, required, on_means_feature=False)

@@ -30,12 +30,13 @@ from typing import Any, Callable, Iterator, Mapping
 from implementations.base import Implementation, ImplementationError
 from implementations.bridge.arguments import ArgumentMap, map_arguments
 from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, Framework, framework_named
+from implementations.bridge.mha import KerasMHAFactory, keras_mha_framework, load_keras_weights
 from implementations.bridge.sdpa import LAYOUTS, BridgedSDPA
 
 __all__ = [
     "BRIDGE_OPTIONS", "FRAMEWORKS", "LAYOUTS", "ArgumentMap", "BridgedSDPA", "Framework",
-    "bridge_declarations", "bridge_options", "bridged_implementation", "detect_framework", "make_bridge",
-    "map_arguments", "split_bridge_options",
+    "bridge_declarations", "bridge_options", "bridged_implementation", "bridged_mha_implementation",
+    "detect_framework", "keras_mha_framework", "make_bridge", "map_arguments", "split_bridge_options",
 ]
 
 #: ``--impl-option`` keys the bridge reads (not capabilities).
@@ -193,4 +194,38 @@ def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str,
         name=name, capabilities=caps, sdpa=bridged, version=bridged.framework.version,
         description=f"{bridged.framework.name} function {origin} through the framework bridge "
                     f"(layout {bridged.layout}); capabilities probed, semantics scaled_dot_product_attention's",
+    )
+
+
+def bridged_mha_implementation(cls: type, framework: str, *, name: str, origin: str,
+                               probe: Callable[..., Any], timeout: float | None) -> Implementation:
+    """The MHA-level Implementation of a Keras MultiHeadAttention class (:mod:`.mha`):
+    bridged, then probed by ``probe`` (:func:`implementations.registry.probing.probe_mha`)."""
+    declared = _declared()
+    if declared:
+        declared["_used"] = "yes"  # framework=/layout= say nothing here: refused below
+        raise ImplementationError(
+            f"--impl-option {', '.join(k for k in declared if k != '_used')}: {origin} is a Keras "
+            "MultiHeadAttention layer (the MHA level), recognised from its class; the bridge options apply "
+            "to SDPA-level functions")
+    try:
+        factory = KerasMHAFactory(cls, framework)
+    except ImportError as exc:
+        return Implementation(name=name, unavailable_reason=(
+            f"{origin} is a {framework} layer, and {framework} is not importable ({exc}); install it"))
+    caps = probe(factory, origin=origin, timeout=timeout)
+    version = factory.framework.version
+    notes = [f"bridge: {version}, {cls.__module__}.{cls.__qualname__} behind nn.MultiheadAttention's "
+             "constructor and forward (key_dim = value_dim = embed_dim // num_heads; (B, L, D) layout; masks "
+             "inverted to attention_mask, True = attend; is_causal as use_causal_mask; need_weights as "
+             "return_attention_scores; weights written into the layer's variables)"]
+    if not factory.native_torch:
+        notes.append(f"autograd: {factory.framework.name} arrays pass through NumPy; declared off")
+        caps = caps.replace(autograd=False, mask_grad=False, by_dtype={
+            d: {k: v for k, v in values if k not in ("autograd", "mask_grad")} for d, values in caps.by_dtype})
+    caps = caps.replace(probe_notes=(*notes, *caps.probe_notes))
+    return Implementation(
+        name=name, capabilities=caps, mha=factory, load_weights=load_keras_weights, version=version,
+        description=f"Keras {cls.__qualname__} ({origin}) through the framework bridge; capabilities probed, "
+                    "semantics nn.MultiheadAttention's",
     )

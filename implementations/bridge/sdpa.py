@@ -41,13 +41,16 @@ class BridgedSDPA:
 
     ``jit``: whether the framework compiles the call (``Framework.jit``), or a predicate
     of the query's torch dtype; each new configuration (shape, dtype, which arguments,
-    flags) is one compilation, the scale is traced. ``native_gqa``: the function takes
+    flags) is one compilation, the scale is traced. ``"fallback"`` (as the value or the
+    predicate's answer): compiled, and a shape whose compiled call raises runs eagerly
+    from then on (:class:`_JitOrEager`), for a framework whose eager call retries what its
+    compiler refuses. ``native_gqa``: the function takes
     K < N key/value heads without an ``enable_gqa`` parameter (JAX's and Keras' own
     ``dot_product_attention``: query head h reads key/value head h // (N / K)); any other
     function without ``enable_gqa`` refuses ``enable_gqa=True``."""
 
     def __init__(self, fn: Callable[..., Any], framework: Framework, arguments: ArgumentMap,
-                 layout: str = "BNLE", jit: bool | Callable[[torch.dtype], bool] = False,
+                 layout: str = "BNLE", jit: bool | str | Callable[[torch.dtype], bool | str] = False,
                  native_gqa: bool = False) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
@@ -55,6 +58,8 @@ class BridgedSDPA:
         self.native_gqa = native_gqa
         self.__name__ = getattr(fn, "__name__", "sdpa")
         self._functions = functools.lru_cache(maxsize=256)(self._build)
+        #: The compiled functions with an eager fallback made so far (``jit="fallback"``).
+        self.fallbacks: list[_JitOrEager] = []
 
     def __repr__(self) -> str:
         return f"BridgedSDPA({self.__name__}, framework={self.framework.name}, layout={self.layout})"
@@ -112,7 +117,7 @@ class BridgedSDPA:
             kwargs[self.arguments.scale] = scale
         return self.fn(arrays[0], arrays[1], arrays[2], **kwargs)
 
-    def _build(self, config, jitted: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _build(self, config, jitted: bool | str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """(forward(*arrays, scale), backward(*arrays, cotangent, scale)) of one configuration."""
         _, _, differentiable = config
         framework = self.framework
@@ -129,13 +134,42 @@ class BridgedSDPA:
 
             return framework.vjp(of_differentiable, [arrays[i] for i in differentiable], cotangent)
 
+        if jitted == "fallback":
+            made = (_JitOrEager(framework.jit(forward), forward), _JitOrEager(framework.jit(backward), backward))
+            self.fallbacks.extend(made)
+            return made
         if jitted:
             return framework.jit(forward), framework.jit(backward)
         return forward, backward
 
     def functions(self, config, dtype: torch.dtype):
-        jitted = self.jit(dtype) if callable(self.jit) else bool(self.jit)
-        return self._functions(config, jitted)
+        jitted = self.jit(dtype) if callable(self.jit) else self.jit
+        return self._functions(config, jitted if jitted == "fallback" else bool(jitted))
+
+
+class _JitOrEager:
+    """A compiled function with an eager fallback per shape: a shape (with its dtypes) whose
+    first compiled call raises runs ``eager`` from then on (an error of the eager call is
+    the call's error); a shape that compiled once stays compiled."""
+
+    def __init__(self, jitted: Callable[..., Any], eager: Callable[..., Any]) -> None:
+        self.jitted, self.eager = jitted, eager
+        self.compiles: dict[tuple, bool] = {}
+
+    def __call__(self, *arrays, **kwargs):
+        key = tuple((tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", type(a)))) for a in
+                    (*arrays, *kwargs.values()))
+        if self.compiles.get(key) is False:
+            return self.eager(*arrays, **kwargs)
+        if self.compiles.get(key):
+            return self.jitted(*arrays, **kwargs)
+        try:
+            out = self.jitted(*arrays, **kwargs)
+        except Exception:  # the compiler refused this shape: what the eager call does instead
+            self.compiles[key] = False
+            return self.eager(*arrays, **kwargs)
+        self.compiles[key] = True
+        return out
 
 
 def _check_dtype(bridge: BridgedSDPA, out: torch.Tensor, query: torch.Tensor) -> None:

@@ -30,10 +30,10 @@ Enabling float64 needs ``jax_enable_x64``, a process-wide JAX setting: the bridg
 framework switches it on when this implementation is built (before JAX's first use in a
 certification run).
 
-float32 and float64 run as one jitted function: every new (shape, dtype, mask kind,
-causal) combination costs one XLA compilation (0.1-0.5 s on a CPU). float16 and
-bfloat16 run op by op, because ``jax.jit`` of this function fails on the CPU for them
-(see ``_jit_for``), which costs more per new shape. ``capabilities.jit`` says
+float32, float64 and bfloat16 run as one jitted function: every new (shape, dtype, mask
+kind, causal) combination costs one XLA compilation (0.1-0.5 s on a CPU); a bfloat16
+shape whose compilation fails runs op by op, as does float16, for which ``jax.jit`` of
+this function always fails on the CPU (see ``_jit_for``), which costs more per call. ``capabilities.jit`` says
 so, and a shape budget in the strategies keeps the count of distinct shapes small.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
@@ -84,18 +84,23 @@ def make_implementation() -> Implementation:
         sdpa=jax_sdpa(jax),
         version=f"jax {jax.__version__}",
         description="jax.nn.dot_product_attention (XLA, CPU) through a NumPy bridge; "
-        "jitted for float32/float64 (one compilation per new shape), op by op for float16/bfloat16",
+        "jitted for float32, float64 and bfloat16 (one compilation per new shape; a bfloat16 shape XLA "
+        "refuses runs op by op), op by op for float16",
     )
 
 
-def _jit_for(dtype: torch.dtype) -> bool:
-    """float16 and bfloat16 run op by op (measured on jax 0.10.2, CPU): under
-    ``jax.jit``, dot_product_attention's 16-bit matmuls (precision F16_F16_F32 /
-    BF16_BF16_F32) raise "not supported by dot_general on CPU" for every float16
-    shape and "Algorithm not supported by the ElementalIrEmitter" for some bfloat16
-    shapes with B = N = 1 (L = S = 1; L or S = 1 with E = 1). Called eagerly, JAX
-    catches the error and retries at the default precision."""
-    return dtype not in (torch.float16, torch.bfloat16)
+def _jit_for(dtype: torch.dtype) -> bool | str:
+    """Measured on jax 0.10.2, CPU: under ``jax.jit``, dot_product_attention's 16-bit
+    matmuls (precision F16_F16_F32 / BF16_BF16_F32) raise "not supported by dot_general
+    on CPU" for every float16 shape and "Algorithm not supported by the
+    ElementalIrEmitter" for some bfloat16 shapes with B = N = 1 (L = S = 1; L or S = 1
+    with E = 1). Called eagerly, JAX catches the error and retries at the default
+    precision. So float16 runs op by op, and bfloat16 is jitted with an eager fallback
+    for the shapes the compiler refuses (``"fallback"``: the jitted call computes with
+    the explicit precision, as the eager call does wherever that precision compiles)."""
+    if dtype == torch.float16:
+        return False
+    return "fallback" if dtype == torch.bfloat16 else True
 
 
 def jax_sdpa(jax: Any) -> Callable[..., torch.Tensor]:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 import spec
-from implementations.base import ALL_DTYPES, Capabilities, ImplementationError
+from implementations.base import ALL_DTYPES, ALL_MASK_KINDS, Capabilities, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.probe_plan import first_call_hint, probe_plan
@@ -574,13 +574,22 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
             notes.append(f"mha_features: {feature} in float32 {said}; declared unsupported")
         else:
             mha_features.add(feature)
+    # Masks are features when their bool form runs; their float form is the mask kind
+    # "additive", probed apart (a module with bool masks only is certified with bool masks).
+    mask_kinds = set(ALL_MASK_KINDS)
+    for feature, run in _mha_float_mask_probes(call, x).items():
+        said = probe.tried(f"a float {feature}", run) if feature in mha_features else None
+        if said:
+            notes.append(f"mask_kinds: a float {feature} in float32 {said}; float masks declared unsupported "
+                         "(MHA masks are drawn bool only)")
+            mask_kinds.discard("additive")
 
     def built(d: str) -> Any:
         return call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3)
 
     dtypes = _dtypes_that_run(probe, built, notes)
     if "key_padding_mask" in mha_features:
-        observed = _probe_mha_fully_masked(probe, factory, x)
+        observed = _probe_mha_fully_masked(probe, factory, x, kinds=mask_kinds)
         fully_masked, source = _fully_masked_declaration(
             observed, notes, level="MHA",
             blocked_by={"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"})
@@ -606,6 +615,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
         dtypes=dtypes or ("float32",),
         causal="upper_left",
         fully_masked=fully_masked,
+        mask_kinds=frozenset(mask_kinds),
         dropout="dropout" in mha_features,
         autograd=found["autograd"],
         mask_grad=False,
@@ -630,9 +640,8 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
         "zero_attn": lambda: call({"add_zero_attn": True}),
         "batch_first": lambda: call({"batch_first": True}, *[x.transpose(0, 1)] * 3),
         "unbatched": lambda: call(None, *[x[:, 0]] * 3),
-        "key_padding_mask": lambda: (call(None, key_padding_mask=kpm),
-                                     call(None, key_padding_mask=torch.zeros(_B, _S).masked_fill(kpm, float("-inf")))),
-        "attn_mask": lambda: (call(None, attn_mask=causal), call(None, attn_mask=torch.randn(_L, _S))),
+        "key_padding_mask": lambda: call(None, key_padding_mask=kpm),
+        "attn_mask": lambda: call(None, attn_mask=causal),
         "is_causal": lambda: call(None, attn_mask=causal, is_causal=True),
         "need_weights": lambda: call(None, need_weights=True)[1] is not None,
         "per_head_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,
@@ -640,7 +649,18 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
+def _mha_float_mask_probes(call, x) -> dict[str, Callable[[], Any]]:
+    """MHA mask feature -> a call with its float form (0/-inf key padding, a float attn_mask)."""
+    import torch
+
+    kpm = torch.tensor([[False, False, True], [False, True, False]])
+    return {
+        "key_padding_mask": lambda: call(None, key_padding_mask=torch.zeros(_B, _S).masked_fill(kpm, float("-inf"))),
+        "attn_mask": lambda: call(None, attn_mask=torch.randn(_L, _S)),
+    }
+
+
+def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS) -> dict[str, str]:
     """Kind -> policy of a query row whose keys a key_padding_mask blocks all of, bool
     (``bool``) and -inf float (``additive``): ``nan``, ``zero`` (module output =
     out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
@@ -676,7 +696,7 @@ def _probe_mha_fully_masked(probe: _Prober, factory, x) -> dict[str, str]:
             return "uniform"
         return "unspecified"
 
-    return {kind: policy(mask) for kind, mask in masks.items()}
+    return {kind: policy(mask) for kind, mask in masks.items() if kind in kinds}
 
 
 def _mha_uniform_row(module: Any, keys: Any) -> Any:

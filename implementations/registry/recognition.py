@@ -34,7 +34,13 @@ import sys
 from typing import Any, Callable
 
 from implementations.base import Capabilities, Implementation, ImplementationError
-from implementations.bridge import bridge_declarations, bridged_implementation, detect_framework
+from implementations.bridge import (
+    bridge_declarations,
+    bridged_implementation,
+    bridged_mha_implementation,
+    detect_framework,
+    keras_mha_framework,
+)
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.flash_recognition import (
@@ -90,6 +96,10 @@ def recognise(obj: Any, *, name: str, origin: str = "",
     if isinstance(obj, Implementation):
         return obj
     if inspect.isclass(obj):
+        keras = keras_mha_framework(obj)
+        if keras is not None:  # Keras' MultiHeadAttention (or a subclass): the MHA level through the bridge
+            return bridged_mha_implementation(obj, keras, name=name, origin=origin, probe=probe_mha,
+                                              timeout=timeout)
         return _recognise_class(obj, name=name, origin=origin, timeout=timeout)
     if not callable(obj):
         raise ImplementationError(

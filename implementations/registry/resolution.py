@@ -40,6 +40,17 @@ from implementations.base import Implementation, ImplementationError
 from implementations.bridge import FRAMEWORKS, bridge_options, split_bridge_options
 from implementations.flash_from_sdpa import derive_flash
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
+from implementations.onnx import (
+    ONNX_PREFIX,
+    check_option_kinds,
+    exported_implementation,
+    graph_declarations,
+    graph_implementation,
+    onnx_expected_failures_name,
+    onnx_options,
+    onnx_target,
+    split_onnx_options,
+)
 from implementations.registry._errors import summarise
 from implementations.registry.expected_failures import load_expected_failures
 from implementations.registry.options import (
@@ -49,7 +60,7 @@ from implementations.registry.options import (
     parse_options,
 )
 from implementations.registry.probe_plan import declared_for_probes
-from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit
+from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit, probe_sdpa
 from implementations.registry.learner import learner_options, split_learner_options
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
 
@@ -110,13 +121,28 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     spec = spec.strip()
     learner, options = split_learner_options(options)
     bridge, options = split_bridge_options(options)
+    onnx, options = split_onnx_options(options)
+    target = onnx_target(spec)
+    check_option_kinds(target[0] if target else None, spec, onnx)
+    graph = None
+    if target is not None and target[0] == "graph":
+        with onnx_options(onnx):
+            graph = graph_declarations(target[1], spec)
+        if isinstance(graph, Implementation):  # onnxruntime is not installed
+            return graph
+        options = {**graph[1], **(options or {})}  # what the graph's signature declares; the user's win
     wanted = derived_flash_wanted(options)
     # Declarations first: parsed (and checked) before anything is probed, and every probe
     # call is built inside them (.probe_plan).
     parsed = parse_options({k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION})
-    with learner_options(learner) as held, bridge_options(bridge) as bridge_held, \
+    with learner_options(learner) as held, bridge_options(bridge) as bridge_held, onnx_options(onnx), \
             declared_for_probes(parsed):
-        impl = _resolve(spec, timeout)
+        if graph is not None:
+            impl = graph_implementation(graph[0], name=spec, probe=probe_sdpa, timeout=timeout)
+        elif target is not None:
+            impl = _resolve_exported(spec, target[1], timeout)
+        else:
+            impl = _resolve(spec, timeout)
     if bridge and "_used" not in bridge_held:
         raise ImplementationError(
             f"--impl-option {', '.join(bridge)}: bridge options apply to an SDPA-level function of another "
@@ -138,6 +164,22 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     flash_only = parsed.per_level.get("flash")
     if flash_only and not had_flash and impl.flash_capabilities is not None:  # flash.KEY=... on the derived level
         impl = dataclasses.replace(impl, flash_capabilities=impl.flash_capabilities.replace(**flash_only))
+    return impl
+
+
+def _resolve_exported(spec: str, inner_spec: str, timeout: float | None) -> Implementation:
+    """``onnx:SPEC``: SPEC resolved as ``--impl`` would, its SDPA callable exported to ONNX
+    (:mod:`implementations.onnx`). A built-in's deviations as exported are the entries of
+    ``implementations/xfail/onnx-<exporter>-<name>.toml``, attached here (its own eager ones are not:
+    the graph does not run its kernels)."""
+    if not inner_spec.strip():
+        raise ImplementationError(f"--impl={spec!r}: nothing after {ONNX_PREFIX!r}; give {ONNX_PREFIX}SPEC with "
+                                  f"SPEC {ACCEPTED}")
+    inner = _resolve(inner_spec.strip(), timeout)
+    impl = exported_implementation(inner, name=spec, origin=inner_spec.strip(), probe=probe_sdpa, timeout=timeout)
+    if inner_spec.strip() in registered() and impl.available:
+        impl = dataclasses.replace(impl, expected_failures=load_expected_failures(
+            onnx_expected_failures_name(inner_spec.strip(), impl.sdpa.exporter)))
     return impl
 
 

@@ -64,21 +64,44 @@ def test_additive_minus_inf_row_is_nan_while_bool_blocked_row_is_uniform(impl):
     assert torch.isfinite(by_additive[:, :, [0, 2]]).all()
 
 
-def test_jitted_float32_gives_nan_rows_for_logits_near_1e9(impl):
-    assert entry_for(impl, "forward_agreement", dtype="float32", regime="wide_range") is not None
-    assert entry_for(impl, "forward_agreement", dtype="float32", regime="normal") is None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jitted_calls_give_nan_rows_for_logits_near_1e9(impl, dtype):
+    name = str(dtype).removeprefix("torch.")
+    assert entry_for(impl, "forward_agreement", dtype=name, regime="wide_range") is not None
+    assert entry_for(impl, "forward_agreement", dtype=name, regime="normal") is None
+    assert entry_for(impl, "forward_agreement", dtype="float16", regime="wide_range") is None  # op by op
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 16, 4, 2, generator=g) * 3e4  # logits ~1e9 with scale 1/sqrt(2)
-    k = torch.randn(1, 16, 12, 2, generator=g) * 3e4
-    v = torch.randn(1, 16, 12, 2, generator=g)
+    q = (torch.randn(1, 16, 4, 2, generator=g) * 3e4).to(dtype)  # logits ~1e9 with scale 1/sqrt(2)
+    k = (torch.randn(1, 16, 12, 2, generator=g) * 3e4).to(dtype)
+    v = torch.randn(1, 16, 12, 2, generator=g).to(dtype)
     out = impl.sdpa(q, k, v)
     assert np.isfinite(oracle(q, k, v)).all()
     bad_heads = int(torch.isnan(out).flatten(2).any(-1).sum())
-    assert bad_heads > 0, "jitted float32 jax is finite at logits ~1e9 now: drop the entry"
+    assert bad_heads > 0, f"jitted {name} jax is finite at logits ~1e9 now: drop the entry"
+
+
+def test_bfloat16_is_jitted_and_a_shape_the_compiler_refuses_runs_eagerly(impl):
+    """bfloat16 runs jitted (jax_attention._jit_for: "fallback"); the shapes XLA refuses run
+    op by op, with JAX's own precision fallback, and give the same values as an eager call."""
+    import jax
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((1, 2, 3, 4), (1, 1, 1, 1)):  # compiles; refused (B = N = L = S = 1)
+        q, k, v = (torch.randn(*shape, generator=g).bfloat16() for _ in range(3))
+        out = impl.sdpa(q, k, v)
+        assert out.dtype == torch.bfloat16
+        np.testing.assert_allclose(out.double().numpy(), oracle(q, k, v), atol=2e-2)
+    compiled = [state for fn in impl.sdpa.fallbacks for state in fn.compiles.values()]
+    assert True in compiled and False in compiled
+    import ml_dtypes
+
+    one = np.ones((1, 1, 1, 1), ml_dtypes.bfloat16)
+    np.testing.assert_allclose(np.asarray(jax.nn.dot_product_attention(one, one, one), np.float64), 1.0)
 
 
 def test_jit_fails_for_16_bit_dtypes_on_cpu_but_eager_calls_work(impl):
-    """Why the adapter runs float16 and bfloat16 op by op (see jax_attention._jit_for)."""
+    """Why the adapter runs float16 op by op and bfloat16 with an eager fallback per shape
+    (see jax_attention._jit_for)."""
     import jax
     import ml_dtypes
 
