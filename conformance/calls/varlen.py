@@ -86,6 +86,14 @@ def _scale_sign(scale: float | None) -> str:
     return "default" if scale is None else "positive" if scale > 0 else "zero" if scale == 0 else "negative"
 
 
+def _seqlens_text(cu_seqlens: tuple[int, ...]) -> str:
+    """A cu_seqlens list as text, its middle elided past 12 entries (packed copies)."""
+    values = [int(x) for x in cu_seqlens]
+    if len(values) <= 12:
+        return str(values)
+    return f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-3:]))}] ({len(values)} entries)"
+
+
 def _replace(case: Any, **changes: Any) -> Any:
     values = {f.name: getattr(case, f.name) for f in fields(case)}
     values.update(changes)
@@ -173,7 +181,7 @@ class VarlenCase:
 
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
-                f"cu_seqlens_q={list(self.cu_seqlens_q)} cu_seqlens_k={list(self.cu_seqlens_k)} "
+                f"cu_seqlens_q={_seqlens_text(self.cu_seqlens_q)} cu_seqlens_k={_seqlens_text(self.cu_seqlens_k)} "
                 f"causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
                 f"device={self.device}")
 
@@ -308,6 +316,7 @@ class VarlenCallSpec:
     case: VarlenCase
     grad_output: np.ndarray | None = None
     lse: bool = False  # return_attn_probs=True: (output, softmax_lse (N, T_q), ...)
+    dropout_p: float = 0.0  # passed only when > 0 (the varlen feature ``dropout``)
 
     @property
     def level(self) -> str:
@@ -317,21 +326,25 @@ class VarlenCallSpec:
         attrs = self.case.attrs(lse=self.lse)
         if self.lse:
             attrs["varlen_features"] = attrs["varlen_features"] | {"lse"}
+        if self.dropout_p:
+            attrs["varlen_features"] = attrs["varlen_features"] | {"dropout"}
         return attrs
 
     def arguments(self) -> str:
         lengths = self.case.lengths() or [(0, 0)]
         options = "".join(f", {k}={v!r}" for k, v in option_kwargs(self.case, lambda a: "<float32 tensor>").items())
-        return (f"cu_seqlens_q={list(self.case.cu_seqlens_q)}, cu_seqlens_k={list(self.case.cu_seqlens_k)}, "
+        return (f"cu_seqlens_q={_seqlens_text(self.case.cu_seqlens_q)}, "
+                f"cu_seqlens_k={_seqlens_text(self.case.cu_seqlens_k)}, "
                 f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
                 f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}{options}"
+                f"{f', dropout_p={self.dropout_p!r}' if self.dropout_p else ''}"
                 f"{', return_attn_probs=True' if self.lse else ''}")
 
     def describe(self) -> str:
         return f"{self.case.describe()}; {self.arguments()}"
 
     def same_as(self, case: Any) -> bool:
-        return self.case is case and not self.lse
+        return self.case is case and not self.lse and not self.dropout_p
 
 
 def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
@@ -344,6 +357,8 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
     if call.lse:
         extra["return_attn_probs"] = True
+    if call.dropout_p:
+        extra["dropout_p"] = float(call.dropout_p)
     out = invoke(
         impl.varlen,
         _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
