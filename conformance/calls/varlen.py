@@ -31,7 +31,13 @@ from conformance.calls.call_specs import call_directly
 from conformance.calls.declarations import require_inside
 from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.cache_options import (
+    _DESCALES,
+    check_fp8_output_dtype,
     check_lse_against_oracle,
+    descale_forms,
+    descale_kwargs,
+    fp8_sequence_bounds,
+    fp8_text,
     flash_options,
     float32_tensor,
     option_features,
@@ -78,7 +84,7 @@ __all__ = [
 #: keys an expected failure's ``match`` may use at this level.
 VARLEN_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
-    "gqa", "different_v_dim", "window", "softcap", "alibi", "varlen_features", "lse",
+    "gqa", "different_v_dim", "window", "softcap", "alibi", "varlen_features", "lse", "fp8", "descale_forms",
 })
 
 
@@ -119,6 +125,12 @@ class VarlenCase:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: np.ndarray | None = None    # (N,) or (B, N), float32-exact
+    #: FP8 inputs (FlashAttention-3): q, k, v hold values of this format, with descales
+    #: None, (1,) or (B, K) (one row per sequence; ``spec.fp8.dequantize_varlen``).
+    fp8: str | None = None
+    q_descale: np.ndarray | None = None
+    k_descale: np.ndarray | None = None
+    v_descale: np.ndarray | None = None
 
     @property
     def level(self) -> str:
@@ -160,8 +172,10 @@ class VarlenCase:
         slopes = self.alibi_slopes
         if slopes is not None and np.ndim(slopes) == 2:
             slopes = slopes[b:b + 1]
+        descales = {n: d[b:b + 1] if d is not None and np.ndim(d) == 2 else d
+                    for n, d in ((n, getattr(self, n)) for n in _DESCALES)}
         return _replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
-                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes)
+                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes, **descales)
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         """Attributes for capability checks (``Implementation.not_supported_reasons``)."""
@@ -172,7 +186,10 @@ class VarlenCase:
                "L": max(L for L, _ in lengths), "S": max(S for _, S in lengths), "E": self.E,
                "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
                "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
-               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self)}
+               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self),
+               "fp8": self.fp8, "descale_forms": descale_forms(self)}
+        if self.fp8 is not None:
+            out["varlen_features"] = out["varlen_features"] | {"fp8"}
         out.update(extra)
         return out
 
@@ -182,7 +199,7 @@ class VarlenCase:
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"cu_seqlens_q={_seqlens_text(self.cu_seqlens_q)} cu_seqlens_k={_seqlens_text(self.cu_seqlens_k)} "
-                f"causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
+                f"causal={self.causal}{option_text(self)}{fp8_text(self)} scale={self.scale} dtype={self.dtype} "
                 f"device={self.device}")
 
     def __repr__(self) -> str:
@@ -224,6 +241,8 @@ def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray
 
 def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(expected (T_q, N, Ev) = ``spec.varlen_attention``, allowed, live rows (T_q, N, 1))."""
+    if case.fp8 is not None:  # on the dequantised values, FP8's bound (for the bfloat16 output FA3 returns)
+        return fp8_sequence_bounds(case, out_dtype="bfloat16")
     T = case.query.shape[0]
     expected, allowed = np.zeros((T, case.N, case.Ev)), np.zeros((T, case.N, case.Ev))
     live = np.zeros((T, case.N, 1), dtype=bool)
@@ -289,6 +308,8 @@ def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.nda
 def _tensor(array: np.ndarray, case: Any) -> Any:
     import torch
 
+    if getattr(case, "fp8", None) is not None:  # float64 -> float8 (exact), on the CPU, then moved
+        return torch.tensor(np.asarray(array, dtype=np.float64)).to(getattr(torch, case.fp8)).to(case.device)
     return torch.tensor(np.asarray(array, dtype=np.float64), dtype=dtype_of(case.dtype), device=case.device)
 
 
@@ -304,7 +325,9 @@ def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: s
     """What came back is a tensor on the case's device, of ``shape`` and the input dtype."""
     __tracebackhide__ = True
     assert_returned_tensor("output", out, device=case.device, shape=shape, dims=dims)
-    if out.dtype != dtype_of(case.dtype):
+    if getattr(case, "fp8", None) is not None:
+        check_fp8_output_dtype(out, case.fp8)
+    elif out.dtype != dtype_of(case.dtype):
         fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
 
 
@@ -355,6 +378,7 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
     case = call.case
     lengths = case.lengths() or [(0, 0)]
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
+    extra.update(descale_kwargs(case, lambda a: float32_tensor(a, case)))
     if call.lse:
         extra["return_attn_probs"] = True
     if call.dropout_p:
@@ -412,6 +436,8 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
+    meta["fp8"] = case.fp8
+    arrays.update({n: np.asarray(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None})
     return meta, arrays
 
 
@@ -420,7 +446,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Varle
                       cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
                       scale=meta["scale"], dtype=meta["dtype"], device=meta["device"],
                       window=tuple(meta.get("window", (-1, -1))), softcap=float(meta.get("softcap", 0.0)),
-                      alibi_slopes=arrays.get("alibi_slopes"))
+                      alibi_slopes=arrays.get("alibi_slopes"), fp8=meta.get("fp8"),
+                      **{n: arrays.get(n) for n in _DESCALES})
 
 
 def validate(case: VarlenCase) -> None:

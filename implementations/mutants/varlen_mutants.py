@@ -195,3 +195,27 @@ VARLEN_MUTANTS += [
         expected_property="varlen_dropout_expectation",
     ),
 ]
+
+
+# -- FP8 with descales (varlen_fp8_agreement) ---------------------------------------------------
+
+
+class DescaleByBatch(VarlenAttention):
+    """Reads every packed sequence's descales from row 0: the packed tensor taken as one
+    batch element (the flash kernel's batch index, 0 for a varlen call), not the sequence."""
+
+    def descale_row(self, b):
+        return 0
+
+
+VARLEN_MUTANTS += [
+    _mutant(
+        "varlen_fp8_descale_by_batch", varlen=DescaleByBatch(),
+        bug="FP8 varlen: every packed sequence is dequantised with descale row 0 instead of its own row",
+        origin="kernel bug: the descale pointer advanced by the batch index (0 for one packed batch) instead "
+               "of the sequence index (FlashAttention-3's varlen descales are (num_sequences, K))",
+        smallest_case={**ONE, "lengths": [(1, 1), (1, 1)], "fp8": "float8_e4m3fn"},
+        safe_case={**ONE, "lengths": [(1, 1)], "fp8": "float8_e4m3fn"},
+        expected_property="varlen_fp8_agreement",
+    ),
+]

@@ -349,8 +349,9 @@ KVCACHE_FEATURE_PARAMETERS = {
 
 
 #: varlen-level features read from ``flash_attn_varlen_func``'s signature (FlashAttention's
-#: contract gives the meaning: ``dropout_p`` drops each sequence's weights after the softmax).
-VARLEN_FEATURE_PARAMETERS = {"dropout": ("dropout_p",)}
+#: contract gives the meaning: ``dropout_p`` drops each sequence's weights after the softmax;
+#: FlashAttention-3's descales take FP8 q, k, v in float8_e4m3fn, descales None or (B, K)).
+VARLEN_FEATURE_PARAMETERS = {"dropout": ("dropout_p",), "fp8": ("q_descale", "k_descale", "v_descale")}
 
 
 def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, name: str,
@@ -378,6 +379,8 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         kv_append={"k", "v"} <= has,
         kvcache_features=kvcache_features,
         varlen_features=varlen_features,
+        **({"fp8_dtypes": ("float8_e4m3fn",), "fp8_descales": ("none", "per_head")} if "fp8" in varlen_features
+           else {}),
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
         sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )
