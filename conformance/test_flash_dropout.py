@@ -252,12 +252,12 @@ def _positive(case: VarlenCase) -> VarlenCase:
     return case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
 
 
-def _cases(target: Target) -> Any:
+def _varlen_cases(target: Target) -> Any:
     return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, max_batch=3, max_len=4,
                         window=None, softcap=None, alibi=None).map(_positive)
 
 
-def _directed(target: Target) -> list[VarlenCase]:
+def _varlen_directed(target: Target) -> list[VarlenCase]:
     """The varlen level's directed layouts (a one-key sequence next to its neighbour, empty
     and one-token sequences side by side, causal with L > S and L < S), V positive."""
     return [_positive(case) for case in varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)]
@@ -265,8 +265,8 @@ def _directed(target: Target) -> list[VarlenCase]:
 
 @conformance_property(
     "varlen_dropout_expectation", level="varlen", section="spec.varlen_attention (dropout: the expectation)",
-    cases=_cases,
-    directed=_directed,
+    cases=_varlen_cases,
+    directed=_varlen_directed,
     skip_reason=lambda t: skip_unless("dropout" in t.caps.varlen_features,
                                       "dropout not declared at the varlen level (varlen_features; a dropout_p "
                                       "parameter of flash_attn_varlen_func's signature claims it)"),
