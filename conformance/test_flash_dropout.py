@@ -1,17 +1,41 @@
-"""Flash level, dropout (spec.flash_attention with ``dropout_p`` and a pattern):
+"""Flash and varlen levels, dropout (spec.flash_attention with ``dropout_p`` and a pattern):
 ``flash_attn_func(dropout_p=p)`` keeps the expectation (statistically, as the SDPA level's
 ``dropout_expectation``), and, where ``return_attn_probs=True`` returns FlashAttention-2's
 ``S_dmask`` (negative where a weight was dropped), the output and the gradients are
 exactly those of the returned pattern.
+
+At the varlen level, ``flash_attn_varlen_func(dropout_p=p)`` keeps the expectation of
+each packed sequence (statistically, as the flash level's ``flash_dropout_expectation``),
+each sequence dropping with a pattern of its own.
+
+The copies are **extra packed sequences of the same call**: the case's B sequences
+repeated M times (B·M sequences, one ``cu_seqlens`` pair). That is the form that reaches
+the varlen kernel's own dropout bookkeeping: each packed sequence must draw a pattern of
+its own (FlashAttention-2 derives it from the batch index in the Philox stream), so a
+pattern shared by the sequences, or an offset not advanced from one sequence to the next,
+makes the copies identical, which their spread shows. Repeated calls would instead draw
+a new seed each time and pass such a kernel. The bounds are the flash level's
+(``flash_dropout_expectation``), sequence by sequence.
+
+Dimension letters: B batch (varlen: sequences), N query heads, L query length, S key
+length, Ev value head dim, T_q packed query length, M copies.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from conformance.calls.declarations import fit_head_dims, fit_lengths
+from conformance.calls.cache_options import (
+    check_lse_against_oracle,
+    flash_options,
+    sequence_flash_case,
+    slopes_row,
+)
+from conformance.calls.call_specs import case_rng
+from conformance.calls.declarations import fit_head_dims, fit_lengths, require_inside
 from conformance.calls.flash import (
     FlashCase,
     allowed_output,
@@ -23,11 +47,17 @@ from conformance.calls.flash import (
     oracle,
     run_flash,
 )
-from conformance.calls.call_specs import case_rng
-from conformance.core.target import Target
+from conformance.calls.sdpa import check_dropout_spread
+from conformance.calls.varlen import VarlenCallSpec, VarlenCase, run_varlen_call, varlen_lse_bounds
+from conformance.core import tolerance
+from conformance.core.compare import compare_values, fail
+from conformance.core.target import Target, call_guarded
+from conformance.core.tensors import to_numpy
 from conformance.directed.helpers import skip_unless
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
+from conformance.strategies.varlen import varlen_cases, varlen_directed
+from spec import flash as spec_flash
 from spec.emulate import round_to
 
 #: Dropout samples per example, as copies along the batch dimension (as at the SDPA level).
@@ -124,4 +154,140 @@ def test_dropout_pattern_agreement(target: Target, case: FlashCase) -> float:
         ratio = max(ratio, check_lse(target, case, call.lse, ref=ref, stored=call.lse_dtype).ratio)
     if grads:
         ratio = max(ratio, compare_dropout_gradients(target, call.spec, call.inputs, keep))
+    return ratio
+
+
+# --------------------------------------------------------------------------- varlen level
+
+#: Copies of the packed case per example (the flash level's 1024 samples).
+DROPOUT_COPIES = 1024
+#: The dropout probability: forgetting the 1/(1 - p) rescale halves the mean.
+DROPOUT_P = 0.5
+
+
+def packed_copies(case: VarlenCase, copies: int) -> VarlenCase:
+    """``case``'s sequences packed ``copies`` times one after the other (B·copies sequences;
+    per-sequence ALiBi slopes (B, N) tiled with them)."""
+    lengths = case.lengths() * copies
+    slopes = case.alibi_slopes
+    if slopes is not None and np.ndim(slopes) == 2:
+        slopes = np.tile(slopes, (copies, 1))
+    return case.replace(query=np.tile(case.query, (copies, 1, 1)), key=np.tile(case.key, (copies, 1, 1)),
+                        value=np.tile(case.value, (copies, 1, 1)),
+                        cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
+                        cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
+                        alibi_slopes=slopes)
+
+
+def run_varlen_dropout(target: Target, case: VarlenCase, *, dropout_p: float, copies: int,
+                       lse: bool) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+    """One call on ``copies`` packed copies of ``case`` with ``dropout_p`` (logged): (outputs
+    (M, T_q, N, Ev), with ``lse`` the LSE (M, N, T_q) and the dtype it came back in)."""
+    __tracebackhide__ = True
+    call = VarlenCallSpec(packed_copies(case, copies), lse=lse, dropout_p=dropout_p)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    result = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target))
+    T, N = case.query.shape[0], case.N
+    if not lse:
+        return to_numpy(result).reshape(copies, T, N, case.Ev), None, None
+    out, rows = result
+    stored = str(rows.dtype).removeprefix("torch.")
+    lse_rows = to_numpy(rows).reshape(N, copies, T).transpose(1, 0, 2)
+    return to_numpy(out).reshape(copies, T, N, case.Ev), lse_rows, stored
+
+
+def _sequence_statistics(target: Target, case: VarlenCase, p: float) -> dict[str, np.ndarray]:
+    """Per packed row (T_q, N, Ev), from each sequence as a flash case: the dropout-free
+    ``expected`` output, the width ``c`` = Σ w|v| / (1 - p) of a sample, its standard
+    deviation ``sigma`` when each weight is dropped independently, the ``rounding`` of one
+    sample (the no-dropout bound / (1 - p)); ``live`` (T_q, N, 1): rows attending a key."""
+    T, N, Ev = case.query.shape[0], case.N, case.Ev
+    out = {name: np.zeros((T, N, Ev)) for name in ("expected", "c", "sigma", "rounding")}
+    out["live"] = np.zeros((T, N, 1), dtype=bool)
+    options = flash_options(case)
+    for b, (rows, keys) in enumerate(case.sequences()):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        flash_case = sequence_flash_case(case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
+                                         scale=case.scale, dtype=case.dtype, device=case.device, options=options)
+        ref = oracle(flash_case)
+        problem = spec_flash.prepare(flash_case.query, flash_case.key, flash_case.value, **flash_case.options())
+        weights = spec_flash.attend(problem).weights                                 # (1, N, L, S)
+        t = (0, 2, 1, 3)
+        out["expected"][rows] = ref.output[0]
+        out["c"][rows] = (weights @ np.abs(problem.value)).transpose(t)[0] / (1 - p)
+        out["sigma"][rows] = np.sqrt(p / (1 - p) * (weights ** 2 @ problem.value ** 2)).transpose(t)[0]
+        out["rounding"][rows] = allowed_output(target, flash_case, ref)[0] / (1 - p)
+        out["live"][rows] = ~flash_case.empty_rows()[:, None, None]
+    return out
+
+
+def check_varlen_dropout(target: Target, case: VarlenCase, samples: np.ndarray, p: float) -> float:
+    """``samples`` (M, T_q, N, Ev): the outputs of M packed copies of ``case`` (V >= 0) with
+    ``dropout_p`` = p. No NaN in rows attending a key; their mean is
+    ``spec.varlen_attention`` without dropout within Hoeffding's bound plus each sample's
+    rounding (``tolerance.flash_dropout_allowed``), and their standard deviation is that of
+    dropping each weight independently (``calls.sdpa.check_dropout_spread``)."""
+    __tracebackhide__ = True
+    stats = _sequence_statistics(target, case, p)
+    live = stats["live"]
+    if np.isnan(np.where(live[None], samples, 0.0)).any():
+        fail(f"dropout output has NaN with dropout_p={p}")
+    copies = samples.shape[0]
+    mean = samples.mean(axis=0)
+    bound = tolerance.flash_dropout_allowed(stats["c"], copies, mean.size, stats["rounding"])
+    ratio = compare_values(f"mean of {copies} packed copies' dropout outputs (dropout_p={p})", mean,
+                           stats["expected"], bound, where=live).ratio
+    # The mean alone passes a dropout_p that is ignored or one pattern shared by every sequence.
+    return max(ratio, check_dropout_spread(samples, stats["sigma"], stats["c"], stats["rounding"], live,
+                                           f"dropout_p={p}, copies packed as sequences of one call"))
+
+
+def _positive(case: VarlenCase) -> VarlenCase:
+    """V made positive (|v| + 0.5): each sample then lies in [0, c] (Hoeffding's bound)."""
+    return case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
+
+
+def _varlen_cases(target: Target) -> Any:
+    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, max_batch=3, max_len=4,
+                        window=None, softcap=None, alibi=None).map(_positive)
+
+
+def _varlen_directed(target: Target) -> list[VarlenCase]:
+    """The varlen level's directed layouts (a one-key sequence next to its neighbour, empty
+    and one-token sequences side by side, causal with L > S and L < S), V positive."""
+    return [_positive(case) for case in varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)]
+
+
+@conformance_property(
+    "varlen_dropout_expectation", level="varlen", section="spec.varlen_attention (dropout: the expectation)",
+    cases=_varlen_cases,
+    directed=_varlen_directed,
+    skip_reason=lambda t: skip_unless("dropout" in t.caps.varlen_features,
+                                      "dropout not declared at the varlen level (varlen_features; a dropout_p "
+                                      "parameter of flash_attn_varlen_func's signature claims it)"),
+    examples_factor=0.2,
+)
+def test_varlen_dropout_expectation(target: Target, case: VarlenCase) -> float:
+    """With dropout_p = p, the case's sequences packed M = 1024 times in one call: the mean
+    of each row's M outputs is spec.varlen_attention without dropout and no sample is NaN,
+    within Hoeffding's bound (V positive, each sample in [0, c], c = Σ w|v| / (1 - p),
+    δ = 1e-7 / #elements) plus each sample's rounding (``tolerance.flash_dropout_allowed``);
+    their standard deviation is that of dropping each weight independently (a pattern
+    shared by the packed sequences, or an offset not advanced from one to the next, makes
+    the copies identical); the LSE (when declared) is the dropout-free one. Forgetting the
+    1/(1 - p) rescale moves the mean by p·mean."""
+    lse = "lse" in target.caps.varlen_features
+    samples, lse_rows, stored = run_varlen_dropout(target, case, dropout_p=DROPOUT_P, copies=DROPOUT_COPIES,
+                                                   lse=lse)
+    ratio = check_varlen_dropout(target, case, samples, DROPOUT_P)
+    if lse_rows is not None:
+        expected, allowed = varlen_lse_bounds(target, case, stored)
+        for copy in (0, DROPOUT_COPIES - 1):  # every copy's LSE is the dropout-free one
+            ratio = max(ratio, check_lse_against_oracle(f"softmax_lse of copy {copy} with dropout_p={DROPOUT_P}",
+                                                        lse_rows[copy], expected, allowed))
     return ratio

@@ -1,10 +1,12 @@
-"""Flash level, FP8 inputs (spec.fp8): q, k, v in an 8-bit float format with
+"""Flash and varlen levels, FP8 inputs (spec.fp8): q, k, v in an 8-bit float format with
 FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``, against the float64 oracle
 on the dequantised values (exact), within a bound derived from the formats' unit
 roundoffs (``tolerance.fp8_allowed``).
 
-FP8 is certified here, at the flash level only: ``flash_attn_func`` (FlashAttention-3) is
-the API that takes FP8 q, k, v with descale factors; an SDPA-signature function has no
+FP8 is certified here, at the flash level (``flash_attn_func``) and the varlen level
+(``flash_attn_varlen_func``, descales (B, K) with one row per packed sequence,
+``spec.fp8.dequantize_varlen``), the FlashAttention-3 APIs that take FP8 q, k, v with
+descale factors; an SDPA-signature function has no
 descale arguments, and ``torch.nn.functional.scaled_dot_product_attention`` takes no FP8
 inputs. An FP8 call's output is 16- or 32-bit whatever the target's dtype
 (FlashAttention-3 returns bfloat16): the property runs on every flash target (so that a
@@ -19,7 +21,16 @@ from typing import Any
 import numpy as np
 
 from conformance.calls.declarations import fit_head_dims, fit_lengths
+from functools import partial
+
+from conformance.calls.declarations import require_inside
 from conformance.calls.flash import FlashCase, check_fp8, run_flash
+from conformance.calls.cache_options import fp8_sequence_bounds
+from conformance.calls.varlen import VarlenCallSpec, VarlenCase, run_varlen_call
+from conformance.core.compare import compare_values
+from conformance.core.target import call_guarded
+from conformance.core.tensors import to_numpy
+from conformance.strategies.varlen import varlen_directed, varlen_fp8_cases
 from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
 from conformance.harness.runner import conformance_property
@@ -88,3 +99,56 @@ def test_fp8_agreement(target: Target, case: FlashCase) -> float:
     accumulation, the output's own rounding); the LSE likewise, when declared."""
     call = run_flash(target, case, lse="lse" in target.caps.flash_features)
     return check_fp8(target, case, call)
+
+
+# --------------------------------------------------------------------------- varlen level
+
+
+def _varlen_skip(target: Target) -> str | None:
+    return skip_unless("fp8" in target.caps.varlen_features and bool(target.caps.fp8_dtypes),
+                       "FP8 not declared at the varlen level (varlen_features fp8 with fp8_dtypes; a "
+                       "q_descale/k_descale/v_descale parameter of flash_attn_varlen_func claims it)")
+
+
+def _varlen_directed(target: Target) -> list[VarlenCase]:
+    """The varlen level's directed layouts in each FP8 format with descales that differ
+    between the sequences, between q, k and v and between kv heads (a descale row read by
+    the batch element instead of the sequence, or ignored), and per tensor."""
+    caps = target.caps
+    out = []
+    for fmt in caps.fp8_dtypes:
+        for case in varlen_directed(dtype=target.dtype, device=target.device, caps=caps):
+            q, k, v = (spec_fp8.quantize(x * 8, fmt) for x in (case.query, case.key, case.value))
+            rows = [np.float32(0.5 * 2.0 ** (np.arange(case.K) + b) + j / 8).astype(np.float64)
+                    for j in range(3) for b in range(case.B)]
+            per_sequence = [np.stack(rows[j * case.B:(j + 1) * case.B]) for j in range(3)]
+            variants = [dict(zip(("q_descale", "k_descale", "v_descale"), per_sequence, strict=True)),
+                        dict(q_descale=np.array([0.25]), k_descale=np.array([0.375]), v_descale=np.array([3.0]))]
+            for changes in variants:
+                forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in changes.values()}
+                if forms <= set(caps.fp8_descales):
+                    out.append(case.replace(query=q, key=k, value=v, fp8=fmt, **changes))
+    return out
+
+
+@conformance_property(
+    "varlen_fp8_agreement", level="varlen", section="spec.fp8 (dequantize_varlen, then spec.varlen_attention)",
+    cases=lambda t: varlen_fp8_cases(dtype=t.dtype, device=t.device, caps=t.caps),
+    directed=_varlen_directed,
+    skip_reason=_varlen_skip,
+)
+def test_varlen_fp8_agreement(target: Target, case: VarlenCase) -> float:
+    """Packed FP8 q, k, v with q_descale, k_descale, v_descale (none, per tensor, or (B, K):
+    row b for packed sequence b, query head h reading kv head h // (N // K)'s) stand for
+    stored · descale: each sequence's rows of the output (16- or 32-bit) equal
+    spec.varlen_attention on those exact values within tolerance.fp8_allowed for the dtype
+    it came back in, sequence by sequence (empty and one-token sequences included)."""
+    call = VarlenCallSpec(case)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    out = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target))
+    expected, allowed, live = fp8_sequence_bounds(case, out_dtype=str(out.dtype).removeprefix("torch."))
+    where = None if target.caps.fully_masked == "zero" else live
+    return compare_values(f"packed output (q, k, v in {case.fp8})", to_numpy(out), expected, allowed,
+                          where=where).ratio

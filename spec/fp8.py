@@ -18,6 +18,10 @@ tensor), or (B, K), one per batch element and **kv head** (FlashAttention-3's
 query heads that read kv head g, i.e. query head h uses ``q_descale[b, h // (N // K)]``
 (FlashAttention-3's test reference repeats it ``"b h -> b 1 (h g) 1"``).
 
+Packed sequences (``flash_attn_varlen_func``, :func:`dequantize_varlen`): the descales are
+(B, K) with B the number of **sequences** (``len(cu_seqlens_q) - 1``): sequence b's rows
+use row b (FlashAttention-3's varlen ``batch_size`` is ``cu_seqlens_q.size(0) - 1``).
+
 Pure NumPy (+ ``ml_dtypes``, imported when a value is rounded); never imports torch.
 """
 
@@ -30,7 +34,7 @@ import numpy as np
 from . import _checks
 from .errors import fail
 
-__all__ = ["FORMATS", "FP8Format", "dequantize", "descale_array", "format_of", "quantize",
+__all__ = ["FORMATS", "FP8Format", "dequantize", "dequantize_varlen", "descale_array", "format_of", "quantize",
            "representable"]
 
 
@@ -140,3 +144,27 @@ def dequantize(query: np.ndarray, key: np.ndarray, value: np.ndarray, *, q_desca
     return (query * per_query_head[:, None, :, None],                    # (B, 1, N, 1)
             key * kd[:, None, :, None],                                  # (B, 1, K, 1)
             value * vd[:, None, :, None])
+
+
+def dequantize_varlen(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seqlens_q: Any,
+                      cu_seqlens_k: Any, *, q_descale: Any = None, k_descale: Any = None,
+                      v_descale: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed ``(q · q_descale, k · k_descale, v · v_descale)``, exact: query (T_q, N, E),
+    key (T_k, K, E), value (T_k, K, Ev); each descale None, per tensor or (B, K), B the
+    number of sequences; sequence b's query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (and
+    key rows likewise) use row b (query head h: ``[b, h // (N // K)]``)."""
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64).reshape(-1)
+    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64).reshape(-1)
+    if cu_q.size < 1 or cu_q.size != cu_k.size:
+        fail("cu_seqlens_k", cu_k, f"must have as many entries as cu_seqlens_q ({cu_q.size})",
+             "pass one query and one key range per sequence")
+    B, N, K = cu_q.size - 1, query.shape[1], key.shape[1]
+    qd = np.repeat(descale_array("q_descale", q_descale, B, K), N // K, axis=1)      # (B, N)
+    kd = descale_array("k_descale", k_descale, B, K)
+    vd = descale_array("v_descale", v_descale, B, K)
+    q, k, v = (np.array(x, dtype=np.float64) for x in (query, key, value))
+    for b in range(B):
+        q[cu_q[b]:cu_q[b + 1]] *= qd[b][None, :, None]
+        k[cu_k[b]:cu_k[b + 1]] *= kd[b][None, :, None]
+        v[cu_k[b]:cu_k[b + 1]] *= vd[b][None, :, None]
+    return q, k, v

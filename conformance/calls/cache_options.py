@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.calls.flash_bounds import allowed_lse
+from conformance.calls.flash import FP8_OUTPUT_DTYPES
+from conformance.calls.flash_bounds import allowed_lse, fp8_allowed_output
 from conformance.calls.flash_bounds import oracle as flash_oracle
 from conformance.calls.flash_cases import FlashCase
 from conformance.core import tolerance
@@ -328,3 +329,68 @@ def check_cache_after(what: str, actual: np.ndarray, expected: np.ndarray, case:
         bound = f" (allowed {allowed[r, t][tuple(rest)]:.3g}: a rotated key)" if allowed[r, t][tuple(rest)] else ""
         fail(f"{what}[{r}, {t}, {', '.join(map(str, rest))}]={actual[r, t][tuple(rest)]!r}, but should be "
              f"{expected[r, t][tuple(rest)]!r}{bound}: {where}")
+
+
+# -- FP8 inputs with descales (FlashAttention-3) --------------------------------------------
+
+#: FlashAttention-3's descale arguments of FP8 q, k, v.
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def descale_forms(case: Any) -> frozenset[str]:
+    """How q's, k's and v's descales are each given (``Capabilities.fp8_descales``): ``none``,
+    ``per_tensor`` (1,), ``per_head`` (one row per sequence and kv head); empty without FP8."""
+    if getattr(case, "fp8", None) is None:
+        return frozenset()
+    return frozenset("none" if d is None else "per_tensor" if np.shape(d) == (1,) else "per_head"
+                     for d in (getattr(case, n) for n in _DESCALES))
+
+
+def descale_kwargs(case: Any, tensor: Any) -> dict[str, Any]:
+    """The descales a case gives, as keyword arguments (``tensor(a)``: a float32 tensor)."""
+    if getattr(case, "fp8", None) is None:
+        return {}
+    return {n: tensor(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None}
+
+
+def fp8_text(case: Any) -> str:
+    """The FP8 format and descale shapes, for a description ("" without FP8)."""
+    if getattr(case, "fp8", None) is None:
+        return ""
+    shapes = {n: None if getattr(case, n) is None else tuple(np.shape(getattr(case, n))) for n in _DESCALES}
+    return f" q/k/v={case.fp8} descales={shapes}"
+
+
+def check_fp8_output_dtype(out: Any, fmt: str) -> None:
+    """An FP8 call's output is 16- or 32-bit (FlashAttention-3 returns bfloat16)."""
+    __tracebackhide__ = True
+    name = str(out.dtype).removeprefix("torch.")
+    if name not in FP8_OUTPUT_DTYPES:
+        fail(f"output dtype={out.dtype} for q, k, v in {fmt}, but should be one of {', '.join(FP8_OUTPUT_DTYPES)} "
+             "(an FP8 call's output is not FP8; FlashAttention-3 returns bfloat16)")
+
+
+def fp8_sequence_bounds(case: Any, *, out_dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A packed FP8 case (``case.fp8``, descales (1,) or one row per sequence): (expected
+    (T_q, N, Ev), allowed, live rows (T_q, N, 1)), sequence by sequence as a flash case with
+    its own descale row: ``spec.flash_attention`` on the exactly dequantised values
+    (``spec.fp8``) and ``tolerance.fp8_allowed`` for an output returned in ``out_dtype``."""
+    T, N, Ev = case.query.shape[0], case.N, case.Ev
+    expected, allowed = np.zeros((T, N, Ev)), np.zeros((T, N, Ev))
+    live = np.zeros((T, N, 1), dtype=bool)
+    options = flash_options(case)
+    for b, (rows, keys) in enumerate(case.sequences()):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        descales = {n: None if d is None else d if np.shape(d) == (1,) else np.asarray(d)[b:b + 1]
+                    for n, d in ((n, getattr(case, n)) for n in _DESCALES)}
+        flash_case = sequence_flash_case(case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
+                                         scale=case.scale, dtype=case.dtype, device=case.device,
+                                         options=options).replace(fp8=case.fp8, **descales)
+        ref = flash_oracle(flash_case)
+        expected[rows] = ref.output[0]
+        allowed[rows] = fp8_allowed_output(flash_case, ref, out_dtype)[0]
+        live[rows] = ~flash_case.empty_rows()[:, None, None]
+    return expected, allowed, live

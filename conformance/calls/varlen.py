@@ -31,7 +31,13 @@ from conformance.calls.call_specs import call_directly
 from conformance.calls.declarations import require_inside
 from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.cache_options import (
+    _DESCALES,
+    check_fp8_output_dtype,
     check_lse_against_oracle,
+    descale_forms,
+    descale_kwargs,
+    fp8_sequence_bounds,
+    fp8_text,
     flash_options,
     float32_tensor,
     option_features,
@@ -79,12 +85,20 @@ __all__ = [
 #: keys an expected failure's ``match`` may use at this level.
 VARLEN_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
-    "gqa", "different_v_dim", "window", "softcap", "alibi", "varlen_features", "lse",
+    "gqa", "different_v_dim", "window", "softcap", "alibi", "varlen_features", "lse", "fp8", "descale_forms",
 })
 
 
 def _scale_sign(scale: float | None) -> str:
     return "default" if scale is None else "positive" if scale > 0 else "zero" if scale == 0 else "negative"
+
+
+def _seqlens_text(cu_seqlens: tuple[int, ...]) -> str:
+    """A cu_seqlens list as text, its middle elided past 12 entries (packed copies)."""
+    values = [int(x) for x in cu_seqlens]
+    if len(values) <= 12:
+        return str(values)
+    return f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-3:]))}] ({len(values)} entries)"
 
 
 def _replace(case: Any, **changes: Any) -> Any:
@@ -112,6 +126,12 @@ class VarlenCase:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: np.ndarray | None = None    # (N,) or (B, N), float32-exact
+    #: FP8 inputs (FlashAttention-3): q, k, v hold values of this format, with descales
+    #: None, (1,) or (B, K) (one row per sequence; ``spec.fp8.dequantize_varlen``).
+    fp8: str | None = None
+    q_descale: np.ndarray | None = None
+    k_descale: np.ndarray | None = None
+    v_descale: np.ndarray | None = None
 
     @property
     def level(self) -> str:
@@ -153,8 +173,10 @@ class VarlenCase:
         slopes = self.alibi_slopes
         if slopes is not None and np.ndim(slopes) == 2:
             slopes = slopes[b:b + 1]
+        descales = {n: d[b:b + 1] if d is not None and np.ndim(d) == 2 else d
+                    for n, d in ((n, getattr(self, n)) for n in _DESCALES)}
         return _replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
-                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes)
+                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes, **descales)
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         """Attributes for capability checks (``Implementation.not_supported_reasons``)."""
@@ -165,7 +187,10 @@ class VarlenCase:
                "L": max(L for L, _ in lengths), "S": max(S for _, S in lengths), "E": self.E,
                "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
                "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
-               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self)}
+               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self),
+               "fp8": self.fp8, "descale_forms": descale_forms(self)}
+        if self.fp8 is not None:
+            out["varlen_features"] = out["varlen_features"] | {"fp8"}
         out.update(extra)
         return out
 
@@ -174,8 +199,8 @@ class VarlenCase:
 
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
-                f"cu_seqlens_q={list(self.cu_seqlens_q)} cu_seqlens_k={list(self.cu_seqlens_k)} "
-                f"causal={self.causal}{option_text(self)} scale={self.scale} dtype={self.dtype} "
+                f"cu_seqlens_q={_seqlens_text(self.cu_seqlens_q)} cu_seqlens_k={_seqlens_text(self.cu_seqlens_k)} "
+                f"causal={self.causal}{option_text(self)}{fp8_text(self)} scale={self.scale} dtype={self.dtype} "
                 f"device={self.device}")
 
     def __repr__(self) -> str:
@@ -217,6 +242,8 @@ def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray
 
 def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(expected (T_q, N, Ev) = ``spec.varlen_attention``, allowed, live rows (T_q, N, 1))."""
+    if case.fp8 is not None:  # on the dequantised values, FP8's bound (for the bfloat16 output FA3 returns)
+        return fp8_sequence_bounds(case, out_dtype="bfloat16")
     T = case.query.shape[0]
     expected, allowed = np.zeros((T, case.N, case.Ev)), np.zeros((T, case.N, case.Ev))
     live = np.zeros((T, case.N, 1), dtype=bool)
@@ -282,6 +309,8 @@ def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.nda
 def _tensor(array: np.ndarray, case: Any) -> Any:
     import torch
 
+    if getattr(case, "fp8", None) is not None:  # float64 -> float8 (exact), on the CPU, then moved
+        return torch.tensor(np.asarray(array, dtype=np.float64)).to(getattr(torch, case.fp8)).to(case.device)
     return torch.tensor(np.asarray(array, dtype=np.float64), dtype=dtype_of(case.dtype), device=case.device)
 
 
@@ -297,7 +326,9 @@ def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: s
     """What came back is a tensor on the case's device, of ``shape`` and the input dtype."""
     __tracebackhide__ = True
     assert_returned_tensor("output", out, device=case.device, shape=shape, dims=dims)
-    if out.dtype != dtype_of(case.dtype):
+    if getattr(case, "fp8", None) is not None:
+        check_fp8_output_dtype(out, case.fp8)
+    elif out.dtype != dtype_of(case.dtype):
         fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
 
 
@@ -309,6 +340,7 @@ class VarlenCallSpec:
     case: VarlenCase
     grad_output: np.ndarray | None = None
     lse: bool = False  # return_attn_probs=True: (output, softmax_lse (N, T_q), ...)
+    dropout_p: float = 0.0  # passed only when > 0 (the varlen feature ``dropout``)
 
     @property
     def level(self) -> str:
@@ -318,21 +350,25 @@ class VarlenCallSpec:
         attrs = self.case.attrs(lse=self.lse)
         if self.lse:
             attrs["varlen_features"] = attrs["varlen_features"] | {"lse"}
+        if self.dropout_p:
+            attrs["varlen_features"] = attrs["varlen_features"] | {"dropout"}
         return attrs
 
     def arguments(self) -> str:
         lengths = self.case.lengths() or [(0, 0)]
         options = "".join(f", {k}={v!r}" for k, v in option_kwargs(self.case, lambda a: "<float32 tensor>").items())
-        return (f"cu_seqlens_q={list(self.case.cu_seqlens_q)}, cu_seqlens_k={list(self.case.cu_seqlens_k)}, "
+        return (f"cu_seqlens_q={_seqlens_text(self.case.cu_seqlens_q)}, "
+                f"cu_seqlens_k={_seqlens_text(self.case.cu_seqlens_k)}, "
                 f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
                 f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}{options}"
+                f"{f', dropout_p={self.dropout_p!r}' if self.dropout_p else ''}"
                 f"{', return_attn_probs=True' if self.lse else ''}")
 
     def describe(self) -> str:
         return f"{self.case.describe()}; {self.arguments()}"
 
     def same_as(self, case: Any) -> bool:
-        return self.case is case and not self.lse
+        return self.case is case and not self.lse and not self.dropout_p
 
 
 def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
@@ -343,8 +379,11 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
     case = call.case
     lengths = case.lengths() or [(0, 0)]
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
+    extra.update(descale_kwargs(case, lambda a: float32_tensor(a, case)))
     if call.lse:
         extra["return_attn_probs"] = True
+    if call.dropout_p:
+        extra["dropout_p"] = float(call.dropout_p)
     out = invoke(
         impl.varlen,
         _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
@@ -402,6 +441,8 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
+    meta["fp8"] = case.fp8
+    arrays.update({n: np.asarray(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None})
     return meta, arrays
 
 
@@ -410,7 +451,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Varle
                       cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
                       scale=meta["scale"], dtype=meta["dtype"], device=meta["device"],
                       window=tuple(meta.get("window", (-1, -1))), softcap=float(meta.get("softcap", 0.0)),
-                      alibi_slopes=arrays.get("alibi_slopes"))
+                      alibi_slopes=arrays.get("alibi_slopes"), fp8=meta.get("fp8"),
+                      **{n: arrays.get(n) for n in _DESCALES})
 
 
 def validate(case: VarlenCase) -> None:

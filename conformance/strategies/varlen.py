@@ -27,7 +27,7 @@ from conformance.calls.declarations import fit_head_dims
 from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.strategies._drawing import draw_seed, named_strategy, weighted
-from conformance.strategies.flash import alibi_slopes, softcaps, window_sides
+from conformance.strategies.flash import _descale, alibi_slopes, softcaps, window_sides
 from conformance.strategies.kvcache_features import (
     CACHE_FEATURES,
     batch_rows,
@@ -39,9 +39,11 @@ from conformance.strategies.kvcache_features import (
     wanted_cache,
 )
 from implementations.base import Capabilities
+from spec import fp8 as spec_fp8
 from spec.emulate import round_to
 
-__all__ = ["kvcache_cases", "kvcache_directed", "kvcache_head_dims", "varlen_cases", "varlen_directed"]
+__all__ = ["kvcache_cases", "kvcache_directed", "kvcache_head_dims", "varlen_cases", "varlen_directed",
+           "varlen_fp8_cases"]
 
 
 def _length(draw: st.DrawFn, max_len: int) -> int:
@@ -364,3 +366,50 @@ def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capab
             v_new=_seeded(5 * i + 4, (B, new, K, Ev), dtype) if new else None,
             causal=is_causal, page_size=2 if paged else None, page_order=order, dtype=dtype, device=device))
     return cases
+
+
+def _row_factors(d: np.ndarray, case: VarlenCase, rows_of: str, heads: int) -> np.ndarray:
+    """(T, heads): each packed row's descale, (1,) or row b for sequence b's rows (query
+    heads read their kv head's, h // (N // K))."""
+    cu = case.cu_seqlens_q if rows_of == "query" else case.cu_seqlens_k
+    if d.shape == (1,):
+        return np.full((cu[-1], heads), d[0])
+    per_head = np.repeat(d, heads // d.shape[1], axis=1)                         # (B, heads)
+    return np.repeat(per_head, np.diff(cu), axis=0)
+
+
+def varlen_fp8_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                     **kwargs: Any) -> st.SearchStrategy[VarlenCase]:
+    """:func:`varlen_cases` with q, k, v quantised to one of ``caps.fp8_dtypes`` (all formats
+    without caps), each tensor's descale given in one of ``caps.fp8_descales``: none, (1,) or
+    (B, K), one row per **sequence** (drawn as the flash level draws them: a quantiser's
+    amax / max, powers of two, random; float32-exact), the values divided by it first."""
+    formats = tuple(caps.fp8_dtypes) if caps is not None else tuple(spec_fp8.FORMATS)
+    descales = tuple(caps.fp8_descales) if caps is not None else ("none", "per_tensor", "per_head")
+    base = varlen_cases(dtype=dtype, device=device, caps=caps, **kwargs)
+
+    @st.composite
+    def draw_example(draw: st.DrawFn) -> VarlenCase:
+        case = draw(base)
+        rng = draw_seed(draw)
+        fmt = spec_fp8.format_of(draw(st.sampled_from(formats)))
+        forms = [(form, weight) for form, weight in (("none", 1), ("per_tensor", 2), ("per_head", 3))
+                 if form in descales]
+        changes: dict[str, Any] = {"fp8": fmt.name}
+        for name, descale in (("query", "q_descale"), ("key", "k_descale"), ("value", "v_descale")):
+            x = getattr(case, name)
+            form = weighted(draw, forms)
+            if form == "none":
+                d = None
+            elif form == "per_tensor":
+                d = _descale(draw, rng, x[None], fmt, False, case.K) if x.size else np.ones(1)
+            else:  # one row per sequence, from its own rows (an empty sequence: a power of two)
+                cu = case.cu_seqlens_q if name == "query" else case.cu_seqlens_k
+                d = np.concatenate([_descale(draw, rng, x[cu[b]:cu[b + 1]][None], fmt, True, case.K)
+                                    if cu[b + 1] > cu[b] else np.ones((1, case.K)) for b in range(case.B)])
+            scaled = x if d is None else x / _row_factors(d, case, name, x.shape[1])[..., None]
+            changes[name] = spec_fp8.quantize(scaled, fmt.name, saturate=True)
+            changes[descale] = d
+        return case.replace(**changes)
+
+    return draw_example()

@@ -18,7 +18,12 @@ FlashAttention's options per sequence, as ``spec.flash`` defines them: ``window_
 (left, right) around the aligned position ``p_i = i + S - L``, ``softcap`` (c·tanh(s/c)
 before bias and masks), ``alibi_slopes`` (N,) or (B, N) (bias ``-slope·|p_i - j|``), and
 the LSE (``return_attn_probs=True``: (out, lse (N, T_q), None); ``return_softmax_lse=True``:
-(out, lse (B, N, L))), -inf in a row attending no key.
+(out, lse (B, N, L))), -inf in a row attending no key. The packed call's ``dropout_p``
+drops each weight of a sequence after the softmax with probability p and rescales the
+kept ones by 1/(1 - p), each sequence with a pattern of its own (its own offset in the
+call's random stream); the LSE stays the dropout-free one. FP8 q, k, v (FlashAttention-3's
+``q_descale``, ``k_descale``, ``v_descale``: None, (1,) or (B, K), row b for packed
+sequence b) are dequantised to float32 sequence by sequence; the output is bfloat16.
 The decoding call's own options, as ``spec.kvcache`` defines them: ``rotary_cos``/``rotary_sin``
 (seqlen_ro, R/2) with ``rotary_interleaved`` rotate q and the new keys at their cache
 positions before the append (keys at ``cache_seqlens[b] + i``; queries likewise when causal
@@ -109,10 +114,11 @@ def softmax_rows(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Ten
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
            window: tuple[int, int] = (-1, -1), softcap: float = 0.0, slopes: Any = None,
-           offset: int | None = None, lse: bool = False) -> Any:
+           offset: int | None = None, lse: bool = False, dropout: Any = None) -> Any:
     """One sequence: q (L, N, E), k (S, K, E), v (S, K, Ev) -> (L, N, Ev), in q's dtype (with
     ``lse``: also the LSE (N, L) in the compute dtype). ``offset``: the aligned position's
-    shift p_i - i (None: S - L, FlashAttention's bottom-right)."""
+    shift p_i - i (None: S - L, FlashAttention's bottom-right). ``dropout``: applied to the
+    weights (N, L, S) after the softmax (the LSE stays the dropout-free one)."""
     L, N, _ = q.shape
     S, K, Ev = v.shape
     if N % K:
@@ -128,8 +134,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, c
     v = v.to(work).repeat_interleave(group, dim=1).transpose(0, 1)      # (N, S, Ev)
     scores = logits(q, k, scale=scale, softcap=softcap, slopes=slopes, offset=offset)
     weights, row_lse = softmax_rows(scores, window_allowed(L, S, window, causal, offset, q.device))
+    if dropout is not None:
+        weights = dropout(weights)
     out = (weights @ v).transpose(0, 1).to(out_dtype)                    # (L, N, Ev)
     return (out, row_lse) if lse else out
+
+
+#: The 8-bit float types q, k, v may come in (FlashAttention-3, with descales).
+_FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _descale_rows(descale: Any, name: str, B: int, K: int) -> torch.Tensor:
+    """A descale as float32 (B, K): None -> ones, (1,) -> filled, (B, K) as given."""
+    if descale is None:
+        return torch.ones(B, K)
+    d = descale.detach().to("cpu", torch.float32)
+    if tuple(d.shape) in ((), (1,)):
+        return d.reshape(1, 1).expand(B, K)
+    if tuple(d.shape) != (B, K):
+        raise ValueError(f"{name} has shape {tuple(d.shape)}, but should be (1,) or (num_sequences, K) = ({B}, {K})")
+    return d
 
 
 def _check_options(window_size: Any, softcap: float) -> None:
@@ -156,11 +180,15 @@ class VarlenAttention:
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
-                 return_attn_probs=False, block_table=None):
+                 return_attn_probs=False, block_table=None, q_descale=None, k_descale=None, v_descale=None):
         """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev),
-        or with ``return_attn_probs`` (out, lse (N, T_q), None)."""
-        _refuse(dropout_p=(dropout_p, 0.0), block_table=(block_table, None))
+        or with ``return_attn_probs`` (out, lse (N, T_q), None). FP8 q, k, v (FlashAttention-3):
+        each sequence dequantised with its descale row (None, (1,) or (B, K)), the output bfloat16."""
+        _refuse(block_table=(block_table, None))
         _check_options(window_size, softcap)
+        if not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+        seed = int(torch.randint(0, 2 ** 62, ())) if dropout_p else 0   # one per call, from torch's generator
         starts_q, starts_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
         if len(starts_q) != len(starts_k):
             raise ValueError(f"cu_seqlens_q has {len(starts_q)} entries but cu_seqlens_k {len(starts_k)}")
@@ -168,18 +196,64 @@ class VarlenAttention:
             raise ValueError("cu_seqlens must end at the packed lengths total_q and total_k")
         scale = self.scale(softmax_scale, q.shape[-1])
         N = q.shape[1]
-        out = q.new_zeros(q.shape[0], N, v.shape[-1])                   # (T_q, N, Ev)
+        fp8 = q.dtype in _FP8_TYPES
+        if not fp8 and any(d is not None for d in (q_descale, k_descale, v_descale)):
+            raise ValueError("q_descale/k_descale/v_descale apply only to FP8 q, k, v")
+        descales = [_descale_rows(d, name, len(starts_q) - 1, k.shape[1])
+                    for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
+        out = torch.zeros(q.shape[0], N, v.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype, device=q.device)
         lse = torch.zeros(N, q.shape[0], dtype=_compute_dtype(q.dtype), device=q.device)
         for b in range(len(starts_q) - 1):
             rows, keys = self.sequence(starts_q, starts_k, b)
-            out[rows], lse[:, rows] = self.attend(q[rows], k[keys], v[keys], scale=scale, causal=causal,
+            dropout = self.dropout(float(dropout_p), seed, b, q.device)
+            qs, ks, vs = q[rows], k[keys], v[keys]
+            if fp8:
+                qs, ks, vs = self.dequantize(qs, ks, vs, descales, b)
+            out[rows], lse[:, rows] = self.attend(qs, ks, vs, scale=scale, causal=causal,
                                                   window=tuple(window_size), softcap=float(softcap),
-                                                  slopes=_slopes_of(alibi_slopes, b, N), lse=True)
+                                                  slopes=_slopes_of(alibi_slopes, b, N), lse=True,
+                                                  **({} if dropout is None else {"dropout": dropout}))
         return (out, self.packed_lse(lse, q, k, starts_q, starts_k, scale), None) if return_attn_probs else out
 
     def attend(self, q, k, v, **options):
         """One sequence (``attend``'s arguments)."""
         return attend(q, k, v, **options)
+
+    def dequantize(self, q, k, v, descales, b: int):
+        """Sequence b's FP8 q, k, v as float32 values ``stored · descale``: row
+        :meth:`descale_row` of each (B, K) descale (query head h: kv head h // (N // K))."""
+        qd, kd, vd = (d[self.descale_row(b)].to(q.device) for d in descales)   # (K,) each
+        group = q.shape[1] // k.shape[1]
+        return (q.to(torch.float32) * qd.repeat_interleave(group)[None, :, None],
+                k.to(torch.float32) * kd[None, :, None], v.to(torch.float32) * vd[None, :, None])
+
+    def descale_row(self, b: int) -> int:
+        """The descale row of packed sequence b: its own (FlashAttention-3's varlen batch is
+        the sequence)."""
+        return b
+
+    def dropout(self, p: float, seed: int, b: int, device: Any) -> Any:
+        """Sequence b's dropout (None when p = 0): each weight kept with probability 1 - p
+        and the kept ones rescaled by 1/(1 - p), the pattern drawn from the call's seed at
+        the sequence's own offset (:meth:`rng_offset`), so no two sequences share one."""
+        if not p:
+            return None
+        generator = torch.Generator(device=device)
+        generator.manual_seed((seed + self.rng_offset(b)) % 2 ** 63)
+
+        def drop(weights):
+            keep = torch.rand(weights.shape, generator=generator, device=device, dtype=weights.dtype) >= p
+            return self.rescale(weights * keep, p)
+
+        return drop
+
+    def rng_offset(self, b: int) -> int:
+        """Where sequence b's dropout pattern starts in the call's random stream: its index."""
+        return b
+
+    def rescale(self, kept, p: float):
+        """The kept weights scaled by 1/(1 - p): the expectation stays the weights."""
+        return kept / (1.0 - p)
 
     def packed_lse(self, lse, q, k, starts_q, starts_k, scale):
         """The LSE (N, T_q) as returned: each sequence's own."""
@@ -429,7 +503,8 @@ VARLEN_CAPABILITIES = Capabilities(
     autograd=False,
     mask_grad=False,
     mask_kinds=frozenset({"none"}),
-    varlen_features=frozenset({"window", "softcap", "alibi", "lse"}),
+    varlen_features=frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8"}),
+    fp8_dtypes=("float8_e4m3fn", "float8_e5m2"),
     kvcache_features=frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
                                 "cache_leftpad", "num_splits"}),
 )

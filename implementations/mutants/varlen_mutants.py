@@ -161,3 +161,69 @@ VARLEN_MUTANTS = [
         expected_cause="kvcache_block_table_ignored",
     ),
 ]
+
+
+# -- dropout (varlen_dropout_expectation) ---------------------------------------------------
+
+
+class DropoutNoRescale(VarlenAttention):
+    """Drops each sequence's weights after the softmax but keeps the survivors as they are
+    (no 1/(1 - p)): the expectation shrinks by 1 - p."""
+
+    def rescale(self, kept, p):
+        return kept
+
+
+class DropoutOffsetNotAdvanced(VarlenAttention):
+    """Every packed sequence draws its dropout pattern at the same offset of the call's random
+    stream: sequences of one shape drop the same weights."""
+
+    def rng_offset(self, b):
+        return 0
+
+
+VARLEN_MUTANTS += [
+    _mutant(
+        "varlen_dropout_no_rescale", varlen=DropoutNoRescale(),
+        bug="varlen dropout keeps the surviving weights unscaled (no 1/(1 - p)): the mean output shrinks by 1 - p",
+        origin="hand-written pitfall: the mask multiplied into the weights and the inverted-dropout "
+               "rescale forgotten (it lives in a separate step in non-fused code)",
+        smallest_case={**ONE, "lengths": [(1, 1)], "dropout_p": 0.5},
+        safe_case={**ONE, "lengths": [(1, 1)]},
+        expected_property="varlen_dropout_expectation",
+    ),
+    _mutant(
+        "varlen_dropout_offset_not_advanced", varlen=DropoutOffsetNotAdvanced(),
+        bug="every packed sequence draws its dropout pattern at the same Philox offset: equal-shaped "
+            "sequences drop the same weights",
+        origin="kernel bug: the random stream's offset (FlashAttention-2's batch index in the Philox "
+               "subsequence) taken from the head only, not advanced per packed sequence",
+        smallest_case={**ONE, "lengths": [(1, 1), (1, 1)], "dropout_p": 0.5},
+        safe_case={**ONE, "lengths": [(1, 1), (1, 1)]},
+        expected_property="varlen_dropout_expectation",
+    ),
+]
+
+
+# -- FP8 with descales (varlen_fp8_agreement) ---------------------------------------------------
+
+
+class DescaleByBatch(VarlenAttention):
+    """Reads every packed sequence's descales from row 0: the packed tensor taken as one
+    batch element (the flash kernel's batch index, 0 for a varlen call), not the sequence."""
+
+    def descale_row(self, b):
+        return 0
+
+
+VARLEN_MUTANTS += [
+    _mutant(
+        "varlen_fp8_descale_by_batch", varlen=DescaleByBatch(),
+        bug="FP8 varlen: every packed sequence is dequantised with descale row 0 instead of its own row",
+        origin="kernel bug: the descale pointer advanced by the batch index (0 for one packed batch) instead "
+               "of the sequence index (FlashAttention-3's varlen descales are (num_sequences, K))",
+        smallest_case={**ONE, "lengths": [(1, 1), (1, 1)], "fp8": "float8_e4m3fn"},
+        safe_case={**ONE, "lengths": [(1, 1)], "fp8": "float8_e4m3fn"},
+        expected_property="varlen_fp8_agreement",
+    ),
+]

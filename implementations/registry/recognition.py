@@ -358,17 +358,26 @@ KVCACHE_FEATURE_PARAMETERS = {
 }
 
 
+#: varlen-level features read from ``flash_attn_varlen_func``'s signature (FlashAttention's
+#: contract gives the meaning: ``dropout_p`` drops each sequence's weights after the softmax;
+#: FlashAttention-3's descales take FP8 q, k, v in float8_e4m3fn, descales None or (B, K)).
+VARLEN_FEATURE_PARAMETERS = {"dropout": ("dropout_p",), "fp8": ("q_descale", "k_descale", "v_descale")}
+
+
 def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, name: str,
                       origin: str) -> Implementation:
     """A FlashAttention-signature function, called as is; its capabilities are read from the
     signature (a missing ``causal``, ``softmax_scale``, ``k``/``v`` or ``block_table``
     parameter: that feature is not claimed; at the kvcache level each option of
-    :data:`KVCACHE_FEATURE_PARAMETERS` whose parameters are there is claimed), not probed:
+    :data:`KVCACHE_FEATURE_PARAMETERS`, at the varlen level each of
+    :data:`VARLEN_FEATURE_PARAMETERS`, whose parameters are there is claimed), not probed:
     ``--impl-option`` overrides them (FlashAttention itself: ``--device cuda --impl-option
     dtypes=float16,bfloat16``)."""
     has = set(names)
     kvcache_features = frozenset(feature for feature, parameters in KVCACHE_FEATURE_PARAMETERS.items()
                                  if level == "kvcache" and set(parameters) <= has)
+    varlen_features = frozenset(feature for feature, parameters in VARLEN_FEATURE_PARAMETERS.items()
+                                if level == "varlen" and set(parameters) <= has)
     caps = Capabilities(
         causal="lower_right" if "causal" in has else None,
         custom_scale="softmax_scale" in has,
@@ -379,6 +388,9 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         kv_paged="block_table" in has,
         kv_append={"k", "v"} <= has,
         kvcache_features=kvcache_features,
+        varlen_features=varlen_features,
+        **({"fp8_dtypes": ("float8_e4m3fn",), "fp8_descales": ("none", "per_head")} if "fp8" in varlen_features
+           else {}),
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
         sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )

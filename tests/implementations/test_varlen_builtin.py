@@ -70,8 +70,10 @@ def test_kvcache_agrees_with_the_spec_and_appends_in_place(paged, causal):
 def test_options_it_does_not_implement_raise():
     rng = np.random.default_rng(3)
     q, k, v, cu_q, cu_k = (torch.tensor(x) for x in _packed(rng, [(1, 1)]))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, dropout_p=0.5)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, dropout_p=1.0)
     with pytest.raises(ValueError, match="window_size"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 1, window_size=(-2, 0))
     with pytest.raises(ValueError, match="softcap"):
@@ -123,8 +125,28 @@ def test_flash_signatures_are_recognised_without_an_adapter(tmp_path):
     assert kvcache.kvcache.__name__ == "flash_attn_with_kvcache" and kvcache.varlen is None
     assert (kvcache.capabilities.causal, kvcache.capabilities.kv_paged, kvcache.capabilities.kv_append) == (
         "lower_right", True, True)
+    assert varlen.capabilities.varlen_features == {"dropout"}          # its dropout_p parameter
+    assert kvcache.capabilities.varlen_features == frozenset()
+    declared = registry.resolve(f"{path}:flash_attn_varlen_func", {"varlen_features": "window"})
+    assert declared.capabilities.varlen_features == {"window"}
     bare = registry.resolve(f"{path}:decode_only")
     c = bare.capabilities
     assert (c.causal, c.custom_scale, c.kv_paged, c.kv_append) == (None, False, False, False)
     overridden = registry.resolve(f"{path}:decode_only", {"kv_paged": "true"})
     assert overridden.capabilities.kv_paged is True
+
+
+def test_varlen_dropout_draws_a_pattern_per_sequence_and_keeps_the_lse():
+    rng = np.random.default_rng(5)
+    q, k, v, cu_q, cu_k = _packed(rng, [(2, 6), (2, 6)])
+    v = np.abs(v) + 0.5
+    q[2:], k[6:], v[6:] = q[:2], k[:6], v[:6]                        # two identical sequences
+    args = [torch.tensor(x) for x in (q, k, v)] + [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]
+    torch.manual_seed(0)
+    out, lse, _ = flash_attn_varlen_func(*args, 2, 6, dropout_p=0.5, return_attn_probs=True)
+    _, plain_lse, _ = flash_attn_varlen_func(*args, 2, 6, return_attn_probs=True)
+    assert not torch.equal(out[:2], out[2:]), "two identical packed sequences dropped the same weights"
+    assert torch.equal(lse, plain_lse), "dropout changed the LSE (it acts after the softmax)"
+    torch.manual_seed(0)
+    again = flash_attn_varlen_func(*args, 2, 6, dropout_p=0.5)
+    assert torch.equal(out, again), "the pattern does not follow torch's generator"

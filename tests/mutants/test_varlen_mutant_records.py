@@ -3,7 +3,9 @@
 For each mutant of ``implementations/mutants/varlen_mutants.py``: its record names a
 registered property of its own level; it claims exactly the built-in's capabilities; its
 smallest case lies inside them and gives a result (output, or the caches after the
-call) that differs from ``spec.varlen_attention`` / ``spec.kvcache_attention``; and its
+call) that differs from ``spec.varlen_attention`` / ``spec.kvcache_attention`` (with
+``dropout_p``: whose packed copies' mean or spread differs from it; with ``fp8``: on the
+dequantised values); and its
 safe case agrees with the spec (the bug is the only one there). The correct built-in
 agrees on every mutant's cases.
 """
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import spec
+from spec import flash as spec_flash
 from conformance.core.registry import registered_properties
 from implementations.builtins.varlen_reference import (
     VARLEN_CAPABILITIES,
@@ -26,8 +29,66 @@ from implementations.mutants import MUTANTS
 NAMES = sorted(name for name, m in MUTANTS.items() if m.level in ("varlen", "kvcache"))
 
 
+#: Packed copies of a dropout case (``dropout_p`` in the vocabulary).
+DROPOUT_COPIES = 2048
+
+
+def _dropout_agrees(fn, case: dict) -> bool:
+    """With ``dropout_p``: the case's sequences (V positive) packed DROPOUT_COPIES times in
+    one call; the mean of the copies is spec.varlen_attention within 5 standard errors and
+    their standard deviation that of dropping each weight independently within 15%."""
+    rng = np.random.default_rng(0)
+    lengths, p = case["lengths"], case["dropout_p"]
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    q, k = rng.standard_normal((T_q, case["N"], case["E"])), rng.standard_normal((T_k, case["K"], case["E"]))
+    v = np.abs(rng.standard_normal((T_k, case["K"], case["Ev"]))) + 0.5
+    cu_q, cu_k = np.cumsum([0] + [L for L, _ in lengths]), np.cumsum([0] + [S for _, S in lengths])
+    want = spec.varlen_attention(q, k, v, cu_q, cu_k)
+    # sigma of each output element: sqrt(p / (1 - p) · Σ_j w_j² v_j²), sequence by sequence
+    sigma = np.zeros_like(want)
+    for b in range(len(lengths)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        problem = spec_flash.prepare(q[None, rows], k[None, keys], v[None, keys])
+        w = spec_flash.attend(problem).weights[0]                                        # (N, L, S)
+        sigma[rows] = np.sqrt(p / (1 - p) * (w ** 2 @ problem.value[0] ** 2)).transpose(1, 0, 2)
+    copies = [x for _ in range(DROPOUT_COPIES) for x in lengths]
+    cq, ck = np.cumsum([0] + [L for L, _ in copies]), np.cumsum([0] + [S for _, S in copies])
+    got = fn(torch.tensor(np.tile(q, (DROPOUT_COPIES, 1, 1))), torch.tensor(np.tile(k, (DROPOUT_COPIES, 1, 1))),
+             torch.tensor(np.tile(v, (DROPOUT_COPIES, 1, 1))), torch.tensor(cq, dtype=torch.int32),
+             torch.tensor(ck, dtype=torch.int32), max(L for L, _ in lengths), max(S for _, S in lengths),
+             dropout_p=p).numpy().reshape(DROPOUT_COPIES, *want.shape)
+    mean_ok = np.all(np.abs(got.mean(0) - want) <= 5 * sigma / np.sqrt(DROPOUT_COPIES) + 1e-12)
+    spread_ok = np.allclose(got.std(0, ddof=1), sigma, rtol=0.15, atol=1e-12)
+    return bool(mean_ok and spread_ok)
+
+
+def _fp8_agrees(fn, case: dict) -> bool:
+    """With ``fp8`` (a format): q, k, v quantised to it with descales (B, K) that differ by a
+    power of two per sequence; the bfloat16 output equals spec.varlen_attention on the
+    dequantised values (spec.fp8.dequantize_varlen) within bfloat16's rounding."""
+    rng = np.random.default_rng(0)
+    lengths, fmt, K = case["lengths"], case["fp8"], case["K"]
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    q, k, v = (spec.fp8.quantize(rng.standard_normal(shape) * 4, fmt) for shape in
+               ((T_q, case["N"], case["E"]), (T_k, K, case["E"]), (T_k, K, case["Ev"])))
+    cu_q, cu_k = np.cumsum([0] + [L for L, _ in lengths]), np.cumsum([0] + [S for _, S in lengths])
+    d = [2.0 ** (np.arange(len(lengths))[:, None] * 2 + np.arange(K)[None] + j - 3) for j in range(3)]
+    want = spec.varlen_attention(*spec.fp8.dequantize_varlen(q, k, v, cu_q, cu_k, q_descale=d[0], k_descale=d[1],
+                                                             v_descale=d[2]), cu_q, cu_k)
+    f8 = getattr(torch, fmt)
+    got = fn(*(torch.tensor(x).to(f8) for x in (q, k, v)), torch.tensor(cu_q, dtype=torch.int32),
+             torch.tensor(cu_k, dtype=torch.int32), max(L for L, _ in lengths), max(S for _, S in lengths),
+             **{n: torch.tensor(x, dtype=torch.float32) for n, x in zip(("q_descale", "k_descale", "v_descale"), d,
+                                                                        strict=True)})
+    return bool(np.allclose(got.float().numpy(), want, rtol=2.0 ** -7, atol=1e-6))
+
+
 def _varlen_agrees(fn, case: dict) -> bool:
     """``fn`` (flash_attn_varlen_func's signature) = spec.varlen_attention on ``case``."""
+    if case.get("dropout_p"):
+        return _dropout_agrees(fn, case)
+    if case.get("fp8"):
+        return _fp8_agrees(fn, case)
     rng = np.random.default_rng(0)
     lengths = case["lengths"]
     T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
@@ -166,9 +227,12 @@ def test_smallest_case_is_claimed(name):
              "kv_append": bool(case.get("S_new"))}
     options = {name for name, key in (("window", "window"), ("softcap", "softcap"), ("alibi", "alibi"),
                                       ("lse", "lse"), ("rotary", "rotary_dim"), ("cache_batch_idx", "cache_batch_idx"),
-                                      ("cache_leftpad", "cache_leftpad"), ("num_splits", "num_splits"))
+                                      ("cache_leftpad", "cache_leftpad"), ("num_splits", "num_splits"),
+                                      ("dropout", "dropout_p"), ("fp8", "fp8"))
                if case.get(key) is not None and case.get(key) is not False}
     attrs[f"{mutant.level}_features"] = options
+    if case.get("fp8"):
+        attrs.update(fp8=case["fp8"], descale_forms={"per_head"})
     assert mutant.build().not_supported_reasons(attrs) == []
 
 

@@ -180,3 +180,25 @@ def test_fp8_numpy_arrays_are_read_exactly():
     stored = [x.astype(ml_dtypes.float8_e4m3fn) for x in (q, k, v)]
     np.testing.assert_array_equal(spec.flash_attention(*stored, q_descale=qd, k_descale=kd, v_descale=vd),
                                   spec.flash_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd))
+
+
+def test_dequantize_varlen_is_dequantize_sequence_by_sequence():
+    rng = np.random.default_rng(11)
+    lengths = [(2, 3), (0, 1), (1, 0), (3, 2)]
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    q = spec.fp8.quantize(rng.standard_normal((T_q, 4, 2)), "float8_e4m3fn")
+    k = spec.fp8.quantize(rng.standard_normal((T_k, 2, 2)), "float8_e4m3fn")
+    v = spec.fp8.quantize(rng.standard_normal((T_k, 2, 3)), "float8_e4m3fn")
+    cu_q, cu_k = np.cumsum([0] + [L for L, _ in lengths]), np.cumsum([0] + [S for _, S in lengths])
+    qd, kd, vd = (2.0 ** rng.integers(-3, 4, (4, 2)).astype(float) for _ in range(3))
+    got = spec.fp8.dequantize_varlen(q, k, v, cu_q, cu_k, q_descale=qd, k_descale=kd, v_descale=vd)
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        want = spec.fp8.dequantize(q[None, rows], k[None, keys], v[None, keys], q_descale=qd[b:b + 1],
+                                   k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+        for g, w, part in zip(got, want, (rows, keys, keys), strict=True):
+            np.testing.assert_array_equal(g[part], w[0])
+    per_tensor = spec.fp8.dequantize_varlen(q, k, v, cu_q, cu_k, q_descale=np.array([0.5]))
+    np.testing.assert_array_equal(per_tensor[0], q * 0.5)
+    with pytest.raises(spec.SpecError, match="k_descale"):
+        spec.fp8.dequantize_varlen(q, k, v, cu_q, cu_k, k_descale=np.ones((3, 2)))
