@@ -70,9 +70,10 @@ FAILED = ("failed", "error")
 #: tests/diagnosis/test_diagnosis_mutants.py wrongly or not at all (6 of them MHA
 #: mutants first failing mha_dropout_expectation: "named nothing"). The same holds at the
 #: FlashAttention and sharded levels: their dropout and FP8 calls are not fitted by the
-#: diagnosis, so a bug first failing there would read "unknown".
-FIRST = ("forward_agreement", "mha_agreement", "flash_agreement", "varlen_agreement", "kvcache_agreement",
-         "sharded_forward")
+#: diagnosis, so a bug first failing there would read "unknown" (flash_dropout_expectation
+#: also checks the LSE: an LSE bug must meet lse_agreement first).
+FIRST = ("forward_agreement", "mha_agreement", "flash_agreement", "lse_agreement", "varlen_agreement",
+         "kvcache_agreement", "sharded_forward")
 
 
 def _certify(impls: list[str], profile: str, workdir: Path, timeout_s: float) -> tuple[dict, float]:
