@@ -19,10 +19,12 @@ from conformance.calls.sdpa import check_against_oracle, check_gradients, run_sd
 from conformance.core.cases import SDPACase
 from conformance.core.compare import fail
 from conformance.core.target import Target
+from conformance.directed.admission import MAX_DIRECTED, producible_regimes
 from conformance.directed.helpers import cases_for, skip_unless
 from conformance.harness.runner import conformance_property
 from conformance.strategies._drawing import draw_seed
 from conformance.strategies.flash import exact_sinks, sink_logits
+from conformance.strategies.values import sdpa_values
 from spec.emulate import round_to
 
 
@@ -50,7 +52,8 @@ def _with_sinks(target: Target, **kwargs: Any) -> Any:
 def _directed(target: Target) -> list[SDPACase]:
     """Sinks that differ per head, one far above every score (overflows exp(sink - key
     max) unless it joins the max), a bool mask blocking a whole row (all its weight on the
-    sink: 0), an additive mask, the causal flag."""
+    sink: 0), an additive mask, the causal flag; the cases' values in turn take each
+    value regime the property's strategy can draw (the ci profile reaches every one)."""
     caps = target.caps
     rng = np.random.default_rng(29)
     N, K = (2, 1) if caps.gqa else (2, 2)
@@ -60,18 +63,28 @@ def _directed(target: Target) -> list[SDPACase]:
     L, S = L * m, S * m
     if caps.max_seq_len is not None and max(L, S) > caps.max_seq_len:
         return []
-    q, k, v = (round_to(rng.standard_normal(shape), target.dtype) for shape in ((1, N, L, E), (1, K, S, E), (1, K, S, E)))
-    base = SDPACase(q, k, v, dtype=target.dtype, device=target.device, notes=("directed",))
     varied = exact_sinks(np.array([0.5, -1.0]))
-    out = [base.replace(sinks=varied), base.replace(sinks=exact_sinks(np.full(N, 1000.0)))]
     blocked = np.ones((L, S), bool)
     blocked[0] = False
+    features: list[dict[str, Any]] = [{"sinks": varied}, {"sinks": exact_sinks(np.full(N, 1000.0))}]
     if "bool" in caps.mask_kinds:
-        out.append(base.replace(sinks=varied, attend_mask=blocked))
+        features.append({"sinks": varied, "attend_mask": blocked})
     if "additive" in caps.mask_kinds:
-        out.append(base.replace(sinks=varied, additive_mask=round_to(rng.standard_normal((L, S)), target.dtype)))
+        features.append({"sinks": varied, "additive_mask": round_to(rng.standard_normal((L, S)), target.dtype)})
     if caps.causal is not None:
-        out.append(base.replace(sinks=varied, causal=caps.causal))
+        features.append({"sinks": varied, "causal": caps.causal})
+    regimes = [r for r in producible_regimes(target, layouts=("contiguous",)) if r != "normal"]
+    regimes = ["normal", *regimes]
+    sizes = {"B": 1, "N": N, "K": K, "L": L, "S": S, "E": E, "Ev": E}
+    out = []
+    for j in range(min(max(len(features), len(regimes)), MAX_DIRECTED)):
+        regime = regimes[j % len(regimes)]
+        q, k, v = sdpa_values(np.random.default_rng(29 + j), sizes, regime, target.dtype, None, [])
+        if caps.shared_kv:
+            v = k
+        case = SDPACase(q, k, v, dtype=target.dtype, device=target.device, regime=regime,
+                        notes=("directed", f"value regime {regime}"))
+        out.append(case.replace(**features[j % len(features)]))
     if caps.causal_only:
         out = [c.replace(causal=caps.causal, attend_mask=None, additive_mask=None) for c in out]
     return out

@@ -48,6 +48,14 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
 
         def make(case: Any) -> None:
             run_like(target, call, case)
+    elif call.level == "sharded":
+        from conformance.sharded.cases import run_sharded
+
+        candidates = _sharded_derived_cases(call.case)
+        parts = ("output",)
+
+        def make(case: Any) -> None:
+            run_sharded(target, case)
     elif call.level == "sdpa" and call.dropout_p == 0:
         candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
         parts = ("output",)
@@ -123,11 +131,40 @@ def _expected_problem(target: Any, case: Any, like: _Call | None = None) -> tupl
     """The problem of a call of ``case`` (made as ``like`` was, at the FlashAttention
     levels) and the runner's allowed error for it (the tolerance rule the observation
     will be judged by, so that variants told apart here are told apart by the call too)."""
+    if like is not None and like.level == "sharded":
+        problem, _, allowed = problem_of(target, _Call("sharded", case, None))
+        return problem, allowed
     if like is not None and like.level in V.FLASH_FAMILY:
         problem, _, allowed = problem_of(target, _Call(like.level, case, None, extra={"paged": like.extra.get("paged")}))
         return problem, allowed
     problem, _, allowed = _sdpa_problem(target, _Call("sdpa", case, None))
     return problem, allowed
+
+
+def _sharded_derived_cases(case: Any) -> list[tuple[str, Any]]:
+    """The failing sharded case's sizes, world size, layout and masks with every logit far
+    below zero and the ranks' blocks a few units apart: near e^-740 (float64) or e^-103
+    (the other dtypes, whose partial results merge in float32), where a merge that
+    exponentiates each rank's LSE without subtracting the running max loses the blocks'
+    weights to subnormal rounding or underflow and returns finite wrong rows (its NaN
+    elsewhere is weak evidence). Query i is a multiple of the first axis, key j one
+    whose logit is ``base - 2·(j's rank block) - j / S``; values are kept."""
+    from spec.emulate import round_to
+
+    if case.E < 1 or case.L < 2:
+        return []
+    base = -740.0 if case.dtype == "float64" else -103.0
+    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.E)
+    length = case.L
+    shard = max(1, -(-length // max(case.world_size, 1)))
+    a = 16.0
+    wanted = base - 2.0 * (np.arange(length) // shard) - np.arange(length) / length   # (S,)
+    query = np.zeros(case.query.shape)
+    query[..., 0] = a
+    key = np.zeros(case.key.shape)
+    key[..., 0] = (wanted / (a * scale))[None, None, :]
+    query, key = (round_to(x, case.dtype) for x in (query, key))
+    return [(f"every logit near {base:g}, the rank blocks 2 apart", case.replace(query=query, key=key))]
 
 
 def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:

@@ -240,7 +240,7 @@ SHARDED_VARIANTS: tuple[Variant, ...] = (
         level="sharded",
         summary="merges the ranks' partial results as (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2) without "
                 "shifting by the running max, so exp overflows (NaN rows) once an LSE passes 88 (float32) "
-                "or 709 (float64)",
+                "or 709 (float64), and rounds the weights to subnormals or 0 (wrong finite rows) far below 0",
         models="the LSE merge of ring attention written from the formula without the running max "
                "(spec.merge_partials subtracts it first)",
         applies=lambda p: True,

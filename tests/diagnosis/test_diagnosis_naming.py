@@ -245,3 +245,23 @@ def test_a_finite_mask_fill_is_named_and_not_an_inverted_mask():
     verdict = diagnosed(target, case)
     assert verdict.causes[0]["variant"] == "mask_fill_1e4" and verdict.causes[0]["confirmed"], verdict.line
     assert "mask_inverted" not in [c["variant"] for c in verdict.causes]
+
+
+def test_the_sharded_derived_case_can_confirm_a_merge_without_the_max():
+    """A merge without the running max is NaN-only evidence on an overflowing case; the
+    derived case (every logit far below 0) is where it predicts finite wrong rows, in every
+    layout and causal setting, and where the correct merge stays within the tolerance."""
+    from conformance.diagnosis.ties import _could_confirm, _sharded_derived_cases
+    from conformance.sharded.cases import ShardedCase
+    from spec import variants as V
+
+    rng = np.random.default_rng(3)
+    for dtype in ("float64", "float32", "bfloat16", "float16"):
+        for layout, causal, L, world in (("contiguous", False, 4, 2), ("zigzag", True, 8, 2), ("contiguous", True, 6, 3)):
+            case = ShardedCase(rng.standard_normal((1, 2, L, 4)), rng.standard_normal((1, 2, L, 4)),
+                               rng.standard_normal((1, 2, L, 4)), world_size=world, layout=layout, causal=causal,
+                               dtype=dtype)
+            (_, derived), = _sharded_derived_cases(case)
+            problem = V.ShardedProblem.from_case(derived)
+            assert _could_confirm(problem, "sharded_merge_no_max"), (dtype, layout, causal)
+            assert np.isfinite(V.reference(problem).output).all()
