@@ -7,7 +7,9 @@ JAX, Keras 3 on any backend, TensorFlow, tinygrad, CuPy, MLX) certified with no 
 * the top-level package of ``fn.__module__`` (``keras.ops.dot_product_attention`` is
   Keras', ``jax.nn.dot_product_attention`` JAX's), else
 * for a function of the user's own module that does not use torch: the one framework
-  whose modules the function refers to (``np.einsum`` in its body: NumPy).
+  whose modules the function refers to (``np.einsum`` in its body: NumPy), else
+* for a body of method calls only (``query.scaled_dot_product_attention(...)``): the one
+  framework other than NumPy that its module imports (``from tinygrad import Tensor``).
 
 Its layout is declared with ``--impl-option layout=BNLE|BLNE``; without it, a framework's
 own ``dot_product_attention`` (Keras, JAX: documented as ``(B, L, N, E)``) is ``BLNE`` and
@@ -136,6 +138,14 @@ def detect_framework(fn: Any) -> str | None:
     frameworks = {PACKAGES[p] for p in used if p in PACKAGES}
     if len(frameworks) > 1:
         frameworks.discard("numpy")  # NumPy beside another framework is that framework's helper
+    if not frameworks and module is not None:
+        # a body of method calls only (query.scaled_dot_product_attention(...)): the one
+        # framework other than NumPy its module imports (a module or a name from it), and
+        # no torch name there
+        imported = {_top_package(v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None))
+                    for v in vars(module).values() if isinstance(v, types.ModuleType) or callable(v)}
+        if "torch" not in imported:
+            frameworks = {PACKAGES[p] for p in imported if p in PACKAGES} - {"numpy"}
     return frameworks.pop() if len(frameworks) == 1 else None
 
 

@@ -16,6 +16,7 @@ A framework is recognised by the top-level package of a callable's ``__module__`
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -66,7 +67,13 @@ class Framework:
 
     @property
     def version(self) -> str:
-        return f"{self.name} {getattr(self.module, '__version__', '?')}"
+        found = getattr(self.module, "__version__", None)
+        if found is None:  # tinygrad has none: the installed distribution's
+            try:
+                found = importlib.metadata.version(self.package)
+            except importlib.metadata.PackageNotFoundError:
+                found = "?"
+        return f"{self.name} {found}"
 
     def from_torch(self, tensor: torch.Tensor) -> Any:
         return self.from_numpy(torch_to_numpy(tensor))
@@ -179,6 +186,9 @@ class Tinygrad(Framework):
 
     def vjp(self, fn, primals, cotangent):
         Tensor = self.module.Tensor
+        if hasattr(Tensor, "gradient"):  # tinygrad >= 0.10: no requires_grad, grads of a scalar
+            leaves = [Tensor(p.numpy()) for p in primals]
+            return list((fn(*leaves) * cotangent).sum().gradient(*leaves))
         leaves = [Tensor(p.numpy(), requires_grad=True) for p in primals]
         (fn(*leaves) * cotangent).sum().backward()
         return [leaf.grad for leaf in leaves]

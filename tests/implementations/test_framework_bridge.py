@@ -239,3 +239,39 @@ def test_keras_function_with_an_inverted_mask_fails(tmp_path):
     got = outcomes(report)
     assert got[("masked_keys_ignored", "float32")] == "failed", output
     assert got[("output_contract", "float32")] == "passed", output
+
+
+TINYGRAD = MODULES / "tinygrad_attention.py"
+
+
+@pytest.mark.skipif(not installed("tinygrad"), reason="tinygrad is not installed (pip install 'attention-conformance[frameworks]')")
+def test_tinygrad_is_recognised_from_what_a_method_call_body_imports():
+    import importlib.util as iu
+
+    spec_ = iu.spec_from_file_location("tinygrad_attention_probe", TINYGRAD)
+    module = iu.module_from_spec(spec_)
+    sys.modules[spec_.name] = module
+    try:
+        spec_.loader.exec_module(module)
+        assert detect_framework(module.attention) == "tinygrad"
+    finally:
+        del sys.modules[spec_.name]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("tinygrad"), reason="tinygrad is not installed (pip install 'attention-conformance[frameworks]')")
+def test_tinygrad_function_certifies_and_its_single_key_softmax_is_caught(tmp_path):
+    """tinygrad (its Python device: no clang needed) with no adapter and no declaration:
+    forward and gradients (tinygrad's own autodiff) agree with the oracle; a row whose one
+    key is masked gives that key's value (softmax of a single -inf is 1 in tinygrad 0.14;
+    NaN from two keys on), against the NaN policy probed on a longer row."""
+    code, report, output = certify(f"{TINYGRAD}:attention", tmp_path, "--dtype=float32", "--shape-budget=4",
+                                   "-k", "forward_agreement or gradient_agreement or fully_masked_rows",
+                                   env={"DEV": "PYTHON"})
+    got = outcomes(report)
+    assert "tinygrad" in json.dumps(report["implementation"]), output
+    assert got[("forward_agreement", "float32")] == "passed", output
+    assert got[("gradient_agreement", "float32")] == "passed", output
+    assert code == 1 and got[("fully_masked_rows", "float32")] == "failed", output
+    failed = next(r for r in report["results"] if r["property"] == "fully_masked_rows")
+    assert "'S': 1" in json.dumps(failed) or '"S": 1' in json.dumps(failed), output
