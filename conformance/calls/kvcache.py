@@ -352,6 +352,8 @@ class KVCacheCallSpec:
             text += f"block_table=<page_order {list(c.page_order or ())} in pages of {c.page_size}>, "
         options = "".join(f", {k}={v!r}" for k, v in option_kwargs(c, lambda a: "<float32 tensor>").items())
         options += cache_text(c, arguments=True)
+        options += "".join(f", {n}=<float32 tensor {tuple(np.shape(getattr(c, n)))}>" for n in _DESCALES
+                           if c.fp8 is not None and getattr(c, n) is not None)
         return (text + f"softmax_scale={c.scale!r}, causal={c.causal!r}{options}"
                 + (", return_softmax_lse=True" if self.lse else ""))
 
@@ -508,8 +510,11 @@ def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_
         return report
     options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
     report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}"
-                        f"{cache_text(case, arguments=True)}), tolerance rule per sequence; the caches after "
-                        "the call exactly (rotated keys within the rounding of a rotation)")
+                        f"{cache_text(case, arguments=True)}), "
+                        + (f"on the dequantised {case.fp8} values (descale row b for sequence b), "
+                           "tolerance.fp8_allowed" if case.fp8 is not None else "tolerance rule")
+                        + " per sequence; the caches after the call exactly (rotated keys within the rounding "
+                        "of a rotation)")
     ref = case.oracle()
     checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
               lambda: check_cache_after("k_cache after the call", result.k_cache, ref.k_cache, case, keys=True),
