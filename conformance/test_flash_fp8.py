@@ -3,9 +3,11 @@ FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``, against the floa
 on the dequantised values (exact), within a bound derived from the formats' unit
 roundoffs (``tolerance.fp8_allowed``).
 
-FP8 is certified here, at the flash level (``flash_attn_func``) and the varlen level
+FP8 is certified here, at the flash level (``flash_attn_func``), the varlen level
 (``flash_attn_varlen_func``, descales (B, K) with one row per packed sequence,
-``spec.fp8.dequantize_varlen``), the FlashAttention-3 APIs that take FP8 q, k, v with
+``spec.fp8.dequantize_varlen``) and the kvcache level (``flash_attn_with_kvcache``, descales
+(B, K) with row b for everything sequence b attends, cached and appended keys alike,
+``spec.kvcache_attention``'s descales), the FlashAttention-3 APIs that take FP8 q, k, v with
 descale factors; an SDPA-signature function has no
 descale arguments, and ``torch.nn.functional.scaled_dot_product_attention`` takes no FP8
 inputs. An FP8 call's output is 16- or 32-bit whatever the target's dtype
@@ -27,6 +29,9 @@ from conformance.calls.declarations import require_inside
 from conformance.calls.flash import FlashCase, check_fp8, run_flash
 from conformance.calls.cache_options import fp8_sequence_bounds
 from conformance.calls.varlen import VarlenCallSpec, VarlenCase, run_varlen_call
+from conformance.calls.cache_options import check_cache_after
+from conformance.calls.kvcache import KVCacheCase, check_kvcache_against_oracle, run_kvcache
+from conformance.strategies.varlen import kvcache_directed, kvcache_fp8_cases
 from conformance.core.compare import compare_values
 from conformance.core.target import call_guarded
 from conformance.core.tensors import to_numpy
@@ -152,3 +157,73 @@ def test_varlen_fp8_agreement(target: Target, case: VarlenCase) -> float:
     where = None if target.caps.fully_masked == "zero" else live
     return compare_values(f"packed output (q, k, v in {case.fp8})", to_numpy(out), expected, allowed,
                           where=where).ratio
+
+
+# --------------------------------------------------------------------------- kvcache level
+
+
+def _kvcache_skip(target: Target) -> str | None:
+    return skip_unless("fp8" in target.caps.kvcache_features and bool(target.caps.fp8_dtypes),
+                       "FP8 not declared at the kvcache level (kvcache_features fp8 with fp8_dtypes; a "
+                       "q_descale/k_descale/v_descale parameter of flash_attn_with_kvcache claims it)")
+
+
+#: FlashAttention's options and the cache's own (not rotary: FP8 has none) drawn half the time where declared.
+_KVCACHE_DRAWN = {"window": None, "softcap": None, "alibi": None, "cache_batch_idx": None, "cache_leftpad": None,
+                  "num_splits": None}
+
+
+def _kvcache_cases(target: Target) -> Any:
+    from hypothesis import strategies as st
+
+    def drawn(paged: bool) -> Any:
+        return kvcache_fp8_cases(dtype=target.dtype, device=target.device, caps=target.caps, paged=paged,
+                                 append=None, **({} if paged else _KVCACHE_DRAWN))
+
+    return st.one_of(drawn(False), drawn(True)) if target.caps.kv_paged else drawn(False)
+
+
+def _kvcache_fp8_directed(target: Target) -> list[KVCacheCase]:
+    """The kvcache level's directed steps (an empty cache with a stale row, an append into a
+    cache with room, causal L = 2; paged with pages in reverse order where declared) in each
+    FP8 format with descales that differ between the sequences, between q, k and v and between
+    kv heads (a descale applied to the cached keys only, or read by the cache row), and per
+    tensor."""
+    caps = target.caps
+    out = []
+    layouts = [False, True] if caps.kv_paged else [False]
+    for fmt in caps.fp8_dtypes:
+        for case in (c for paged in layouts
+                     for c in kvcache_directed(dtype=target.dtype, device=target.device, caps=caps, paged=paged)):
+            changes = {n: None if getattr(case, n) is None else spec_fp8.quantize(getattr(case, n) * 8, fmt)
+                       for n in ("query", "k_cache", "v_cache", "k_new", "v_new")}
+            per_sequence = [np.stack([np.float32(0.5 * 2.0 ** (np.arange(case.K) + b) + j / 8).astype(np.float64)
+                                      for b in range(case.B)]) for j in range(3)]
+            variants = [dict(zip(("q_descale", "k_descale", "v_descale"), per_sequence, strict=True)),
+                        dict(q_descale=np.array([0.25]), k_descale=np.array([0.375]), v_descale=np.array([3.0]))]
+            for descales in variants:
+                forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in descales.values()}
+                if forms <= set(caps.fp8_descales):
+                    out.append(case.replace(**changes, fp8=fmt, **descales))
+    return out
+
+
+@conformance_property(
+    "kvcache_fp8_agreement", level="kvcache", section="spec.kvcache_attention (FP8: q_descale, k_descale, v_descale)",
+    cases=_kvcache_cases,
+    directed=_kvcache_fp8_directed,
+    skip_reason=_kvcache_skip,
+)
+def test_kvcache_fp8_agreement(target: Target, case: KVCacheCase) -> float:
+    """FP8 q, caches and new keys and values with q_descale, k_descale, v_descale (none, per
+    tensor, or (B, K): row b for everything sequence b attends, its cached and its appended
+    keys alike, query head h reading kv head h // (N // K)'s) stand for stored · descale: each
+    sequence's output (bfloat16) equals spec.kvcache_attention on those exact values within
+    tolerance.fp8_allowed, batch row by batch row; the caches after the call hold the stored
+    values, the new ones written in at cache_seqlens[b] exactly."""
+    call = run_kvcache(target, case)
+    ratio = check_kvcache_against_oracle(target, case, call.output)
+    ref = case.oracle()
+    check_cache_after("k_cache after the call", call.k_cache, ref.k_cache, case, keys=True)
+    check_cache_after("v_cache after the call", call.v_cache, ref.v_cache, case, keys=False)
+    return ratio

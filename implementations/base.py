@@ -187,9 +187,12 @@ ALL_VARLEN_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "dropout",
 #: The same at the kvcache level (``flash_attn_with_kvcache``; ``return_softmax_lse=True``
 #: returns ``(output, softmax_lse (B, N, L))``), plus its cache options: ``rotary``
 #: (rotary_cos/rotary_sin/rotary_interleaved), ``cache_batch_idx``, ``cache_leftpad`` and
-#: ``num_splits`` (split-KV decoding, n > 1).
+#: ``num_splits`` (split-KV decoding, n > 1); ``fp8``: FP8 q, caches and new keys of
+#: ``fp8_dtypes`` with FlashAttention-3's ``q_descale``/``k_descale``/``v_descale``, (B, K) one
+#: row per sequence for everything it attends (read from a recognised signature's descale
+#: parameters, or declared).
 ALL_KVCACHE_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
-                                  "cache_leftpad", "num_splits"})
+                                  "cache_leftpad", "num_splits", "fp8"})
 #: What a flash-level implementation is taken to honour when it declares nothing:
 #: ``flash_attn_func``'s own features. ``sinks`` is no argument of FlashAttention-2's and
 #: is claimed only when declared (or recognised from the signature and probed).

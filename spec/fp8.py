@@ -22,6 +22,12 @@ Packed sequences (``flash_attn_varlen_func``, :func:`dequantize_varlen`): the de
 (B, K) with B the number of **sequences** (``len(cu_seqlens_q) - 1``): sequence b's rows
 use row b (FlashAttention-3's varlen ``batch_size`` is ``cu_seqlens_q.size(0) - 1``).
 
+KV cache (``flash_attn_with_kvcache``, ``spec.kvcache_attention``'s ``q_descale``,
+``k_descale``, ``v_descale``): the descales are (B, K) with B the **query's** batch: row b
+applies to everything sequence b attends, its cached keys and its appended ones alike
+(also when ``cache_batch_idx`` sends it to another cache row, and whatever pages hold its
+keys); the caches after the call hold the stored values (the append copies them).
+
 Pure NumPy (+ ``ml_dtypes``, imported when a value is rounded); never imports torch.
 """
 

@@ -29,6 +29,19 @@ Cache options (FlashAttention's, each checked):
   does not depend on it: splitting the valid keys into chunks and combining the partial
   results with :func:`spec.merge_partials` is exact.
 
+FP8 inputs (FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``, :mod:`spec.fp8`):
+q, the caches and the new keys and values hold 8-bit float values; each descale is None,
+per tensor (a scalar or (1,)) or (B, K), one row per **sequence** b (the query's batch
+index, also with ``cache_batch_idx``: FlashAttention-3 checks the descales against q's
+batch size). Sequence b's keys, cached and appended alike, stand for ``stored ·
+k_descale[b, g]`` (kv head g), its values likewise with ``v_descale``, its query head h
+for ``stored · q_descale[b, h // (N // K)]``; the product is exact in float64, and
+attention runs on those values (:func:`spec.fp8.dequantize` of the keys each sequence
+attends). The caches after the call hold the **stored** values: the append copies the
+new keys and values as given (no rounding, no descale). Rotary tables are not defined
+with FP8 inputs (a rotated FP8 key is no longer an FP8 value the cache could store):
+the call raises.
+
 Cache layouts:
 
 * contiguous: k_cache (B, S_cache, K, E), v_cache (B, S_cache, K, Ev); capacity S_cache;
@@ -45,6 +58,7 @@ import numpy as np
 
 from . import _checks
 from . import _flash_checks as checks
+from . import fp8
 from .errors import fail
 from .flash import flash_attention
 from .rotary import apply_rotary, rotary_positions, rotary_table
@@ -197,21 +211,34 @@ def _rotated(q: np.ndarray, k: np.ndarray, lengths: np.ndarray, rotary_cos: Any,
             apply_rotary(k, rotary_cos, rotary_sin, k_pos, interleaved=interleaved))
 
 
+def _dequantized(q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_descale: Any, k_descale: Any,
+                 v_descale: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q (B, L, N, E) and each sequence's keys (B, S_cache, K, E) / values after the append,
+    as the attention reads them: unchanged without descales, else ``stored · descale`` with
+    row b for sequence b (:func:`spec.fp8.dequantize`, exact)."""
+    if q_descale is None and k_descale is None and v_descale is None:
+        return q, keys, values
+    return fp8.dequantize(q, keys, values, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+
 def kvcache_attention(query: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
                       k: Any = None, v: Any = None, block_table: Any = None,
                       rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = True,
                       cache_batch_idx: Any = None, cache_leftpad: Any = None, num_splits: int = 0,
                       causal: bool = False, window: tuple[int, int] = (-1, -1),
                       softcap: float = 0.0, alibi_slopes: Any = None, scale: float | None = None,
-                      fully_masked: str = "zero", alignment: str = "lower_right") -> KVCacheResult:
+                      fully_masked: str = "zero", alignment: str = "lower_right", q_descale: Any = None,
+                      k_descale: Any = None, v_descale: Any = None) -> KVCacheResult:
     """Decoding attention against a KV cache: per sequence, :func:`spec.flash_attention` on its valid keys.
 
     ``cache_seqlens``: int or (B,) ints, the valid keys before the append; None = the
     whole cache (only without k/v). ``k``/``v``: new keys/values appended first (both or
     neither). ``block_table``: paged layout (see the module docstring); every entry must
     name a page. ``rotary_cos``/``rotary_sin``/``rotary_interleaved``, ``cache_batch_idx``,
-    ``cache_leftpad`` and ``num_splits``: the cache options of the module docstring. The
-    other options are :func:`spec.flash_attention`'s. Returns :class:`KVCacheResult`
+    ``cache_leftpad`` and ``num_splits``: the cache options of the module docstring.
+    ``q_descale``/``k_descale``/``v_descale`` (None, per tensor or (B, K), row b for sequence
+    b): FP8 inputs standing for ``stored · descale`` (module docstring); the caches returned
+    hold the stored values. The other options are :func:`spec.flash_attention`'s. Returns :class:`KVCacheResult`
     ``(output (B, L, N, Ev), lse (B, N, L), k_cache, v_cache)``.
     """
     _checks.check_policy(fully_masked)
@@ -245,6 +272,10 @@ def kvcache_attention(query: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: 
     slopes = checks.slopes_array(alibi_slopes, B, q.shape[2])            # (1 or B, N)
     if paged:
         _check_pages_disjoint(_block_table(block_table, k_cache.shape[0]), k_cache.shape[1], lengths, new)
+    if rotary_cos is not None and not (q_descale is None and k_descale is None and v_descale is None):
+        fail("rotary_cos", rotary_cos, "cannot be combined with FP8 descales (a rotated FP8 key is no FP8 "
+             "value the cache could store)", "rotate q and the keys before quantising them, and pass "
+             "rotary_cos=None")
     # 1. rotate q and the new keys at their positions (cache indices)
     q, k = _rotated(q, k, lengths, rotary_cos, rotary_sin, rotary_interleaved, checks.causal_flag(causal), window)
     # 2. append the new keys and values at each sequence's length
@@ -253,11 +284,14 @@ def kvcache_attention(query: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: 
         keys[b, lengths[b]:lengths[b] + new] = k[b]                      # (S_new, K, E)
         values[b, lengths[b]:lengths[b] + new] = v[b]                    # (S_new, K, Ev)
     # 3. each sequence attends its keys cache_leftpad[b] .. cache_seqlens[b] + S_new - 1
+    #    (FP8: the stored values times sequence b's descale rows, exact)
+    q_att, keys_att, values_att = _dequantized(q, keys, values, q_descale, k_descale, v_descale)
     output, lse = np.zeros((*q.shape[:3], Ev)), np.zeros((B, q.shape[2], q.shape[1]))
     for b in range(B):
         valid = slice(starts[b], lengths[b] + new)
         result = flash_attention(
-            q[b:b + 1], keys[b:b + 1, valid], values[b:b + 1, valid],   # (1, L, N, E), (1, S_b - pad, K, E|Ev)
+            q_att[b:b + 1], keys_att[b:b + 1, valid],                   # (1, L, N, E), (1, S_b - pad, K, E)
+            values_att[b:b + 1, valid],                                   # (1, S_b - pad, K, Ev)
             causal=causal, window=window, softcap=softcap,
             alibi_slopes=None if slopes is None else slopes[b % slopes.shape[0]],
             scale=scale, return_lse=True, fully_masked=fully_masked, alignment=alignment)

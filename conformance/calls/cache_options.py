@@ -35,6 +35,7 @@ from conformance.core.target import Target
 
 __all__ = ["attended_keys", "cache_call_kwargs", "cache_features", "cache_fields_from_meta", "cache_meta",
            "cache_rows", "cache_spec_kwargs", "cache_text", "check_cache_after", "check_lse_against_oracle",
+           "descale_spec_kwargs", "fp8_cache_bounds",
            "flash_options", "float32_tensor", "option_features", "option_kwargs", "option_text", "rotated_new_keys",
            "rotated_query", "rotation_positions", "sequence_flash_case", "sequence_lse_bounds", "slopes_row",
            "split_lse"]
@@ -393,4 +394,44 @@ def fp8_sequence_bounds(case: Any, *, out_dtype: str) -> tuple[np.ndarray, np.nd
         expected[rows] = ref.output[0]
         allowed[rows] = fp8_allowed_output(flash_case, ref, out_dtype)[0]
         live[rows] = ~flash_case.empty_rows()[:, None, None]
+    return expected, allowed, live
+
+
+def descale_spec_kwargs(case: Any) -> dict[str, Any]:
+    """The descales a kvcache case gives, as ``spec.kvcache_attention`` keywords."""
+    if getattr(case, "fp8", None) is None:
+        return {}
+    return {n: getattr(case, n) for n in _DESCALES if getattr(case, n) is not None}
+
+
+def _descale_row(descale: Any, b: int) -> Any:
+    """Sequence b's descale: None and (1,) kept, row b of (B, K) as (1, K)."""
+    return descale if descale is None or np.shape(descale) == (1,) else np.asarray(descale)[b:b + 1]
+
+
+def fp8_cache_bounds(case: Any, *, out_dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A kvcache FP8 case (``case.fp8``, descales (1,) or (B, K)): (expected (B, L, N, Ev),
+    allowed, live rows (B, L, N, 1)), sequence by sequence as a flash case of its stored
+    query and the stored keys it attends (cached and appended, ``attended_keys`` of the
+    spec's caches after the call) with descale row b: ``spec.flash_attention`` on the exactly
+    dequantised values and ``tolerance.fp8_allowed`` for an output returned in ``out_dtype``."""
+    ref = case.oracle()
+    shape = (case.B, case.L, case.N, case.Ev)
+    expected, allowed = np.zeros(shape), np.zeros(shape)
+    live = np.zeros((*shape[:3], 1), dtype=bool)
+    options = flash_options(case)
+    for b in range(case.B):
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        keys, values = attended_keys(case, ref.k_cache, ref.v_cache, b)
+        if keys.shape[0] == 0:  # no key: the output is 0, allowed 0
+            continue
+        descales = {n: _descale_row(getattr(case, n), b) for n in _DESCALES}
+        flash_case = sequence_flash_case(case.query[b], keys, values, causal=case.causal, scale=case.scale,
+                                         dtype=case.dtype, device=case.device,
+                                         options=options).replace(fp8=case.fp8, **descales)
+        result = flash_oracle(flash_case)
+        expected[b] = result.output[0]
+        allowed[b] = fp8_allowed_output(flash_case, result, out_dtype)[0]
+        live[b] = ~flash_case.empty_rows()[:, None, None]
     return expected, allowed, live

@@ -38,6 +38,7 @@ from conformance.calls.varlen import (
     _tensor,
 )
 from conformance.calls.cache_options import (
+    _DESCALES,
     attended_keys,
     cache_call_kwargs,
     cache_features,
@@ -47,6 +48,11 @@ from conformance.calls.cache_options import (
     cache_text,
     check_cache_after,
     check_lse_against_oracle,
+    descale_forms,
+    descale_kwargs,
+    descale_spec_kwargs,
+    fp8_cache_bounds,
+    fp8_text,
     flash_options,
     float32_tensor,
     option_features,
@@ -92,6 +98,7 @@ KVCACHE_ATTRIBUTES = frozenset({
     "level", "device", "dtype", "causal", "scale", "scale_sign", "B", "N", "K", "L", "S", "E", "Ev",
     "gqa", "different_v_dim", "kv_paged", "kv_append", "window", "softcap", "alibi", "kvcache_features", "lse",
     "rotary", "rotary_dim", "rotary_interleaved", "cache_batch_idx", "cache_leftpad", "num_splits",
+    "fp8", "descale_forms",
 })
 
 
@@ -109,7 +116,11 @@ class KVCacheCase:
     The cache options (``conformance.calls.cache_options``): rotary tables ``rotary_cos``/
     ``rotary_sin`` (seqlen_ro, R/2), exact in the dtype (handed over in it); sequence b
     reads and writes cache row ``cache_batch_idx[b]`` (k_cache then (B_cache, S_cache, K,
-    E)); its keys start at ``cache_leftpad[b]``; ``num_splits`` is passed when not None."""
+    E)); its keys start at ``cache_leftpad[b]``; ``num_splits`` is passed when not None.
+
+    FP8 (FlashAttention-3): ``fp8`` names the format q, the caches and the new keys and
+    values hold, with descales None, (1,) or (B, K), row b for sequence b
+    (``spec.kvcache_attention``'s FP8 inputs)."""
 
     query: np.ndarray
     k_cache: np.ndarray
@@ -132,6 +143,10 @@ class KVCacheCase:
     cache_batch_idx: tuple[int, ...] | None = None
     cache_leftpad: tuple[int, ...] | None = None
     num_splits: int | None = None
+    fp8: str | None = None
+    q_descale: np.ndarray | None = None
+    k_descale: np.ndarray | None = None
+    v_descale: np.ndarray | None = None
 
     @property
     def level(self) -> str:
@@ -182,7 +197,7 @@ class KVCacheCase:
         return spec.kvcache_attention(self.query, self.k_cache, self.v_cache,
                                       cache_seqlens=np.array(self.cache_seqlens), k=self.k_new,
                                       v=self.v_new, causal=self.causal, scale=self.scale, **flash_options(self),
-                                      **cache_spec_kwargs(self))
+                                      **cache_spec_kwargs(self), **descale_spec_kwargs(self))
 
     def sequence_slopes(self, b: int) -> np.ndarray | None:
         """ALiBi slopes of sequence b alone: (N,) kept, row b of (B, N) as (1, N)."""
@@ -204,7 +219,9 @@ class KVCacheCase:
                "rotary_dim": None if self.rotary_cos is None else 2 * int(np.shape(self.rotary_cos)[1]),
                "rotary_interleaved": None if self.rotary_cos is None else bool(self.rotary_interleaved),
                "cache_batch_idx": self.cache_batch_idx is not None, "cache_leftpad": self.cache_leftpad is not None,
-               "num_splits": self.num_splits}
+               "num_splits": self.num_splits, "fp8": self.fp8, "descale_forms": descale_forms(self)}
+        if self.fp8 is not None:
+            out["kvcache_features"] = out["kvcache_features"] | {"fp8"}
         out.update(extra)
         return out
 
@@ -216,7 +233,8 @@ class KVCacheCase:
                  if self.paged else "")
         return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
-                f"{pages} causal={self.causal}{option_text(self)}{cache_text(self)} scale={self.scale} "
+                f"{pages} causal={self.causal}{option_text(self)}{cache_text(self)}{fp8_text(self)} "
+                f"scale={self.scale} "
                 f"dtype={self.dtype} "
                 f"device={self.device}")
 
@@ -229,6 +247,8 @@ class KVCacheCase:
 
 def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(expected (B, L, N, Ev) = ``spec.kvcache_attention``, allowed, live rows (B, L, N, 1))."""
+    if case.fp8 is not None:  # on the dequantised values, FP8's bound (for the bfloat16 output FA3 returns)
+        return fp8_cache_bounds(case, out_dtype="bfloat16")
     ref = case.oracle()
     shape = (case.B, case.L, case.N, case.Ev)
     expected, allowed = np.zeros(shape), np.zeros(shape)
@@ -332,6 +352,8 @@ class KVCacheCallSpec:
             text += f"block_table=<page_order {list(c.page_order or ())} in pages of {c.page_size}>, "
         options = "".join(f", {k}={v!r}" for k, v in option_kwargs(c, lambda a: "<float32 tensor>").items())
         options += cache_text(c, arguments=True)
+        options += "".join(f", {n}=<float32 tensor {tuple(np.shape(getattr(c, n)))}>" for n in _DESCALES
+                           if c.fp8 is not None and getattr(c, n) is not None)
         return (text + f"softmax_scale={c.scale!r}, causal={c.causal!r}{options}"
                 + (", return_softmax_lse=True" if self.lse else ""))
 
@@ -359,6 +381,7 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
     new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
     extra.update(cache_call_kwargs(case, lambda a: _tensor(a, case), lambda x: _int32(x, case.device)))
+    extra.update(descale_kwargs(case, lambda a: float32_tensor(a, case)))
     if call.lse:
         extra["return_softmax_lse"] = True
     out = invoke(
@@ -428,6 +451,8 @@ def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     options, tables = cache_meta(case)
     meta.update(options)
     arrays.update(tables)
+    meta["fp8"] = case.fp8
+    arrays.update({n: np.asarray(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None})
     return meta, arrays
 
 
@@ -439,7 +464,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCac
                        page_order=None if order is None else tuple(int(n) for n in order),
                        dtype=meta["dtype"], device=meta["device"], window=tuple(meta.get("window", (-1, -1))),
                        softcap=float(meta.get("softcap", 0.0)), alibi_slopes=arrays.get("alibi_slopes"),
-                       **cache_fields_from_meta(meta, arrays))
+                       **cache_fields_from_meta(meta, arrays), fp8=meta.get("fp8"),
+                       **{n: arrays.get(n) for n in _DESCALES})
 
 
 def validate(case: KVCacheCase) -> None:
@@ -455,6 +481,10 @@ def validate(case: KVCacheCase) -> None:
         if sorted(order) != list(range(len(order))) or len(order) < case.B * (case.S_cache // size):
             raise ValueError(f"page_order={order} should be a permutation of at least "
                              f"B * S_cache / page_size = {case.B * (case.S_cache // size)} pages")
+    if case.fp8 is not None:
+        for name in _ARRAYS:
+            if getattr(case, name) is not None and not spec.fp8.representable(getattr(case, name), case.fp8).all():
+                raise ValueError(f"{name} holds values that are not {case.fp8} values")
     case.oracle()
 
 
@@ -480,8 +510,11 @@ def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_
         return report
     options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
     report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}"
-                        f"{cache_text(case, arguments=True)}), tolerance rule per sequence; the caches after "
-                        "the call exactly (rotated keys within the rounding of a rotation)")
+                        f"{cache_text(case, arguments=True)}), "
+                        + (f"on the dequantised {case.fp8} values (descale row b for sequence b), "
+                           "tolerance.fp8_allowed" if case.fp8 is not None else "tolerance rule")
+                        + " per sequence; the caches after the call exactly (rotated keys within the rounding "
+                        "of a rotation)")
     ref = case.oracle()
     checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
               lambda: check_cache_after("k_cache after the call", result.k_cache, ref.k_cache, case, keys=True),

@@ -42,7 +42,8 @@ from implementations.base import Capabilities
 from spec import fp8 as spec_fp8
 from spec.emulate import round_to
 
-__all__ = ["kvcache_cases", "kvcache_directed", "kvcache_head_dims", "varlen_cases", "varlen_directed",
+__all__ = ["kvcache_cases", "kvcache_directed", "kvcache_fp8_cases", "kvcache_head_dims", "varlen_cases",
+           "varlen_directed",
            "varlen_fp8_cases"]
 
 
@@ -410,6 +411,62 @@ def varlen_fp8_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capab
             scaled = x if d is None else x / _row_factors(d, case, name, x.shape[1])[..., None]
             changes[name] = spec_fp8.quantize(scaled, fmt.name, saturate=True)
             changes[descale] = d
+        return case.replace(**changes)
+
+    return draw_example()
+
+
+def _divided(x: np.ndarray, d: np.ndarray | None, rows: list[int]) -> np.ndarray:
+    """x (R, T, H, X) divided by its descale: None -> as is, (1,) -> by it, (B, K) -> row
+    ``rows[b]`` of x by row b (head h by kv head h // (H // K)); rows no sequence names as is."""
+    if d is None:
+        return x
+    if d.shape == (1,):
+        return x / d[0]
+    factors = np.ones((x.shape[0], x.shape[2]))
+    factors[rows] = np.repeat(d, x.shape[2] // d.shape[1], axis=1)
+    return x / factors[:, None, :, None]
+
+
+def kvcache_fp8_cases(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,
+                      **kwargs: Any) -> st.SearchStrategy[KVCacheCase]:
+    """:func:`kvcache_cases` (no rotary tables: a rotated FP8 key is no FP8 value) with q, the
+    caches and the new keys and values quantised to one of ``caps.fp8_dtypes`` (all formats
+    without caps), each descale given in one of ``caps.fp8_descales``: none, (1,) or (B, K),
+    row b for **sequence** b, covering its query, or its cache row (``cache_batch_idx[b]``)
+    and its new keys alike (drawn as the flash level draws them, from those values: a
+    quantiser's amax / max, powers of two, random; float32-exact); the values divided by it
+    first, cache rows no sequence names quantised as they are."""
+    formats = tuple(caps.fp8_dtypes) if caps is not None else tuple(spec_fp8.FORMATS)
+    descales = tuple(caps.fp8_descales) if caps is not None else ("none", "per_tensor", "per_head")
+    base = kvcache_cases(dtype=dtype, device=device, caps=caps, **{**kwargs, "rotary": False})
+
+    @st.composite
+    def draw_example(draw: st.DrawFn) -> KVCacheCase:
+        case = draw(base)
+        rng = draw_seed(draw)
+        fmt = spec_fp8.format_of(draw(st.sampled_from(formats)))
+        forms = [(form, weight) for form, weight in (("none", 1), ("per_tensor", 2), ("per_head", 3))
+                 if form in descales]
+        rows = list(range(case.B)) if case.cache_batch_idx is None else list(case.cache_batch_idx)
+        changes: dict[str, Any] = {"fp8": fmt.name}
+        for descale, cache, new in (("q_descale", "query", None), ("k_descale", "k_cache", "k_new"),
+                                    ("v_descale", "v_cache", "v_new")):
+            x = getattr(case, cache)
+            seen = x if new is None else x[rows]                          # (B, T, H, X): what row b covers
+            if new is not None and getattr(case, new) is not None:
+                seen = np.concatenate([seen, getattr(case, new)], axis=1)
+            form = weighted(draw, forms)
+            if form == "none" or not seen.size:
+                d = None if form == "none" else np.ones(1 if form == "per_tensor" else (case.B, case.K))
+            else:
+                d = _descale(draw, rng, seen, fmt, form == "per_head", case.K)
+            changes[descale] = d
+            changes[cache] = spec_fp8.quantize(_divided(x, d, rows if new is not None else list(range(case.B))),
+                                               fmt.name, saturate=True)
+            if new is not None and getattr(case, new) is not None:
+                changes[new] = spec_fp8.quantize(_divided(getattr(case, new), d, list(range(case.B))), fmt.name,
+                                                 saturate=True)
         return case.replace(**changes)
 
     return draw_example()

@@ -23,7 +23,9 @@ drops each weight of a sequence after the softmax with probability p and rescale
 kept ones by 1/(1 - p), each sequence with a pattern of its own (its own offset in the
 call's random stream); the LSE stays the dropout-free one. FP8 q, k, v (FlashAttention-3's
 ``q_descale``, ``k_descale``, ``v_descale``: None, (1,) or (B, K), row b for packed
-sequence b) are dequantised to float32 sequence by sequence; the output is bfloat16.
+sequence b) are dequantised to float32 sequence by sequence; the output is bfloat16. The
+decoding call takes them too: row b dequantises sequence b's query and every key it attends
+(cached and appended; the new keys are stored in the cache as given), without rotary tables.
 The decoding call's own options, as ``spec.kvcache`` defines them: ``rotary_cos``/``rotary_sin``
 (seqlen_ro, R/2) with ``rotary_interleaved`` rotate q and the new keys at their cache
 positions before the append (keys at ``cache_seqlens[b] + i``; queries likewise when causal
@@ -274,9 +276,11 @@ class KVCacheAttention:
                  cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                 return_softmax_lse=False):
+                 return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None):
         """Decoding attention against a KV cache (see the module docstring); returns (B, L, N, Ev),
-        or with ``return_softmax_lse`` (out, lse (B, N, L))."""
+        or with ``return_softmax_lse`` (out, lse (B, N, L)). FP8 q, caches, k, v (FlashAttention-3):
+        sequence b's query and every key it attends dequantised with descale row b (None, (1,)
+        or (B, K)), the new keys stored as given, the output bfloat16."""
         _check_options(window_size, softcap)
         if (k is None) != (v is None):
             raise ValueError("k and v must be given together")
@@ -298,6 +302,14 @@ class KVCacheAttention:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits={num_splits!r} must be an int >= 0 (0: heuristic, 1: no split)")
         scale = _scale(softmax_scale, q.shape[-1])
+        fp8 = q.dtype in _FP8_TYPES
+        if not fp8 and any(d is not None for d in (q_descale, k_descale, v_descale)):
+            raise ValueError("q_descale/k_descale/v_descale apply only to FP8 q, k_cache, v_cache")
+        if fp8 and (rotary_cos is not None or rotary_sin is not None):
+            raise ValueError("rotary_cos/rotary_sin cannot be combined with FP8 inputs (a rotated FP8 key is "
+                             "no FP8 value); rotate before quantising")
+        descales = [_descale_rows(d, name, B, k_cache.shape[2])
+                    for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
         # 1. rotate q and the new keys at their positions in the cache
         if rotary_cos is not None or rotary_sin is not None:
             q, k = self.rotate_inputs(q, k, rotary_cos, rotary_sin, lengths, rotary_interleaved,
@@ -309,14 +321,18 @@ class KVCacheAttention:
                 self.write(v_cache, block_table, self.write_row(rows, b), self.append_at(lengths[b]), v[b])
         # 3. sequence b attends its keys cache_leftpad[b] .. cache_seqlens[b] + S_new - 1
         L, N = q.shape[1], q.shape[2]
-        out = q.new_zeros(*q.shape[:3], v_cache.shape[-1])              # (B, L, N, Ev)
+        out = torch.zeros(*q.shape[:3], v_cache.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype,
+                          device=q.device)                                # (B, L, N, Ev)
         lse = torch.zeros(B, N, L, dtype=_compute_dtype(q.dtype), device=q.device)
         for b in range(B):
             valid = self.valid_keys(lengths[b], new, capacity)
             start = self.first_key(pads[b])
             keys = self.rows(k_cache, block_table, self.read_row(rows, b), valid)[start:]     # (S_b - pad, K, E)
             values = self.rows(v_cache, block_table, self.read_row(rows, b), valid)[start:]   # (S_b - pad, K, Ev)
-            out[b], lse[b] = self.split_attend(q[b], keys, values, num_splits, scale=scale, causal=causal,
+            qb = q[b]
+            if fp8:  # the rows from lengths[b] - start on are the appended ones
+                qb, keys, values = self.dequantize(qb, keys, values, descales, b, lengths[b] - start)
+            out[b], lse[b] = self.split_attend(qb, keys, values, num_splits, scale=scale, causal=causal,
                                                window=tuple(window_size), softcap=float(softcap),
                                                slopes=_slopes_of(alibi_slopes, b, N),
                                                offset=self.padded_offset(L, valid, start, lengths[b], new))
@@ -359,6 +375,15 @@ class KVCacheAttention:
 
     def attend(self, q, keys, values, *, scale: float, causal: bool, **options):
         return attend(q, keys, values, scale=scale, causal=causal, **options)
+
+    def dequantize(self, q, keys, values, descales, b: int, appended_from: int):
+        """Sequence b's FP8 query (L, N, E) and attended keys (S, K, E) / values as float32
+        ``stored · descale``, row b of each (B, K) descale (query head h: kv head h // (N // K));
+        the keys from ``appended_from`` on are the appended ones (dequantised alike)."""
+        qd, kd, vd = (d[b].to(q.device) for d in descales)              # (K,) each
+        group = q.shape[1] // keys.shape[1]
+        return (q.to(torch.float32) * qd.repeat_interleave(group)[None, :, None],
+                keys.to(torch.float32) * kd[None, :, None], values.to(torch.float32) * vd[None, :, None])
 
     # -- rotary embeddings ------------------------------------------------------------
 
@@ -506,7 +531,7 @@ VARLEN_CAPABILITIES = Capabilities(
     varlen_features=frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8"}),
     fp8_dtypes=("float8_e4m3fn", "float8_e5m2"),
     kvcache_features=frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
-                                "cache_leftpad", "num_splits"}),
+                                "cache_leftpad", "num_splits", "fp8"}),
 )
 
 

@@ -227,3 +227,31 @@ VARLEN_MUTANTS += [
         expected_property="varlen_fp8_agreement",
     ),
 ]
+
+
+# -- FP8 KV cache with descales (kvcache_fp8_agreement) ------------------------------------------
+
+
+class NewKeysUndescaled(KVCacheAttention):
+    """Dequantises the cached keys and values with k_descale/v_descale but attends the
+    appended ones (read straight from k and v) as stored, without their descales."""
+
+    def dequantize(self, q, keys, values, descales, b, appended_from):
+        q_f, keys_f, values_f = super().dequantize(q, keys, values, descales, b, appended_from)
+        keys_f[appended_from:] = keys[appended_from:].to(keys_f.dtype)
+        values_f[appended_from:] = values[appended_from:].to(values_f.dtype)
+        return q_f, keys_f, values_f
+
+
+VARLEN_MUTANTS += [
+    _mutant(
+        "kvcache_fp8_new_keys_undescaled", kvcache=NewKeysUndescaled(),
+        bug="FP8 kvcache: the appended keys and values are attended as stored, without k_descale/v_descale "
+            "(the cached ones are dequantised)",
+        origin="kernel bug: the append path reads k/v from the new-key tensors and skips the descale the "
+               "cache-load path applies (two load paths, one dequantisation)",
+        smallest_case={**ONE, "L": 1, "cache_seqlens": [0], "S_new": 1, "S_cache": 1, "fp8": "float8_e4m3fn"},
+        safe_case={**ONE, "L": 1, "cache_seqlens": [1], "S_new": 0, "S_cache": 1, "fp8": "float8_e4m3fn"},
+        expected_property="kvcache_fp8_agreement",
+    ),
+]

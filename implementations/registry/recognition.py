@@ -355,6 +355,9 @@ KVCACHE_FEATURE_PARAMETERS = {
     "window": ("window_size",), "softcap": ("softcap",), "alibi": ("alibi_slopes",),
     "lse": ("return_softmax_lse",), "rotary": ("rotary_cos", "rotary_sin"),
     "cache_batch_idx": ("cache_batch_idx",), "cache_leftpad": ("cache_leftpad",), "num_splits": ("num_splits",),
+    # FlashAttention-3's descales: FP8 q, caches and k/v in float8_e4m3fn, descales None or
+    # (B, K), row b for everything sequence b attends
+    "fp8": ("q_descale", "k_descale", "v_descale"),
 }
 
 
@@ -389,8 +392,8 @@ def _recognise_varlen(fn: Callable[..., Any], level: str, names: list[str], *, n
         kv_append={"k", "v"} <= has,
         kvcache_features=kvcache_features,
         varlen_features=varlen_features,
-        **({"fp8_dtypes": ("float8_e4m3fn",), "fp8_descales": ("none", "per_head")} if "fp8" in varlen_features
-           else {}),
+        **({"fp8_dtypes": ("float8_e4m3fn",), "fp8_descales": ("none", "per_head")}
+           if "fp8" in varlen_features | kvcache_features else {}),
         probe_notes=(f"{level}: capabilities read from the signature, not probed",),
         sources={"causal": "contract"},  # flash_attn's causal: bottom-right per sequence
     )

@@ -150,3 +150,62 @@ def test_varlen_dropout_draws_a_pattern_per_sequence_and_keeps_the_lse():
     torch.manual_seed(0)
     again = flash_attn_varlen_func(*args, 2, 6, dropout_p=0.5)
     assert torch.equal(out, again), "the pattern does not follow torch's generator"
+
+
+FP8_KVCACHE_SOURCE = textwrap.dedent(
+    """
+    from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kvcache
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, q_descale=None,
+                                k_descale=None, v_descale=None, softmax_scale=None, causal=False):
+        return _kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, q_descale=q_descale,
+                        k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale, causal=causal)
+    """
+)
+
+
+def test_kvcache_descale_parameters_claim_fp8(tmp_path):
+    """FlashAttention-3's descale parameters at the kvcache level claim 'fp8' in e4m3 with
+    none or (B, K) descales (its contract); without them, no FP8 is claimed."""
+    path = tmp_path / "user_fa3.py"
+    path.write_text(FP8_KVCACHE_SOURCE)
+    c = registry.resolve(f"{path}:flash_attn_with_kvcache").capabilities
+    assert "fp8" in c.kvcache_features and c.fp8_dtypes == ("float8_e4m3fn",)
+    assert set(c.fp8_descales) == {"none", "per_head"}
+    path.with_name("user_fa2.py").write_text(FLASH_SOURCE)
+    plain = registry.resolve(f"{path.with_name('user_fa2.py')}:flash_attn_with_kvcache").capabilities
+    assert "fp8" not in plain.kvcache_features and plain.fp8_dtypes == ()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_fp8_dequantises_row_b_for_cached_and_appended_keys(paged):
+    """FP8 q, caches and new keys with (B, K) descales: the bfloat16 output equals
+    spec.kvcache_attention with those descales, and the caches hold the stored new keys."""
+    rng = np.random.default_rng(9)
+    fmt, B, K = "float8_e4m3fn", 2, 2
+    q, k_cache, v_cache, k_new, v_new = (spec.fp8.quantize(rng.standard_normal(s) * 4, fmt) for s in
+                                         ((B, 2, 4, 3), (B, 4, K, 3), (B, 4, K, 2), (B, 1, K, 3), (B, 1, K, 2)))
+    descales = {n: 2.0 ** rng.integers(-3, 3, (B, K)).astype(float) for n in ("q_descale", "k_descale", "v_descale")}
+    seqlens = np.array([2, 0])
+    table = np.array([[3, 0], [1, 2]]) if paged else None
+    want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=seqlens, k=k_new, v=v_new, causal=True,
+                                  **descales)
+    f8 = torch.float8_e4m3fn
+    caches = [torch.tensor(x).to(f8) for x in (k_cache, v_cache)]
+    if paged:
+        caches = [torch.tensor(np.concatenate([x[0, 2:], x[1, :2], x[1, 2:], x[0, :2]]).reshape(4, 2, K, -1)).to(f8)
+                  for x in (k_cache, v_cache)]
+    out = flash_attn_with_kvcache(torch.tensor(q).to(f8), *caches, torch.tensor(k_new).to(f8),
+                                  torch.tensor(v_new).to(f8), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                                  block_table=None if table is None else torch.tensor(table, dtype=torch.int32),
+                                  causal=True, **{n: torch.tensor(d, dtype=torch.float32) for n, d in descales.items()})
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_allclose(out.double().numpy(), want.output, rtol=2.0 ** -7, atol=1e-6)
+    logical = [c.double().numpy() if not paged else spec.gather_pages(c.double().numpy(), table) for c in caches]
+    np.testing.assert_array_equal(logical[0], want.k_cache)
+    np.testing.assert_array_equal(logical[1], want.v_cache)
+    with pytest.raises(ValueError, match="rotary"):
+        flash_attn_with_kvcache(torch.tensor(q).to(f8), *caches, torch.tensor(k_new).to(f8), torch.tensor(v_new).to(f8),
+                                rotary_cos=torch.ones(8, 1), rotary_sin=torch.zeros(8, 1),
+                                cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                                block_table=None if table is None else torch.tensor(table, dtype=torch.int32))

@@ -178,7 +178,7 @@ def test_cache_options_outside_the_contract_raise():
 def test_the_reference_declares_the_cache_options_and_signatures_claim_theirs(tmp_path):
     impl = registry.resolve("varlen-reference")
     assert impl.caps("kvcache").kvcache_features == {"window", "softcap", "alibi", "lse", "rotary",
-                                                     "cache_batch_idx", "cache_leftpad", "num_splits"}
+                                                     "cache_batch_idx", "cache_leftpad", "num_splits", "fp8"}
     source = tmp_path / "user_kvcache.py"
     source.write_text(
         "from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kv\n\n"
@@ -186,12 +186,13 @@ def test_the_reference_declares_the_cache_options_and_signatures_claim_theirs(tm
         "                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,\n"
         "                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,\n"
         "                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,\n"
-        "                            return_softmax_lse=False):\n"
+        "                            return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None):\n"
         "    return _kv(**locals())\n\n"
         "def only_cos(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, cache_seqlens=None, num_splits=0):\n"
         "    return _kv(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, num_splits=num_splits)\n")
     full = registry.resolve(f"{source}:flash_attn_with_kvcache")
     assert full.caps("kvcache").kvcache_features == impl.caps("kvcache").kvcache_features
+    assert full.caps("kvcache").fp8_dtypes == ("float8_e4m3fn",)          # FlashAttention-3's descales
     partial = registry.resolve(f"{source}:only_cos")
     assert partial.caps("kvcache").kvcache_features == {"num_splits"}        # rotary needs both tables
     declared = registry.resolve(f"{source}:flash_attn_with_kvcache",

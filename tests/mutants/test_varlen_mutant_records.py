@@ -150,9 +150,37 @@ def _cache_options(case: dict, rng: np.random.Generator) -> tuple[dict, dict]:
     return options, kwargs
 
 
+def _kvcache_fp8_agrees(fn, case: dict) -> bool:
+    """With ``fp8`` (a format): q, the contiguous caches and the new keys and values
+    quantised to it with descales (B, K) that differ by a power of two per sequence; the
+    bfloat16 output equals spec.kvcache_attention with those descales within bfloat16's
+    rounding, and the caches after the call hold the stored values exactly."""
+    rng = np.random.default_rng(0)
+    seqlens, fmt, K = case["cache_seqlens"], case["fp8"], case["K"]
+    B, L, N, E, Ev, new, S_cache = len(seqlens), case["L"], case["N"], case["E"], case["Ev"], case["S_new"], \
+        case["S_cache"]
+    q, k_cache, v_cache, k_new, v_new = (spec.fp8.quantize(rng.standard_normal(shape) * 4, fmt) for shape in
+                                         ((B, L, N, E), (B, S_cache, K, E), (B, S_cache, K, Ev), (B, new, K, E),
+                                          (B, new, K, Ev)))
+    d = [2.0 ** (np.arange(B)[:, None] * 2 + np.arange(K)[None] + j - 3) for j in range(3)]
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), d, strict=True))
+    want = spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=np.array(seqlens), k=k_new if new else None,
+                                  v=v_new if new else None, **descales)
+    f8 = getattr(torch, fmt)
+    k_t, v_t = torch.tensor(k_cache).to(f8), torch.tensor(v_cache).to(f8)
+    extra = {"k": torch.tensor(k_new).to(f8), "v": torch.tensor(v_new).to(f8)} if new else {}
+    got = fn(torch.tensor(q).to(f8), k_t, v_t, **extra, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+             **{n: torch.tensor(x, dtype=torch.float32) for n, x in descales.items()})
+    return (bool(np.allclose(got.float().numpy(), want.output, rtol=2.0 ** -7, atol=1e-6))
+            and np.array_equal(k_t.double().numpy(), want.k_cache) and np.array_equal(v_t.double().numpy(),
+                                                                                     want.v_cache))
+
+
 def _kvcache_agrees(fn, case: dict) -> bool:
     """``fn`` (flash_attn_with_kvcache's signature) = spec.kvcache_attention on ``case``:
     the output and the caches after the call."""
+    if case.get("fp8"):
+        return _kvcache_fp8_agrees(fn, case)
     rng = np.random.default_rng(0)
     seqlens = case["cache_seqlens"]
     B, L, N, K, E, Ev, new = len(seqlens), case["L"], case["N"], case["K"], case["E"], case["Ev"], case["S_new"]

@@ -202,3 +202,60 @@ def test_dequantize_varlen_is_dequantize_sequence_by_sequence():
     np.testing.assert_array_equal(per_tensor[0], q * 0.5)
     with pytest.raises(spec.SpecError, match="k_descale"):
         spec.fp8.dequantize_varlen(q, k, v, cu_q, cu_k, k_descale=np.ones((3, 2)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "cache_batch_idx", "paged"])
+def test_kvcache_fp8_is_brute_force_on_each_sequences_dequantised_keys(layout):
+    """spec.kvcache_attention with descales: sequence b's query and every key it attends
+    (cached rows from its left pad, appended rows) multiplied by descale row b one scalar
+    at a time (exact rationals), then attention by its definition; the caches returned hold
+    the stored values (the same as the call without descales)."""
+    rng = np.random.default_rng(12)
+    fmt, B, L, N, K, E, Ev, S_cache, new = "float8_e4m3fn", 2, 2, 4, 2, 3, 2, 6, 2
+    seqlens = np.array([3, 1])
+    q = spec.fp8.quantize(rng.standard_normal((B, L, N, E)) * 4, fmt)
+    k_new = spec.fp8.quantize(rng.standard_normal((B, new, K, E)) * 4, fmt)
+    v_new = spec.fp8.quantize(rng.standard_normal((B, new, K, Ev)) * 4, fmt)
+    qd, kd, vd = (np.float32(rng.uniform(2 ** -6, 2 ** 2, (B, K))).astype(np.float64) for _ in range(3))
+    rows, options = [0, 1], {}
+    if layout == "cache_batch_idx":
+        rows = [2, 0]
+        options = {"cache_batch_idx": np.array(rows), "cache_leftpad": np.array([1, 0])}
+    cache_rows = 3 if layout == "cache_batch_idx" else B
+    k_cache = spec.fp8.quantize(rng.standard_normal((cache_rows, S_cache, K, E)) * 4, fmt)
+    v_cache = spec.fp8.quantize(rng.standard_normal((cache_rows, S_cache, K, Ev)) * 4, fmt)
+    caches = (k_cache, v_cache)
+    if layout == "paged":  # pages of 2, in reverse order, one spare page
+        table = np.arange(B * S_cache // 2)[::-1].reshape(B, S_cache // 2)
+        pages = [np.zeros((B * S_cache // 2 + 1, 2, K, X)) for X in (E, Ev)]
+        for cache, paged in zip(caches, pages, strict=True):
+            paged[table.reshape(-1)] = cache.reshape(-1, 2, K, cache.shape[-1])
+        caches, options = tuple(pages), {"block_table": table}
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    got = spec.kvcache_attention(q, *caches, cache_seqlens=seqlens, k=k_new, v=v_new, causal=True, **options,
+                                 **descales)
+    plain = spec.kvcache_attention(q, *caches, cache_seqlens=seqlens, k=k_new, v=v_new, causal=True, **options)
+    np.testing.assert_array_equal(got.k_cache, plain.k_cache)
+    np.testing.assert_array_equal(got.v_cache, plain.v_cache)
+    group = N // K
+    pads = options.get("cache_leftpad", np.zeros(B, dtype=int))
+    for b in range(B):
+        keys = np.concatenate([k_cache[rows[b], :seqlens[b]], k_new[b]])[pads[b]:]
+        values = np.concatenate([v_cache[rows[b], :seqlens[b]], v_new[b]])[pads[b]:]
+        want, _ = brute_force_flash(_exact_dequantise(q[b:b + 1], qd[b:b + 1], lambda h: h // group),
+                                    _exact_dequantise(keys[None], kd[b:b + 1], lambda h: h),
+                                    _exact_dequantise(values[None], vd[b:b + 1], lambda h: h), causal=True)
+        assert_close(f"output of sequence {b}", got.output[b:b + 1], want)
+    assert not np.allclose(got.output, plain.output)       # the descales do change the answer
+
+
+def test_kvcache_fp8_rejects_rotary_naming_it():
+    rng = np.random.default_rng(13)
+    q, k_cache, v_cache = (rng.standard_normal(s) for s in ((1, 1, 1, 2), (1, 3, 1, 2), (1, 3, 1, 2)))
+    k_new, v_new = rng.standard_normal((1, 1, 1, 2)), rng.standard_normal((1, 1, 1, 2))
+    angle = rng.uniform(0, 6, (4, 1))
+    with pytest.raises(spec.SpecError, match="rotary_cos.*FP8"):
+        spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=[1], k=k_new, v=v_new, rotary_cos=np.cos(angle),
+                               rotary_sin=np.sin(angle), k_descale=np.array([0.5]))
+    with pytest.raises(spec.SpecError, match="k_descale"):
+        spec.kvcache_attention(q, k_cache, v_cache, cache_seqlens=[1], k_descale=np.ones((2, 1)))
