@@ -8,6 +8,12 @@ At the varlen level, ``flash_attn_varlen_func(dropout_p=p)`` keeps the expectati
 each packed sequence (statistically, as the flash level's ``flash_dropout_expectation``),
 each sequence dropping with a pattern of its own.
 
+Where ``return_attn_probs=True`` returns FlashAttention-2's varlen ``S_dmask``
+(num_sequences, N, >= max_seqlen_q, >= max_seqlen_k; sequence b's weights at
+``[b, :, :L_b, :S_b]``, negative where dropped; ``varlen_features`` ``dropout_pattern``),
+each sequence's output is exactly that of its returned pattern
+(``varlen_dropout_pattern_agreement``).
+
 The copies are **extra packed sequences of the same call**: the case's B sequences
 repeated M times (B·M sequences, one ``cu_seqlens`` pair). That is the form that reaches
 the varlen kernel's own dropout bookkeeping: each packed sequence must draw a pattern of
@@ -34,7 +40,7 @@ from conformance.calls.cache_options import (
     sequence_flash_case,
     slopes_row,
 )
-from conformance.calls.call_specs import case_rng
+from conformance.calls.call_specs import case_rng, content_seed
 from conformance.calls.declarations import fit_head_dims, fit_lengths, require_inside
 from conformance.calls.flash import (
     FlashCase,
@@ -290,4 +296,92 @@ def test_varlen_dropout_expectation(target: Target, case: VarlenCase) -> float:
         for copy in (0, DROPOUT_COPIES - 1):  # every copy's LSE is the dropout-free one
             ratio = max(ratio, check_lse_against_oracle(f"softmax_lse of copy {copy} with dropout_p={DROPOUT_P}",
                                                         lse_rows[copy], expected, allowed))
+    return ratio
+
+
+# --------------------------------------------------------------------------- varlen: the pattern
+
+
+def varlen_dropout_pattern_of(case: VarlenCase, probs: np.ndarray | None, p: float) -> list[np.ndarray]:
+    """Each packed sequence's dropout pattern (N, L_b, S_b), True = kept, read off
+    ``return_attn_probs``' third element: FlashAttention-2's varlen S_dmask (num_sequences, N,
+    >= max_seqlen_q, >= max_seqlen_k), one row per sequence, its pattern top-left
+    (``[b, :, :L_b, :S_b]``), negative where dropped; the padding (FlashAttention-2 rounds
+    the last two sizes up to multiples of 128) is not read."""
+    __tracebackhide__ = True
+    lengths = case.lengths()
+    B, N = case.B, case.N
+    L, S = max([0] + [n for n, _ in lengths]), max([0] + [m for _, m in lengths])
+    if probs is None or probs.ndim != 4 or probs.shape[:2] != (B, N) or probs.shape[2] < L or probs.shape[3] < S:
+        shape = None if probs is None else probs.shape
+        fail(f"return_attn_probs=True with dropout_p={p} returned S_dmask of shape {shape}, but should return "
+             f"(output, softmax_lse, S_dmask (num_sequences, N, >= max_seqlen_q, >= max_seqlen_k) = ({B}, {N}, "
+             f">= {L}, >= {S})) as flash_attn_varlen_func does (varlen_features dropout_pattern declared)")
+    return [~(probs[b, :, :n, :m] < 0) for b, (n, m) in enumerate(lengths)]
+
+
+def _pattern_bounds(target: Target, case: VarlenCase, keeps: list[np.ndarray],
+                    p: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(expected (T_q, N, Ev): each sequence's spec.flash_attention with its pattern, allowed:
+    the tolerance rule at 1/(1 - p) times the magnitude, live rows (T_q, N, 1))."""
+    T, N, Ev = case.query.shape[0], case.N, case.Ev
+    expected, allowed = np.zeros((T, N, Ev)), np.zeros((T, N, Ev))
+    live = np.zeros((T, N, 1), dtype=bool)
+    options = flash_options(case)
+    for b, (rows, keys) in enumerate(case.sequences()):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        if options.get("alibi_slopes") is not None:
+            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
+        flash_case = sequence_flash_case(case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
+                                         scale=case.scale, dtype=case.dtype, device=case.device, options=options)
+        ref = oracle(flash_case)
+        expected[rows] = oracle(flash_case, dropout_p=p, dropout_mask=keeps[b][None]).output[0]
+        allowed[rows] = allowed_output(target, flash_case, ref)[0] / (1 - p)
+        live[rows] = ~flash_case.empty_rows()[:, None, None]
+    return expected, allowed, live
+
+
+def _pattern_cases(target: Target) -> Any:
+    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, max_batch=3, max_len=4,
+                        window=None, softcap=None, alibi=None)
+
+
+@conformance_property(
+    "varlen_dropout_pattern_agreement", level="varlen", section="spec.varlen_attention (dropout with a pattern)",
+    cases=_pattern_cases,
+    directed=lambda t: varlen_directed(dtype=t.dtype, device=t.device, caps=t.caps),
+    skip_reason=lambda t: skip_unless("dropout" in t.caps.varlen_features,
+                                      "dropout not declared at the varlen level (varlen_features; a dropout_p "
+                                      "parameter of flash_attn_varlen_func's signature claims it)")
+    or skip_unless("dropout_pattern" in t.caps.varlen_features,
+                   "dropout_pattern not declared at the varlen level (varlen_features; return_attn_probs=True "
+                   "returns no S_dmask with the dropout pattern; varlen_dropout_expectation certifies dropout "
+                   "statistically)"),
+)
+def test_varlen_dropout_pattern_agreement(target: Target, case: VarlenCase) -> float:
+    """return_attn_probs=True with dropout_p = p returns (output, softmax_lse (N, T_q), S_dmask),
+    S_dmask (num_sequences, N, >= max_seqlen_q, >= max_seqlen_k) holding packed sequence b's
+    weights at [b, :, :L_b, :S_b], negative where a weight was dropped (FlashAttention-2's
+    contract): each sequence's output equals spec.flash_attention with its pattern,
+    Σ_j keep_ij·w_ij·v_j / (1 - p), within the tolerance rule at 1/(1 - p) times the
+    magnitude (rows attending no key: the declared policy); the LSE (when declared) is the
+    dropout-free one. A pattern written at another sequence's row, or an output computed from
+    a mask other than the returned one, disagrees. torch's generator is seeded from the case's
+    contents, so a replay draws the same pattern."""
+    seed = content_seed("varlen-dropout", case.query, case.key, case.value, extra=case.describe())
+    call = VarlenCallSpec(case, lse=True, dropout_p=DROPOUT_P, dropout_seed=seed)
+    require_inside(target, call)
+    if target.log is not None:
+        target.log.calls.append(call)
+    out, lse, probs = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target), with_probs=True)
+    keeps = varlen_dropout_pattern_of(case, None if probs is None else to_numpy(probs), DROPOUT_P)
+    expected, allowed, live = _pattern_bounds(target, case, keeps, DROPOUT_P)
+    where = None if target.caps.fully_masked == "zero" else live   # zero: rows with no key give exactly 0
+    ratio = compare_values("packed output with its returned dropout pattern", to_numpy(out), expected, allowed,
+                           where=where).ratio
+    if "lse" in target.caps.varlen_features:
+        stored = str(lse.dtype).removeprefix("torch.")
+        ratio = max(ratio, check_lse_against_oracle(f"softmax_lse with dropout_p={DROPOUT_P}", to_numpy(lse),
+                                                    *varlen_lse_bounds(target, case, stored)))
     return ratio

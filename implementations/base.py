@@ -180,10 +180,13 @@ ALL_FLASH_FEATURES = frozenset(
 #: ``(output, softmax_lse (N, T_q), ...)``; ``dropout``: ``dropout_p > 0`` honoured, each
 #: packed sequence's weights dropped after the softmax with a pattern of its own and
 #: rescaled by 1/(1 - p); ``fp8``: FP8 q, k, v of ``fp8_dtypes`` with FlashAttention-3's
-#: ``q_descale``/``k_descale``/``v_descale``, (B, K) one row per sequence); none is claimed
-#: unless declared (or, for ``dropout`` and ``fp8``, read from a recognised signature's
-#: ``dropout_p`` / descale parameters).
-ALL_VARLEN_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8"})
+#: ``q_descale``/``k_descale``/``v_descale``, (B, K) one row per sequence; ``dropout_pattern``:
+#: ``return_attn_probs=True`` with ``dropout_p > 0`` returns ``(out, lse, S_dmask)``, S_dmask
+#: (num_sequences, N, >= max_seqlen_q, >= max_seqlen_k) holding sequence b's weights at
+#: ``[b, :, :L_b, :S_b]``, negative where dropped (FlashAttention-2's contract)); none is
+#: claimed unless declared (or, for ``dropout`` and ``fp8``, read from a recognised
+#: signature's ``dropout_p`` / descale parameters).
+ALL_VARLEN_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8", "dropout_pattern"})
 #: The same at the kvcache level (``flash_attn_with_kvcache``; ``return_softmax_lse=True``
 #: returns ``(output, softmax_lse (B, N, L))``), plus its cache options: ``rotary``
 #: (rotary_cos/rotary_sin/rotary_interleaved), ``cache_batch_idx``, ``cache_leftpad`` and

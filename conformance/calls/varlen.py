@@ -27,7 +27,7 @@ import numpy as np
 import spec
 from conformance.calls import sdpa as calls
 from conformance.calls.call_reports import CallReport
-from conformance.calls.call_specs import call_directly
+from conformance.calls.call_specs import _seeded, call_directly
 from conformance.calls.declarations import require_inside
 from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.cache_options import (
@@ -341,6 +341,7 @@ class VarlenCallSpec:
     grad_output: np.ndarray | None = None
     lse: bool = False  # return_attn_probs=True: (output, softmax_lse (N, T_q), ...)
     dropout_p: float = 0.0  # passed only when > 0 (the varlen feature ``dropout``)
+    dropout_seed: int | None = None  # torch's generators seeded with it around the call (None: not seeded)
 
     @property
     def level(self) -> str:
@@ -362,7 +363,8 @@ class VarlenCallSpec:
                 f"max_seqlen_q={max(L for L, _ in lengths)}, max_seqlen_k={max(S for _, S in lengths)}, "
                 f"softmax_scale={self.case.scale!r}, causal={self.case.causal!r}{options}"
                 f"{f', dropout_p={self.dropout_p!r}' if self.dropout_p else ''}"
-                f"{', return_attn_probs=True' if self.lse else ''}")
+                f"{', return_attn_probs=True' if self.lse else ''}"
+                f"{'' if self.dropout_seed is None else f'; torch seeded with {self.dropout_seed}'}")
 
     def describe(self) -> str:
         return f"{self.case.describe()}; {self.arguments()}"
@@ -371,10 +373,13 @@ class VarlenCallSpec:
         return self.case is case and not self.lse and not self.dropout_p
 
 
-def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True) -> Any:
+def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly, check_output: bool = True,
+                    with_probs: bool = False) -> Any:
     """Make ``call`` on ``impl.varlen`` (through ``invoke``): fresh tensors of the case,
     FlashAttention's arguments; with ``check_output``, check what came back. The tensor
-    (with ``call.lse``: the pair (output, softmax_lse))."""
+    (with ``call.lse``: the pair (output, softmax_lse); with ``with_probs`` too, the triple
+    (output, softmax_lse, the third element if a tensor, else None): FlashAttention-2's
+    S_dmask with dropout)."""
     __tracebackhide__ = True
     case = call.case
     lengths = case.lengths() or [(0, 0)]
@@ -384,19 +389,31 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
         extra["return_attn_probs"] = True
     if call.dropout_p:
         extra["dropout_p"] = float(call.dropout_p)
-    out = invoke(
-        impl.varlen,
-        _tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
-        _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
-        max(L for L, _ in lengths), max(S for _, S in lengths),
-        softmax_scale=case.scale, causal=case.causal, **extra,
-    )
-    lse = None
+    args = (_tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
+            _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
+            max(L for L, _ in lengths), max(S for _, S in lengths))
+
+    def forward() -> Any:
+        with _seeded(call.dropout_seed, case.device):
+            return impl.varlen(*args, softmax_scale=case.scale, causal=case.causal, **extra)
+
+    out = invoke(forward)
+    lse = probs = None
     if call.lse and check_output:
+        if with_probs and isinstance(out, (tuple, list)) and len(out) > 2:
+            probs = out[2] if _is_tensor(out[2]) else None
         out, lse = split_lse(out, (case.N, case.query.shape[0]), "return_attn_probs", "(N, T_q)")
     if check_output:
         _output_shape_and_dtype(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
+    if with_probs and lse is not None:
+        return out, lse, probs
     return out if lse is None else (out, lse)
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
 
 
 def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:

@@ -21,7 +21,11 @@ the LSE (``return_attn_probs=True``: (out, lse (N, T_q), None); ``return_softmax
 (out, lse (B, N, L))), -inf in a row attending no key. The packed call's ``dropout_p``
 drops each weight of a sequence after the softmax with probability p and rescales the
 kept ones by 1/(1 - p), each sequence with a pattern of its own (its own offset in the
-call's random stream); the LSE stays the dropout-free one. FP8 q, k, v (FlashAttention-3's
+call's random stream); the LSE stays the dropout-free one. With ``return_attn_probs=True``
+and ``dropout_p > 0`` the third element is FlashAttention-2's S_dmask (B, N, max_seqlen_q,
+max_seqlen_k), in the input dtype: sequence b's weights at ``[b, :, :L_b, :S_b]``, negated
+where dropped, 0 in the padding (FlashAttention-2 rounds the last two sizes up to multiples
+of 128; the unrounded crop is returned here). FP8 q, k, v (FlashAttention-3's
 ``q_descale``, ``k_descale``, ``v_descale``: None, (1,) or (B, K), row b for packed
 sequence b) are dequantised to float32 sequence by sequence; the output is bfloat16. The
 decoding call takes them too: row b dequantises sequence b's query and every key it attends
@@ -184,7 +188,8 @@ class VarlenAttention:
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  return_attn_probs=False, block_table=None, q_descale=None, k_descale=None, v_descale=None):
         """Packed variable-length attention (see the module docstring); returns (T_q, N, Ev),
-        or with ``return_attn_probs`` (out, lse (N, T_q), None). FP8 q, k, v (FlashAttention-3):
+        or with ``return_attn_probs`` (out, lse (N, T_q), S_dmask (B, N, max_seqlen_q, max_seqlen_k)
+        with dropout, else None). FP8 q, k, v (FlashAttention-3):
         each sequence dequantised with its descale row (None, (1,) or (B, K)), the output bfloat16."""
         _refuse(block_table=(block_table, None))
         _check_options(window_size, softcap)
@@ -205,7 +210,14 @@ class VarlenAttention:
                     for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
         out = torch.zeros(q.shape[0], N, v.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype, device=q.device)
         lse = torch.zeros(N, q.shape[0], dtype=_compute_dtype(q.dtype), device=q.device)
-        for b in range(len(starts_q) - 1):
+        B = len(starts_q) - 1
+        lengths = [(starts_q[b + 1] - starts_q[b], starts_k[b + 1] - starts_k[b]) for b in range(B)]
+        s_dmask = None
+        if return_attn_probs and dropout_p:
+            rows_max = max([int(max_seqlen_q)] + [L for L, _ in lengths])
+            keys_max = max([int(max_seqlen_k)] + [S for _, S in lengths])
+            s_dmask = torch.zeros(B, N, rows_max, keys_max, dtype=out.dtype, device=q.device)
+        for b in range(B):
             rows, keys = self.sequence(starts_q, starts_k, b)
             dropout = self.dropout(float(dropout_p), seed, b, q.device)
             qs, ks, vs = q[rows], k[keys], v[keys]
@@ -215,7 +227,12 @@ class VarlenAttention:
                                                   window=tuple(window_size), softcap=float(softcap),
                                                   slopes=_slopes_of(alibi_slopes, b, N), lse=True,
                                                   **({} if dropout is None else {"dropout": dropout}))
-        return (out, self.packed_lse(lse, q, k, starts_q, starts_k, scale), None) if return_attn_probs else out
+            if s_dmask is not None and dropout.pattern is not None:
+                L, S = lengths[b]
+                s_dmask[self.pattern_row(b), :, :L, :S] = dropout.pattern.to(s_dmask.dtype)
+        if not return_attn_probs:
+            return out
+        return out, self.packed_lse(lse, q, k, starts_q, starts_k, scale), s_dmask
 
     def attend(self, q, k, v, **options):
         """One sequence (``attend``'s arguments)."""
@@ -237,7 +254,9 @@ class VarlenAttention:
     def dropout(self, p: float, seed: int, b: int, device: Any) -> Any:
         """Sequence b's dropout (None when p = 0): each weight kept with probability 1 - p
         and the kept ones rescaled by 1/(1 - p), the pattern drawn from the call's seed at
-        the sequence's own offset (:meth:`rng_offset`), so no two sequences share one."""
+        the sequence's own offset (:meth:`rng_offset`), so no two sequences share one. The
+        closure keeps the pattern it applied as ``pattern`` (N, L, S): the weights, negated
+        where dropped (FlashAttention-2's S_dmask; None until it runs)."""
         if not p:
             return None
         generator = torch.Generator(device=device)
@@ -245,9 +264,15 @@ class VarlenAttention:
 
         def drop(weights):
             keep = torch.rand(weights.shape, generator=generator, device=device, dtype=weights.dtype) >= p
+            drop.pattern = torch.where(keep, weights, -weights).detach()
             return self.rescale(weights * keep, p)
 
+        drop.pattern = None
         return drop
+
+    def pattern_row(self, b: int) -> int:
+        """The row of S_dmask that holds packed sequence b's dropout pattern: its own."""
+        return b
 
     def rng_offset(self, b: int) -> int:
         """Where sequence b's dropout pattern starts in the call's random stream: its index."""
@@ -528,7 +553,7 @@ VARLEN_CAPABILITIES = Capabilities(
     autograd=False,
     mask_grad=False,
     mask_kinds=frozenset({"none"}),
-    varlen_features=frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8"}),
+    varlen_features=frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8", "dropout_pattern"}),
     fp8_dtypes=("float8_e4m3fn", "float8_e5m2"),
     kvcache_features=frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
                                 "cache_leftpad", "num_splits", "fp8"}),

@@ -6,7 +6,8 @@ varlen_reference.py``) with one method of :class:`VarlenAttention` or
 ``smallest_case`` here uses this level's vocabulary: ``lengths`` (varlen: one (L_b, S_b)
 per sequence), or ``L``, ``cache_seqlens``, ``S_new``, ``S_cache``, ``page_size`` and
 ``block_table`` (kvcache), plus ``N``, ``K``, ``E``, ``Ev``, ``causal`` (and, for
-FlashAttention's options, ``window``, ``softcap``, ``alibi``, ``lse``)
+FlashAttention's options, ``window``, ``softcap``, ``alibi``, ``lse``; ``dropout_p``, with
+``dropout_pattern`` the S_dmask read back)
 (``tests/mutants/test_varlen_mutant_records.py`` turns it into a call).
 """
 
@@ -201,6 +202,33 @@ VARLEN_MUTANTS += [
         smallest_case={**ONE, "lengths": [(1, 1), (1, 1)], "dropout_p": 0.5},
         safe_case={**ONE, "lengths": [(1, 1), (1, 1)]},
         expected_property="varlen_dropout_expectation",
+    ),
+]
+
+
+# -- the dropout pattern (varlen_dropout_pattern_agreement) ------------------------------------
+
+
+class PatternAtBatchRow(VarlenAttention):
+    """Writes every packed sequence's dropout pattern into S_dmask's row 0 (the packed
+    tensor taken as one batch element): the output drops what each sequence drew, the
+    returned pattern shows the last sequence's over the first's, and zeros (all kept) below."""
+
+    def pattern_row(self, b):
+        return 0
+
+
+VARLEN_MUTANTS += [
+    _mutant(
+        "varlen_dropout_pattern_batch_row", varlen=PatternAtBatchRow(),
+        bug="varlen dropout: every packed sequence's S_dmask pattern is written at row 0, not at the "
+            "sequence's own row (the output uses the right patterns)",
+        origin="kernel bug: the S_dmask pointer advanced by the padded batch index (0 for one packed "
+               "batch) instead of the sequence index (FlashAttention-2's varlen S_dmask is (num_sequences, "
+               "N, seqlen_q_rounded, seqlen_k_rounded))",
+        smallest_case={**ONE, "lengths": [(2, 4), (2, 4)], "dropout_p": 0.5, "dropout_pattern": True},
+        safe_case={**ONE, "lengths": [(2, 4)], "dropout_p": 0.5, "dropout_pattern": True},
+        expected_property="varlen_dropout_pattern_agreement",
     ),
 ]
 

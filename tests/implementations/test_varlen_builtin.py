@@ -152,6 +152,58 @@ def test_varlen_dropout_draws_a_pattern_per_sequence_and_keeps_the_lse():
     assert torch.equal(out, again), "the pattern does not follow torch's generator"
 
 
+def test_varlen_dropout_returns_each_sequences_pattern_at_its_own_row():
+    """S_dmask (B, N, max_seqlen_q, max_seqlen_k): sequence b's weights at [b, :, :L_b, :S_b],
+    negated where dropped, 0 in the padding; the output is exactly that pattern's; without
+    dropout the third result is None."""
+    rng = np.random.default_rng(7)
+    lengths = [(2, 5), (0, 3), (3, 2), (1, 0)]                       # empty queries, no keys, L > S
+    q, k, v, cu_q, cu_k = _packed(rng, lengths)
+    args = [torch.tensor(x) for x in (q, k, v)] + [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]
+    torch.manual_seed(3)
+    out, _, s_dmask = flash_attn_varlen_func(*args, 3, 5, dropout_p=0.5, return_attn_probs=True, causal=True)
+    assert tuple(s_dmask.shape) == (4, 4, 3, 5) and s_dmask.dtype == out.dtype
+    probs = s_dmask.numpy()
+    dropped = 0
+    for b, (L, S) in enumerate(lengths):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        padding = np.ones(probs.shape[1:], dtype=bool)
+        padding[:, :L, :S] = False
+        assert not probs[b][padding].any(), f"sequence {b}: S_dmask's padding is not 0"
+        if L == 0 or S == 0:
+            continue
+        problem = spec.flash.prepare(q[None, rows], k[None, keys], v[None, keys], causal=True)
+        weights = spec.flash.attend(problem).weights[0]                                # (N, L, S)
+        np.testing.assert_allclose(np.abs(probs[b, :, :L, :S]), weights, atol=1e-15)
+        keep = ~(probs[b, :, :L, :S] < 0)
+        dropped += int((~keep).sum())
+        want = spec.flash_attention(q[None, rows], k[None, keys], v[None, keys], causal=True, dropout_p=0.5,
+                                    dropout_mask=keep[None])[0]
+        np.testing.assert_allclose(out.numpy()[rows], want, atol=1e-12)
+    assert dropped, "no weight was dropped with dropout_p=0.5"
+    assert flash_attn_varlen_func(*args, 3, 5, return_attn_probs=True)[2] is None
+
+
+def test_the_varlen_dropout_pattern_is_declared_not_read_from_the_signature(tmp_path):
+    """FlashAttention-2's own signature (dropout_p and return_attn_probs) claims dropout, not
+    the pattern: its docstring calls return_attn_probs "for testing only"; declared, it is."""
+    path = tmp_path / "user_flash.py"
+    path.write_text(textwrap.dedent(
+        """
+        from implementations.builtins.varlen_reference import flash_attn_varlen_func as _varlen
+
+        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
+            return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, causal=causal, return_attn_probs=return_attn_probs)
+        """))
+    assert "dropout_pattern" in registry.resolve("varlen-reference").caps("varlen").varlen_features
+    recognised = registry.resolve(f"{path}:flash_attn_varlen_func")
+    assert recognised.capabilities.varlen_features == {"dropout"}
+    declared = registry.resolve(f"{path}:flash_attn_varlen_func", {"varlen_features": "dropout,dropout_pattern"})
+    assert declared.capabilities.varlen_features == {"dropout", "dropout_pattern"}
+
+
 FP8_KVCACHE_SOURCE = textwrap.dedent(
     """
     from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kvcache

@@ -87,7 +87,8 @@ def test_kvcache_options_and_lse_agree_with_the_spec(options, paged):
 
 def test_the_reference_declares_the_options_and_the_default_claims_none():
     impl = registry.resolve("varlen-reference")
-    assert impl.caps("varlen").varlen_features == {"window", "softcap", "alibi", "lse", "dropout", "fp8"}
+    assert impl.caps("varlen").varlen_features == {"window", "softcap", "alibi", "lse", "dropout", "fp8",
+                                                   "dropout_pattern"}
     assert {"window", "softcap", "alibi", "lse"} <= impl.caps("kvcache").kvcache_features
     assert Capabilities().varlen_features == frozenset() and Capabilities().kvcache_features == frozenset()
     reasons = impl.not_supported_reasons({"level": "varlen", "varlen_features": {"window"}})

@@ -4,7 +4,8 @@ For each mutant of ``implementations/mutants/varlen_mutants.py``: its record nam
 registered property of its own level; it claims exactly the built-in's capabilities; its
 smallest case lies inside them and gives a result (output, or the caches after the
 call) that differs from ``spec.varlen_attention`` / ``spec.kvcache_attention`` (with
-``dropout_p``: whose packed copies' mean or spread differs from it; with ``fp8``: on the
+``dropout_p``: whose packed copies' mean or spread differs from it; with ``dropout_pattern``:
+whose output differs from it with the S_dmask pattern returned; with ``fp8``: on the
 dequantised values); and its
 safe case agrees with the spec (the bug is the only one there). The correct built-in
 agrees on every mutant's cases.
@@ -62,6 +63,34 @@ def _dropout_agrees(fn, case: dict) -> bool:
     return bool(mean_ok and spread_ok)
 
 
+def _pattern_agrees(fn, case: dict) -> bool:
+    """With ``dropout_pattern``: one call with ``return_attn_probs=True`` and ``dropout_p``
+    (torch seeded); S_dmask is (B, N, >= max L, >= max S) and each sequence's output equals
+    spec.flash_attention with the pattern read off its row (``[b, :, :L_b, :S_b]``, negative
+    where dropped)."""
+    rng = np.random.default_rng(0)
+    lengths, p = case["lengths"], case["dropout_p"]
+    T_q, T_k = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    q, k = rng.standard_normal((T_q, case["N"], case["E"])), rng.standard_normal((T_k, case["K"], case["E"]))
+    v = rng.standard_normal((T_k, case["K"], case["Ev"]))
+    cu_q, cu_k = np.cumsum([0] + [L for L, _ in lengths]), np.cumsum([0] + [S for _, S in lengths])
+    torch.manual_seed(0)
+    got, _, probs = fn(torch.tensor(q), torch.tensor(k), torch.tensor(v), torch.tensor(cu_q, dtype=torch.int32),
+                       torch.tensor(cu_k, dtype=torch.int32), max(L for L, _ in lengths), max(S for _, S in lengths),
+                       dropout_p=p, return_attn_probs=True)
+    probs = probs.numpy()
+    if probs.shape[:2] != (len(lengths), case["N"]):
+        return False
+    for b, (L, S) in enumerate(lengths):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        keep = ~(probs[b, :, :L, :S] < 0)
+        want = spec.flash_attention(q[None, rows], k[None, keys], v[None, keys], dropout_p=p,
+                                    dropout_mask=keep[None])[0]
+        if not np.allclose(got.numpy()[rows], want, rtol=1e-12, atol=1e-12):
+            return False
+    return True
+
+
 def _fp8_agrees(fn, case: dict) -> bool:
     """With ``fp8`` (a format): q, k, v quantised to it with descales (B, K) that differ by a
     power of two per sequence; the bfloat16 output equals spec.varlen_attention on the
@@ -85,6 +114,8 @@ def _fp8_agrees(fn, case: dict) -> bool:
 
 def _varlen_agrees(fn, case: dict) -> bool:
     """``fn`` (flash_attn_varlen_func's signature) = spec.varlen_attention on ``case``."""
+    if case.get("dropout_pattern"):
+        return _pattern_agrees(fn, case)
     if case.get("dropout_p"):
         return _dropout_agrees(fn, case)
     if case.get("fp8"):
@@ -256,7 +287,8 @@ def test_smallest_case_is_claimed(name):
     options = {name for name, key in (("window", "window"), ("softcap", "softcap"), ("alibi", "alibi"),
                                       ("lse", "lse"), ("rotary", "rotary_dim"), ("cache_batch_idx", "cache_batch_idx"),
                                       ("cache_leftpad", "cache_leftpad"), ("num_splits", "num_splits"),
-                                      ("dropout", "dropout_p"), ("fp8", "fp8"))
+                                      ("dropout", "dropout_p"), ("dropout_pattern", "dropout_pattern"),
+                                      ("fp8", "fp8"))
                if case.get(key) is not None and case.get(key) is not False}
     attrs[f"{mutant.level}_features"] = options
     if case.get("fp8"):
