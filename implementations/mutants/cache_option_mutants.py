@@ -28,12 +28,13 @@ class SoftcapAfterMask(VarlenAttention):
     """Soft-caps the scores after the window/causal mask: a blocked key's -inf becomes -c
     (c·tanh(-inf / c)), so blocked keys get weight."""
 
-    def attend(self, q, k, v, *, scale, causal, window=(-1, -1), softcap=0.0, slopes=None, offset=None, lse=False):
+    def attend(self, q, k, v, *, scale, causal, window=(-1, -1), softcap=0.0, slopes=None, offset=None, lse=False,
+               dropout=None):
         L, N, _ = q.shape
         S, K, Ev = v.shape
         if not softcap or L == 0 or S == 0:
             return attend(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, slopes=slopes,
-                          offset=offset, lse=lse)
+                          offset=offset, lse=lse, dropout=dropout)
         work, offset = _compute_dtype(q.dtype), S - L if offset is None else offset
         qh = q.to(work).transpose(0, 1)
         kh = k.to(work).repeat_interleave(N // K, dim=1).transpose(0, 1)
@@ -42,6 +43,8 @@ class SoftcapAfterMask(VarlenAttention):
         allowed = window_allowed(L, S, window, causal, offset, q.device)
         scores = softcap * torch.tanh(scores.masked_fill(~allowed, float("-inf")) / softcap)  # the bug
         weights, row_lse = softmax_rows(scores, torch.ones_like(allowed))
+        if dropout is not None:
+            weights = dropout(weights)
         out = (weights @ vh).transpose(0, 1).to(q.dtype)
         return (out, row_lse) if lse else out
 
