@@ -13,10 +13,13 @@
 #    each forced backend accepts, call by call (measures those capabilities).
 # 3. the triton unit tests on CUDA (compiled forward, backward and flash features vs
 #    the float64 reference and flash-ref).
-# 4. benchmarks/triton_speed.py -> $OUT/triton_speed.md, alone on the GPU.
+# 4. benchmarks/triton_gpu_probe.py -> $OUT/triton_gpu_probe.md: the triton kernel case by
+#    case, each in a process of its own (a fault cannot spill over), under compute-sanitizer
+#    where it faults; triton and sdpa certified again with --isolate=always.
+# 5. benchmarks/triton_speed.py -> $OUT/triton_speed.md, alone on the GPU.
 #
-# Steps 1-3 run side by side (one GPU and 16 CPU cores: their time is the CPU side,
-# the float64 oracle and Hypothesis), each with OMP_NUM_THREADS=2; step 4 runs after
+# Steps 1-4 run side by side (one GPU and 16 CPU cores: their time is the CPU side,
+# the float64 oracle and Hypothesis), each with OMP_NUM_THREADS=2; step 5 runs after
 # them. Budget: under 6.5 minutes in all (phase 1 at most TRITON_CERT_TIMEOUT seconds,
 # phase 2 at most SPEED_TIMEOUT). A step that times out is recorded as such and the
 # others go on. The checkout need not be installed (its root goes on PYTHONPATH).
@@ -36,7 +39,7 @@ export TRITON_DEFAULT_FP_FUSION=1  # triton 3.9's current default, stated explic
 TRITON_CERT_TIMEOUT="${TRITON_CERT_TIMEOUT:-300}"  # JIT-compiles each variant, cold cache
 CERT_TIMEOUT="${CERT_TIMEOUT:-240}"
 UNIT_TIMEOUT="${UNIT_TIMEOUT:-240}"
-CAPS_TIMEOUT="${CAPS_TIMEOUT:-150}"
+CAPS_TIMEOUT="${CAPS_TIMEOUT:-200}"
 SPEED_TIMEOUT="${SPEED_TIMEOUT:-80}"
 
 "$PY" - <<'PYEOF' > "$OUT/environment.txt" 2>&1
@@ -74,6 +77,17 @@ for impl in triton sdpa torch-mha sdpa-flash-cuda sdpa-efficient sdpa-cudnn; do
             --dtype float32,float16,bfloat16 --hypothesis-profile ci \
             --conformance-report "$OUT/cert-$impl" -q -p no:cacheprovider &
 done
+# A kernel fault (illegal address) breaks the CUDA context of its process: in-process,
+# the properties after it fail as "not run". Isolated, a fresh worker runs each check after
+# such a fault, so every property gets its own answer.
+for impl in triton sdpa; do
+    step "cert-$impl-isolated" "$TRITON_CERT_TIMEOUT" \
+        "$PY" -m pytest conformance --impl="$impl" --device cuda --isolate=always \
+            --dtype float32,float16,bfloat16 --hypothesis-profile ci \
+            --conformance-report "$OUT/cert-$impl-isolated" -q -p no:cacheprovider &
+done
+step "triton_gpu_probe" "$CAPS_TIMEOUT" "$PY" benchmarks/triton_gpu_probe.py --jobs 6 --sanitize \
+    --out "$OUT/triton_gpu_probe.md" &
 step "sdpa_backend_caps" "$CAPS_TIMEOUT" "$PY" benchmarks/sdpa_backend_caps.py --device cuda \
     --out "$OUT/sdpa_backend_caps.md" --json "$OUT/sdpa_backend_caps.json" &
 step "triton_unit_tests" "$UNIT_TIMEOUT" \

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-HEAD_DIMS = (8, 16, 24, 32, 40, 64, 80, 96, 128, 160, 192, 256, 320, 512)
+HEAD_DIMS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 64, 80, 96, 128, 160, 192, 256, 320, 512)
 
 
 def _inputs(device, dtype, *, B=2, N=4, K=None, L=64, S=64, E=64, Ev=None, seed=0):
@@ -130,7 +130,13 @@ def probes() -> dict[str, dict]:
         "fully masked row (bool)": {"mask": full_row_blocked, "fully_masked": True},
         "GQA N=8 K=2 enable_gqa": {"call": {"enable_gqa": True}, "shape": {"N": 8, "K": 2}},
         "Ev=32 != E=64": {"shape": {"Ev": 32}},
+        "Ev=2 != E=4": {"shape": {"E": 4, "Ev": 2}},
+        "Ev=8 != E=16": {"shape": {"E": 16, "Ev": 8}},
         "L=S=1": {"shape": {"L": 1, "S": 1}},
+        "L=1 S=64": {"shape": {"L": 1}},
+        "L=64 S=1": {"shape": {"S": 1}},
+        "L=S=2": {"shape": {"L": 2, "S": 2}},
+        "L=S=2 E=Ev=8": {"shape": {"L": 2, "S": 2, "E": 8}},
         "L=7 S=13": {"shape": {"L": 7, "S": 13}},
         "L=S=2048": {"shape": {"L": 2048, "S": 2048, "B": 1, "N": 2}},
         "scale=0.3": {"call": {"scale": 0.3}},

@@ -14,8 +14,11 @@ the worker's current CUDA device: targets, test ids and certificates keep saying
 from __future__ import annotations
 
 import re
+import sys
+from dataclasses import dataclass
 
-__all__ = ["device_for_worker", "pin_cuda_device"]
+__all__ = ["device_for_worker", "pin_cuda_device", "context_breaking_error", "BrokenContext",
+           "broken_context", "note_broken_context", "synchronize"]
 
 _WORKER_ID = re.compile(r"gw(\d+)")
 
@@ -58,3 +61,78 @@ def pin_cuda_device(worker_id: str | None) -> str:
     if device != "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+# --- A fault that breaks the process's CUDA context -------------------------------------
+#
+# An illegal address, a misaligned access or a device-side assert in a kernel leaves the
+# CUDA context of the whole process unusable: every later CUDA call, the suite's own
+# tensor copies included, fails with the same error. Measured on an H200 (torch 2.11,
+# benchmarks/results/gpu-2026-12-04): one faulting triton launch in a property's search
+# turned the 76 properties after it into failures of that one fault. So the first such
+# error is noted per process (:func:`note_broken_context`); in-process, the checks after it
+# on a CUDA device fail at once, saying they did not run (conformance.harness.checking),
+# and an isolated worker exits after replying, so that a fresh one runs the next check.
+
+#: What such an error says (CUDA's own messages; torch raises AcceleratorError or
+#: RuntimeError "CUDA error: ..."). Out of memory and a bad launch configuration are not
+#: sticky and are not here.
+_CONTEXT_BREAKING = (
+    "illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
+    "illegal instruction", "an illegal", "hardware stack error", "uncorrectable ecc",
+    "operation not permitted when stream is capturing", "context is destroyed",
+)
+
+
+def context_breaking_error(exc: BaseException | None) -> str | None:
+    """The first line of a CUDA error in ``exc`` or its causes that leaves the process's
+    CUDA context unusable, or None.
+
+    >>> context_breaking_error(RuntimeError("CUDA error: an illegal memory access was encountered\\nmore"))
+    'CUDA error: an illegal memory access was encountered'
+    >>> context_breaking_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+    True
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        lowered = text.lower()
+        if ("cuda error" in lowered or type(exc).__name__ == "AcceleratorError") and any(
+                marker in lowered for marker in _CONTEXT_BREAKING):
+            return text.strip().splitlines()[0]
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@dataclass(frozen=True)
+class BrokenContext:
+    """The fault that broke this process's CUDA context, and where it happened."""
+
+    error: str  # the first line of the CUDA error
+    where: str  # "property[target id]" or the implementation's name
+
+
+_BROKEN: list[BrokenContext] = []
+
+
+def note_broken_context(error: str, where: str) -> BrokenContext:
+    """Record the first fault that broke this process's CUDA context; returns it."""
+    if not _BROKEN:
+        _BROKEN.append(BrokenContext(error, where))
+    return _BROKEN[0]
+
+
+def broken_context() -> BrokenContext | None:
+    """The fault that broke this process's CUDA context, or None while it is usable."""
+    return _BROKEN[0] if _BROKEN else None
+
+
+def synchronize(device: str) -> None:
+    """Wait for the work queued on ``device`` (a no-op off CUDA): a kernel's fault is then
+    raised by the call that launched it, not by the suite's next copy of a tensor."""
+    if not device.startswith("cuda"):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

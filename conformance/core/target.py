@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
+from conformance.core import devices
 from conformance.core.compare import PropertyFailure
 from implementations import guard
 from implementations.base import Capabilities, Implementation
@@ -96,6 +97,8 @@ def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: A
     """
     # The first call of each implementation, dtype and device may compile (guard.COMPILE_FACTOR).
     warm_key = (id(target.impl), target.dtype, target.device)
+    if target.device.startswith("cuda"):
+        fn = _synchronized(fn, target.device)
     try:
         if target.watch is not None:
             with target.watch():
@@ -109,9 +112,31 @@ def call_guarded(target: Target, fn: Callable[..., Any], *args: Any, **kwargs: A
             "killed instead)"
         ) from None
     except guard.CallRaised as exc:
+        fault = devices.context_breaking_error(exc.error)
+        if fault is not None:
+            raise ImplementationCrashed(broke_context_message(target.impl.name, fault)) from exc.error
         raise ImplementationRaised(
             f"{target.impl.name} raised on a case it claims to support: {guard.summarise(exc.error)}"
         ) from exc.error
+
+
+def _synchronized(fn: Callable[..., Any], device: str) -> Callable[..., Any]:
+    """``fn`` followed by a wait for the device: CUDA reports a kernel's fault
+    asynchronously, and without the wait the suite's next copy of a tensor would raise
+    it, outside the guarded call."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        devices.synchronize(device)
+        return result
+    return call
+
+
+def broke_context_message(name: str, fault: str) -> str:
+    """The failure of the call whose fault broke the process's CUDA context."""
+    return (f"{name} broke the CUDA context of this process on a case it claims to support: {fault}. "
+            "No later CUDA call of the process can succeed, so this process checks nothing more on "
+            "cuda; run again, and --isolate=auto runs the implementation in a worker process that "
+            "restarts after such a fault (this crash is recorded), or pass --isolate=always")
 
 
 def subject_of(session: Any, target: Target) -> Any:

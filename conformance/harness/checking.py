@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from conformance.core import devices
 from conformance.core.target import (
     ImplementationCrashed,
     ImplementationHung,
     Target,
+    broke_context_message,
     subject_of,
 )
 from conformance.harness.session import Session
@@ -29,10 +31,29 @@ def check_example(session: Session, property_id: str, check: Callable[[Target, A
         cls, where, message = owner.broken_cases[digest]
         raise cls(f"{message}\n(this case was not run again: it already failed so in {where}; "
                   "a case that hangs or crashes is tried once per session)")
+    cuda = target.device.startswith("cuda")
+    broken = devices.broken_context() if cuda and owner.isolation is None else None
+    if broken is not None:
+        raise ImplementationCrashed(
+            f"not run: the CUDA context of this process was broken by {target.impl.name} in "
+            f"{broken.where} ({broken.error}), and every CUDA call of the process fails since. Run "
+            "again: --isolate=auto now runs it in a worker process that restarts after such a "
+            "fault (the crash is recorded), or pass --isolate=always")
     try:
         if owner.isolation is not None:
             return owner.isolation.check(property_id, target, case)
-        return check(target, case)
+        try:
+            return check(target, case)
+        except Exception as exc:
+            fault = devices.context_breaking_error(exc) if cuda else None
+            if fault is None:
+                raise
+            devices.note_broken_context(fault, f"{property_id}[{target.id}]")
+            isolation.record_crash(owner.impl_spec, f"broke the CUDA context in {property_id}[{target.id}]: {fault}")
+            if isinstance(exc, ImplementationCrashed):
+                raise
+            # the suite's own code met the fault first (a copy of the output)
+            raise ImplementationCrashed(broke_context_message(target.impl.name, fault)) from exc
     except (ImplementationHung, ImplementationCrashed) as exc:
         owner.broken_cases[digest or isolation.case_digest(case)] = (
             type(exc), f"{property_id}[{target.id}]", str(exc))

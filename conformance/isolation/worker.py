@@ -49,7 +49,8 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
     from conformance.calls.call_specs import CallLog
     from conformance.core.compare import PropertyFailure
     from conformance.core.registry import registered_checks
-    from conformance.core.target import Target
+    from conformance.core import devices
+    from conformance.core.target import Target, broke_context_message
     from implementations import registry
 
     checks = registered_checks()
@@ -72,16 +73,26 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
             log = CallLog()
             target = Target(impl, header["level"], header["dtype"], header["device"],
                                    header["timeout"], watch=watch, log=log)
+            fault = None
             try:
                 case = decode_case(header["case"], arrays)
                 ratio = checks[header["property"]](target, case)
             except PropertyFailure as exc:
                 # The calls as made: expected failures match them, the reproducer makes one.
                 calls, call_arrays = encode_calls(log.calls)
+                fault = devices.context_breaking_error(exc)
                 write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc),
                                        "calls": calls}, call_arrays)
             except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
-                write_frame(reply_fd, _suite_error(exc))
+                fault = devices.context_breaking_error(exc)
+                if fault is None:
+                    write_frame(reply_fd, _suite_error(exc))
+                else:  # the suite's own code met the implementation's fault first
+                    calls, call_arrays = encode_calls(log.calls)
+                    write_frame(reply_fd, {"failure": "ImplementationCrashed", "calls": calls,
+                                           "message": broke_context_message(impl.name, fault)}, call_arrays)
+            if fault is not None:
+                return 3  # this process can run no CUDA call again: the next check gets a fresh worker
             else:
                 # The calls' attributes, when an expected failure of the property could match them.
                 called = [encode_attrs(call.attrs()) for call in log.calls] if header.get("attrs") else []

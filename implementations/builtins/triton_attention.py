@@ -242,7 +242,7 @@ if triton is not None:
             if NATIVE_DOT:
                 acc = tl.dot(p.to(v.dtype), v, acc)
             else:
-                acc = tl.dot(p, v.to(acc_dtype), acc, input_precision="ieee")
+                acc = tl.dot(p, v.to(acc_dtype), acc, input_precision="ieee", out_dtype=acc_dtype)
             m_i = m_new
 
         # fully-masked rows: l = 0 and acc = 0 -> output 0 (never 0/0)
@@ -371,7 +371,7 @@ if triton is not None:
                 if NATIVE_DOT:
                     dv = tl.dot(pT.to(do.dtype), do, dv)
                 else:
-                    dv = tl.dot(pT, do, dv, input_precision="ieee")
+                    dv = tl.dot(pT, do, dv, input_precision="ieee", out_dtype=acc_dtype)
                 dpT = tl.dot(v, tl.trans(do), input_precision="ieee", out_dtype=acc_dtype)
                 dsT = pT * (dpT - delta[None, :])
                 if SOFTCAP:  # d(c tanh(s / c)) / ds = 1 - tanh^2
@@ -379,7 +379,7 @@ if triton is not None:
                 if NATIVE_DOT:
                     dk = tl.dot(dsT.to(q.dtype), q, dk)
                 else:
-                    dk = tl.dot(dsT, q, dk, input_precision="ieee")
+                    dk = tl.dot(dsT, q, dk, input_precision="ieee", out_dtype=acc_dtype)
         dk = dk * scale
         tl.store(DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dks
                  + offs_e[None, :] * stride_dke, dk, mask=col_ok[:, None] & (offs_e[None, :] < E))
@@ -484,7 +484,7 @@ if triton is not None:
             if NATIVE_DOT:
                 dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
             else:
-                dq = tl.dot(ds, tl.trans(kT), dq, input_precision="ieee")
+                dq = tl.dot(ds, tl.trans(kT), dq, input_precision="ieee", out_dtype=acc_dtype)
         dq = dq * scale
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dql
                  + offs_e[None, :] * stride_dqe, dq, mask=row_ok[:, None] & (offs_e[None, :] < E))

@@ -37,13 +37,13 @@ def reference(q, k, v, mask=None, causal=None, scale=None):
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = scale * (q @ k.transpose(-2, -1))
-    visible = torch.ones(L, S, dtype=torch.bool)
+    visible = torch.ones(L, S, dtype=torch.bool, device=q.device)
     if causal is not None:
-        visible = torch.ones(L, S).tril(0 if causal == UL else S - L).bool()
+        visible = torch.ones(L, S, device=q.device).tril(0 if causal == UL else S - L).bool()
     if mask is not None and mask.dtype == torch.bool:
-        visible = visible & mask.cpu()
+        visible = visible & mask.to(q.device)
     elif mask is not None:
-        scores = scores + mask.cpu().double()
+        scores = scores + mask.to(q.device).double()
     scores = scores.masked_fill(~visible.expand_as(scores), float("-inf"))
     fully_masked = (scores == float("-inf")).all(-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(fully_masked, 0.0), dim=-1).masked_fill(fully_masked, 0.0)

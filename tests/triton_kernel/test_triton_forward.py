@@ -47,9 +47,9 @@ def reference(q, k, v, mask=None, causal=None, scale=None):
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = scale * (q @ k.transpose(-2, -1))                       # (..., N, L, S)
-    visible = torch.ones(L, S, dtype=torch.bool)
+    visible = torch.ones(L, S, dtype=torch.bool, device=q.device)
     if causal is not None:
-        visible = torch.ones(L, S).tril(0 if causal == "upper_left" else S - L).bool()
+        visible = torch.ones(L, S, device=q.device).tril(0 if causal == "upper_left" else S - L).bool()
     if mask is not None and mask.dtype == torch.bool:
         visible = visible & mask
     elif mask is not None:
