@@ -91,12 +91,12 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
                     calls, call_arrays = encode_calls(log.calls)
                     write_frame(reply_fd, {"failure": "ImplementationCrashed", "calls": calls,
                                            "message": broke_context_message(impl.name, fault)}, call_arrays)
-            if fault is not None:
-                return 3  # this process can run no CUDA call again: the next check gets a fresh worker
             else:
                 # The calls' attributes, when an expected failure of the property could match them.
                 called = [encode_attrs(call.attrs()) for call in log.calls] if header.get("attrs") else []
                 write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio), "called": called})
+            if fault is not None:
+                return 3  # this process can run no CUDA call again: the next check gets a fresh worker
         elif header["op"] == "annotate":
             assert impl is not None, "annotate before resolve"
             try:
