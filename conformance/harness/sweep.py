@@ -38,7 +38,7 @@ from conformance.core.registry import (
     skip_reasons,
 )
 from conformance.core.target import Target, subject_of
-from conformance.harness.checking import check_example
+from conformance.harness.checking import check_example, cuda_context_guard
 from conformance.harness.session import Session
 
 __all__ = ["SAFETY_S", "SWEEP_SIZES_PER_CONFIGURATION", "Sweep", "sweep_property"]
@@ -244,7 +244,8 @@ def sweep_property(
                 elif (swept := directed_first.swept(conformance_session, property_id, target)) is not None:
                     sweep = swept.reported_into(record)  # the directed pass swept it, and it passed
                 else:
-                    run(target, sweep)
+                    with cuda_context_guard(subject_of(conformance_session, target), property_id, target):
+                        run(target, sweep)
             except PropertyFailure as exc:
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"

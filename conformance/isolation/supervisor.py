@@ -376,6 +376,9 @@ class Worker:
             raise ImplementationHung(
                 f"{said} (per-example timeout, --example-timeout); its isolated worker process was "
                 "killed and a fresh one continues" if said.startswith(f"{name} did not return") else hung)
+        if reply.get("restart"):  # a CUDA fault broke the worker's context: no call of it can succeed
+            self.close()
+            record_crash(self.spec, f"broke the CUDA context during {property_id}[{target.id}]")
         if "failure" in reply:
             cls = getattr(guarded, reply["failure"], None)  # its failure classes by name
             if not (isinstance(cls, type) and issubclass(cls, PropertyFailure)):

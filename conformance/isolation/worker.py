@@ -73,7 +73,7 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
             log = CallLog()
             target = Target(impl, header["level"], header["dtype"], header["device"],
                                    header["timeout"], watch=watch, log=log)
-            fault = None
+            fault = None  # a CUDA fault: "restart" asks the pytest process to replace this worker
             try:
                 case = decode_case(header["case"], arrays)
                 ratio = checks[header["property"]](target, case)
@@ -82,21 +82,19 @@ def _serve(request_fd: int, reply_fd: int, clock_fd: int) -> int:
                 calls, call_arrays = encode_calls(log.calls)
                 fault = devices.context_breaking_error(exc)
                 write_frame(reply_fd, {"failure": type(exc).__name__, "message": str(exc),
-                                       "calls": calls}, call_arrays)
+                                       "calls": calls, "restart": fault is not None}, call_arrays)
             except Exception as exc:  # noqa: BLE001 - the suite's own error, reported as such
                 fault = devices.context_breaking_error(exc)
                 if fault is None:
                     write_frame(reply_fd, _suite_error(exc))
                 else:  # the suite's own code met the implementation's fault first
                     calls, call_arrays = encode_calls(log.calls)
-                    write_frame(reply_fd, {"failure": "ImplementationCrashed", "calls": calls,
+                    write_frame(reply_fd, {"failure": "ImplementationCrashed", "calls": calls, "restart": True,
                                            "message": broke_context_message(impl.name, fault)}, call_arrays)
             else:
                 # The calls' attributes, when an expected failure of the property could match them.
                 called = [encode_attrs(call.attrs()) for call in log.calls] if header.get("attrs") else []
                 write_frame(reply_fd, {"ratio": None if ratio is None else float(ratio), "called": called})
-            if fault is not None:
-                return 3  # this process can run no CUDA call again: the next check gets a fresh worker
         elif header["op"] == "annotate":
             assert impl is not None, "annotate before resolve"
             try:

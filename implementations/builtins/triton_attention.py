@@ -527,6 +527,11 @@ def kernel_config(dtype: torch.dtype, E: int, Ev: int, *, gpu: bool) -> KernelCo
         return KernelConfig(64, 16, block_e, block_ev)
     widest = max(block_e, block_ev)
     if dtype in (torch.float16, torch.bfloat16):
+        # Tensor-core dots with head-dim blocks below 64 or unequal (E = 20, Ev = 12: 32 and
+        # 16) gave outputs off by 1.5 and, for E = 61, Ev = 12, an illegal memory access
+        # on an H200 (triton 3.6, benchmarks/results/gpu-2026-12-04/triton_gpu_probe.md);
+        # 64/64 and 128/128 were right. One block of max(64, E, Ev) for both, padded.
+        block_e = block_ev = widest = max(64, widest)
         if widest <= 64:
             return KernelConfig(128, 64, block_e, block_ev, num_warps=4, num_stages=3, native_dot=True)
         if widest <= 128:
@@ -749,6 +754,7 @@ def backward_config(dtype: torch.dtype, E: int, Ev: int, *, gpu: bool) -> Kernel
         return KernelConfig(64, 16, block_e, block_ev)
     widest = max(block_e, block_ev)
     if dtype in (torch.float16, torch.bfloat16):
+        block_e = block_ev = widest = max(64, widest)  # as kernel_config (measured there)
         if widest <= 64:
             return KernelConfig(64, 64, block_e, block_ev, num_warps=4, num_stages=1, native_dot=True)
         if widest <= 128:

@@ -14,8 +14,10 @@ from implementations.base import ImplementationError
 from implementations.flash_from_sdpa import _alibi_mask
 
 
-def listed(impl, property_id, case):
-    """The expected failure of ``impl`` covering ``case``, or None (as the runner looks it up)."""
+def listed(impl, property_id, case, device="cpu"):
+    """The expected failure of ``impl`` covering ``case`` on ``device`` (these deviations
+    are measured here, on the CPU), or None (as the runner looks it up)."""
+    case = {"device": device, **case}
     return next((entry for entry in impl.expected_failures if entry.applies(property_id, case)), None)
 
 
@@ -154,3 +156,17 @@ def test_range_match_syntax(tmp_path):
     )
     with pytest.raises(ImplementationError, match="lt"):
         registry.load_expected_failures("bad", directory=tmp_path)
+
+
+def test_deviations_are_listed_for_the_device_they_were_measured_on():
+    """The CPU kernels' deviations do not excuse a CUDA failure, and the CUDA ones
+    (measured on an H200, torch 2.11: benchmarks/results/gpu-2026-12-04) not a CPU one."""
+    impl = registry.resolve("sdpa")
+    cpu_only = {"causal": "upper_left", "scale": 0.0, "scale_sign": "zero", "mask_kind": "none",
+                "different_v_dim": False, "dtype": "float32"}
+    assert listed(impl, "forward_agreement", cpu_only) is not None
+    assert listed(impl, "forward_agreement", cpu_only, device="cuda") is None
+    flash_nan = {"causal": None, "scale": 0.0, "scale_sign": "zero", "mask_kind": "none", "dtype": "float16"}
+    assert "NaN" in listed(impl, "forward_agreement", flash_nan, device="cuda").reason
+    assert listed(impl, "forward_agreement", flash_nan) is None
+    assert listed(impl, "forward_agreement", {**flash_nan, "dtype": "float32"}, device="cuda") is None

@@ -110,6 +110,16 @@ exits = Implementation(name="exits", capabilities=_caps, sdpa=_crash_on_big(lamb
 aborts = Implementation(name="aborts", capabilities=_caps, sdpa=_crash_on_big(os.abort))
 
 
+def _cuda_fault():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered\n"
+                       "CUDA kernel errors might be asynchronously reported at some other API call")
+
+
+#: Raises what a CUDA kernel's illegal access raises (it breaks the process's CUDA
+#: context: every later CUDA call fails) on every case with L >= 2; runs on the CPU.
+faults_cuda = Implementation(name="faults_cuda", capabilities=_caps, sdpa=_crash_on_big(_cuda_fault))
+
+
 def _spin(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     while True:  # a pure-Python spin holds the GIL in slices
         pass

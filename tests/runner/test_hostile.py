@@ -264,6 +264,21 @@ def test_crash_in_isolated_mode_fails_the_property_with_the_case_saved(tmp_path,
     # Bounded by run()'s subprocess timeout, not by a wall-clock figure a busy machine breaks.
 
 
+def test_a_cuda_fault_in_isolated_mode_restarts_the_worker_for_the_next_property(tmp_path):
+    """A fault that breaks the CUDA context (measured on an H200: one faulting launch made
+    every later property of the process fail) is a crash of its property only: the
+    worker that met it is replaced, so the next property runs in a fresh one."""
+    proc = certify("faults_cuda", tmp_path, "--isolate=always", keyword="forward_agreement or temperature")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    got = results(tmp_path)
+    assert set(got) == {"forward_agreement", "temperature"}
+    for r in got.values():
+        assert r["outcome"] == "failed" and r["isolated"]
+        assert r["message"].startswith("faults_cuda broke the CUDA context of this process"), r["message"]
+        assert r["counterexample"]["L"] >= 2  # it ran: not a "not run" of a broken worker
+    assert "broke the CUDA context" in (tmp_path / "state" / "crashes.json").read_text()
+
+
 def test_crash_in_process_makes_the_next_auto_run_isolated(tmp_path):
     dead = certify("exits", tmp_path, "--isolate=never")
     assert dead.returncode == 3 and not (tmp_path / "cert.json").exists()  # os._exit(3): nothing left

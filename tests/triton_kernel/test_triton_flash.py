@@ -128,13 +128,13 @@ def test_tanh_keeps_precision_near_zero_and_saturates():
     |x| = 1e-30 .. 1e3, exactly +-1 far out, odd; a naive 1 - 2/(e^2x + 1) fails near 0."""
     x = np.concatenate([-np.logspace(-30, 3, 400), np.logspace(-30, 3, 400), [0.0]])
     for dtype, ulps in ((torch.float64, 4), (torch.float32, 4)):
-        q = torch.tensor(x, dtype=dtype).reshape(-1, 1, 1, 1)  # L = len(x) rows
+        q = torch.tensor(x, dtype=dtype, device=DEVICE).reshape(-1, 1, 1, 1)  # L = len(x) rows
         eps = torch.finfo(dtype).eps
         # softcap c = 1, scale 1, E = 1, one key of value 1: the output is v = 1 and the
         # LSE is the capped score tanh(x), so the LSE reads the kernel's tanh back
-        k = torch.ones(1, 1, 1, 1, dtype=dtype)
+        k = torch.ones(1, 1, 1, 1, dtype=dtype, device=DEVICE)
         _, lse, _ = FLASH(q.transpose(0, 1), k, k, softmax_scale=1.0, softcap=1.0, return_attn_probs=True)
-        got = lse.reshape(-1).double()
+        got = lse.reshape(-1).double().cpu()
         want = torch.tanh(torch.tensor(x, dtype=dtype).double())
         rel = ((got - want).abs() / want.abs().clamp_min(1e-300)).max().item()
         assert rel <= ulps * eps, f"{dtype}: tanh relative error={rel:.3g}, but should be <= {ulps * eps:.3g}"
