@@ -342,8 +342,9 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
     found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
              if entry not in own and _specific(entry)]
-    used = _libraries_used(target) & set(BUILTIN_LIBRARIES.values())
-    if used:                              # the built-ins of the libraries the implementation calls
+    libraries, bridged = _libraries_used(target)
+    used = libraries & set(BUILTIN_LIBRARIES.values())
+    if used or bridged:                   # the built-ins of the libraries the implementation calls
         found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
     if not found:
         return verdict
@@ -370,18 +371,29 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     return Verdict([pseudo, *verdict.causes], line, verdict.call)
 
 
-def _libraries_used(target: Any) -> set[str]:
+def _libraries_used(target: Any) -> tuple[set[str], bool]:
     """Top-level packages the implementation's callables reference (their module and
-    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA. When none
-    of them is a built-in's library, every built-in's deviations are considered."""
+    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA; and
+    whether a callable runs through the framework bridge, whose framework is then known
+    (the bridge's own plumbing imports torch, the code it runs need not: a Keras layer on
+    the tensorflow backend calls no torch kernel). When none of them is a built-in's
+    library and nothing is bridged, every built-in's deviations are considered."""
     import inspect
     import types
 
     used: set[str] = set()
+    bridged = False
     impl = target.impl
     for attr in ("sdpa", "mha", "flash"):
         fn = getattr(impl, attr, None)
         if fn is None:
+            continue
+        framework = getattr(fn, "framework", None)
+        if framework is not None and isinstance(getattr(framework, "package", None), str):
+            bridged = True
+            used.add(framework.package.split(".")[0])
+            if getattr(framework, "native_torch", False):  # Keras on torch calls torch's kernels
+                used.add("torch")
             continue
         if not inspect.isfunction(fn) and not inspect.ismethod(fn):
             fn = type(fn).__call__                         # a callable object: its method
@@ -393,7 +405,7 @@ def _libraries_used(target: Any) -> set[str]:
                 used.add(value.__name__.split(".")[0])
             elif getattr(value, "__module__", None):
                 used.add(str(value.__module__).split(".")[0])
-    return used
+    return used, bridged
 
 
 #: Case attributes that only say where an entry applies, not which deviation it is.

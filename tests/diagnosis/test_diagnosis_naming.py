@@ -191,6 +191,33 @@ def test_a_plain_sdpa_wrapper_is_told_which_known_deviation_it_inherits():
     assert right.causes == [] and "known deviation" not in right.line
 
 
+def _numpy_causal_before_scale(query, key, value, attn_mask=None, is_causal=False, scale=None):
+    """NumPy attention that blocks causally *before* scaling (-inf * scale): the CPU SDPA
+    kernel's own deviation (sdpa.toml), written in another framework."""
+    scale = 1 / np.sqrt(query.shape[-1]) if scale is None else scale
+    logits = np.einsum("...le,...se->...ls", query, key)
+    if is_causal:
+        logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
+    with np.errstate(invalid="ignore"):
+        logits = logits * scale
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights = weights / weights.sum(-1, keepdims=True)
+    return np.einsum("...ls,...se->...le", weights, value)
+
+
+def test_a_bridged_framework_is_not_told_about_torchs_deviations():
+    """The bridge's plumbing imports torch, the NumPy code it runs does not: a failure that
+    matches a torch built-in's known deviation is named by its variant alone (a Keras
+    layer on the tensorflow backend was told about nn.MultiheadAttention's deviation)."""
+    from implementations.bridge import make_bridge
+
+    bridged = make_bridge(_numpy_causal_before_scale, "numpy")
+    target = Target(Implementation(name="np-sdpa", capabilities=Capabilities(), sdpa=bridged), "sdpa", "float64", "cpu")
+    verdict = diagnosed(target, case_of(7, L=3, S=3, causal="upper_left", scale=-0.5))
+    assert verdict.causes and verdict.causes[0]["variant"] == "causal_before_scale", verdict.line
+    assert "known_deviation" not in verdict.causes[0] and "known deviation" not in verdict.line
+
+
 def test_a_known_deviation_is_not_claimed_for_a_failure_outside_its_match():
     # a float64 failure is inside JAX's broad "*" entry (dtype = float64) but that entry
     # names no failure; and a torch wrapper is not told about JAX's deviations
