@@ -9,6 +9,8 @@ bounds (magnitudes, naive errors, logit ranges); the bounds themselves are in
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -280,6 +282,21 @@ def check_dropout_mean(target: Target, case: SDPACase, output: np.ndarray, dropo
     return max(ratio, check_dropout_spread(out, sigma, c, rounding, rows, f"dropout_p={dropout_p}"))
 
 
+def _sample_std(samples: np.ndarray, axis: int) -> np.ndarray:
+    """The sample standard deviation (ddof=1) along ``axis``, with correctly rounded sums.
+    numpy's sums along a strided axis add one term at a time: the mean of 2048 equal
+    outputs near 0.9 came out 2e-14 off, and every deviation from it with it, so a spread
+    that must be 0 read 2e-14 where the output's rounding allows 2e-15 (a false alarm on
+    torch-mha in float64, seed 704 of benchmarks/false_alarms.py)."""
+    if not np.isfinite(samples).all():
+        return samples.std(axis=axis, ddof=1)
+    moved = np.moveaxis(samples, axis, -1)
+    count = moved.shape[-1]
+    mean = np.apply_along_axis(math.fsum, -1, moved) / count
+    deviation = moved - mean[..., None]
+    return np.sqrt(np.apply_along_axis(math.fsum, -1, deviation * deviation) / (count - 1))
+
+
 def check_dropout_spread(samples: np.ndarray, sigma: np.ndarray, width: np.ndarray, rounding: np.ndarray,
                          where: np.ndarray, what: str, axis: int = 0) -> float:
     """The standard deviation of the dropout ``samples`` (along ``axis``) is ``sigma``, what
@@ -289,7 +306,7 @@ def check_dropout_spread(samples: np.ndarray, sigma: np.ndarray, width: np.ndarr
     rounding are named as such: the dropout had no effect, or one mask served every sample."""
     __tracebackhide__ = True
     count = samples.shape[axis]
-    spread = samples.std(axis=axis, ddof=1)
+    spread = _sample_std(samples, axis)
     rounding = np.broadcast_to(rounding, spread.shape)
     selected = np.broadcast_to(where, spread.shape) & (sigma > 2 * rounding)
     if selected.any() and not (spread[selected] > rounding[selected]).any():

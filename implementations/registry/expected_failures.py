@@ -116,7 +116,8 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
 
 #: The library each built-in with an expected-failures file calls: a user's function
 #: that calls the same library may inherit its deviations.
-BUILTIN_LIBRARIES = {"sdpa": "torch", "sdpa-flash": "torch", "torch-mha": "torch", "jax": "jax"}
+BUILTIN_LIBRARIES = {"sdpa": "torch", "sdpa-flash": "torch", "sdpa-flash-cuda": "torch", "sdpa-cudnn": "torch",
+                     "torch-mha": "torch", "jax": "jax"}
 
 
 def builtin_deviations(property_id: str, attrs: list[dict], directory: Path | None = None,

@@ -170,3 +170,16 @@ def test_deviations_are_listed_for_the_device_they_were_measured_on():
     assert "NaN" in listed(impl, "forward_agreement", flash_nan, device="cuda").reason
     assert listed(impl, "forward_agreement", flash_nan) is None
     assert listed(impl, "forward_agreement", {**flash_nan, "dtype": "float32"}, device="cuda") is None
+
+
+def test_cuda_backends_deviations_are_never_named_for_a_cpu_failure():
+    """sdpa-cudnn refuses S = 1 on CUDA: a CPU failure with S = 1 (torch-mha's dropout
+    spread, seed 704) was told it was that deviation before the entries named their device."""
+    from implementations.registry.expected_failures import builtin_deviations
+
+    cpu = {"level": "mha", "device": "cpu", "dtype": "float64", "S": 1, "scale_sign": "zero",
+           "fully_masked_rows": True}
+    named = {name for name, _, _ in builtin_deviations("mha_dropout_expectation", [cpu])}
+    assert not named & {"sdpa-cudnn", "sdpa-flash-cuda"}
+    cuda = {**cpu, "device": "cuda", "level": "sdpa"}
+    assert "sdpa-cudnn" in {name for name, _, _ in builtin_deviations("forward_agreement", [cuda])}
