@@ -107,3 +107,17 @@ def test_write_json_and_markdown(tmp_path):
     assert md.startswith("# attention-conformance certificate: `my_impl.py:attn`\n")
     assert "| forward_agreement | sdpa | PASS 0.02 (20) |" in md
     assert "- declared policies: fully-masked rows=zero" in md
+
+
+def test_an_entry_for_another_device_is_not_called_never_applied():
+    """sdpa.toml holds entries measured on CUDA; a CPU run cannot apply them and does not
+    list them, while an entry for the run's own device that excused nothing is listed."""
+    entry = {"property": "forward_agreement", "reason": "r", "reference": ""}
+    cert = {"implementation": {"expected_failures": [
+                dict(entry, match={"device": "cuda", "dtype": ["float16", "bfloat16"]}),
+                dict(entry, match={"device": "cpu", "dtype": "float32"}),
+                dict(entry, match={"dtype": "bfloat16"})]},
+            "results": [{"property": "forward_agreement", "level": "sdpa", "dtype": "float32", "device": "cpu",
+                         "outcome": "passed", "expected_failures": []}]}
+    lines = certificate.unapplied_expected_failures(cert)
+    assert len(lines) == 1 and "'device': 'cpu'" in lines[0], lines
