@@ -288,13 +288,15 @@ def _sample_std(samples: np.ndarray, axis: int) -> np.ndarray:
     outputs near 0.9 came out 2e-14 off, and every deviation from it with it, so a spread
     that must be 0 read 2e-14 where the output's rounding allows 2e-15 (a false alarm on
     torch-mha in float64, seed 704 of benchmarks/false_alarms.py)."""
-    if not np.isfinite(samples).all():
-        return samples.std(axis=axis, ddof=1)
     moved = np.moveaxis(samples, axis, -1)
     count = moved.shape[-1]
-    mean = np.apply_along_axis(math.fsum, -1, moved) / count
-    deviation = moved - mean[..., None]
-    return np.sqrt(np.apply_along_axis(math.fsum, -1, deviation * deviation) / (count - 1))
+    rows = moved.reshape(-1, count)
+    if rows.size == 0 or count < 2 or not np.isfinite(rows).all():  # nothing to sum, or NaN/inf to report
+        return samples.std(axis=axis, ddof=1)
+    mean = np.array([math.fsum(row) for row in rows]) / count
+    deviation = rows - mean[:, None]
+    variance = np.array([math.fsum(row) for row in deviation * deviation]) / (count - 1)
+    return np.sqrt(variance).reshape(moved.shape[:-1])
 
 
 def check_dropout_spread(samples: np.ndarray, sigma: np.ndarray, width: np.ndarray, rounding: np.ndarray,

@@ -41,3 +41,9 @@ def test_a_spread_where_none_should_be_still_fails():
     zero = np.zeros((1, 2))
     with pytest.raises(PropertyFailure, match="standard deviation of 2048 dropout outputs"):
         check_dropout_spread(x, zero, zero, np.full((1, 2), 1.63e-15), np.ones((1, 2), bool), "dropout=0.5", axis=1)
+
+
+def test_a_sample_set_with_an_empty_dimension_has_an_empty_spread():
+    """A varlen batch can hold no row of some shape: (0, N, L, samples) has no spread to
+    sum (numpy's apply_along_axis refuses an empty array)."""
+    assert _sample_std(np.zeros((0, 3, 5, 1024)), 3).shape == (0, 3, 5)
