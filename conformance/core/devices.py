@@ -1,4 +1,5 @@
-"""Which GPU each pytest-xdist worker certifies on.
+"""Devices: which GPU each pytest-xdist worker certifies on, and the CUDA faults that
+break a process's context (below).
 
 ``pytest -n N --device cuda`` starts N workers (``gw0`` ... ``gwN-1``); without
 pinning, every one of them would run on ``cuda:0``. :func:`device_for_worker` gives
