@@ -32,7 +32,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 HEAD_DIMS = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 64, 80, 96, 128, 160, 192, 256, 320, 512)
 
 
-def _inputs(device, dtype, *, B=2, N=4, K=None, L=64, S=64, E=64, Ev=None, seed=0):
+def _inputs(dtype, *, B=2, N=4, K=None, L=64, S=64, E=64, Ev=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     K = N if K is None else K
     Ev = E if Ev is None else Ev
@@ -58,11 +58,11 @@ def _bottom_right(L, S, device):
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(diagonal=S - L)
 
 
-def probe(backend, device: str, dtype_name: str, name: str, kw: dict) -> str:
+def probe(backend, device: str, dtype_name: str, kw: dict) -> str:
     """One call; the cell text (see the module docstring)."""
     dtype = getattr(torch, dtype_name)
     shape = kw.get("shape", {})
-    q64, k64, v64 = _inputs("cpu", dtype, **shape)
+    q64, k64, v64 = _inputs(dtype, **shape)
     call = dict(kw.get("call", {}))
     ref_call = dict(call)
     mask = kw.get("mask")
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         lines += [f"## {bname}", "", "| probe | " + " | ".join(DTYPES) + " |",
                   "| --- |" + " --- |" * len(DTYPES)]
         for pname, kw in probes().items():
-            row = {d: probe(backend, args.device, d, pname, kw) for d in DTYPES}
+            row = {d: probe(backend, args.device, d, kw) for d in DTYPES}
             cells[bname][pname] = row
             lines.append(f"| {pname} | " + " | ".join(row[d].replace("|", "/") for d in DTYPES) + " |")
             print(bname, pname, row, flush=True)

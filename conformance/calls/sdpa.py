@@ -10,7 +10,6 @@ bounds (magnitudes, naive errors, logit ranges); the bounds themselves are in
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from functools import partial
 from typing import Any

@@ -73,7 +73,8 @@ def pin_cuda_device(worker_id: str | None) -> str:
 # turned the 76 properties after it into failures of that one fault. So the first such
 # error is noted per process (:func:`note_broken_context`); in-process, the checks after it
 # on a CUDA device fail at once, saying they did not run (conformance.harness.checking),
-# and an isolated worker exits after replying, so that a fresh one runs the next check.
+# and an isolated worker's reply asks to be replaced (``restart``), so that a fresh one runs
+# the next check (conformance.isolation.supervisor).
 
 #: What such an error says (CUDA's own messages; torch raises AcceleratorError or
 #: RuntimeError "CUDA error: ..."). Out of memory and a bad launch configuration are not
@@ -111,7 +112,7 @@ class BrokenContext:
     """The fault that broke this process's CUDA context, and where it happened."""
 
     error: str  # the first line of the CUDA error
-    where: str  # "property[target id]" or the implementation's name
+    where: str  # "property[target id]" of the check that met it
 
 
 _BROKEN: list[BrokenContext] = []
