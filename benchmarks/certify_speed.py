@@ -8,6 +8,10 @@ ratio to the median torch import.
 
     python benchmarks/certify_speed.py --impl sdpa --repeat 3
     python benchmarks/certify_speed.py --impl sdpa --threads 1 --threads 0 --output benchmarks/results/certify-speed.txt
+    python benchmarks/certify_speed.py --impl jax --threads 1 --workers 2 --repeat 3
+
+``--workers N`` runs each certification with ``-n N`` (pytest-xdist; 0, the default: one
+process).
 
 ``--max-examples N`` (repeatable) also times the run with the profile's random examples
 cut to ``N`` per test (the profile ``PROFILE-maxN`` of ``benchmarks/derived_profiles.py``;
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--torch-threads values to compare (default: 1 and 0)")
     parser.add_argument("--max-examples", type=int, action="append", default=[], metavar="N",
                         help="also time the run with max_examples=N (repeatable; N >= 1)")
+    parser.add_argument("--workers", type=int, default=0, metavar="N",
+                        help="pytest-xdist workers for each certification (-n N; 0: one process)")
     parser.add_argument("--output", default=None, metavar="PATH", help="also write the report to PATH")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.max_examples):
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                  for n in args.max_examples]
     lines: list[str] = [f"$ python benchmarks/certify_speed.py --impl {args.impl} --repeat {args.repeat} "
                         + " ".join(f"--threads {t}" for t in settings)
-                        + "".join(f" --max-examples {n}" for n in args.max_examples)]
+                        + "".join(f" --max-examples {n}" for n in args.max_examples)
+                        + (f" --workers {args.workers}" if args.workers else "")]
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 seconds, code = _seconds(
                     [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}",
                      f"--impl={args.impl}", f"--hypothesis-profile={profile}", "-q",
-                     "-p", "no:cacheprovider", *plugin_args(tmp, profile), f"--torch-threads={threads}"], tmp)
+                     "-p", "no:cacheprovider", *plugin_args(tmp, profile), f"--torch-threads={threads}",
+                     *(["-n", str(args.workers)] if args.workers else [])], tmp)
                 runs[label].append(seconds)
                 codes.add(code)
                 say(f"repeat {i + 1}: {label} {seconds:.1f} s (exit {code})")
