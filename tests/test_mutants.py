@@ -58,7 +58,7 @@ _PLAIN = sorted(name for name in MUTANTS if not name.startswith("triton_"))
 _TRITON = sorted(name for name in MUTANTS if name.startswith("triton_"))
 CHUNKS = {f"zoo{i}": _PLAIN[i::3] for i in range(3)} | {f"triton{i}": _TRITON[i::2] for i in range(2)}
 #: Built-ins whose ``ci`` certification takes minutes (the Triton interpreter; JAX's
-#: 16-bit dtypes op by op) are certified one dtype per process, so ``-n 2`` shares them out.
+#: compilations) are certified one dtype per process, so ``-n 2`` shares them out.
 BY_DTYPE = {"triton": ("float64", "float32", "float16", "bfloat16"),
             "jax": ("float64", "float32", "float16", "bfloat16")}
 

@@ -95,6 +95,10 @@ class Framework:
         """The gradients of ``sum(fn(*primals) * cotangent)`` w.r.t. each primal."""
         raise NotImplementedError(f"{self.name} has no automatic differentiation")
 
+    def with_default_precision(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` computing refused matmul precisions at the default one (JAX only)."""
+        raise NotImplementedError(f"{self.name} has no rewrite of refused matmul precisions")
+
 
 class NumPy(Framework):
     name = package = "numpy"
@@ -108,12 +112,11 @@ class Jax(Framework):
         super().__init__()
         # float64 arrays stay float64 (a process-wide JAX setting, switched on before use)
         self.module.config.update("jax_enable_x64", True)
-        import jax.numpy as jnp
-
-        self.jnp = jnp
 
     def from_numpy(self, array: np.ndarray) -> Any:
-        return self.jnp.asarray(array)
+        # device_put of an owned copy: jnp.asarray compiles a copy program ("jit(stage)",
+        # jax 0.10) for every new shape and dtype, half of a certificate's compilations
+        return self.module.device_put(np.array(array, copy=True))
 
     def jit(self, fn: Callable[..., Any], static: Sequence[str] = ()) -> Callable[..., Any]:
         return self.module.jit(fn, static_argnames=tuple(static))
@@ -121,6 +124,79 @@ class Jax(Framework):
     def vjp(self, fn, primals, cotangent):
         _, pullback = self.module.vjp(fn, *primals)
         return list(pullback(cotangent))
+
+    def with_default_precision(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with each matmul (``dot_general``) whose explicit precision the backend
+        refuses computed at the default precision instead: for a function whose own eager
+        code retries that way (JAX's ``dot_product_attention`` catches the refusal of
+        F16_F16_F32 on a CPU and calls the same einsum with ``precision=None``), so that it
+        can run under ``jax.jit``, which raises the refusal when it compiles, past any
+        ``try``. Traced to a jaxpr, the refused ``dot_general`` equations rewritten
+        (nested jaxprs too), then evaluated: traceable, so it jits and differentiates."""
+        return _DefaultPrecision(self.module, fn)
+
+
+class _DefaultPrecision:
+    """:meth:`Jax.with_default_precision`'s function."""
+
+    def __init__(self, jax: Any, fn: Callable[..., Any]) -> None:
+        self.jax, self.fn = jax, fn
+        self.refusals: dict[tuple, bool] = {}
+
+    def __call__(self, *args, **kwargs):
+        from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+        tree_util = self.jax.tree_util
+        leaves, tree = tree_util.tree_flatten((args, kwargs))
+
+        def of_leaves(*values):
+            a, kw = tree_util.tree_unflatten(tree, values)
+            return self.fn(*a, **kw)
+
+        closed, shape = self.jax.make_jaxpr(of_leaves, return_shape=True)(*leaves)
+        fixed = ClosedJaxpr(self._rewrite(closed.jaxpr), closed.consts)
+        return tree_util.tree_unflatten(tree_util.tree_structure(shape), jaxpr_as_fun(fixed)(*leaves))
+
+    def _rewrite(self, jaxpr: Any) -> Any:
+        from jax.extend.core import ClosedJaxpr, Jaxpr
+
+        def rewritten(value: Any) -> Any:
+            if isinstance(value, ClosedJaxpr):
+                return ClosedJaxpr(self._rewrite(value.jaxpr), value.consts)
+            if isinstance(value, Jaxpr):
+                return self._rewrite(value)
+            if isinstance(value, (tuple, list)) and any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+                return type(value)(rewritten(v) for v in value)
+            return value
+
+        eqns = []
+        for eqn in jaxpr.eqns:
+            params = {name: rewritten(value) for name, value in eqn.params.items()}
+            if eqn.primitive.name == "dot_general" and self._refused(
+                    params.get("precision"), eqn.invars[0].aval.dtype, eqn.invars[1].aval.dtype,
+                    params.get("preferred_element_type")):
+                params["precision"] = None
+            eqns.append(eqn.replace(params=params))
+        return jaxpr.replace(eqns=eqns)
+
+    def _refused(self, precision: Any, lhs: Any, rhs: Any, preferred: Any) -> bool:
+        """Whether the default backend refuses a matmul of these dtypes at this explicit
+        algorithm (lowered once, on a 1 x 1 matmul, per combination)."""
+        lax = self.jax.lax
+        if not isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
+            return False
+        key = (precision, str(lhs), str(rhs), str(preferred))
+        if key not in self.refusals:
+            jnp = self.jax.numpy
+            a, b = jnp.zeros((1, 1), lhs), jnp.zeros((1, 1), rhs)
+            try:
+                self.jax.jit(lambda x, y: lax.dot_general(
+                    x, y, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred)).lower(a, b)
+            except ValueError:
+                self.refusals[key] = True
+            else:
+                self.refusals[key] = False
+        return self.refusals[key]
 
 
 class TensorFlow(Framework):

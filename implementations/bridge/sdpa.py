@@ -44,7 +44,10 @@ class BridgedSDPA:
     flags) is one compilation, the scale is traced. ``"fallback"`` (as the value or the
     predicate's answer): compiled, and a shape whose compiled call raises runs eagerly
     from then on (:class:`_JitOrEager`), for a framework whose eager call retries what its
-    compiler refuses. ``native_gqa``: the function takes
+    compiler refuses. ``"default-precision"``: as ``"fallback"``, compiled with each matmul
+    precision the backend refuses computed at the default precision
+    (``Framework.with_default_precision``), for a function whose eager code itself retries
+    that way (JAX's ``dot_product_attention`` in float16 on a CPU). ``native_gqa``: the function takes
     K < N key/value heads without an ``enable_gqa`` parameter (JAX's and Keras' own
     ``dot_product_attention``: query head h reads key/value head h // (N / K)); any other
     function without ``enable_gqa`` refuses ``enable_gqa=True``."""
@@ -125,17 +128,23 @@ class BridgedSDPA:
         def forward(*arrays, scale=None):
             return self._call(arrays, config, scale)
 
-        def backward(*arrays, cotangent, scale=None):
-            def of_differentiable(*chosen):
-                full = list(arrays)
-                for index, array in zip(differentiable, chosen, strict=True):
-                    full[index] = array
-                return forward(*full, scale=scale)
+        def backward_of(call):
+            def backward(*arrays, cotangent, scale=None):
+                def of_differentiable(*chosen):
+                    full = list(arrays)
+                    for index, array in zip(differentiable, chosen, strict=True):
+                        full[index] = array
+                    return call(*full, scale=scale)
 
-            return framework.vjp(of_differentiable, [arrays[i] for i in differentiable], cotangent)
+                return framework.vjp(of_differentiable, [arrays[i] for i in differentiable], cotangent)
 
-        if jitted == "fallback":
-            made = (_JitOrEager(framework.jit(forward), forward), _JitOrEager(framework.jit(backward), backward))
+            return backward
+
+        backward = backward_of(forward)
+        if jitted in ("fallback", "default-precision"):
+            compiled = framework.with_default_precision(forward) if jitted == "default-precision" else forward
+            made = (_JitOrEager(framework.jit(compiled), forward),
+                    _JitOrEager(framework.jit(backward_of(compiled)), backward))
             self.fallbacks.extend(made)
             return made
         if jitted:
@@ -144,7 +153,7 @@ class BridgedSDPA:
 
     def functions(self, config, dtype: torch.dtype):
         jitted = self.jit(dtype) if callable(self.jit) else self.jit
-        return self._functions(config, jitted if jitted == "fallback" else bool(jitted))
+        return self._functions(config, jitted if jitted in ("fallback", "default-precision") else bool(jitted))
 
 
 class _JitOrEager:

@@ -30,11 +30,12 @@ Enabling float64 needs ``jax_enable_x64``, a process-wide JAX setting: the bridg
 framework switches it on when this implementation is built (before JAX's first use in a
 certification run).
 
-float32, float64 and bfloat16 run as one jitted function: every new (shape, dtype, mask
-kind, causal) combination costs one XLA compilation (0.1-0.5 s on a CPU); a bfloat16
-shape whose compilation fails runs op by op, as does float16, for which ``jax.jit`` of
-this function always fails on the CPU (see ``_jit_for``), which costs more per call. ``capabilities.jit`` says
-so, and a shape budget in the strategies keeps the count of distinct shapes small.
+Each dtype runs as one jitted function: every new (shape, dtype, mask kind, causal)
+combination costs one XLA compilation (0.1-0.5 s on a CPU). float16 is compiled with its
+matmul at the default precision, the retry JAX's own eager call makes on a CPU (see
+``_jit_for``); a shape whose compilation still fails (some bfloat16 shapes) runs op by op.
+``capabilities.jit`` says so, and the compile budget in the strategies keeps the count of
+distinct configurations small.
 
 Dimension letters: B batch, N query heads, K key/value heads, L query length,
 S key length, E head dim.
@@ -84,8 +85,8 @@ def make_implementation() -> Implementation:
         sdpa=jax_sdpa(jax),
         version=f"jax {jax.__version__}",
         description="jax.nn.dot_product_attention (XLA, CPU) through a NumPy bridge; "
-        "jitted for float32, float64 and bfloat16 (one compilation per new shape; a bfloat16 shape XLA "
-        "refuses runs op by op), op by op for float16",
+        "jitted (one compilation per new configuration; float16's matmul at the default precision, "
+        "as JAX's eager call retries it on a CPU; a shape XLA refuses runs op by op)",
     )
 
 
@@ -94,12 +95,16 @@ def _jit_for(dtype: torch.dtype) -> bool | str:
     matmuls (precision F16_F16_F32 / BF16_BF16_F32) raise "not supported by dot_general
     on CPU" for every float16 shape and "Algorithm not supported by the
     ElementalIrEmitter" for some bfloat16 shapes with B = N = 1 (L = S = 1; L or S = 1
-    with E = 1). Called eagerly, JAX catches the error and retries at the default
-    precision. So float16 runs op by op, and bfloat16 is jitted with an eager fallback
-    for the shapes the compiler refuses (``"fallback"``: the jitted call computes with
-    the explicit precision, as the eager call does wherever that precision compiles)."""
+    with E = 1). Called eagerly, the function catches the error (its own ``try``) and
+    calls the same einsum at the default precision. So float16 is compiled with that
+    retry made ahead (``"default-precision"``: the refused precision rewritten to the
+    default in the traced program, what the eager call computes), and bfloat16 is jitted
+    with an eager fallback for the shapes the compiler refuses (``"fallback"``: the
+    jitted call computes with the explicit precision, as the eager call does wherever
+    that precision compiles); both fall back to the eager call for a shape that still
+    does not compile."""
     if dtype == torch.float16:
-        return False
+        return "default-precision"
     return "fallback" if dtype == torch.bfloat16 else True
 
 

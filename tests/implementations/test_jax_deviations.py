@@ -1,7 +1,7 @@
 """The ``jax`` built-in: every entry of implementations/xfail/jax.toml is still a real
 deviation of the installed jax, the argument mapping it relies on still holds (causal
-alignment, mask polarity, GQA), the jit failure that makes 16-bit dtypes run eagerly is
-still there, and without jax the built-in is unavailable with a reason, never an
+alignment, mask polarity, GQA), the jit failure the 16-bit dtypes' compiled calls work
+around is still there, float16's compiled call computes what the eager call does, and without jax the built-in is unavailable with a reason, never an
 import error. Tests needing jax skip without it."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_jitted_calls_give_nan_rows_for_logits_near_1e9(impl, dtype):
     name = str(dtype).removeprefix("torch.")
     assert entry_for(impl, "forward_agreement", dtype=name, regime="wide_range") is not None
     assert entry_for(impl, "forward_agreement", dtype=name, regime="normal") is None
-    assert entry_for(impl, "forward_agreement", dtype="float16", regime="wide_range") is None  # op by op
+    assert entry_for(impl, "forward_agreement", dtype="float16", regime="wide_range") is None  # not measured there
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(1, 16, 4, 2, generator=g) * 3e4).to(dtype)  # logits ~1e9 with scale 1/sqrt(2)
     k = (torch.randn(1, 16, 12, 2, generator=g) * 3e4).to(dtype)
@@ -99,9 +99,73 @@ def test_bfloat16_is_jitted_and_a_shape_the_compiler_refuses_runs_eagerly(impl):
     np.testing.assert_allclose(np.asarray(jax.nn.dot_product_attention(one, one, one), np.float64), 1.0)
 
 
+def test_float16_is_compiled_with_the_eager_calls_default_precision_retry(impl):
+    """float16 runs compiled (jax_attention._jit_for: "default-precision"): the matmul
+    precision XLA refuses on a CPU is the default one in the compiled program, the retry the
+    eager call makes, so outputs and gradients are those of the eager call up to the
+    rounding of a compiled program (a float16 ulp of the largest value)."""
+    import jax
+
+    from implementations.bridge.frameworks import torch_to_numpy
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 5, 8, generator=g).half().requires_grad_()
+    k = torch.randn(2, 3, 7, 8, generator=g).half().requires_grad_()
+    v = torch.randn(2, 3, 7, 8, generator=g).half().requires_grad_()
+    cot = torch.randn(2, 3, 5, 8, generator=g).half()
+    out = impl.sdpa(q, k, v, is_causal=True, scale=0.4)
+    out.backward(cot)
+    compiled = [state for fn in impl.sdpa.fallbacks for key, state in fn.compiles.items()
+                if key[0] == ((2, 5, 3, 8), "float16")]  # this call's, forward and backward
+    assert compiled == [True, True], compiled  # compiled, no eager fallback
+
+    def eager(q_, k_, v_):
+        return jax.nn.dot_product_attention(q_, k_, v_, is_causal=True, scale=0.4)
+
+    blne = [jax.numpy.asarray(torch_to_numpy(t.detach().transpose(1, 2))) for t in (q, k, v)]
+    want, pullback = jax.vjp(eager, *blne)
+    grads = pullback(jax.numpy.asarray(torch_to_numpy(cot.transpose(1, 2))))
+    for got, expected in ((out, want), *zip((q.grad, k.grad, v.grad), grads, strict=True)):
+        expected = np.asarray(expected, np.float64).transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(got.detach().double().numpy(), expected, rtol=0,
+                                   atol=2 ** -10 * max(1.0, np.abs(expected).max()))
+    q, k, v = (t.detach() for t in (q, k, v))
+    np.testing.assert_allclose(out.double().detach().numpy(), oracle(q, k, v, causal="upper_left", scale=0.4),
+                               atol=5e-3)
+
+
+def test_default_precision_rewrites_only_what_the_backend_refuses(impl):
+    """The rewrite behind "default-precision" sets precision None on float16's refused
+    F16_F16_F32 matmul and keeps bfloat16's BF16_BF16_F32, which the CPU accepts."""
+    import jax
+    import ml_dtypes
+    from jax.extend.core import ClosedJaxpr
+
+    rewrite = impl.sdpa.framework.with_default_precision(jax.nn.dot_product_attention)
+
+    def precisions(jaxpr):
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                if isinstance(value, ClosedJaxpr):
+                    found += precisions(value.jaxpr)
+        return found
+
+    for dtype, explicit, kept in ((np.float16, "F16_F16_F32", False), (ml_dtypes.bfloat16, "BF16_BF16_F32", True)):
+        q = np.ones((1, 2, 1, 4), dtype)
+        traced = jax.make_jaxpr(jax.nn.dot_product_attention)(q, q, q).jaxpr
+        assert explicit in [str(p).rsplit(".", 1)[-1] for p in precisions(traced)]
+        got = [str(p).rsplit(".", 1)[-1] for p in precisions(rewrite._rewrite(traced))]
+        assert (explicit in got) == kept, got
+    q = np.ones((1, 2, 1, 4), np.float16)
+    np.testing.assert_allclose(np.asarray(jax.jit(rewrite)(q, q, q), np.float64), 1.0)
+
+
 def test_jit_fails_for_16_bit_dtypes_on_cpu_but_eager_calls_work(impl):
-    """Why the adapter runs float16 op by op and bfloat16 with an eager fallback per shape
-    (see jax_attention._jit_for)."""
+    """Why the adapter compiles float16 with the default-precision rewrite and bfloat16 with
+    an eager fallback per shape (see jax_attention._jit_for)."""
     import jax
     import ml_dtypes
 
