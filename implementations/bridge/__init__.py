@@ -165,7 +165,7 @@ def _frameworks_own(fn: Any, framework: str) -> bool:
 
 
 def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = None, origin: str = "",
-                jit: bool | Callable[[Any], bool] = False) -> BridgedSDPA:
+                jit: bool | str | Callable[[Any], bool | str] = False) -> BridgedSDPA:
     """A :class:`BridgedSDPA` of ``fn`` run by ``framework`` (ImportError: not installed;
     ImplementationError: a signature the bridge cannot call)."""
     origin = origin or getattr(fn, "__name__", "the function")
