@@ -21,9 +21,9 @@ import pytest
 
 #: Seconds a test took, by node id pattern (first match wins). Only the order matters.
 MEASURED_SECONDS = {
-    "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 140,
-    "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 70,
-    "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 73,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 57,  # 2026-12-04: compiled
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 53,
+    "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 46,
     "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 75,
     "tests/test_mutants.py::test_every_mutant_is_killed[triton1]": 5,
     "tests/test_mutants.py::test_every_mutant_is_killed[triton0]": 4,
