@@ -187,8 +187,7 @@ class _DefaultPrecision:
             return False
         key = (precision, str(lhs), str(rhs), str(preferred))
         if key not in self.refusals:
-            jnp = self.jax.numpy
-            a, b = jnp.zeros((1, 1), lhs), jnp.zeros((1, 1), rhs)
+            a, b = self.jax.ShapeDtypeStruct((1, 1), lhs), self.jax.ShapeDtypeStruct((1, 1), rhs)
             try:
                 self.jax.jit(lambda x, y: lax.dot_general(
                     x, y, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred)).lower(a, b)
