@@ -112,6 +112,8 @@ class Jax(Framework):
         super().__init__()
         # float64 arrays stay float64 (a process-wide JAX setting, switched on before use)
         self.module.config.update("jax_enable_x64", True)
+        #: (precision, dtypes) -> whether the backend refuses it, shared by every rewrite
+        self.refusals: dict[tuple, bool] = {}
 
     def from_numpy(self, array: np.ndarray) -> Any:
         # device_put of an owned copy: jnp.asarray compiles a copy program ("jit(stage)",
@@ -133,15 +135,14 @@ class Jax(Framework):
         can run under ``jax.jit``, which raises the refusal when it compiles, past any
         ``try``. Traced to a jaxpr, the refused ``dot_general`` equations rewritten
         (nested jaxprs too), then evaluated: traceable, so it jits and differentiates."""
-        return _DefaultPrecision(self.module, fn)
+        return _DefaultPrecision(self.module, fn, self.refusals)
 
 
 class _DefaultPrecision:
     """:meth:`Jax.with_default_precision`'s function."""
 
-    def __init__(self, jax: Any, fn: Callable[..., Any]) -> None:
-        self.jax, self.fn = jax, fn
-        self.refusals: dict[tuple, bool] = {}
+    def __init__(self, jax: Any, fn: Callable[..., Any], refusals: dict[tuple, bool]) -> None:
+        self.jax, self.fn, self.refusals = jax, fn, refusals
 
     def __call__(self, *args, **kwargs):
         from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
