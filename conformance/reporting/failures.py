@@ -492,7 +492,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
         f"shrunk case: {case.describe()}\n"
         + (f"called: {call.describe()}\n" if differs else f"called as drawn: {call.arguments()}\n")
         + f"saved: {record.failure_file}\n"
-        f"replay: pytest conformance --impl={impl}{option_args} --replay {path}\n"
+        f"replay: pytest conformance --impl={impl}{option_args} --replay={path}\n"
         f"reproducer (paste into python; {how}):\n{record.reproducer}"
         + (f"in your module's terms:\n{own}" if own else "")
     )

@@ -237,7 +237,7 @@ def test_two_implementations_in_one_run(tmp_path):
     assert failed["outcome"] == "failed"
     assert Path(failed["failure_file"]).name.startswith("tests_runner_impls_for_tests.py_ignores_scale-")
     assert f"resolve({bad!r})" in failed["reproducer"]
-    assert f"replay: pytest conformance --impl={bad} --replay {failed['failure_file']}" in out
+    assert f"replay: pytest conformance --impl={bad} --replay={failed['failure_file']}" in out
     assert (tmp_path / "cert.md").read_text().startswith("# attention-conformance certificate: 2 implementations")
 
     replayed = run(f"--impl={bad}", "--replay", failed["failure_file"], tmp_path=tmp_path / "replay")
