@@ -216,7 +216,7 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
         for v in ids:
             if v in also:
                 fits[v].append("the failing case before shrinking")
-                telling[v] += also[v].get("finite_evidence", True) or _partly_finite(earlier.call)
+                telling[v] += also[v].get("finite_evidence", True) or _partly_nonzero(earlier.call)
     best = max(len(f) for f in fits.values())
     leaders = [v for v in ids if len(fits[v]) == best]
     weak = [c["variant"] for c in verdict.causes if c["variant"] in leaders and not _evidence(c)
@@ -230,8 +230,9 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
             if prepared is None:
                 continue
             problem, observed, allowed = prepared
-            # wrong there, and not all NaN: an all-NaN output agrees with any NaN prediction
-            wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_finite(call)
+            # wrong there, and not all NaN or zero: an all-NaN output agrees with any NaN
+            # prediction, an all-zero one with any variant that reads no key
+            wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_nonzero(call)
             for v in ids:
                 if V.variant_fit(observed, problem, v, allowed) <= 1.0:
                     fits[v].append(description)
@@ -252,10 +253,15 @@ def _evidence(cause: dict[str, Any]) -> bool:
     return variant is not None and variant.row_policy is not None
 
 
-def _partly_finite(call: Any) -> bool:
-    """Whether a call's output has a finite element (an all-NaN output confirms nothing)."""
+def _partly_nonzero(call: Any) -> bool:
+    """Whether a call's output has a finite element that is not zero (an output of NaN
+    and zeros confirms nothing: many bugs make it)."""
     output = getattr(call, "output", None)
-    return output is not None and bool(np.isfinite(np.asarray(output, dtype=np.float64)).any())
+    if output is None:
+        return False
+    output = np.asarray(output, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        return bool((np.isfinite(output) & (output != 0)).any())
 
 
 def _named(verdict: Verdict) -> Verdict:
@@ -266,12 +272,13 @@ def _named(verdict: Verdict) -> Verdict:
 
     1. it explains the failing call: every compared output (and weight) within the
        tolerance rule of its prediction, NaN and inf where it predicts them (``rank``);
-    2. the agreement is not NaN-only: it predicts some finite value that differs from
-       the oracle's and the output has it (``V.finite_evidence``), or it names what
-       fully masked rows output (``row_policy``: their NaN is the behaviour named), or,
-       where it differs only by NaN or inf, it also fits another case on which the
-       output is wrong and not all NaN (the failing case before shrinking, or a case
-       derived from the failing one: many bugs make NaN, so agreeing NaN positions
+    2. the agreement is not NaN-only (or zero-only): it predicts some finite nonzero value
+       that differs from the oracle's and the output has it (``V.finite_evidence``), or it
+       names what fully masked rows output (``row_policy``: their NaN is the behaviour
+       named), or, where it differs only by NaN, inf or zero, it also fits another case on
+       which the output is wrong and not all NaN or zero (the failing case before
+       shrinking, or a case derived from the failing one: many bugs make NaN, and every
+       bug that reads no key makes zeros, so agreeing NaN or zero positions
        alone are weak evidence);
     3. it is distinguishable from the other candidates on the evidence gathered: it
        fits strictly more of the other cases (before shrinking, discriminating) than
@@ -296,7 +303,7 @@ def _named(verdict: Verdict) -> Verdict:
         why = ("they explain the failing call equally and no case gathered tells them apart"
                if best == 0 else f"each also fits the same {best} other case(s)")
     else:
-        why = ("it agrees only where it predicts NaN or inf, and no other case where the output "
+        why = ("it agrees only where it predicts NaN, inf or zero, and no other case where the output "
                "is wrong confirms it")
     closest = ", ".join(c["variant"] for c in leaders[:SHOWN]) + (
         f" and {len(leaders) - SHOWN} more" if len(leaders) > SHOWN else "")

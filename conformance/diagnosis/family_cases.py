@@ -7,7 +7,9 @@ that tell the most apart, and confirms a match that agrees only where it predict
   wider (an off-by-one edge and a misplaced triangle empty the same rows on a window of 0);
 * kvcache: one more query (rows of small new values beside rows whose logits overflow
   exp: a merge without its max is NaN in those only; and a diagonal moved by a pad is no
-  longer the top-left one).
+  longer the top-left one), and, for a case without new keys, the last cached keys
+  appended as new ones (a window or causal rule aligned with the appended keys only
+  attends none of a case without them).
 
 New entries are seeded normal values rounded to the case's dtype; a derived case the spec
 calls invalid (a rotary table too short for one more query) is left out, and
@@ -56,7 +58,31 @@ def _flash_cases(case: Any, rng: np.random.Generator) -> list[tuple[str, Any]]:
 
 
 def _kvcache_cases(case: Any, rng: np.random.Generator) -> list[tuple[str, Any]]:
-    return [(f"L={case.L + 1}", case.replace(query=_grown(rng, case.query, 1, 1, case.dtype)))]
+    out = [(f"L={case.L + 1}", case.replace(query=_grown(rng, case.query, 1, 1, case.dtype)))]
+    appended = _cached_keys_appended(case)
+    if appended is not None:
+        out.append(appended)
+    return out
+
+
+def _cached_keys_appended(case: Any) -> tuple[str, Any] | None:
+    """A case without new keys whose last ``n`` valid cached keys of each sequence come as
+    new keys instead (``cache_seqlens`` n lower): the same keys after the append, so the
+    oracle is unchanged, while a variant that aligns with the appended keys only (a window
+    or causal rule that ignores the cache) now attends some keys instead of none. Only for
+    a plain cache: no rotary (it would rotate the moved keys), no cache_batch_idx, no FP8."""
+    if (case.k_new is not None or case.rotary_cos is not None or case.cache_batch_idx is not None
+            or case.fp8 is not None):
+        return None
+    pads = case.cache_leftpad or (0,) * case.B
+    n = min(case.L, *(length - pad for length, pad in zip(case.cache_seqlens, pads, strict=True)))
+    if n < 1:
+        return None
+    k_new = np.stack([case.k_cache[b, length - n:length] for b, length in enumerate(case.cache_seqlens)])
+    v_new = np.stack([case.v_cache[b, length - n:length] for b, length in enumerate(case.cache_seqlens)])
+    seqlens = tuple(length - n for length in case.cache_seqlens)
+    return (f"the last {n} cached key(s) appended as new keys (S_new={n})",
+            case.replace(k_new=k_new, v_new=v_new, cache_seqlens=seqlens))
 
 
 def derived_cases(call: _Call) -> list[tuple[str, Any]]:

@@ -169,18 +169,22 @@ def _sharded_derived_cases(case: Any) -> list[tuple[str, Any]]:
 
 def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:
     """Whether ``variant_id`` predicts on ``problem`` an output that is wrong (beyond the
-    allowed error of the oracle) and not all NaN: a case that can confirm it."""
+    allowed error of the oracle) with an element that is finite and not zero: a case that
+    can confirm it (agreeing NaN or zeros confirm nothing, ``V.finite_evidence``)."""
     output = V.VARIANTS[variant_id].compute(problem).output
-    return bool(np.isfinite(output).any()) and V.correct_fit(output, problem, allowed) > 1.0
+    with np.errstate(all="ignore"):
+        telling = np.isfinite(output) & (output != 0)
+    return bool(telling.any()) and V.correct_fit(output, problem, allowed) > 1.0
 
 
 def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     """Small changes of ``case`` that separate the usual ties: one or two more queries
     or keys (causal alignments, a one-query shortcut), a key block more (a ragged last
     block), other explicit scales (a falsy or ignored scale; a much smaller one, under
-    which q·kᵀ overflowing before the scale still overflows), one more batch item, and
+    which q·kᵀ overflowing before the scale still overflows), one more batch item,
     for a masked case KERNEL_BLOCK more queries whose first key block is blocked (a
-    kernel's NaN first block against NaN fully masked rows).
+    kernel's NaN first block against NaN fully masked rows), and for a causal case
+    KERNEL_BLOCK more queries and keys (a ragged block dropped, seen past the first block).
     The new entries are seeded normal values rounded to the dtype; new mask entries
     attend. Keys that equal the values (shared kv) stay equal. Contiguous, so any target
     that claims the sizes takes them; ``_discriminating_calls`` keeps only the cases the
@@ -227,4 +231,16 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     for scale in (None, 1.5 * default, (default if case.scale is None else case.scale) / 1024):
         if scale != case.scale:
             out.append((f"scale={scale!r}", case.replace(scale=scale, layout="contiguous", notes=())))
+    # a key block and as many queries more: under either causal alignment some query then
+    # attends keys of a second block, where a variant that reads no key of a short case
+    # (a dropped ragged block: all zeros) predicts a nonzero output that can confirm it
+    if case.causal is not None:
+        b, l, s = B, L + V.KERNEL_BLOCK, S + V.KERNEL_BLOCK
+        q = grown(case.query, (b, case.N, l, case.E))
+        k = grown(case.key, (b, case.K, s, case.E))
+        v = k if shared else grown(case.value, (b, case.K, s, case.Ev))
+        mask_shape = (b, case.N, l, s)
+        out.append((f"B={b}, L={l}, S={s}", case.replace(
+            query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
+            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
     return out

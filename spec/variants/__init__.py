@@ -31,7 +31,7 @@ Public API::
     correct_fit(observed, problem, allowed=None) -> float  # <= 1: the oracle explains it
     variant_fit(observed, problem, variant, allowed=None) -> float   # <= 1: the variant explains it
     partition(problem, variants, allowed=None, outputs_only=False) -> [[id, ...], ...]  # grouped by output
-    finite_evidence(observed, problem, variant, allowed=None) -> bool  # False: NaN-only agreement
+    finite_evidence(observed, problem, variant, allowed=None) -> bool  # False: NaN- or zero-only agreement
     as_correct(level) -> Variant                           # the oracle as a pseudo-variant "correct"
     fit(actual, expected, allowed, where=None) -> float    default_allowed(problem)
 

@@ -240,12 +240,15 @@ def as_correct(level: str) -> Variant:
 
 def finite_evidence(observed: Observed, problem: Problem, variant: Variant | str,
                     allowed: Allowed | None = None) -> bool:
-    """Whether ``variant`` explains ``observed`` on finite values: some element where the
-    observation is finite and the variant's prediction differs from the oracle's beyond
-    the allowed error (or the oracle is not finite there). False when the variant and
-    the oracle differ only where the variant predicts NaN or inf: agreeing NaN positions
-    are weak evidence, many bugs make NaN (an overflow, exp(-inf - -inf), 0 * inf), and
-    ``conformance.diagnosis.diagnose`` names such a variant only when another case confirms it."""
+    """Whether ``variant`` explains ``observed`` on finite, nonzero values: some element
+    where the observation is finite, the variant's prediction is finite and not zero
+    (beyond the allowed error), and it differs from the oracle's beyond the allowed error
+    (or the oracle is not finite there). False when the variant and the oracle differ
+    only where the variant predicts NaN, inf or zero: agreeing NaN positions are weak
+    evidence, many bugs make NaN (an overflow, exp(-inf - -inf), 0 * inf), and so are
+    agreeing zeros, which every bug that reads no key (or returns a zeroed or stale
+    buffer) makes; ``conformance.diagnosis.diagnose`` names such a variant only when
+    another case confirms it."""
     variant = lookup(variant) if isinstance(variant, str) else variant
     if variant.compute is None or variant.level != problem.level:
         return False
@@ -263,7 +266,9 @@ def finite_evidence(observed: Observed, problem: Problem, variant: Variant | str
             rows = _compared_rows(problem, part, predicted.shape)
             with np.errstate(all="ignore"):
                 differs = ~np.isfinite(right) | (np.abs(predicted - right) > limit)
-            telling = np.isfinite(seen) & np.isfinite(predicted) & differs
+            with np.errstate(all="ignore"):
+                nonzero = np.abs(predicted) > limit
+            telling = np.isfinite(seen) & np.isfinite(predicted) & nonzero & differs
             if rows is not None:
                 telling &= rows
             if telling.any():

@@ -51,6 +51,16 @@ class Planted:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
         if self.bug == "inverted" and attn_mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=~attn_mask, scale=scale)
+        if self.bug == "zeros":                                        # a zeroed buffer never written
+            return torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+        if self.bug == "drop_ragged":                # reads S // 16 full key blocks only (nothing when S < 16)
+            full = k.shape[-2] // 16 * 16
+            if full == 0:
+                return torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() if is_causal else None
+            mask = attn_mask if causal is None else causal if attn_mask is None else attn_mask & causal
+            mask = mask[..., :full] if mask is not None else None
+            return F.scaled_dot_product_attention(q, k[..., :full, :], v[..., :full, :], attn_mask=mask, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
@@ -125,6 +135,44 @@ def test_the_rule_on_a_nan_only_match_fails_without_it():
     # NaN fully masked rows are the behaviour fully_masked_nan names, not a guess from NaN
     policy = dict(diagnosis._cause("fully_masked_nan", 0.0, None), finite_evidence=False, fitted=0, telling=0)
     assert _named(Verdict([policy], "")).causes[0]["confirmed"]
+
+
+# --------------------------------------------------------------------------- zero-only agreement
+
+
+def test_zero_only_agreement_is_confirmed_where_the_variant_reads_some_keys():
+    # S < 16: a dropped ragged block reads no key (zeros, as many bugs give); the derived
+    # case one key block longer (S + 16) is where it predicts a nonzero wrong output
+    fn = Planted("drop_ragged")
+    verdict = diagnosed(target_of(fn), case_of(causal="upper_left", L=1, S=2))
+    first = verdict.causes[0]
+    assert first["variant"] == "ragged_tail_dropped" and first["confirmed"] and not first["finite_evidence"]
+    assert first["telling"] >= 1
+    assert verdict.line.startswith("probable cause: ragged_tail_dropped — ")
+
+
+def test_an_output_of_zeros_is_not_named_after_a_variant_that_reads_no_key():
+    # a buffer never written (or a stale cached one) fits every variant that reads no key
+    # on a short case; none fits the longer case, where they read some
+    fn = Planted("zeros")
+    verdict = diagnosed(target_of(fn), case_of(causal="upper_left", L=1, S=2))
+    assert not any(c["confirmed"] for c in verdict.causes), verdict.causes
+    assert verdict.line.startswith("probable cause: unknown"), verdict.line
+
+
+def test_the_rule_on_a_zero_only_match_fails_without_it():
+    # finite_evidence is False when the variant differs from the oracle only by zeros
+    from conformance.diagnosis.problems import problem_of
+    from spec import variants as V
+
+    target = target_of(Planted("zeros"))
+    case = case_of(causal="upper_left", L=1, S=2)
+    diagnosis.start_example(case)
+    run_sdpa(target, case)
+    call = diagnosis._EXAMPLE.get().calls[-1]
+    problem, observed, allowed = problem_of(target, call)
+    assert V.variant_fit(observed, problem, "ragged_tail_dropped", allowed) <= 1.0  # it explains the zeros
+    assert not V.finite_evidence(observed, problem, "ragged_tail_dropped", allowed)
 
 
 # --------------------------------------------------------------------------- ties
