@@ -18,7 +18,7 @@ __all__ = ["KERNEL_BLOCK", "softmax_float32", "products_in_dtype", "float16_over
            "no_max_subtraction_applies", "global_max", "global_max_applies", "low_precision_accumulation",
            "bfloat16_accumulator", "visited_keys", "online_softmax_no_rescale", "no_rescale_applies",
            "FINITE_FILLS", "input_round_trip", "input_round_trip_applies", "finite_fill_added",
-           "finite_fill_applies", "first_block_nan", "first_block_nan_applies", "causal_before_scale",
+           "finite_fill_applies", "fill_cancels", "fill_cancels_applies", "first_block_nan", "first_block_nan_applies", "causal_before_scale",
            "causal_before_scale_applies"]
 
 #: Key block of the tiled-kernel variants (the bug zoo's tiled and Triton kernels use 16).
@@ -249,6 +249,25 @@ def finite_fill_added(p: SDPAProblem, fill_name: str) -> VariantResult:
     weights = A.softmax(filled, allowed, A.declared_policy(p), dtype=A.compute_dtype(p))
     additive_empty = ~A.allowed_keys(p, attend_mask=None, causal=None).any(axis=-1, keepdims=True)
     return A.finish(A.apply_policy(weights, additive_empty, A.declared_policy(p)), value)
+
+
+def fill_cancels(p: SDPAProblem) -> VariantResult:
+    """The bool mask and the causal rule applied by adding a large finite value (any:
+    -0.7 * finfo.max, -1e9...) in a precision where the scores keep their differences
+    (float32 or float64 arithmetic): the same fill on every key of a fully blocked row
+    cancels out in the softmax, so that row attends all its keys as if unmasked instead
+    of getting the declared policy; a row with an attendable key is right (its blocked
+    keys' weights underflow). The additive mask's own -inf entries stay -inf."""
+    _, scores, allowed, value = A.scores_of(p)
+    blocked_rows = ~A.allowed_keys(p, additive_mask=None).any(axis=-1, keepdims=True)
+    everything = np.broadcast_to(blocked_rows, allowed.shape)
+    weights = A.softmax(scores, allowed | everything, A.declared_policy(p))
+    return A.finish(weights, value)
+
+
+def fill_cancels_applies(p: SDPAProblem) -> bool:
+    """Some row is fully blocked by the bool mask or the causal rule."""
+    return bool((~A.allowed_keys(p, additive_mask=None).any(axis=-1)).any())
 
 
 def finite_fill_applies(p: SDPAProblem, fill_name: str) -> bool:

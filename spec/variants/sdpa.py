@@ -301,6 +301,15 @@ def _table() -> list[Variant]:
              declaration="--impl-option fully_masked={kind}:zero",
              **_fully_masked_as("zero")),
         *_finite_fill_rows(),
+        dict(id="mask_fill_cancels",
+             summary="the bool mask and the causal rule are applied by adding a large finite value in a "
+                     "precision that keeps the scores apart, so in a fully blocked row the fill, the same "
+                     "on every key, cancels out: the row attends all its keys as if unmasked instead of "
+                     "the declared policy (rows with an attendable key are right)",
+             models="Keras' dot_product_attention (blocked keys get -0.7 * the dtype's largest value, "
+                    "which SDPA then adds in float32), masked_fill(-1e9) or finfo.min followed by a "
+                    "float32 softmax",
+             applies=numerics.fill_cancels_applies, compute=numerics.fill_cancels),
         dict(id="softmax_float32",
              summary="float64 inputs go through a float32 softmax, so the output has float32 precision",
              models="transformers' eager attention (softmax(..., dtype=float32)) and JAX's default "

@@ -322,6 +322,29 @@ def test_a_finite_mask_fill_is_named_and_not_an_inverted_mask():
     assert "mask_inverted" not in [c["variant"] for c in verdict.causes]
 
 
+def test_a_fill_that_cancels_out_is_named_and_not_an_inverted_mask():
+    # Keras' dot_product_attention: blocked keys get -0.7 * 65500 in float16, added by SDPA in
+    # float32, so a fully blocked row attends every key (the fill cancels). On a case whose
+    # only masked row is fully blocked, an inverted mask predicts the same; one more query
+    # (its mask entries attend) is right here and fully blocked under the inverted mask.
+    from spec.emulate import round_to
+
+    def keras_like(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        bias = torch.where(attn_mask, torch.zeros((), dtype=q.dtype), torch.tensor(-0.7 * 65500.0, dtype=q.dtype))
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float(),
+                                              scale=scale).to(q.dtype)
+
+    target = Target(Implementation(name="keras-like", capabilities=Capabilities(dtypes=("float16",)),
+                                   sdpa=keras_like), "sdpa", "float16", "cpu")
+    case = case_of(2, L=1, S=2, attend_mask=np.zeros((1, 1, 1, 2), dtype=bool))   # one row, fully blocked
+    case = case.replace(query=round_to(case.query, "float16"), key=round_to(case.key, "float16"),
+                        value=round_to(case.value, "float16"), dtype="float16")
+    verdict = diagnosed(target, case, prop="fully_masked_rows")
+    first = verdict.causes[0]
+    assert first["variant"] == "mask_fill_cancels" and first["confirmed"], verdict.line
+    assert "mask_inverted" in [c["variant"] for c in verdict.causes[1:]]       # the tie the derived case broke
+
+
 def test_the_sharded_derived_case_can_confirm_a_merge_without_the_max():
     """A merge without the running max is NaN-only evidence on an overflowing case; the
     derived case (every logit far below 0) is where it predicts finite wrong rows, in every
