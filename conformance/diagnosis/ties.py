@@ -213,15 +213,17 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
 
     # keys that are the values (a shared-kv implementation's cases) stay the values
     shared = case.key.shape == case.value.shape and bool(np.array_equal(case.key, case.value))
-    out = []
-    for b, l, s in sizes:
+
+    def sized(b: int, l: int, s: int) -> tuple[str, Any]:
         q = grown(case.query, (b, case.N, l, case.E))
         k = grown(case.key, (b, case.K, s, case.E))
         v = k if shared else grown(case.value, (b, case.K, s, case.Ev))
         mask_shape = (b, case.N, l, s)
-        out.append((f"B={b}, L={l}, S={s}", case.replace(
+        return (f"B={b}, L={l}, S={s}", case.replace(
             query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
-            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
+            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=()))
+
+    out = [sized(b, l, s) for b, l, s in sizes]
     blocked = _first_block_blocked(case, rng, shared)
     if blocked is not None:
         out.append(blocked)
@@ -235,12 +237,5 @@ def _derived_cases(case: Any) -> list[tuple[str, Any]]:
     # attends keys of a second block, where a variant that reads no key of a short case
     # (a dropped ragged block: all zeros) predicts a nonzero output that can confirm it
     if case.causal is not None:
-        b, l, s = B, L + V.KERNEL_BLOCK, S + V.KERNEL_BLOCK
-        q = grown(case.query, (b, case.N, l, case.E))
-        k = grown(case.key, (b, case.K, s, case.E))
-        v = k if shared else grown(case.value, (b, case.K, s, case.Ev))
-        mask_shape = (b, case.N, l, s)
-        out.append((f"B={b}, L={l}, S={s}", case.replace(
-            query=q, key=k, value=v, attend_mask=grown(case.attend_mask, mask_shape, True),
-            additive_mask=grown(case.additive_mask, mask_shape, 0.0), layout="contiguous", notes=())))
+        out.append(sized(B, L + V.KERNEL_BLOCK, S + V.KERNEL_BLOCK))
     return out
