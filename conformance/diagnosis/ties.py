@@ -151,8 +151,9 @@ def _sharded_derived_cases(case: Any) -> list[tuple[str, Any]]:
     whose logit is ``base - 2·(j's rank block) - j / S``; values are kept."""
     from spec.emulate import round_to
 
+    out = _two_ranks(case) if case.world_size == 1 else []
     if case.E < 1 or case.L < 2:
-        return []
+        return out
     base = -740.0 if case.dtype == "float64" else -103.0
     scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.E)
     length = case.L
@@ -164,7 +165,27 @@ def _sharded_derived_cases(case: Any) -> list[tuple[str, Any]]:
     key = np.zeros(case.key.shape)
     key[..., 0] = (wanted / (a * scale))[None, None, :]
     query, key = (round_to(x, case.dtype) for x in (query, key))
-    return [(f"every logit near {base:g}, the rank blocks 2 apart", case.replace(query=query, key=key))]
+    return [(f"every logit near {base:g}, the rank blocks 2 apart", case.replace(query=query, key=key)), *out]
+
+
+def _two_ranks(case: Any) -> list[tuple[str, Any]]:
+    """A one-rank case sharded over two ranks (L grown to 2 at least, new entries seeded
+    normal values in the dtype): a bug that loses a whole rank's block gives every row 0
+    on one rank (zeros, which many bugs give) and wrong nonzero rows on two."""
+    from spec.emulate import round_to
+
+    rng = np.random.default_rng(zlib.crc32(f"diagnosis/sharded/{case.dtype}".encode()))
+    more = max(0, 2 - case.L)
+
+    def grown(x: np.ndarray) -> np.ndarray:
+        if not more:
+            return x
+        shape = list(x.shape)
+        shape[2] = more
+        return np.concatenate([x, round_to(rng.standard_normal(shape), case.dtype).astype(x.dtype)], axis=2)
+
+    return [(f"two ranks (world_size=2, L={case.L + more})",
+             case.replace(query=grown(case.query), key=grown(case.key), value=grown(case.value), world_size=2))]
 
 
 def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:
