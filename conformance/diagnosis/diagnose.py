@@ -81,6 +81,7 @@ from conformance.diagnosis.problems import problem_of, sdpa_mask_kind
 from conformance.diagnosis.ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
+    _finite_nonzero,
 )
 from spec import variants as V
 
@@ -257,11 +258,7 @@ def _partly_nonzero(call: Any) -> bool:
     """Whether a call's output has a finite element that is not zero (an output of NaN
     and zeros confirms nothing: many bugs make it)."""
     output = getattr(call, "output", None)
-    if output is None:
-        return False
-    output = np.asarray(output, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        return bool((np.isfinite(output) & (output != 0)).any())
+    return output is not None and _finite_nonzero(output)
 
 
 def _named(verdict: Verdict) -> Verdict:

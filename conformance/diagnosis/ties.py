@@ -172,20 +172,13 @@ def _two_ranks(case: Any) -> list[tuple[str, Any]]:
     """A one-rank case sharded over two ranks (L grown to 2 at least, new entries seeded
     normal values in the dtype): a bug that loses a whole rank's block gives every row 0
     on one rank (zeros, which many bugs give) and wrong nonzero rows on two."""
-    from spec.emulate import round_to
+    from conformance.diagnosis.family_cases import _grown
 
     rng = np.random.default_rng(zlib.crc32(f"diagnosis/sharded/{case.dtype}".encode()))
     more = max(0, 2 - case.L)
-
-    def grown(x: np.ndarray) -> np.ndarray:
-        if not more:
-            return x
-        shape = list(x.shape)
-        shape[2] = more
-        return np.concatenate([x, round_to(rng.standard_normal(shape), case.dtype).astype(x.dtype)], axis=2)
-
+    query, key, value = (_grown(rng, x, 2, more, case.dtype) for x in (case.query, case.key, case.value))
     return [(f"two ranks (world_size=2, L={case.L + more})",
-             case.replace(query=grown(case.query), key=grown(case.key), value=grown(case.value), world_size=2))]
+             case.replace(query=query, key=key, value=value, world_size=2))]
 
 
 def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:
@@ -193,9 +186,15 @@ def _could_confirm(problem: Any, variant_id: str, allowed: Any = None) -> bool:
     allowed error of the oracle) with an element that is finite and not zero: a case that
     can confirm it (agreeing NaN or zeros confirm nothing, ``V.finite_evidence``)."""
     output = V.VARIANTS[variant_id].compute(problem).output
+    return _finite_nonzero(output) and V.correct_fit(output, problem, allowed) > 1.0
+
+
+def _finite_nonzero(output: Any) -> bool:
+    """Whether ``output`` has an element that is finite and not zero (NaN and zeros are
+    what many bugs make: they confirm nothing)."""
+    output = np.asarray(output, dtype=np.float64)
     with np.errstate(all="ignore"):
-        telling = np.isfinite(output) & (output != 0)
-    return bool(telling.any()) and V.correct_fit(output, problem, allowed) > 1.0
+        return bool((np.isfinite(output) & (output != 0)).any())
 
 
 def _derived_cases(case: Any) -> list[tuple[str, Any]]:
