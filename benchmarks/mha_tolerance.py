@@ -50,7 +50,7 @@ from conformance.core.tensors import dtype_of, mha_inputs, to_numpy  # noqa: E40
 from conformance.core.tolerance import EPS  # noqa: E402
 from conformance.calls.mha_bounds import allowed_error as mha_allowed  # noqa: E402
 from implementations.base import Implementation  # noqa: E402
-from implementations.builtins._torch_common import load_mha_weights  # noqa: E402
+from implementations.builtins.pytorch._torch_common import load_mha_weights  # noqa: E402
 from implementations.mutants._base import HandwrittenMHA  # noqa: E402
 from implementations.registry import resolve  # noqa: E402
 

@@ -3,7 +3,7 @@
     python benchmarks/sdpa_backend_caps.py --device cuda --out caps.md --json caps.json
     python benchmarks/sdpa_backend_caps.py --device cpu --out caps-cpu.md   # CPU backends
 
-The capabilities ``implementations/builtins/torch_sdpa.py`` declares for the backend
+The capabilities ``implementations/builtins/pytorch/torch_sdpa.py`` declares for the backend
 built-ins (``sdpa-flash-cuda``, ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-flash``) are
 what a certificate trusts; this script measures them. Each probe is one call of
 ``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``

@@ -50,7 +50,7 @@ VARIANTS = ("native", "upcast", "stages1", "small")
 def _child(case_name: str, variant: str, device: str) -> dict:
     import torch
 
-    import implementations.builtins.triton_attention as ta
+    import implementations.builtins.kernels.triton_attention as ta
 
     if variant != "native":
         def patch(original):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # Before torch/triton: on a CPU-only machine this sets TRITON_INTERPRET=1 first.
-import implementations.builtins.triton_attention as ta
+import implementations.builtins.kernels.triton_attention as ta
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -38,25 +38,25 @@ expectation and gets the spread wrong: ignored, one mask for the batch, on the o
 
 from __future__ import annotations
 
-from implementations.mutants.cache_feature_mutants import CACHE_FEATURE_MUTANTS
-from implementations.mutants.cache_option_mutants import CACHE_OPTION_MUTANTS
-from implementations.mutants.contract_mutants import CONTRACT_MUTANTS
-from implementations.mutants.dropout_mutants import DROPOUT_MUTANTS
-from implementations.mutants.flash_extra_mutants import FLASH_EXTRA_MUTANTS
-from implementations.mutants.flash_mutants import FLASH_MUTANTS
-from implementations.mutants.learner_mutants import LEARNER_MUTANTS
-from implementations.mutants.long_block_mutants import LONG_BLOCK_MUTANTS
-from implementations.mutants.mha_mutants import MHA_MUTANTS
-from implementations.mutants.property_mutants import PROPERTY_MUTANTS
-from implementations.mutants.real_code_mutants import REAL_CODE_MUTANTS
+from implementations.mutants.varlen.cache_feature_mutants import CACHE_FEATURE_MUTANTS
+from implementations.mutants.varlen.cache_option_mutants import CACHE_OPTION_MUTANTS
+from implementations.mutants.sdpa.contract_mutants import CONTRACT_MUTANTS
+from implementations.mutants.flash.dropout_mutants import DROPOUT_MUTANTS
+from implementations.mutants.flash.flash_extra_mutants import FLASH_EXTRA_MUTANTS
+from implementations.mutants.flash.flash_mutants import FLASH_MUTANTS
+from implementations.mutants.mha.learner_mutants import LEARNER_MUTANTS
+from implementations.mutants.sdpa.long_block_mutants import LONG_BLOCK_MUTANTS
+from implementations.mutants.mha.mha_mutants import MHA_MUTANTS
+from implementations.mutants.sdpa.property_mutants import PROPERTY_MUTANTS
+from implementations.mutants.sdpa.real_code_mutants import REAL_CODE_MUTANTS
 from implementations.mutants.record import Mutant
-from implementations.mutants.sdpa_mutants import SDPA_MUTANTS
-from implementations.mutants.sdpa_sink_mutants import SDPA_SINK_MUTANTS
-from implementations.mutants.sharded_mutants import SHARDED_MUTANTS
-from implementations.mutants.size_mutants import SIZE_MUTANTS
-from implementations.mutants.tiled_mutants import TILED_MUTANTS
-from implementations.mutants.triton_mutants import TRITON_MUTANTS
-from implementations.mutants.varlen_mutants import VARLEN_MUTANTS
+from implementations.mutants.sdpa.sdpa_mutants import SDPA_MUTANTS
+from implementations.mutants.sdpa.sdpa_sink_mutants import SDPA_SINK_MUTANTS
+from implementations.mutants.sharded.sharded_mutants import SHARDED_MUTANTS
+from implementations.mutants.sdpa.size_mutants import SIZE_MUTANTS
+from implementations.mutants.sdpa.tiled_mutants import TILED_MUTANTS
+from implementations.mutants.sdpa.triton_mutants import TRITON_MUTANTS
+from implementations.mutants.varlen.varlen_mutants import VARLEN_MUTANTS
 
 __all__ = ["MUTANTS", "Mutant"]
 

@@ -28,13 +28,13 @@ E q/k head dim, Ev value head dim, D model dim.
 
 from __future__ import annotations
 
-from implementations.builtins._torch_common import contiguous_strides, load_mha_weights
-from implementations.mutants._mha_base import (
+from implementations.builtins.pytorch._torch_common import contiguous_strides, load_mha_weights
+from implementations.mutants.mha._mha_base import (
     MHA_CAPABILITIES,
     HandwrittenMHA,
     mha_implementation,
 )
-from implementations.mutants._sdpa_bases import (
+from implementations.mutants.sdpa._sdpa_bases import (
     BLOCK,
     LOWER_RIGHT_CAPABILITIES,
     SDPA_CAPABILITIES,

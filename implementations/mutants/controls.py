@@ -19,8 +19,8 @@ from implementations.mutants._base import (
     mha_implementation,
     sdpa_implementation,
 )
-from implementations.mutants.flash_mutants import FLASH_CAPABILITIES, FlashBase
-from implementations.mutants.sdpa_sink_mutants import SDPA_SINK_CAPABILITIES, SinkSDPA
+from implementations.mutants.flash.flash_mutants import FLASH_CAPABILITIES, FlashBase
+from implementations.mutants.sdpa.sdpa_sink_mutants import SDPA_SINK_CAPABILITIES, SinkSDPA
 
 __all__ = ["CONTROLS", "naive", "lower_right", "manual_backward", "tiled", "mha", "flash", "sinks"]
 

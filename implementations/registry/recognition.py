@@ -296,7 +296,7 @@ def _recognise_class(cls: type, *, name: str, origin: str, timeout: float | None
             f"forward parameters {missing_forward}. Expected __init__({', '.join(MHA_INIT_PARAMETERS)}) "
             f"and forward({', '.join(MHA_FORWARD_PARAMETERS)}), or an Implementation"
         )
-    from implementations.builtins._torch_common import load_mha_weights
+    from implementations.builtins.pytorch._torch_common import load_mha_weights
 
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in init_parameters)
     factory = _MHAFactory(cls, set(MHA_INIT_PARAMETERS) if accepts_kwargs else set(init))

@@ -1,0 +1,1 @@
+"""Context-parallel implementations: ring, Ulysses, torch context parallel."""

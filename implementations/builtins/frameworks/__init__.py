@@ -1,0 +1,1 @@
+"""Built-ins of other array frameworks: JAX."""

@@ -1,0 +1,1 @@
+"""Kernels: the Triton flash-attention kernel."""

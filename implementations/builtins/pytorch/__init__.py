@@ -1,0 +1,1 @@
+"""PyTorch backends: SDPA, nn.MultiheadAttention, flex_attention."""

@@ -1,0 +1,1 @@
+"""Reference implementations: the oracle, the handwritten module, the flash and varlen references."""

@@ -1,0 +1,1 @@
+"""Mutants of the flash level (window, soft-capping, ALiBi, LSE, dropout)."""

@@ -1,0 +1,1 @@
+"""Mutants of the multi-head attention and learner levels."""

@@ -1,0 +1,1 @@
+"""Mutants that break the SDPA level (and the properties every level shares)."""

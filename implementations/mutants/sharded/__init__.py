@@ -1,0 +1,1 @@
+"""Mutants of the sharded (context-parallel) level."""

@@ -1,0 +1,1 @@
+"""Mutants of the varlen and kvcache levels."""
