@@ -30,8 +30,11 @@ for _i, _name in enumerate(_ORDER):
 PACKAGE_ORDER = {"spec": frozenset(), "implementations": frozenset({"spec"}),
                  "conformance": frozenset({"spec", "implementations"})}
 
-#: The most modules (``.py`` files) one folder of ``conformance`` may hold.
+#: The most modules (``.py`` files) one folder of the three packages may hold.
 MAX_MODULES = 15
+#: The most lines one module of the three packages may have: a module longer than a
+#: few screens does more than one job, and is split by job (not by size).
+MAX_LINES = 500
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -171,10 +174,27 @@ def test_each_subpackage_says_its_job_in_one_line():
             f"{init}: its docstring starts with one line (a sentence) naming the package's job")
 
 
+def crowded_folders(root: Path = ROOT) -> list[str]:
+    """Every folder of :data:`PACKAGES` that holds more than :data:`MAX_MODULES` modules."""
+    folders = [root / package for package in PACKAGES]
+    folders += [p for package in PACKAGES for p in sorted((root / package).rglob("*")) if p.is_dir()]
+    return [f"{folder.relative_to(root)} holds {count} modules"
+            for folder in folders if (count := len(list(folder.glob("*.py")))) > MAX_MODULES]
+
+
+def long_modules(root: Path = ROOT) -> list[str]:
+    """Every module of :data:`PACKAGES` longer than :data:`MAX_LINES` lines."""
+    return [f"{path.relative_to(root)} has {lines} lines"
+            for path in module_files(root).values()
+            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+
+
 def test_no_folder_holds_more_than_fifteen_modules():
-    for folder in [ROOT / "conformance", *(p for p in (ROOT / "conformance").rglob("*") if p.is_dir())]:
-        count = len(list(folder.glob("*.py")))
-        assert count <= MAX_MODULES, f"{folder.relative_to(ROOT)} holds {count} modules"
+    assert crowded_folders() == [], "split the folder by job (docs/DESIGN.md)"
+
+
+def test_no_module_is_longer_than_five_hundred_lines():
+    assert long_modules() == [], "split the module by job (docs/DESIGN.md)"
 
 
 # ----------------------------------------------------------------------------- the checks can fail
@@ -213,3 +233,15 @@ def test_a_cycle_through_a_deferred_import_fails(tmp_path):
 def test_an_upward_arrow_is_a_violation(edge, allowed):
     source, target = edge
     assert (layer_violations({source: {target}}) == []) is allowed
+
+
+def test_a_crowded_folder_and_a_long_module_are_found(tmp_path):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    for i in range(MAX_MODULES):  # with __init__.py: one module too many
+        (tmp_path / "implementations" / f"m{i}.py").write_text("")
+    (tmp_path / "spec" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "spec" / "fits.py").write_text("x = 1\n" * MAX_LINES)
+    assert crowded_folders(tmp_path) == [f"implementations holds {MAX_MODULES + 1} modules"]
+    assert long_modules(tmp_path) == [f"spec/long.py has {MAX_LINES + 1} lines"]
