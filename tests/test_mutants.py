@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from implementations.mutants import MUTANTS
-from implementations.mutants.contract_mutants import CONTRACT_CONTROLS
-from implementations.mutants.learner_mutants import LEARNER_CONTROLS
+from implementations.mutants.sdpa.contract_mutants import CONTRACT_CONTROLS
+from implementations.mutants.mha.learner_mutants import LEARNER_CONTROLS
 from implementations.mutants.controls import CONTROLS
 
 pytestmark = pytest.mark.slow
@@ -47,9 +47,9 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref",
            "ring", "ulysses", "torch-cp"] + [
     f"implementations.mutants.controls:{name}" for name in CONTROLS
 ] + [  # bare functions with a declared non-default convention (--impl-option)
-    f"implementations.mutants.contract_mutants:{name}" for name in CONTRACT_CONTROLS
+    f"implementations.mutants.sdpa.contract_mutants:{name}" for name in CONTRACT_CONTROLS
 ] + [  # hand-written modules, recognised through the learner level with no adapter
-    f"implementations.mutants.learner_mutants:{name}" for name in LEARNER_CONTROLS
+    f"implementations.mutants.mha.learner_mutants:{name}" for name in LEARNER_CONTROLS
 ]
 TIMEOUT_S = 1800
 #: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them

@@ -82,7 +82,7 @@ def test_the_diagnosis_names_the_mutants_bug_first(chunk, tmp_path):
     its own first failure (as ``-x`` stops a run of one), gets its record's cause first."""
     names = CHUNKS[chunk]
     if chunk.startswith("triton"):
-        from implementations.builtins.triton_attention import make_implementation
+        from implementations.builtins.kernels.triton_attention import make_implementation
 
         reason = make_implementation().unavailable_reason
         if reason:

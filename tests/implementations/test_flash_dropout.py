@@ -16,7 +16,7 @@ import torch
 import spec
 from implementations import registry
 from implementations.mutants import MUTANTS
-from implementations.mutants.flash_mutants import FlashBase
+from implementations.mutants.flash.flash_mutants import FlashBase
 
 OPTIONS = [{}, {"causal": True}, {"window_size": (1, 0), "softcap": 1.5}, {"sinks": [0.5, -1.0, 2.0, 0.0]},
            {"alibi_slopes": [0.5, -0.25, 1.0, 0.0]}]
@@ -84,7 +84,7 @@ def test_the_mean_over_seeds_is_the_output_without_dropout():
 
 SOURCE = textwrap.dedent(
     """
-    from implementations.builtins.flash_reference import flash_attn_func as reference
+    from implementations.builtins.references.flash_reference import flash_attn_func as reference
 
     def with_pattern(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
         return reference(q, k, v, dropout_p, softmax_scale, causal, return_attn_probs=return_attn_probs)

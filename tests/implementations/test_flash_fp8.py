@@ -22,7 +22,7 @@ from conformance.strategies.flash import flash_cases
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
 from implementations.mutants import MUTANTS
-from implementations.mutants.flash_mutants import FLASH_CAPABILITIES, FlashBase
+from implementations.mutants.flash.flash_mutants import FLASH_CAPABILITIES, FlashBase
 from implementations.registry.options import parse_options
 
 FORMATS = ("float8_e4m3fn", "float8_e5m2")
@@ -147,7 +147,7 @@ def test_fp8_capabilities_options_and_validation():
 
 SOURCE = textwrap.dedent(
     """
-    from implementations.builtins.flash_reference import flash_attn_func as reference
+    from implementations.builtins.references.flash_reference import flash_attn_func as reference
 
     def fa3_signature(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                       v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,

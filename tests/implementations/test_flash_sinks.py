@@ -44,7 +44,7 @@ def test_flash_sinks_agree_with_spec(name, options, sinks, L, S):
     if name == "flash-ref":
         flash = registry.resolve("flash-ref").flash
     else:
-        from implementations.mutants.flash_mutants import FlashBase
+        from implementations.mutants.flash.flash_mutants import FlashBase
 
         flash = FlashBase()
     rng = np.random.default_rng(L * 10 + S)
@@ -71,7 +71,7 @@ def test_flash_ref_declares_sinks_and_the_default_does_not():
 SOURCE = textwrap.dedent(
     """
     import torch
-    from implementations.builtins.flash_reference import flash_attn_func as reference
+    from implementations.builtins.references.flash_reference import flash_attn_func as reference
 
     def named_sinks(q, k, v, softmax_scale=None, causal=False, sinks=None):
         return reference(q, k, v, softmax_scale=softmax_scale, causal=causal, sinks=sinks)

@@ -15,7 +15,7 @@ import torch
 import spec
 from implementations import registry
 from implementations.base import Capabilities
-from implementations.mutants.sdpa_sink_mutants import SinkSDPA
+from implementations.mutants.sdpa.sdpa_sink_mutants import SinkSDPA
 
 MASKS = [{}, {"causal": True}, {"attend": "row0_blocked"}, {"additive": True}]
 SINKS = [np.array([0.5, -1.0, 2.0, 0.0]), np.full(4, 1000.0), np.full(4, -1000.0)]
@@ -64,7 +64,7 @@ def test_handwritten_declares_sinks_and_the_default_does_not():
 
 SOURCE = textwrap.dedent(
     """
-    from implementations.builtins.handwritten import scaled_dot_product_attention as reference
+    from implementations.builtins.references.handwritten import scaled_dot_product_attention as reference
 
     def named_sinks(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, sinks=None):

@@ -11,7 +11,7 @@ import torch
 
 import spec
 from implementations import registry
-from implementations.builtins.varlen_reference import (
+from implementations.builtins.references.varlen_reference import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
 )
@@ -97,8 +97,8 @@ def test_builtin_declares_both_levels_only():
 
 FLASH_SOURCE = textwrap.dedent(
     """
-    from implementations.builtins.varlen_reference import flash_attn_varlen_func as _varlen
-    from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kvcache
+    from implementations.builtins.references.varlen_reference import flash_attn_varlen_func as _varlen
+    from implementations.builtins.references.varlen_reference import flash_attn_with_kvcache as _kvcache
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False):
@@ -190,7 +190,7 @@ def test_the_varlen_dropout_pattern_is_declared_not_read_from_the_signature(tmp_
     path = tmp_path / "user_flash.py"
     path.write_text(textwrap.dedent(
         """
-        from implementations.builtins.varlen_reference import flash_attn_varlen_func as _varlen
+        from implementations.builtins.references.varlen_reference import flash_attn_varlen_func as _varlen
 
         def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
@@ -206,7 +206,7 @@ def test_the_varlen_dropout_pattern_is_declared_not_read_from_the_signature(tmp_
 
 FP8_KVCACHE_SOURCE = textwrap.dedent(
     """
-    from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kvcache
+    from implementations.builtins.references.varlen_reference import flash_attn_with_kvcache as _kvcache
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, q_descale=None,
                                 k_descale=None, v_descale=None, softmax_scale=None, causal=False):

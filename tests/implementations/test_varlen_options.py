@@ -12,7 +12,7 @@ import torch
 import spec
 from implementations import registry
 from implementations.base import Capabilities
-from implementations.builtins.varlen_reference import flash_attn_varlen_func, flash_attn_with_kvcache
+from implementations.builtins.references.varlen_reference import flash_attn_varlen_func, flash_attn_with_kvcache
 
 OPTIONS = [{"window": (1, 0)}, {"window": (0, 2), "causal": True}, {"softcap": 0.6},
            {"softcap": 0.8, "causal": True, "window": (2, -1)}, {"alibi_slopes": np.array([0.5, -0.25, 1.0, 0.0])},
@@ -182,7 +182,7 @@ def test_the_reference_declares_the_cache_options_and_signatures_claim_theirs(tm
                                                      "cache_batch_idx", "cache_leftpad", "num_splits", "fp8"}
     source = tmp_path / "user_kvcache.py"
     source.write_text(
-        "from implementations.builtins.varlen_reference import flash_attn_with_kvcache as _kv\n\n"
+        "from implementations.builtins.references.varlen_reference import flash_attn_with_kvcache as _kv\n\n"
         "def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,\n"
         "                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,\n"
         "                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,\n"

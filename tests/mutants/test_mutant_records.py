@@ -33,7 +33,7 @@ from implementations.mutants._base import (
     load_mha_weights,
 )
 from implementations.mutants.cases import case_attrs, mha_call, sdpa_call
-from implementations.mutants.flash_mutants import FLASH_CAPABILITIES
+from implementations.mutants.flash.flash_mutants import FLASH_CAPABILITIES
 
 #: The suite's property ids, from the registry (every conformance/test_*.py imported).
 PROPERTY_IDS = frozenset(registered_properties())
@@ -52,7 +52,7 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2
 DROPOUT_DRAWS = 4000
 
 def _triton_reason() -> str | None:
-    from implementations.builtins.triton_attention import make_implementation
+    from implementations.builtins.kernels.triton_attention import make_implementation
 
     return make_implementation().unavailable_reason
 
@@ -89,7 +89,7 @@ def _reference_sdpa(call, *, requires_grad: bool):
     kwargs = dict(call.kwargs)
     kwargs.pop("dropout_p", None)
     if "sinks" in kwargs:
-        from implementations.builtins.handwritten import scaled_dot_product_attention as handwritten
+        from implementations.builtins.references.handwritten import scaled_dot_product_attention as handwritten
 
         if call.causal == "lower_right":
             L, S = q.shape[-2], k.shape[-2]
@@ -381,11 +381,11 @@ def test_capabilities_are_the_bases(name):
         assert caps.probe_notes, "the probe saw nothing of the bug"
         return
     if name.startswith("learner_"):  # probed through the learner level: its correct module's claims
-        from implementations.mutants.learner_mutants import control_of
+        from implementations.mutants.mha.learner_mutants import control_of
 
         caps, base = caps.replace(probe_notes=()), control_of(name).capabilities.replace(probe_notes=())
     elif name.startswith("triton_"):  # planted in the Triton kernel: its clean build's claims
-        from implementations.builtins.triton_attention import make_implementation
+        from implementations.builtins.kernels.triton_attention import make_implementation
 
         base = make_implementation().capabilities
     elif mutant.level == "sdpa" and not caps.dropout:

@@ -1,6 +1,6 @@
 """The varlen / kvcache mutants' records are complete and true (fast; no conformance runner).
 
-For each mutant of ``implementations/mutants/varlen_mutants.py``: its record names a
+For each mutant of ``implementations/mutants/varlen/varlen_mutants.py``: its record names a
 registered property of its own level; it claims exactly the built-in's capabilities; its
 smallest case lies inside them and gives a result (output, or the caches after the
 call) that differs from ``spec.varlen_attention`` / ``spec.kvcache_attention`` (with
@@ -20,7 +20,7 @@ import torch
 import spec
 from spec import flash as spec_flash
 from conformance.core.registry import registered_properties
-from implementations.builtins.varlen_reference import (
+from implementations.builtins.references.varlen_reference import (
     VARLEN_CAPABILITIES,
     flash_attn_varlen_func,
     flash_attn_with_kvcache,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from implementations.base import Capabilities, Implementation
-from implementations.builtins.handwritten import scaled_dot_product_attention
+from implementations.builtins.references.handwritten import scaled_dot_product_attention
 
 
 def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

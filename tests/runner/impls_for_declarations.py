@@ -141,7 +141,7 @@ def tile_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_
                softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """The same kernel at the flash level (``flash_attn_func``'s signature): right for
     head dims of at least 16, raising below. Needs ``min_head_dim=16``."""
-    from implementations.builtins.flash_reference import flash_attn_func
+    from implementations.builtins.references.flash_reference import flash_attn_func
 
     _check_tiles("tile_flash", q.shape[-1], v.shape[-1])
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,

@@ -13,7 +13,7 @@ from conformance.sharded import backends
 from conformance.sharded import group as groups
 from conformance.sharded.cases import ShardedCallSpec
 from conformance.sharded.strategies import make_case, top_world
-from implementations.builtins._sharded_common import sharded_capabilities
+from implementations.builtins.distributed._sharded_common import sharded_capabilities
 from implementations.registry import resolve
 
 

@@ -22,7 +22,7 @@ SHARDED = sorted(name for name, m in MUTANTS.items() if m.level == "sharded")
 
 
 def case_of(record: dict, dtype: str = "float64") -> ShardedCase:
-    """A record's smallest or safe case (``implementations/mutants/sharded_mutants.py``'s
+    """A record's smallest or safe case (``implementations/mutants/sharded/sharded_mutants.py``'s
     vocabulary) as a sharded case."""
     W, layout = record.get("world_size", 1), record.get("layout", "contiguous")
     L, d = record.get("L", 1), sharding.divisor(layout, W)

@@ -6,7 +6,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from conformance.sharded.strategies import sharded_cases, sharded_directed
-from implementations.builtins._sharded_common import sharded_capabilities
+from implementations.builtins.distributed._sharded_common import sharded_capabilities
 from spec import sharding
 
 RING = sharded_capabilities()
@@ -30,7 +30,7 @@ def test_cases_divide_and_respect_the_claims(data):
 
 
 def sharding_reasons(caps, case):
-    from implementations.builtins.ring_attention import make_implementation
+    from implementations.builtins.distributed.ring_attention import make_implementation
 
     impl = make_implementation()
     impl = impl.__class__(**{**{f: getattr(impl, f) for f in impl.__dataclass_fields__},

@@ -1,6 +1,6 @@
 """The smallest case of each flash-, varlen- and kvcache-level variant, built from the
 record of the bug-zoo mutant it models (``smallest_case``, in the vocabulary of
-``implementations/mutants/flash_mutants.py`` and ``varlen_mutants.py``), and the mutant
+``implementations/mutants/flash/flash_mutants.py`` and ``varlen_mutants.py``), and the mutant
 run through torch on a problem (:func:`run_mutant`), read back as the runner reads it.
 
 Shared by ``test_variants.py`` (every deterministic variant has a case) and

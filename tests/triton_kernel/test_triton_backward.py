@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
+import implementations.builtins.kernels.triton_attention as ta  # (before triton: see its docstring)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 

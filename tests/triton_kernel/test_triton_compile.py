@@ -45,7 +45,7 @@ import time
 import pytest
 import torch  # noqa: E402
 
-import implementations.builtins.triton_attention as ta  # noqa: E402
+import implementations.builtins.kernels.triton_attention as ta  # noqa: E402
 from conformance.core.tensors import dtype_of  # noqa: E402
 from implementations.base import ALL_DTYPES  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The triton kernels at the flash level: window, softcap, ALiBi and the LSE, forward and backward.
 
 Runs wherever the implementation runs (Triton interpreter on CPU, compiled on CUDA).
-The reference is ``flash-ref`` (implementations/builtins/flash_reference.py, plain
+The reference is ``flash-ref`` (implementations/builtins/references/flash_reference.py, plain
 float64 PyTorch with autograd) on the same stored inputs. Sizes cross the kernel's
 block edges (16-key blocks on the CPU) so a window's first and last key blocks are
 partial and some blocks are skipped whole.
@@ -13,14 +13,14 @@ import math
 
 import pytest
 
-import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
+import implementations.builtins.kernels.triton_attention as ta  # (before triton: see its docstring)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
 import numpy as np
 import torch
 
-from implementations.builtins.flash_reference import flash_attn_func as reference
+from implementations.builtins.references.flash_reference import flash_attn_func as reference
 
 IMPL = ta.make_implementation()
 if not IMPL.available:

@@ -16,7 +16,7 @@ import pytest
 
 # Imported before anything imports triton: on a machine without CUDA the module must
 # set TRITON_INTERPRET=1 before triton's first import (see its docstring).
-import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
+import implementations.builtins.kernels.triton_attention as ta  # (before triton: see its docstring)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 

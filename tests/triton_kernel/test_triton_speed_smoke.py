@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import implementations.builtins.triton_attention as ta  # (before triton: see its docstring)
+import implementations.builtins.kernels.triton_attention as ta  # (before triton: see its docstring)
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_speed.py"
