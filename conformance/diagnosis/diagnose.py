@@ -45,29 +45,18 @@ Everything runs inside a guard: a diagnosis error becomes the line
 The allowed error is the runner's tolerance rule (``calls`` and ``mha_calls``), applied to
 each variant's own weights. docs/DIAGNOSIS.md says how to read the result.
 
-The parts: ``diagnosis_observe`` (the calls kept per example), ``diagnosis_ties`` (the
-discriminating cases of step 4) and ``diagnosis_causes`` (the certificate's cause
-table); their public names are importable from here.
+The parts: ``core.observe`` (the calls kept per example), ``ties`` (the discriminating
+cases of step 4), ``causes`` (the certificate's cause table), ``verdict`` (a verdict and
+its line), ``deviations`` (the built-ins' known deviations, step 6) and ``randomness``
+(a random output's sign); their public names are importable from here.
 """
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 
-from conformance.diagnosis.causes import (
-    SHOWN,
-    UNKNOWN,
-    _order,  # noqa: F401 - diagnosis._order, as before the split
-    cause_groups,
-    cause_line,
-    cause_lines,
-    cause_markdown,
-)
 from conformance.core.observe import (
     _EXAMPLE,
     _FIRST_FAILURE,
@@ -77,12 +66,24 @@ from conformance.core.observe import (
     observe_sdpa,
     start_example,
 )
+from conformance.diagnosis.causes import (
+    SHOWN,
+    UNKNOWN,
+    _order,  # noqa: F401 - diagnosis._order, as before the split
+    cause_groups,
+    cause_line,
+    cause_lines,
+    cause_markdown,
+)
+from conformance.diagnosis.deviations import KNOWN_DEVIATION, _with_known_deviations  # noqa: F401 - as before the split
 from conformance.diagnosis.problems import problem_of, sdpa_mask_kind
+from conformance.diagnosis.randomness import RECALLS, _random_in_eval, _random_on_recall  # noqa: F401 - as before the split
 from conformance.diagnosis.ties import (
     MAX_DISCRIMINATING,  # noqa: F401 - diagnosis.MAX_DISCRIMINATING, as before the split
     _discriminating_calls,
     _finite_nonzero,
 )
+from conformance.diagnosis.verdict import Verdict, _cause, _line, _unknown
 from spec import variants as V
 
 __all__ = [
@@ -99,23 +100,6 @@ __all__ = [
     "cause_markdown",
 ]
 
-#: The id prefix of a cause that is a built-in's known deviation (``known_deviation:sdpa``).
-KNOWN_DEVIATION = "known_deviation"
-#: The MHA variant whose output is random; it shows as two eval-mode calls that differ.
-_RANDOM_IN_EVAL = "mha_dropout_in_eval"
-#: Extra calls of an eval-mode module whose output is wrong and matches no variant,
-#: looking for that sign (only then; every other diagnosis calls at most once).
-RECALLS = 3
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the diagnosis found: the matches (dicts as recorded) and the message line;
-    ``call``: the observed call they were matched on (None when there is none)."""
-
-    causes: list[dict[str, Any]]
-    line: str
-    call: Any = field(default=None, compare=False, repr=False)
 
 
 def annotate(exc: BaseException, target: Any, record: Any, *, property_id: str = "",
@@ -308,17 +292,6 @@ def _named(verdict: Verdict) -> Verdict:
     return Verdict(causes, line, verdict.call)
 
 
-def _hint(cause: dict[str, Any]) -> str:
-    """What to do about a named variant that is a convention: its declaration, or why
-    there is none."""
-    variant = V.VARIANTS[cause["variant"]]
-    if variant.declaration:
-        return f"; if this is intended, declare {variant.declaration_for(cause.get('kind') or 'bool')}"
-    if variant.undeclarable:
-        return f"; {variant.undeclarable}"
-    return ""
-
-
 def _mask_kind(call: _Call) -> str:
     """The fully-masked-row kind of a call (``Capabilities.fully_masked_policy``)."""
     case = call.case
@@ -330,107 +303,17 @@ def _mask_kind(call: _Call) -> str:
     return sdpa_mask_kind(case)
 
 
-def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdict:
-    """``verdict`` with the built-ins' known deviations that cover this failure (same
-    property, same call attributes, matched as ``--xfail-file`` entries are): an
-    implementation that calls a built-in (a plain wrapper of PyTorch's SDPA) fails
-    where the built-in deviates from the contract, and the cause is that deviation."""
-    from implementations.registry.expected_failures import BUILTIN_LIBRARIES, builtin_deviations
-
-    property_id = getattr(record, "property", "")
-    if not property_id or record.failing_case is None:
-        return verdict
-    calls = getattr(record, "failing_calls", ()) or ()
-    attrs = [c.attrs() for c in calls if hasattr(c, "attrs")] or [record.failing_case.attrs()]
-    own = list(getattr(target.impl, "expected_failures", ()) or ())
-    named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
-    found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
-             if entry not in own and _specific(entry)]
-    libraries, bridged = _libraries_used(target)
-    used = libraries & set(BUILTIN_LIBRARIES.values())
-    if used or bridged:                   # the built-ins of the libraries the implementation calls
-        found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
-    if not found:
-        return verdict
-    name, path, entry = found[0]
-    reference = f" ({entry.reference})" if entry.reference else ""
-    avoid = ", ".join(f"{k}={v!r}" for k, v in entry.match.items()) or f"every case of {property_id}"
-    known = (f"known deviation of the built-in `{name}`: {entry.reason}{reference}. If the implementation "
-             f"calls it, excuse the failure with --xfail-file {path} (or avoid {avoid})")
-    others = sorted({n for n, _, _ in found[1:]} - {name})
-    if others:
-        known += "; also listed for " + ", ".join(f"`{n}`" for n in others)
-    deviation = {"name": name, "path": str(path), "property": entry.property, "reason": entry.reason,
-                 "reference": entry.reference, "match": dict(entry.match), "specific": _specific(entry)}
-    if named:
-        causes = [dict(verdict.causes[0], known_deviation=deviation), *verdict.causes[1:]]
-        return Verdict(causes, verdict.line + f"; this matches a {known}", verdict.call)
-    # no variant named: the deviation is the cause
-    pseudo = {"variant": f"{KNOWN_DEVIATION}:{name}",
-              "summary": f"a known deviation of the built-in `{name}` (--xfail-file {path})",
-              "fit": None, "relative_error": None, "note": entry.reason, "finite_evidence": True,
-              "confirmed": True, "known_deviation": deviation}
-    line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
-                                          if verdict.line else "")
-    return Verdict([pseudo, *verdict.causes], line, verdict.call)
-
-
-def _libraries_used(target: Any) -> tuple[set[str], bool]:
-    """Top-level packages the implementation's callables reference (their module and
-    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA; and
-    whether a callable runs through the framework bridge, whose framework is then known
-    (the bridge's own plumbing imports torch, the code it runs need not: a Keras layer on
-    the tensorflow backend calls no torch kernel). When none of them is a built-in's
-    library and nothing is bridged, every built-in's deviations are considered."""
-    import inspect
-    import types
-
-    used: set[str] = set()
-    bridged = False
-    impl = target.impl
-    for attr in ("sdpa", "mha", "flash"):
-        fn = getattr(impl, attr, None)
-        if fn is None:
-            continue
-        framework = getattr(fn, "framework", None)
-        if framework is not None and isinstance(getattr(framework, "package", None), str):
-            bridged = True
-            used.add(framework.package.split(".")[0])
-            if getattr(framework, "native_torch", False):  # Keras on torch calls torch's kernels
-                used.add("torch")
-            continue
-        if not inspect.isfunction(fn) and not inspect.ismethod(fn):
-            fn = type(fn).__call__                         # a callable object: its method
-        fn = inspect.unwrap(fn)
-        module = getattr(fn, "__module__", None) or ""
-        used.add(module.split(".")[0])
-        for value in getattr(fn, "__globals__", {}).values():
-            if isinstance(value, types.ModuleType):
-                used.add(value.__name__.split(".")[0])
-            elif getattr(value, "__module__", None):
-                used.add(str(value.__module__).split(".")[0])
-    return used, bridged
-
-
-#: Case attributes that only say where an entry applies, not which deviation it is.
-_SCOPE_ATTRIBUTES = frozenset({"dtype", "device", "level"})
-
-
-def _specific(entry: Any) -> bool:
-    """Whether a known deviation says which failure it is: it names its property, or
-    its match constrains the call beyond dtype and device. A "*" entry matching every
-    float64 call (JAX's float32 softmax) covers failures of any cause, so it names none
-    (its effect, when that is the cause, is a variant: ``softmax_float32``)."""
-    return entry.property != "*" or bool(set(entry.match) - _SCOPE_ATTRIBUTES)
-
-
 def _fits_note(cases: list[str]) -> str:
     return "also fits " + " and ".join(cases) if cases else ""
 
 
 def _implementation_broke(exc: BaseException) -> bool:
     """The implementation raised, hung or crashed its worker: there is no output to read."""
-    from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised
+    from conformance.core.target import (
+        ImplementationCrashed,
+        ImplementationHung,
+        ImplementationRaised,
+    )
 
     if isinstance(exc, (ImplementationHung, ImplementationRaised, ImplementationCrashed)):
         return True
@@ -488,27 +371,6 @@ def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
     return Verdict(causes, _line(causes), call)
 
 
-def _cause(variant_id: str, fit: float | None, relative: float | None, note: str = "") -> dict[str, Any]:
-    return {"variant": variant_id, "summary": V.VARIANTS[variant_id].summary,
-            "fit": None if fit is None else float(fit), "relative_error": relative, "note": note}
-
-
-def _line(causes: list[dict[str, Any]]) -> str:
-    """The line of a named cause (the first), with the candidates it was told apart from."""
-    first = causes[0]
-    line = (f"probable cause: {first['variant']} — {first['summary']}"
-            + (f" ({first['note']})" if first["note"] else "") + _hint(first))
-    rest = [c["variant"] for c in causes[1:]]
-    if rest:
-        shown = ", ".join(rest[:SHOWN]) + (f" and {len(rest) - SHOWN} more" if len(rest) > SHOWN else "")
-        line += f" [also explained the failing call, fewer other cases: {shown}]"
-    return line
-
-
-def _unknown(why: str) -> Verdict:
-    return Verdict([], f"probable cause: {UNKNOWN} — {why}")
-
-
 def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     """max |observed - oracle| / max |oracle| over the output elements finite in both;
     None when NaN or inf appear where the oracle has none (or the shapes differ)."""
@@ -528,47 +390,3 @@ def _relative_error(observed: Any, correct: V.VariantResult) -> float | None:
     return error / size if size > 0 else error
 
 
-def _random_in_eval(calls: list[_Call]) -> Verdict | None:
-    """Two eval-mode calls of one module on the same inputs that differ: the output is
-    random, the sign of the one variant that has no ``compute``."""
-    seen: dict[tuple[int, tuple], np.ndarray] = {}
-    for call in calls:
-        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
-            continue
-        key = (id(call.module), tuple(sorted(call.overrides.items())), id(call.case))
-        if key in seen:
-            if not np.array_equal(np.nan_to_num(seen[key], nan=7.0), np.nan_to_num(call.output, nan=7.0)):
-                cause = dict(_cause(_RANDOM_IN_EVAL, None, None, "two eval-mode calls on the same inputs differ"),
-                             finite_evidence=True, confirmed=True)  # the sign itself, not a fit
-                return Verdict([cause], _line([cause]))
-        else:
-            seen[key] = call.output
-    return None
-
-
-def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
-    """Call the module of the first eval-mode MHA call whose output is wrong again on the
-    same inputs, up to RECALLS times (guarded calls), each time with torch's generator
-    seeded differently; an output that changes is the sign of the random variant (an
-    eval-mode module must not depend on the generator). The runner seeds dropout from
-    the case's contents, so a plain second call would draw the same sample."""
-    from conformance.calls import replay
-    from conformance.core.target import call_guarded
-    from conformance.core.tensors import to_numpy
-
-    for call in calls:
-        if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
-            continue
-        if _diagnose_call(target, call) is not True:
-            continue
-        for seed in range(RECALLS):
-            spec = replay.MHACallSpec(call.case, dropout=call.module.dropout, training=False,
-                                      dropout_seed=zlib.crc32(f"diagnosis/recall/{seed}".encode()))
-            outcome = replay.run_mha_call(target.impl, spec, invoke=partial(call_guarded, target),
-                                          module=call.module.module)
-            again = _Call("mha", call.case, to_numpy(outcome.output), module=call.module)
-            random = _random_in_eval([call, again])
-            if random is not None:
-                return random
-        return None
-    return None

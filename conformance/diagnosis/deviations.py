@@ -1,0 +1,109 @@
+"""The built-ins' known deviations in a diagnosis: a failure that an expected-failures
+entry of a built-in covers (same property, same call attributes) is that deviation, where
+the implementation calls the built-in's library (:func:`_with_known_deviations`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.diagnosis.verdict import Verdict
+
+#: The id prefix of a cause that is a built-in's known deviation (``known_deviation:sdpa``).
+KNOWN_DEVIATION = "known_deviation"
+
+
+def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdict:
+    """``verdict`` with the built-ins' known deviations that cover this failure (same
+    property, same call attributes, matched as ``--xfail-file`` entries are): an
+    implementation that calls a built-in (a plain wrapper of PyTorch's SDPA) fails
+    where the built-in deviates from the contract, and the cause is that deviation."""
+    from implementations.registry.expected_failures import (
+        BUILTIN_LIBRARIES,
+        builtin_deviations,
+    )
+
+    property_id = getattr(record, "property", "")
+    if not property_id or record.failing_case is None:
+        return verdict
+    calls = getattr(record, "failing_calls", ()) or ()
+    attrs = [c.attrs() for c in calls if hasattr(c, "attrs")] or [record.failing_case.attrs()]
+    own = list(getattr(target.impl, "expected_failures", ()) or ())
+    named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
+    found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
+             if entry not in own and _specific(entry)]
+    libraries, bridged = _libraries_used(target)
+    used = libraries & set(BUILTIN_LIBRARIES.values())
+    if used or bridged:                   # the built-ins of the libraries the implementation calls
+        found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
+    if not found:
+        return verdict
+    name, path, entry = found[0]
+    reference = f" ({entry.reference})" if entry.reference else ""
+    avoid = ", ".join(f"{k}={v!r}" for k, v in entry.match.items()) or f"every case of {property_id}"
+    known = (f"known deviation of the built-in `{name}`: {entry.reason}{reference}. If the implementation "
+             f"calls it, excuse the failure with --xfail-file {path} (or avoid {avoid})")
+    others = sorted({n for n, _, _ in found[1:]} - {name})
+    if others:
+        known += "; also listed for " + ", ".join(f"`{n}`" for n in others)
+    deviation = {"name": name, "path": str(path), "property": entry.property, "reason": entry.reason,
+                 "reference": entry.reference, "match": dict(entry.match), "specific": _specific(entry)}
+    if named:
+        causes = [dict(verdict.causes[0], known_deviation=deviation), *verdict.causes[1:]]
+        return Verdict(causes, verdict.line + f"; this matches a {known}", verdict.call)
+    # no variant named: the deviation is the cause
+    pseudo = {"variant": f"{KNOWN_DEVIATION}:{name}",
+              "summary": f"a known deviation of the built-in `{name}` (--xfail-file {path})",
+              "fit": None, "relative_error": None, "note": entry.reason, "finite_evidence": True,
+              "confirmed": True, "known_deviation": deviation}
+    line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
+                                          if verdict.line else "")
+    return Verdict([pseudo, *verdict.causes], line, verdict.call)
+
+
+def _libraries_used(target: Any) -> tuple[set[str], bool]:
+    """Top-level packages the implementation's callables reference (their module and
+    the modules in their globals): ``torch`` for a wrapper of PyTorch's SDPA; and
+    whether a callable runs through the framework bridge, whose framework is then known
+    (the bridge's own plumbing imports torch, the code it runs need not: a Keras layer on
+    the tensorflow backend calls no torch kernel). When none of them is a built-in's
+    library and nothing is bridged, every built-in's deviations are considered."""
+    import inspect
+    import types
+
+    used: set[str] = set()
+    bridged = False
+    impl = target.impl
+    for attr in ("sdpa", "mha", "flash"):
+        fn = getattr(impl, attr, None)
+        if fn is None:
+            continue
+        framework = getattr(fn, "framework", None)
+        if framework is not None and isinstance(getattr(framework, "package", None), str):
+            bridged = True
+            used.add(framework.package.split(".")[0])
+            if getattr(framework, "native_torch", False):  # Keras on torch calls torch's kernels
+                used.add("torch")
+            continue
+        if not inspect.isfunction(fn) and not inspect.ismethod(fn):
+            fn = type(fn).__call__                         # a callable object: its method
+        fn = inspect.unwrap(fn)
+        module = getattr(fn, "__module__", None) or ""
+        used.add(module.split(".")[0])
+        for value in getattr(fn, "__globals__", {}).values():
+            if isinstance(value, types.ModuleType):
+                used.add(value.__name__.split(".")[0])
+            elif getattr(value, "__module__", None):
+                used.add(str(value.__module__).split(".")[0])
+    return used, bridged
+
+
+#: Case attributes that only say where an entry applies, not which deviation it is.
+_SCOPE_ATTRIBUTES = frozenset({"dtype", "device", "level"})
+
+
+def _specific(entry: Any) -> bool:
+    """Whether a known deviation says which failure it is: it names its property, or
+    its match constrains the call beyond dtype and device. A "*" entry matching every
+    float64 call (JAX's float32 softmax) covers failures of any cause, so it names none
+    (its effect, when that is the cause, is a variant: ``softmax_float32``)."""
+    return entry.property != "*" or bool(set(entry.match) - _SCOPE_ATTRIBUTES)
