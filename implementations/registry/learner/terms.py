@@ -17,7 +17,7 @@ import numpy as np
 
 import spec
 
-__all__ = ["in_own_terms", "layer_at", "LIMIT"]
+__all__ = ["LIMIT", "in_own_terms", "layer_at"]
 
 #: Numbers a snippet spells out at most; a larger call is described, not written out.
 LIMIT = 600
@@ -63,7 +63,7 @@ def layer_at(module: Any, path: str) -> Any:
 def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | None:
     """The snippet for ``case`` (an MHA case) on ``module``, the learner's module inside
     nn.MultiheadAttention's interface (built for the case, its weights loaded: see
-    :meth:`~implementations.registry.learner.LearnerMHA.own_terms`) whose reading is
+    :meth:`~implementations.registry.learner.wrapper.LearnerMHA.own_terms`) whose reading is
     ``plan``; None when the call is too large to spell out."""
     import torch
 

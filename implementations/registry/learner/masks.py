@@ -1,0 +1,161 @@
+"""Probing a learner's mask convention (keep, blocked, additive) and the shapes it takes."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from implementations.registry.learner.options import LENGTH_NAMES, MASK_CONVENTIONS
+from implementations.registry.learner.plan import LearnerPlan, _shape_text
+from implementations.registry.learner.probes import (
+    _B,
+    _D,
+    _H,
+    _L,
+    _build,
+    _Probe,
+    _raw,
+    torch_allclose,
+)
+
+#: Mask shapes tried, most specific convention first: full (B, 1, L, S) masks decide the
+#: polarity; key-padding shapes after them; the per-head (B, H, L, S) last.
+_SHAPES = (("B", "1", "L", "S"), ("B", "L", "S"), ("B", "1", "1", "S"), ("B", "1", "S"), ("B", "S"), ("L", "S"),
+           ("B", "H", "L", "S"))
+
+
+def _keep_pattern(shape: tuple[str, ...], per_row: bool) -> np.ndarray:
+    """A keep (True = attend) mask of ``shape`` leaving each query row one key: key 0, S-1,
+    1 for batch items 0, 1, 2; with ``per_row`` (shapes with L) row L-1 of each item keeps
+    another one; per head (H) head 1 keeps that other one on every row."""
+    full = np.zeros((_B, _H, _L, _L), dtype=bool)
+    for b in range(_B):
+        key = (0, _L - 1, 1)[b % 3]
+        other = (key + 2) % _L
+        full[b, :, :, key] = True
+        if per_row and "L" in shape:
+            full[b, :, -1, :] = False
+            full[b, :, -1, other] = True
+        if "H" in shape:
+            full[b, 1] = False
+            full[b, 1, :, other] = True
+    index = tuple(slice(None) if d in shape else slice(0, 1) for d in ("B", "H", "L", "S"))
+    sizes = {"B": _B, "H": _H, "L": _L, "S": _L, "1": 1}
+    return full[index].reshape(tuple(sizes[d] for d in shape))
+
+
+def _as_full(shape: tuple[str, ...], mask: np.ndarray) -> np.ndarray:
+    """The (B, H, L, S) keep pattern a mask of ``shape`` means (missing dims broadcast)."""
+    sizes = {"B": _B, "H": _H, "L": _L, "S": _L}
+    return np.broadcast_to(mask.reshape(tuple(sizes[d] if d in shape else 1 for d in ("B", "H", "L", "S"))),
+                           (_B, _H, _L, _L))
+
+
+def _rows_follow(out: Any, full_keep: np.ndarray) -> bool:
+    """Rows of each batch item that attend the same keys are equal, and rows attending
+    different ones differ (``full_keep`` (B, H, L, S), True = attend)."""
+    got = out.detach().double().numpy()
+    if not np.isfinite(got).all():
+        return False
+    for b in range(got.shape[0]):
+        pattern = [full_keep[b, :, row].tobytes() for row in range(got.shape[1])]
+        for i in range(got.shape[1]):
+            for j in range(i + 1, got.shape[1]):
+                same = np.allclose(got[b, i], got[b, j], rtol=1e-9, atol=1e-9)
+                if same != (pattern[i] == pattern[j]):
+                    return False
+    return True
+
+
+def _convention_tensor(keep: np.ndarray, convention: str, dtype: str) -> Any:
+    import torch
+
+    if convention == "additive":
+        return torch.from_numpy(np.where(keep, 0.0, -np.inf))
+    value = keep if convention == "keep" else ~keep
+    tensor = torch.from_numpy(np.ascontiguousarray(value))
+    return tensor if dtype == "bool" else tensor.to(torch.int64)
+
+
+def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
+    if plan.mask_arg is None:
+        forward = [p.name for p in inspect.signature(plan.cls.forward).parameters.values()]
+        lengths = next((n for n in forward if n.lower() in LENGTH_NAMES), None)
+        if lengths is not None:
+            return replace(plan, mask=None, mask_how=(
+                f"{plan.cls.__name__}.forward's {lengths} is read as valid lengths, which the learner level "
+                "does not translate yet: masked cases skipped (a mask argument, e.g. mask of shape (B, 1, S) "
+                "with 1 = keep, would enable them)"))
+        return replace(plan, mask=None, mask_how=f"{plan.cls.__name__}.forward takes no mask argument")
+    module = probe.value("a plain call", lambda: _build(plan, params))
+    plain = probe.value("a plain call", lambda: _raw(module, plan, x))
+    if plain is None or _rows_follow(plain, np.ones((_B, _H, _L, _L), dtype=bool)):
+        return replace(plan, mask=None, mask_how="rows of a plain call are already equal; the mask cannot be probed")
+    conventions = [options["learner_mask"]] if "learner_mask" in options else list(MASK_CONVENTIONS)
+    found: dict[tuple[str, ...], tuple[str, str]] = {}
+    for shape in _SHAPES:
+        for convention in conventions:
+            dtypes = ("float",) if convention == "additive" else ("bool", "long")
+            for dtype in dtypes:
+                ok = True
+                for per_row in ((False, True) if "L" in shape else (False,)):
+                    keep = _keep_pattern(shape, per_row)
+                    full = _as_full(shape, keep)
+                    tensor = _convention_tensor(keep, convention, dtype)
+                    got = probe.value(f"mask {convention} {_shape_text(shape)}",
+                                      lambda t=tensor: _raw(module, plan, x, t))
+                    if got is None or tuple(got.shape) != (_B, _L, _D) or not _rows_follow(got, full):
+                        ok = False
+                        break
+                if ok:
+                    found[shape] = (convention, dtype)
+                    break
+            if shape in found:
+                break
+    if not found:
+        return _assumed_mask(probe, plan, module, x, options)
+    first = next(iter(found))
+    convention, dtype = found[first]
+    disagree = [s for s, (c, _) in found.items() if c != convention]
+    words = {"keep": "1/True = keep, 0/False = blocked", "blocked": "True = blocked",
+             "additive": "additive (0 = keep, -inf = blocked)"}[convention]
+    how = f"{words}{' as ' + dtype if dtype == 'long' else ''} ({'--impl-option learner_mask' if 'learner_mask' in options else 'probed'})"
+    if disagree:
+        how += (f"; but shapes {', '.join(_shape_text(s) for s in disagree)} read the other way (inconsistent): "
+                "the suite hands them over in this convention too, so the inconsistency fails")
+    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(found), mask_how=how)
+
+
+def _assumed_mask(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
+    """No convention passed the probe (the module may have a mistake that breaks it):
+    assume the most common one (1 = keep, or ``learner_mask``) in the shapes where a mask
+    of it runs and changes the output, and say so; none: masks are not certified."""
+    convention = options.get("learner_mask", "keep")
+    dtype = "float" if convention == "additive" else "bool"
+    plain = probe.value("a plain call", lambda: _raw(module, plan, x))
+    shapes = []
+    for shape in _SHAPES:
+        keep = _keep_pattern(shape, per_row=True)
+        tensor = _convention_tensor(keep, convention, dtype)
+        got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
+        if got is not None and tuple(got.shape) == (_B, _L, _D) and plain is not None and \
+                not bool(torch_allclose(got, plain)):
+            shapes.append(shape)
+    tried = "keep, blocked, additive" if "learner_mask" not in options else options["learner_mask"]
+    if not shapes:
+        return replace(plan, mask=None, mask_how=(
+            f"no convention ({tried}) in any shape made a query row that is left one key attend only it, "
+            f"and no {convention} mask changed the output (shapes tried: "
+            f"{', '.join(_shape_text(s) for s in _SHAPES)}); masks are not certified "
+            "(--impl-option learner_mask=keep|blocked|additive sets the convention)"))
+    words = {"keep": "1/True = keep", "blocked": "True = blocked", "additive": "additive"}[convention]
+    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(shapes), mask_how=(
+        f"{words} ASSUMED: no convention ({tried}) made a query row that is left one key attend only it, "
+        "which a correct module does whatever its convention, so the module's attention itself is "
+        "suspect (see the failures); --impl-option learner_mask=keep|blocked|additive sets it"))
+
+

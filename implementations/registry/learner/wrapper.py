@@ -1,0 +1,250 @@
+"""nn.MultiheadAttention's interface around a learner's module: the constructor, the
+forward (masks merged and rendered in the module's convention) and the weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from implementations.base import ImplementationError
+from implementations.registry.learner.plan import LearnerPlan, _Unsupported
+from implementations.registry.learner.terms import layer_at
+
+
+def _make_learner_mha(plan: LearnerPlan):
+    import torch
+    from torch import nn
+
+    class _LearnerMHA(nn.Module):
+        """nn.MultiheadAttention's constructor and forward around a learner's module."""
+
+        def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                     kdim=None, vdim=None, batch_first=False, device=None, dtype=None):
+            super().__init__()
+            name = plan.cls.__name__
+            if add_bias_kv or add_zero_attn:
+                raise _Unsupported(f"{name} has no bias_k/bias_v or zero-attention key (add_bias_kv, add_zero_attn)")
+            if kdim not in (None, embed_dim) or vdim not in (None, embed_dim):
+                raise _Unsupported(f"{name} projects keys and values from d_model only (kdim/vdim)")
+            if dropout and plan.dropout_arg is None:
+                raise _Unsupported(f"{name}'s constructor takes no dropout argument")
+            kwargs = {plan.dim_arg: embed_dim, plan.heads_arg: num_heads}
+            if plan.dropout_arg is not None:
+                kwargs[plan.dropout_arg] = float(dropout)
+            inner = _materialised(plan.cls(**kwargs), plan.inputs, embed_dim)
+            if plan.dropout_arg is None:  # a hard-wired nn.Dropout: off, as dropout=0 asks
+                for sub in inner.modules():
+                    if isinstance(sub, nn.Dropout):
+                        sub.p = 0.0
+            self.inner = inner.to(device=device, dtype=dtype)
+            self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+            with torch.no_grad():
+                for _, path in plan.projections:
+                    layer = layer_at(self.inner, path)
+                    if bias and layer.bias is None:  # nn.Linear adds its bias when it has one
+                        layer.bias = nn.Parameter(torch.zeros(layer.out_features, device=layer.weight.device,
+                                                              dtype=layer.weight.dtype))
+                    elif not bias and layer.bias is not None:
+                        layer.bias = None
+
+        def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                    average_attn_weights=True, is_causal=False):
+            unbatched = query.dim() == 2
+            if unbatched:
+                query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask.unsqueeze(0)
+            elif self.batch_first:
+                query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (B, T, D)
+            B, L, S = q.shape[0], q.shape[1], k.shape[1]
+            kwargs = {}
+            mask = _merged_mask(key_padding_mask, attn_mask, B, self.num_heads, L, S, q.dtype)
+            if mask is not None:
+                kwargs[plan.mask_arg] = _render_mask(plan, mask, (B, self.num_heads, L, S))
+            if plan.inputs == "self":
+                if not (key is query or torch.equal(k, q)) or not (value is query or torch.equal(v, q)):
+                    raise _Unsupported(f"{plan.cls.__name__} is self-attention only: forward takes one input")
+                out = self.inner(q, **kwargs)
+            elif plan.inputs == "kv":
+                if not (value is key or torch.equal(k, v)):
+                    raise _Unsupported(f"{plan.cls.__name__} takes one key/value input: key must equal value")
+                out = self.inner(q, k, **kwargs)
+            else:
+                out = self.inner(q, k, v, **kwargs)
+            weights = None
+            if plan.returns == "pair":
+                out, weights = out[0], out[1]
+            if need_weights and weights is not None:
+                if plan.weights == "per_head" and average_attn_weights:
+                    weights = weights.mean(dim=1)
+                elif plan.weights == "averaged" and not average_attn_weights:
+                    raise _Unsupported(f"{plan.cls.__name__} returns weights averaged over heads")
+                if unbatched:
+                    weights = weights[0]
+            else:
+                weights = None
+            if unbatched:
+                return out[0], weights
+            out = out if self.batch_first else out.transpose(0, 1)
+            return out, weights
+
+    _LearnerMHA.__name__ = _LearnerMHA.__qualname__ = f"{plan.cls.__name__}AsMHA"
+    return _LearnerMHA
+
+
+def _materialised(module: Any, inputs: str, D: int) -> Any:
+    """``module`` with its lazy layers (``nn.LazyLinear``, whose in_features are known only
+    after a first call) given their shapes by one call on zeros (B=1, L=2, d_model=D)."""
+    import torch
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    if not any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in module.modules()):
+        return module
+    x = torch.zeros(1, 2, D)
+    training = module.training
+    with torch.no_grad():
+        module.eval()
+        module(*{"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[inputs])
+    return module.train(training)
+
+
+class LearnerMHA:
+    """The factory: ``LearnerMHA(plan)(embed_dim, num_heads, **options)`` builds the
+    learner's module inside nn.MultiheadAttention's interface."""
+
+    def __init__(self, plan: LearnerPlan) -> None:
+        self.plan = plan
+        self.module_class = _make_learner_mha(plan)
+        self.__name__ = plan.cls.__name__
+
+    def __call__(self, embed_dim: int, num_heads: int, **options: Any) -> Any:
+        return self.module_class(embed_dim, num_heads, **options)
+
+    def own_terms(self, case: Any, fully_masked: str) -> str | None:
+        """``case``'s call as the module receives it, a torch snippet in its own names
+        (:func:`implementations.registry.learner.terms.in_own_terms`)."""
+        import torch
+
+        from implementations.registry.learner.terms import in_own_terms
+
+        params = case.params
+        if params.in_proj_weight is None or getattr(case, "add_bias_kv", False):
+            return None
+        module = self(params.embed_dim, params.num_heads, bias=params.in_proj_bias is not None,
+                      batch_first=case.batch_first, dtype=getattr(torch, case.dtype))
+        module._learner_plan = self.plan
+        load_learner_weights(module, params)
+        return in_own_terms(module, self.plan, case, fully_masked)
+
+
+def _merged_mask(key_padding_mask, attn_mask, B, H, L, S, dtype):
+    """One additive float mask broadcastable to (B, H, L, S) (-inf blocked), or None."""
+    import torch
+
+    parts = []
+    for mask, shape in ((key_padding_mask, (B, 1, 1, S)), (attn_mask, None)):
+        if mask is None:
+            continue
+        if shape is None:
+            shape = (1, 1, L, S) if mask.dim() == 2 else (B, H, L, S)
+        mask = mask.reshape(shape)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+        parts.append(mask.to(dtype))
+    if not parts:
+        return None
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _render_mask(plan: LearnerPlan, additive, sizes_bhls):
+    """The merged additive (B|1, H|1, L|1, S) mask in the module's convention and in the
+    smallest accepted shape that holds it (``sizes_bhls``: the call's B, H, L, S)."""
+    import torch
+
+    B, H, L, S = sizes_bhls
+    varies = {"B": B > 1 and not bool((additive == additive[:1]).all()),
+              "H": H > 1 and not bool((additive == additive[:, :1]).all()),
+              "L": L > 1 and not bool((additive == additive[:, :, :1]).all())}
+    if plan.mask != "additive" and not bool((torch.isneginf(additive) | (additive == 0)).all()):
+        raise _Unsupported(f"{plan.cls.__name__}'s mask is {plan.mask}: a float bias has no such form")
+    # The smallest shape that holds the mask: key padding goes as (B, 1, 1, S) where the
+    # module takes it, so a convention the module reads differently there shows.
+    for shape in sorted(plan.mask_shapes, key=lambda s: sum(d in s for d in ("B", "H", "L"))):
+        if (varies["B"] and "B" not in shape) or (varies["H"] and "H" not in shape) or \
+                (varies["L"] and "L" not in shape):
+            continue
+        full = additive
+        if "H" not in shape:
+            full = full[:, :1]
+        if "L" not in shape:
+            full = full[:, :, :1]
+        if "B" not in shape:
+            full = full[:1]
+        sizes = {"B": B, "H": H, "L": L, "S": S}
+        target = tuple(sizes[d] if d != "1" else 1 for d in shape)
+        kept = [d for d in ("B", "H", "L", "S") if d in shape]
+        full = full.expand(B if "B" in shape else 1, H if "H" in shape else 1, L if "L" in shape else 1, S)
+        squeezed = full.reshape(tuple(sizes[d] for d in kept))
+        mask = squeezed.reshape(target).contiguous()
+        if plan.mask == "additive":
+            return mask
+        blocked = torch.isneginf(mask)
+        wanted = ~blocked if plan.mask == "keep" else blocked
+        return wanted if plan.mask_dtype == "bool" else wanted.to(getattr(torch, {"long": "int64"}.get(
+            plan.mask_dtype, plan.mask_dtype)))
+    raise _Unsupported(f"{plan.cls.__name__} takes no mask shape that holds this mask "
+                       f"(varies along {[d for d, v in varies.items() if v]})")
+
+
+def load_learner_weights(module: Any, params: Any) -> None:
+    """Copy ``spec.MHAParams`` onto the learner's Linear layers (casting to their dtype)."""
+    import torch
+
+    plan = module_plan(module)
+    inner = module.inner
+    D, H = params.embed_dim, params.num_heads
+    if params.in_proj_weight is None:
+        raise _Unsupported(f"{plan.cls.__name__} projects keys and values from d_model only (kdim/vdim)")
+    w, b = np.asarray(params.in_proj_weight), params.in_proj_bias
+    rows = {"q": np.arange(0, D), "k": np.arange(D, 2 * D), "v": np.arange(2 * D, 3 * D)}
+    dh = D // H
+    if plan.fused == "kqv":
+        fused = np.concatenate([rows["k"], rows["q"], rows["v"]])
+    elif plan.fused == "qkv_per_head":
+        fused = np.concatenate([np.arange(h * dh, (h + 1) * dh) + part * D for h in range(H) for part in range(3)])
+    else:
+        fused = np.arange(3 * D)
+    rows["qkv"] = fused
+    rows["kv"] = np.arange(D, 3 * D)
+    with torch.no_grad():
+        for role, path in plan.projections:
+            layer = layer_at(inner, path)
+            if role == "o":
+                weight, bias = np.asarray(params.out_proj_weight), params.out_proj_bias
+            else:
+                weight, bias = w[rows[role]], None if b is None else np.asarray(b)[rows[role]]
+            if tuple(layer.weight.shape) != weight.shape:
+                raise ImplementationError(
+                    f"{plan.cls.__name__}.{path}.weight has shape {tuple(layer.weight.shape)}, but the "
+                    f"{role} projection of d_model={D} needs {weight.shape}")
+            layer.weight.copy_(torch.as_tensor(weight, dtype=torch.float64))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.as_tensor(np.zeros(weight.shape[0]) if bias is None else np.asarray(bias),
+                                                 dtype=torch.float64))
+
+
+def module_plan(module: Any) -> LearnerPlan:
+    return module._learner_plan
+
+
+
+class _PlannedFactory(LearnerMHA):
+    def __call__(self, embed_dim: int, num_heads: int, **options: Any) -> Any:
+        module = super().__call__(embed_dim, num_heads, **options)
+        module._learner_plan = self.plan
+        return module
