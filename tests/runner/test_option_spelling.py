@@ -12,23 +12,66 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _pytest.config.argparsing import Parser
-
 from conformance import activation
 from conformance.core import options
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class _Recorder:
+    """Stands in for pytest's parser: records what ``options.pytest_addoption`` adds
+    (its public calls, ``getgroup`` and ``addoption``), so the suite's options are read
+    from the suite's own table, not from pytest's private parser state."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[tuple[str, ...], dict]] = []
+
+    def getgroup(self, *args, **kwargs) -> _Recorder:
+        return self
+
+    def addoption(self, *names: str, **attrs) -> None:
+        self.options.append((names, attrs))
+
+
+def _suite_options() -> list[tuple[tuple[str, ...], dict]]:
+    recorder = _Recorder()
+    options.pytest_addoption(recorder)
+    return recorder.options
+
+
+def _takes_value(attrs: dict) -> bool:
+    return attrs.get("action") in (None, "store", "append")
+
+
+def _a_value(attrs: dict) -> str:
+    if attrs.get("choices"):
+        return attrs["choices"][-1]
+    return "3" if attrs.get("type") in (int, float) else "value.toml"
+
+
 def test_value_options_are_every_option_of_the_suite_that_takes_a_value():
-    parser = Parser(_ispytest=True)
-    options.pytest_addoption(parser)
-    taking = {name for group in parser._groups for option in group.options
-              if option.attrs().get("action") in (None, "store", "append") for name in option.names()}
-    flags = {name for group in parser._groups for option in group.options
-             if option.attrs().get("action") not in (None, "store", "append") for name in option.names()}
-    assert taking <= set(options.VALUE_OPTIONS), taking - set(options.VALUE_OPTIONS)
+    taking = {name for names, attrs in _suite_options() if _takes_value(attrs) for name in names}
+    flags = {name for names, attrs in _suite_options() if not _takes_value(attrs) for name in names}
+    assert taking and flags
+    assert taking == set(options.VALUE_OPTIONS), taking ^ set(options.VALUE_OPTIONS)
     assert not flags & set(options.VALUE_OPTIONS)
+
+
+def test_the_installed_pytest_reads_each_option_as_the_table_says(pytester):
+    """On the pytest installed, ``--NAME VALUE`` gives VALUE to a value-taking option and
+    leaves it a test path after a flag (public API only: ``pytester.parseconfig``)."""
+    for names, attrs in _suite_options():
+        value = _a_value(attrs)
+        config = pytester.parseconfig("-p", "no:attention_conformance", "-p", "conformance.core.options",
+                                      names[0], value)
+        got = config.getoption(attrs.get("dest") or names[0][2:].replace("-", "_"))
+        if _takes_value(attrs):
+            got = got[-1] if attrs.get("action") == "append" else got
+            assert got == attrs.get("type", str)(value), names
+            assert value not in config.args, names
+        else:
+            assert got is not attrs.get("default"), names
+            assert value in config.args, names
 
 
 def test_option_values_are_read_as_the_suite_reads_them():
