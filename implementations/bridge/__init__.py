@@ -46,6 +46,8 @@ BRIDGE_OPTIONS = {
     "framework": f"the array framework of the function: one of {sorted(FRAMEWORKS)}",
     "layout": f"the layout of query, key, value and output: one of {list(LAYOUTS)} (default BNLE, "
               "BLNE for Keras' and JAX's own dot_product_attention)",
+    "interface_mask": "the attention_mask form of a transformers attention-interface function: additive or bool "
+                      "(default: bool for sdpa_attention_forward, additive otherwise)",
 }
 
 _OPTIONS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("bridge_options", default=None)
@@ -64,6 +66,9 @@ def split_bridge_options(options: Mapping[str, str] | None) -> tuple[dict[str, s
                                   f"expected {BRIDGE_OPTIONS['layout']}")
     if "layout" in bridge:
         bridge["layout"] = bridge["layout"].upper()
+    if bridge.get("interface_mask", "additive") not in ("additive", "bool"):
+        raise ImplementationError(f"--impl-option interface_mask={bridge['interface_mask']}: unknown mask form; "
+                                  f"expected {BRIDGE_OPTIONS['interface_mask']}")
     return bridge, rest
 
 

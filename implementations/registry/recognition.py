@@ -7,6 +7,8 @@ Accepted, in this order:
 * an SDPA-level function of another array framework (NumPy, JAX, Keras, TensorFlow,
   tinygrad, CuPy, MLX), recognised from its module or declared with
   ``--impl-option framework=NAME``, through the framework bridge (:mod:`implementations.bridge`);
+* a function of transformers' attention interface (``module, query, key, value,
+  attention_mask`` first: :mod:`.interface_recognition`), at the SDPA level;
 * a function with the signature of ``torch.nn.functional.scaled_dot_product_attention``
   (``query, key, value`` first; ``attn_mask, dropout_p, is_causal, scale, enable_gqa``
   optional, a missing one meaning that feature is unsupported);
@@ -47,6 +49,7 @@ from implementations.registry.flash_recognition import (
     is_flash_signature,
     recognise_flash,
 )
+from implementations.registry.interface_recognition import is_interface_signature, recognise_interface
 from implementations.registry.learner import is_learner_candidate, recognise_learner
 from implementations.registry.probe_plan import probe_plan
 from implementations.registry.probing import (
@@ -105,6 +108,11 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         raise ImplementationError(
             f"{origin} is a {type(obj).__name__}, not callable; expected {ACCEPTED_OBJECTS}"
         )
+    if _interface_function(obj):  # transformers' attention interface: (module, query, key, value, mask)
+        declared = bridge_declarations()
+        declared["_used"] = "yes"
+        return recognise_interface(obj, _parameters(obj, origin), name=name, origin=origin, declared=declared,
+                                   probe=probe_sdpa, timeout=timeout, version=_version_of(obj))
     framework = detect_framework(obj)
     if framework is not None and (_declared_framework() or _takes_qkv(obj)):
         return bridged_implementation(obj, framework, name=name, origin=origin, probe=probe_sdpa,
@@ -132,6 +140,13 @@ def recognise(obj: Any, *, name: str, origin: str = "",
 
 def _declared_framework() -> bool:
     return "framework" in bridge_declarations()
+
+
+def _interface_function(obj: Any) -> bool:
+    try:
+        return is_interface_signature(list(inspect.signature(obj).parameters.values()))
+    except (TypeError, ValueError):
+        return False
 
 
 def _takes_qkv(obj: Any) -> bool:
