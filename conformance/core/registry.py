@@ -129,7 +129,23 @@ def skip_reasons(info: PropertyInfo, target: Target) -> list[str]:
         reasons = [reason] if reason else []
     if not reasons and target.caps.causal_only and info.level == "sdpa":
         reasons = _non_causal_only(info, target)
+    if not reasons and target.caps.causal_only and info.level == "mha":
+        reasons = _mha_causal_only(info, target)
     return reasons
+
+
+def _mha_causal_only(info: PropertyInfo, target: Target) -> list[str]:
+    """An MHA property whose cases cannot be drawn causal (non-causal calls only, or a
+    fully-masked row with no key padding mask to put it in) on a ``causal_only`` target."""
+    from hypothesis.errors import InvalidArgument
+
+    try:
+        info.cases(target)
+    except InvalidArgument as err:
+        return [f"causal_only declares causal calls only, and this property's cases cannot be: {err}"]
+    except Exception:  # noqa: BLE001 - the property's own error shows when it runs
+        return []
+    return []
 
 
 def _non_causal_only(info: PropertyInfo, target: Target) -> list[str]:

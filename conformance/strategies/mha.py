@@ -341,6 +341,11 @@ def mha_cases(
     average = resolve_flag("average_attn_weights", average_attn_weights, "per_head_weights",
                             allowed, required, on_means_feature=False)
     causal = resolve_flag("is_causal", is_causal, "is_causal", allowed, required)
+    if caps is not None and caps.causal_only:  # an always-causal module: every call causal
+        if causal is False:
+            raise fail("is_causal", is_causal, "asks for non-causal calls, but causal_only declares causal "
+                       "calls only", "pass is_causal=None or True")
+        causal = True
     if causal and "attn_mask" not in allowed:
         raise fail("is_causal", is_causal, "needs feature 'attn_mask' (torch wants the causal "
                    "mask passed along)", "allow 'attn_mask' or pass is_causal=None")
