@@ -7,7 +7,8 @@ declared features' arguments: ``window`` (left, right) over global positions, an
 padding (L not a multiple of the layout's divisor: the ranks get the sequence padded at
 the end, and ``seq_len=L``). A call
 (:class:`ShardedCallSpec`) hands the full arrays to ranks ``0..W-1`` of the worker group
-(``conformance.sharded.group``); each rank takes its shard, calls ``impl.sharded`` and
+(``conformance.sharded.group``: one group per world size, whose default process group
+is exactly those ranks); each rank takes its shard, calls ``impl.sharded`` and
 sends back its output, LSE and gradient shards, which :func:`run_sharded` puts back in
 global order (:class:`ShardedResult`). A hang, a crash or an exception in any rank is a
 property failure (``ImplementationHung`` / ``ImplementationCrashed`` /
@@ -24,8 +25,13 @@ import numpy as np
 from conformance.core.cases import _scale_sign
 from conformance.core.compare import fail
 from conformance.core.observe import observe_sharded
+from conformance.core.target import (
+    ImplementationCrashed,
+    ImplementationHung,
+    ImplementationRaised,
+    Target,
+)
 from conformance.sharded.backends import backend_for
-from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised, Target
 from spec import sharding
 
 __all__ = ["ATTRIBUTES", "ShardedCallSpec", "ShardedCase", "ShardedResult", "backend_for", "call_options",
@@ -137,7 +143,7 @@ class ShardedCallSpec:
     def arguments(self) -> str:
         c = self.case
         extra = "".join(f", {k}={v!r}" for k, v in call_options(c).items())
-        return (f"group=<ranks 0..{c.world_size - 1}>, world_size={c.world_size}, causal={c.causal!r}, "
+        return (f"group=<the default group: ranks 0..{c.world_size - 1}>, world_size={c.world_size}, causal={c.causal!r}, "
                 f"softmax_scale={c.scale!r}, layout={c.layout!r}{extra}")
 
     def describe(self) -> str:
@@ -231,16 +237,17 @@ def run_call(impl: Any, call: ShardedCallSpec, *, timeout: float, lse_declared: 
     request = {"query": case.query, "key": case.key, "value": case.value, "layout": case.layout,
                "causal": bool(case.causal), "scale": case.scale, "dtype": case.dtype, "device": case.device,
                "options": call_options(case), "grad_output": call.grad_output}
-    group = groups.group_for(impl, case.device)
+    group = groups.group_for(impl, case.device, case.world_size)
     name = getattr(impl, "name", "the implementation")
+    W = case.world_size
     try:
-        replies = group.call(request, case.world_size, timeout)
+        replies = group.call(request, W, timeout)
     except groups.GroupHung as exc:
-        raise ImplementationHung(f"{name} hung: {exc} (per-example timeout, --example-timeout); every rank "
-                                 "of the worker group was killed and the group is restarted") from None
+        raise ImplementationHung(f"{name} hung (per-example timeout, --example-timeout): {exc}. Every rank of "
+                                 f"the group of world size {W} was killed; it is restarted") from None
     except groups.GroupCrashed as exc:
-        raise ImplementationCrashed(f"{name} crashed: {exc}; every rank of the worker group was killed "
-                                    "and the group is restarted") from None
+        raise ImplementationCrashed(f"{name} crashed: {exc}; every rank of the group of world size {W} was "
+                                    "killed; it is restarted") from None
     except groups.GroupRaised as exc:
         raise ImplementationRaised(f"{name} raised on a case it claims to support: {exc}") from None
     except groups.GroupStartFailed as exc:

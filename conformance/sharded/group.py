@@ -1,17 +1,22 @@
 """The sharded level's persistent worker group (the pytest side).
 
 A :class:`WorkerGroup` is ``world`` processes (``python -m conformance.sharded.worker``,
-connected back to the supervisor over a local socket) joined in one process group,
-gloo on the CPU or NCCL on CUDA with one process per GPU (``backends``), started on the
-first sharded call of an implementation on that device and reused by every later one
-(the group of each ``--impl`` and device is kept in :data:`_GROUPS`; ``close_all`` ends
-them at the end of the run, and at exit). Each call
-hands the same request (the case's full arrays) to ranks ``0..w-1``, which shard it
-themselves, and waits for every reply with a deadline:
+connected back to the supervisor over a local socket) that initialise
+``torch.distributed`` for exactly ``world`` ranks, gloo on the CPU or NCCL on CUDA with
+one process per GPU (``backends``): **one group per world size**, whose default process
+group is the call's ranks, so code written for its job's world (``dist.get_rank()``,
+``dist.barrier()`` with no group) runs as written. The group of a world size is started
+on the first call of that size of an implementation on that device and reused by every
+later one, the examples and the shrinking steps alike (each ``--impl``, device and world
+size is kept in :data:`_GROUPS`; at most :data:`MAX_LIVE_RANKS` rank processes live at
+once, the least recently used group stopped first; ``close_all`` ends them at the end of
+the run, and at exit). Each call hands the same request (the case's full arrays) to
+every rank, which shards it itself, and waits for every reply with a deadline:
 
-* a rank that does not answer in time is a **hang** (:class:`GroupHung`), a rank whose
+* a rank that does not answer in time is a **hang** (:class:`GroupHung`, which says where
+  each waiting rank is blocked and the likely cause: ``stacks``), a rank whose
   process ends is a **crash** (:class:`GroupCrashed`); in both cases every process of
-  the group is killed and reaped, and the next call starts a fresh group;
+  the group is killed and reaped, and the next call of that world size starts a fresh group;
 * a rank that raised while others may wait on it in a collective: the others get a
   short grace, then the group is killed and restarted likewise (:class:`GroupRaised`).
 
@@ -34,13 +39,17 @@ import time
 from multiprocessing.connection import Listener, wait
 from typing import Any
 
-from conformance.sharded import backends
+from conformance.sharded import backends, stacks
 
 __all__ = ["WorkerGroup", "GroupError", "GroupHung", "GroupCrashed", "GroupRaised", "GroupStartFailed",
-           "group_for", "world_for", "register", "close_all", "live_processes", "DEFAULT_WORLD", "START_TIMEOUT"]
+           "group_for", "world_for", "register", "close_all", "live_processes", "stats", "DEFAULT_WORLD",
+           "MAX_LIVE_RANKS", "START_TIMEOUT"]
 
-#: Ranks in every group: world sizes 1..DEFAULT_WORLD run on its prefix subgroups.
+#: The largest world size (one group per world size 1..DEFAULT_WORLD).
 DEFAULT_WORLD = backends.MAX_RANKS
+#: The most rank processes alive at once (every group of every implementation): one
+#: implementation's four groups hold 1 + 2 + 3 + 4 = 10.
+MAX_LIVE_RANKS = 12
 #: Seconds a group may take to start (spawn, import torch, rendezvous, resolve).
 START_TIMEOUT = 180.0
 #: Seconds the other ranks get to answer after one raised.
@@ -87,6 +96,10 @@ class WorkerGroup:
         self.tmp: str | None = None
         self.socket_dir: str | None = None
         self.starts = 0
+        self.start_seconds = 0.0  # spent starting, every start together
+        self.restarts = 0  # starts after a hang, a crash or a raise killed the group
+        self.last_used = 0.0
+        self._clean = True  # not started yet, or stopped by close(): its next start is no restart
 
     @property
     def running(self) -> bool:
@@ -105,7 +118,16 @@ class WorkerGroup:
     def start(self) -> None:
         """Start the ranks (``python -m conformance.sharded.worker``, each connecting back to a
         local socket) and wait until every one is ready."""
+        began = time.monotonic()
+        try:
+            self._start()
+        finally:
+            self.start_seconds += time.monotonic() - began
+
+    def _start(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="conformance-sharded-")
+        self.restarts += 0 if self._clean else 1
+        self._clean = False
         self.starts += 1
         authkey = secrets.token_bytes(16)
         address = self._socket_address()
@@ -171,11 +193,15 @@ class WorkerGroup:
             if now >= limit:
                 missing = [r for r in ranks if r not in replies]
                 raised = [r for r in ranks if "raised" in replies.get(r, {})]
+                where = "" if starting else stacks.likely_cause(
+                    self.blocked(missing), sorted(set(replies) - set(raised)), self.world)
                 self.kill()
                 if raised:
-                    raise GroupRaised(self._raised_text(replies[raised[0]], raised[0], missing), raised[0])
+                    raise GroupRaised(self._raised_text(replies[raised[0]], raised[0], missing)
+                                      + (f". {where}" if where else ""), raised[0])
                 what = "start" if starting else "answer"
-                raise GroupHung(f"rank(s) {missing} did not {what} within {timeout:g} s", missing[0])
+                raise GroupHung(f"rank(s) {missing} did not {what} within {timeout:g} s"
+                                + (f". {where}" if where else ""), missing[0])
             pending = [c for c, r in by_conn.items() if r not in replies]
             for conn in wait(pending, timeout=min(limit - now, 0.5)):
                 rank = by_conn[conn]
@@ -196,15 +222,54 @@ class WorkerGroup:
                     raise GroupCrashed(f"rank {rank}'s process ended (exit code {code}) during the call", rank)
         return [replies[r] for r in ranks]
 
+    def blocked(self, ranks: list[int], wait_s: float = 1.0) -> dict[int, stacks.Blocked | None]:
+        """Where each of ``ranks`` is blocked: its stack, asked for with SIGUSR1 (the worker's
+        faulthandler writes it to the rank's log) and read back (``stacks.blocked_at``)."""
+        import signal
+
+        if not hasattr(signal, "SIGUSR1") or self.tmp is None:
+            return {r: None for r in ranks}
+        sizes = {}
+        for r in ranks:
+            sizes[r] = self._log_size(r)
+            try:
+                self.processes[r].send_signal(signal.SIGUSR1)
+            except (OSError, ValueError):
+                pass
+        found: dict[int, stacks.Blocked | None] = {r: None for r in ranks}
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(v is None for v in found.values()):
+            time.sleep(0.05)
+            for r in ranks:
+                if found[r] is None:
+                    found[r] = stacks.blocked_at(self._log_from(r, sizes[r]))
+        return found
+
+    def _log_size(self, rank: int) -> int:
+        try:
+            return os.path.getsize(f"{self.tmp}/rank{rank}.log")
+        except OSError:
+            return 0
+
+    def _log_from(self, rank: int, offset: int) -> str:
+        try:
+            with open(f"{self.tmp}/rank{rank}.log", "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     @staticmethod
     def _raised_text(reply: dict[str, Any], rank: int, missing: list[int]) -> str:
         waiting = f"; rank(s) {missing} were still waiting for it" if missing else ""
         return f"rank {rank} raised {reply['raised']}{waiting}"
 
     def call(self, request: dict[str, Any], world_size: int, timeout: float) -> list[dict[str, Any]]:
-        """``request`` on ranks ``0..world_size-1``; their replies in rank order."""
-        if not 1 <= world_size <= self.world:
-            raise ValueError(f"world_size={world_size} must be in 1..{self.world}")
+        """``request`` on every rank (``world_size`` must be the group's); their replies in rank order."""
+        if world_size != self.world:
+            raise ValueError(f"world_size={world_size}, but this group has {self.world} rank(s): the group of "
+                             f"a world size runs that size only (group_for(impl, device, world_size))")
+        self.last_used = time.monotonic()
         if not self.running:
             self.start()
         request = dict(request, op="run", world_size=world_size)
@@ -242,6 +307,7 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Ask every rank to stop, then kill what is left."""
+        self._clean = True
         for conn in self.conns:
             try:
                 conn.send({"op": "stop"})
@@ -259,8 +325,8 @@ class WorkerGroup:
         return [p.pid for p in self.processes if p.pid is not None]
 
 
-#: One group per implementation (its --impl spec and options).
-_GROUPS: dict[tuple[str, tuple[tuple[str, str], ...], str], WorkerGroup] = {}
+#: One group per implementation (its --impl spec and options), device and world size.
+_GROUPS: dict[tuple[str, tuple[tuple[str, str], ...], str, int], WorkerGroup] = {}
 #: How each resolved implementation was named (``register``): id(impl) -> (spec, options).
 _NAMES: dict[int, tuple[str, dict[str, str]]] = {}
 
@@ -270,22 +336,50 @@ def register(impl: Any, impl_spec: str, options: dict[str, str] | None) -> None:
     _NAMES[id(impl)] = (impl_spec, dict(options or {}))
 
 
-def group_for(impl: Any, device: str = "cpu") -> WorkerGroup:
-    """The worker group of ``impl`` on ``device`` (created, not started, on first use; as many
-    ranks as the largest world size it declares, at most :data:`DEFAULT_WORLD`, and on CUDA
-    at most one per GPU: ``backends.world_limit``). An implementation nobody registered is
-    resolved in the ranks by its name (a built-in or ``mutant:NAME``)."""
+def group_for(impl: Any, device: str = "cpu", world_size: int | None = None) -> WorkerGroup:
+    """The worker group of ``impl`` on ``device`` for ``world_size`` ranks (None: the largest
+    it declares, :func:`world_for`), created, not started, on first use; before it starts,
+    the least recently used groups are stopped until :data:`MAX_LIVE_RANKS` allows it. An
+    implementation nobody registered is resolved in the ranks by its name (a built-in or
+    ``mutant:NAME``)."""
     spec, options = _NAMES.get(id(impl), (impl.name, {}))
-    key = (spec, tuple(sorted(options.items())), device)
+    top = world_for(impl, device)
+    W = top if world_size is None else int(world_size)
+    if not 1 <= W <= top:
+        raise ValueError(f"world_size={world_size} must be in 1..{top} for {spec} on {device} "
+                         f"(max_world_size, at most {DEFAULT_WORLD}, on CUDA one rank per GPU)")
+    key = (spec, tuple(sorted(options.items())), device, W)
     if key not in _GROUPS:
-        _GROUPS[key] = WorkerGroup(spec, options, world=world_for(impl, device), device=device)
-    return _GROUPS[key]
+        _GROUPS[key] = WorkerGroup(spec, options, world=W, device=device)
+    group = _GROUPS[key]
+    if not group.running:
+        _make_room(group)
+    return group
+
+
+def _make_room(group: WorkerGroup) -> None:
+    """Stop the least recently used running groups until ``group`` may start."""
+    running = sorted((g for g in _GROUPS.values() if g.running and g is not group), key=lambda g: g.last_used)
+    live = sum(g.world for g in running)
+    while running and live + group.world > MAX_LIVE_RANKS:
+        oldest = running.pop(0)
+        live -= oldest.world
+        oldest.close()
 
 
 def world_for(impl: Any, device: str = "cpu", n_gpus: int | None = None) -> int:
-    """The ranks of ``impl``'s group on ``device``: its ``max_world_size``, capped by
+    """The largest world size of ``impl`` on ``device``: its ``max_world_size``, capped by
     :data:`DEFAULT_WORLD` and, on CUDA, by the GPUs (``backends.ranks_for``)."""
     return backends.ranks_for(impl.caps("sharded"), device, n_gpus)
+
+
+def stats() -> dict[str, float]:
+    """Every group's starts so far, the restarts among them (a start after a hang, a crash
+    or a rank that raised while others waited killed the group), and the seconds spent
+    starting."""
+    groups = list(_GROUPS.values())
+    return {"starts": sum(g.starts for g in groups), "restarts": sum(g.restarts for g in groups),
+            "start_seconds": sum(g.start_seconds for g in groups)}
 
 
 def close_all() -> None:

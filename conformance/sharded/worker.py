@@ -1,10 +1,13 @@
 """One rank of the sharded level's worker group (a spawned process; ``group`` starts it).
 
-It joins a process group of ``world`` ranks (a file rendezvous; gloo on the CPU, NCCL on
-CUDA with this rank on GPU ``rank``), builds the prefix
-subgroups ``[0..w-1]`` for every world size w (so that a rank's rank in a subgroup is its
-global rank), resolves the implementation itself (``implementations.registry``), says
-ready, then serves requests from its pipe until told to stop: each ``run`` request holds
+It initialises ``torch.distributed`` for ``world`` ranks (a file rendezvous; gloo on the
+CPU, NCCL on CUDA with this rank on GPU ``rank``): the **default** process group is
+exactly the ranks of the call, as in a job launched with ``torchrun`` for that world
+size, so code that takes no group argument (``dist.get_rank()``, ``dist.barrier()``,
+``dist.all_gather(...)`` on the default group) runs unchanged, and code that takes one is
+handed the same group (``dist.group.WORLD``). It resolves the implementation itself
+(``implementations.registry``), says ready, then serves requests from its pipe until
+told to stop: each ``run`` request holds
 the case's full arrays; the rank takes its own shard (``spec.sharding``), calls
 ``impl.sharded`` on it, runs the backward when asked, and sends back its output shard,
 LSE shard and gradient shards as NumPy arrays (or what it raised).
@@ -14,7 +17,10 @@ Nothing here imports pytest or the layers above; torch is imported in the proces
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -77,7 +83,7 @@ def run_case(torch: Any, impl: Any, group: Any, rank: int, request: dict[str, An
 
 
 def main(rank: int, config: dict[str, Any]) -> None:
-    """The rank's life: connect, join, build the subgroups, resolve, serve (module docstring)."""
+    """The rank's life: connect, initialise the default group, resolve, serve (module docstring)."""
     from multiprocessing.connection import Client
 
     conn = Client(config["address"], family="AF_UNIX",
@@ -91,13 +97,17 @@ def main(rank: int, config: dict[str, Any]) -> None:
     from implementations import registry
 
     torch.set_num_threads(1)
+    # On a hang the supervisor asks (SIGUSR1) where each rank is blocked: the Python stack
+    # of every thread goes to this rank's log, which it reads to name the collective.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     backend = config.get("backend", "gloo")
     try:
         if backend == "nccl":  # one process per GPU: rank r on cuda:r, every "cuda" tensor there
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
-        groups = {w: dist.new_group(list(range(w))) for w in range(1, world + 1)}
+        group = dist.group.WORLD
         impl = registry.resolve(impl_spec, options or None, timeout=None)
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor, which says why
         conn.send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -110,8 +120,11 @@ def main(rank: int, config: dict[str, Any]) -> None:
             return
         if request.get("op") == "stop":
             break
+        if request["world_size"] != world:  # the supervisor's error: one group per world size
+            conn.send({"raised": f"ValueError: this group has world size {world}, not {request['world_size']}"})
+            continue
         try:
-            reply = run_case(torch, impl, groups[request["world_size"]], rank, request)
+            reply = run_case(torch, impl, group, rank, request)
         except BaseException as exc:  # noqa: BLE001 - the implementation's own error
             reply = {"raised": f"{type(exc).__name__}: {exc}",
                      "traceback": "".join(traceback.format_exception(exc))[-3000:]}

@@ -1,6 +1,7 @@
 """Sharded implementations whose rank 1 misbehaves on causal calls over two ranks with
 one position per rank (the group tests resolve them by path, in every rank): it hangs,
-its process dies, or it raises. Other calls are the ring built-in's (layout invariance
+its process dies, it raises, or it waits in a barrier (on the default group) that rank 0
+never reaches. Other calls are the ring built-in's (layout invariance
 never shards to one position per rank: zigzag has two chunks a rank)."""
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class _Dies(_Broken):
         os._exit(3)
 
 
+class _ExtraBarrier(_Broken):
+    def misbehave(self) -> None:  # a collective on the default group that rank 0 never makes
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 class _Raises(_Broken):
     def misbehave(self) -> None:
         raise RuntimeError("rank 1 refuses causal calls")
@@ -46,3 +54,4 @@ def _build(name, ring):
 hangs = _build("hangs-on-rank-1", _Hangs())
 dies = _build("dies-on-rank-1", _Dies())
 raises = _build("raises-on-rank-1", _Raises())
+barrier = _build("extra-barrier-on-rank-1", _ExtraBarrier())

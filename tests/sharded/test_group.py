@@ -98,7 +98,7 @@ def test_failures_are_property_failures(monkeypatch):
         def call(self, *args):
             raise groups.GroupCrashed("rank 1's process ended (exit code 3) during the call", 1)
 
-    monkeypatch.setattr(groups, "group_for", lambda impl, device="cpu": Broken())
+    monkeypatch.setattr(groups, "group_for", lambda impl, device="cpu", world_size=None: Broken())
     with pytest.raises(ImplementationCrashed, match="rank 1's process ended"):
         run_call(Impl(), ShardedCallSpec(make_case(world_size=2, layout="contiguous")), timeout=1.0,
                  lse_declared=False)
@@ -136,3 +136,35 @@ def test_certificate_fails_saves_the_case_and_leaves_no_process(tmp_path, attr, 
     saved = re.findall(r"\S+\.npz", out)
     assert saved and any(Path(p).exists() or (ROOT / p).exists() for p in saved), out[-3000:]
     assert _workers_of(str(tmp_path)) == [], "rank processes left behind"
+
+
+def test_a_hang_says_where_each_rank_waits_and_the_likely_cause(group):
+    """Rank 1 waits in a barrier on the default group that rank 0 never reaches (rank 0
+    waits in its receive): the hang names both calls, the lines that made them, and says
+    the ranks' communication calls differ."""
+    g = group("barrier")
+    broken = make_case(world_size=2, layout="contiguous", shard=1, causal=True)
+    with pytest.raises(groups.GroupHung) as caught:
+        g.call(_request(broken), 2, 4.0)
+    text = str(caught.value)
+    assert "rank 0 waits in torch.distributed.recv" in text, text
+    assert "rank 1 waits in torch.distributed.barrier (tests/sharded/broken_sharded.py" in text, text
+    assert "wait in different communication calls" in text, text
+    assert g.pids() == []
+
+
+def test_stacks_name_a_rank_busy_outside_communication():
+    """A rank whose innermost frame is the implementation's own (a sleep) is busy, not
+    waiting: the cause says so (pure parsing of a faulthandler dump)."""
+    from conformance.sharded import stacks
+
+    dump = ('Current thread 0x00007f (most recent call first):\n'
+            '  File "/x/tests/sharded/broken_sharded.py", line 27 in misbehave\n'
+            '  File "/x/conformance/sharded/worker.py", line 60 in run_case\n'
+            '  File "/x/conformance/sharded/worker.py", line 130 in main\n')
+    where = stacks.blocked_at(dump)
+    assert where is not None and where.collective is None and "broken_sharded.py:27 in misbehave" in where.caller
+    waiting = stacks.Blocked("torch.distributed.recv", "ring.py:66 in exchange")
+    text = stacks.likely_cause({0: waiting, 1: where}, [], 2)
+    assert "rank(s) [1] are not in communication" in text and "while rank(s) [0] wait" in text, text
+    assert stacks.blocked_at("no dump here") is None

@@ -97,6 +97,9 @@ def global_rank(group: Any, rank: int) -> int:
 
 
 def sharded_capabilities(**changes: Any) -> Any:
+    """The context-parallel built-ins' declaration. They give it as ``capabilities`` only
+    (no ``sharded_capabilities``): the sharded level then reads it, and ``--impl-option``
+    overrides (applied to ``capabilities``) reach the level."""
     from implementations.base import Capabilities
 
     base = Capabilities(devices=("cpu", "cuda"), dtypes=("float64", "float32"), causal="upper_left",

@@ -147,7 +147,7 @@ def make_implementation(*, name: str = "ring", ring: RingAttention | None = None
     """The built-in ring attention (or, with ``ring`` given, one of the bug zoo's variants)."""
     caps = common.sharded_capabilities()
     return Implementation(
-        name=name, capabilities=caps, sharded_capabilities=caps, sharded=ring or RingAttention(),
+        name=name, capabilities=caps, sharded=ring or RingAttention(),
         version=torch.__version__, listed=not name.startswith("mutant:"),
         description=description or "ring attention over torch.distributed point-to-point (isend/recv), "
         "LSE merge with the running max, manual backward with dK/dV sent home, window and padding "

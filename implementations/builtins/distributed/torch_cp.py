@@ -114,7 +114,7 @@ def make_implementation(*, name: str = "torch-cp") -> Implementation:
         f"torch {torch.__version__} has no torch.distributed.tensor.experimental ring attention "
         "(_templated_ring_attention; written against torch 2.13)")
     return Implementation(
-        name=name, capabilities=caps, sharded_capabilities=caps, sharded=TorchContextParallel(rotate),
+        name=name, capabilities=caps, sharded=TorchContextParallel(rotate),
         version=torch.__version__, unavailable_reason=missing,
         description=f"PyTorch's context-parallel ring attention (_templated_ring_attention, {rotate} "
         "rotation) with the CPU flash kernel as block attention (implementations/builtins/distributed/torch_cp.py)",

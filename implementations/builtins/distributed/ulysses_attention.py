@@ -112,7 +112,7 @@ def make_implementation(*, name: str = "ulysses", ulysses: UlyssesAttention | No
     """The built-in all-to-all attention (or, with ``ulysses`` given, a bug zoo variant)."""
     caps = common.sharded_capabilities(sharded_heads_divisible=True)
     return Implementation(
-        name=name, capabilities=caps, sharded_capabilities=caps, sharded=ulysses or UlyssesAttention(),
+        name=name, capabilities=caps, sharded=ulysses or UlyssesAttention(),
         version=torch.__version__, listed=not name.startswith("mutant:"),
         description=description or "all-to-all (Ulysses) attention: sequence to heads and back with "
         "dist.all_to_all, window and padding, autograd backward "
