@@ -131,12 +131,15 @@ def _consume_option_values(early_config: pytest.Config, args: Sequence[str]) -> 
     for value in values:
         paths.remove(value)
     try:
+        import inspect
+
         from _pytest.config.findpaths import determine_setup
 
-        rootpath, inipath, _inicfg, _ignored = determine_setup(
-            inifile=namespace.inifilename, override_ini=namespace.override_ini, args=paths,
-            rootdir_cmd_arg=namespace.rootdir or None,
-            invocation_dir=early_config.invocation_params.dir)
+        given = {"inifile": namespace.inifilename, "override_ini": namespace.override_ini,
+                 "args": paths, "rootdir_cmd_arg": namespace.rootdir or None,
+                 "invocation_dir": early_config.invocation_params.dir}
+        accepted = inspect.signature(determine_setup).parameters  # override_ini: pytest >= 9
+        rootpath, inipath = determine_setup(**{k: v for k, v in given.items() if k in accepted})[:2]
         old_root, old_ini = early_config.rootpath, early_config.inipath
         if inipath != old_ini:
             raise pytest.UsageError(
