@@ -160,7 +160,7 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
         verdict = _named(verdict)
     if not verdict.causes:
         # A random output can look deterministic on one case: two equal samples.
-        random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls)
+        random = (_random_in_eval(first.calls) if first is not None else None) or _random_on_recall(target, calls, _diagnose_call)
         verdict = random or verdict
     return _with_known_deviations(target, record, verdict)
 

@@ -38,21 +38,21 @@ def _random_in_eval(calls: list[_Call]) -> Verdict | None:
     return None
 
 
-def _random_on_recall(target: Any, calls: list[_Call]) -> Verdict | None:
+def _random_on_recall(target: Any, calls: list[_Call], diagnose_call: Any) -> Verdict | None:
     """Call the module of the first eval-mode MHA call whose output is wrong again on the
     same inputs, up to RECALLS times (guarded calls), each time with torch's generator
     seeded differently; an output that changes is the sign of the random variant (an
     eval-mode module must not depend on the generator). The runner seeds dropout from
-    the case's contents, so a plain second call would draw the same sample."""
+    the case's contents, so a plain second call would draw the same sample.
+    ``diagnose_call``: ``diagnose._diagnose_call`` (whether the output is wrong)."""
     from conformance.calls import replay
     from conformance.core.target import call_guarded
     from conformance.core.tensors import to_numpy
-    from conformance.diagnosis.diagnose import _diagnose_call
 
     for call in calls:
         if call.level != "mha" or call.module is None or getattr(call.module, "training", True):
             continue
-        if _diagnose_call(target, call) is not True:
+        if diagnose_call(target, call) is not True:
             continue
         for seed in range(RECALLS):
             spec = replay.MHACallSpec(call.case, dropout=call.module.dropout, training=False,

@@ -15,6 +15,7 @@ import numpy as np
 from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.core.cases import LAYOUTS, NOTE_STRIDE0_BATCH, SDPACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
+from conformance.directed.shrink import remember_arguments
 from conformance.strategies import MASK_KINDS, REGIMES
 from conformance.strategies.values import sdpa_values
 
@@ -267,4 +268,4 @@ def sdpa_directed(target: Any, **arguments: Any) -> list[SDPACase]:
                            target, options)
         if case is not None and case.regime == regime and admitted(target, case, **arguments):
             cases.append(case)
-    return _cap(cases, MAX_DIRECTED)
+    return remember_arguments(_cap(cases, MAX_DIRECTED), arguments)  # for directed.shrink

@@ -36,8 +36,19 @@ from hypothesis.errors import FlakyFailure, FlakyReplay
 from conformance.calls.replay import CallLog
 from conformance.core.compare import PropertyFailure
 from conformance.core.expectations import ExpectedFailureLedger
-from conformance.core.registry import _CHECKS, _PROPERTIES, PropertyInfo, Record, skip_reasons
-from conformance.core.target import ImplementationCrashed, ImplementationHung, Target, subject_of
+from conformance.core.registry import (
+    _CHECKS,
+    _PROPERTIES,
+    PropertyInfo,
+    Record,
+    skip_reasons,
+)
+from conformance.core.target import (
+    ImplementationCrashed,
+    ImplementationHung,
+    Target,
+    subject_of,
+)
 from conformance.harness.checking import called_attrs as _called_attrs
 from conformance.harness.checking import check_example as _check_example
 from conformance.harness.session import Session
@@ -83,8 +94,9 @@ def conformance_property(
     property checked (e.g. no autograd declared, see ``helpers.skip_unless``);
     ``examples_factor`` scales the profile's ``max_examples``; ``cases(target)`` returns the
     Hypothesis strategy of cases; ``directed(target)`` returns explicit cases
-    (already minimal) run in order before the search, through the same check,
-    expected failures and record (a failing one is reported as it is, unshrunk);
+    run in order before the search, through the same check, expected failures and record
+    (a failing one is shrunk on a budget of examples, ``conformance.harness.directed_shrink``,
+    and then, unless the run stops at its first failure, the search looks for a smaller one);
     ``check(target, case)`` raises :class:`PropertyFailure` or returns the worst
     error ratio (None if the property is exact or not ratio-based).
     """
@@ -98,7 +110,7 @@ def conformance_property(
 
         def test(target: Target, conformance_session: Session) -> None:
             from conformance.diagnosis import diagnose as diagnosis
-            from conformance.harness import directed_first
+            from conformance.harness import directed_first, directed_shrink
             from conformance.reporting import failures
 
             record = Record(property_id, target.level, target.dtype, target.device)
@@ -169,9 +181,11 @@ def conformance_property(
                     for case, passed in directed_first.cases(conformance_session, property_id, target):
                         try:
                             one_example(case, passed)
-                        except PropertyFailure as exc:  # a directed case is not shrunk: search on
+                        except PropertyFailure as failed:  # shrunk, then (unless -x) the search
+                            exc = directed_shrink.shrink_failure(failed, case, target, record, one_example,
+                                                                 failing_ratio, _StopSearch)
                             if conformance_session.stops_early:  # (-x: the first failure, at once)
-                                raise
+                                raise exc from None
                             directed_failure = (exc, (record.failing_case, record.failing_calls,
                                                       failing_ratio[0], record.first_failure_seconds))
                             break
@@ -188,6 +202,7 @@ def conformance_property(
                         search()
                     except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as found:
                         if directed_failure is None or not larger(first_failure(found)[1], directed_failure[0]):
+                            record.directed_origin = None  # the search's own case is reported
                             raise
                     if directed_failure is not None:  # the search found none smaller: report it
                         exc, (record.failing_case, record.failing_calls, failing_ratio[0],

@@ -11,7 +11,7 @@ from hypothesis.errors import FlakyFailure
 
 from conformance.core.compare import PropertyFailure
 
-__all__ = ["first_failure", "group_message", "larger"]
+__all__ = ["first_failure", "group_message", "larger", "origin_line"]
 
 def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
     """The first property failure inside ``exc`` (an exception group or Hypothesis'
@@ -67,3 +67,16 @@ def group_message(exc: BaseException) -> str:
         lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
         parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
     return "\n".join(parts)
+
+
+def origin_line(record: Any) -> str:
+    """The report's line on a directed failure's origin ("" for a failure the search found)."""
+    origin = getattr(record, "directed_origin", None)
+    if not origin:
+        return ""
+    if origin["shrunk"]:
+        return (f"  (shrunk in {origin['checked']} examples from the directed example "
+                f"\"{origin['example']}\": {origin['case']})\n")
+    tried = f"in {origin['checked']} examples " if origin["checked"] else ""
+    return (f"  (the directed example \"{origin['example']}\" as written: no smaller case "
+            f"{tried}failed the same way)\n")

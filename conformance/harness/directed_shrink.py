@@ -1,0 +1,75 @@
+"""A failing directed case, shrunk before it is reported (``conformance.directed.shrink``
+proposes the smaller cases; this module checks them through the runner's own example
+check, so each one counts, is matched against expected failures and is recorded as any
+example is).
+
+A proposal counts as failing the same way when its check raises a property failure of
+the same kind (a mismatch stays a mismatch; a raise does not stand in for one); a
+proposal that hangs or crashes the implementation ends the shrinking (each would cost a
+timeout). The record (failing case, its calls, its ratio) and the diagnosis' view of the
+current example are those of the smallest failing case at the end, so the message, the
+certificate's cell, the saved case and the reproducer all come from one example.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from conformance.core import observe
+from conformance.core.compare import PropertyFailure
+from conformance.core.target import ImplementationCrashed, ImplementationHung
+from conformance.directed import shrink as proposals
+from conformance.directed.admission import admitted
+
+__all__ = ["shrink_failure"]
+
+
+def _name(case: Any) -> str:
+    """The directed example's name, from the note its builder left on the case."""
+    for note in getattr(case, "notes", ()):
+        if note.startswith("directed: "):
+            return note.removeprefix("directed: ")
+    return "?"
+
+
+def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any,
+                   one_example: Callable[[Any], None], failing_ratio: list[Any],
+                   stop: type[BaseException]) -> PropertyFailure:
+    """The failure of the smallest failing case found from directed ``case`` (``failure``
+    itself when none is smaller); ``record.directed_origin`` says where it started."""
+    arguments = proposals.arguments_of(case)
+    record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False}
+    if arguments is None or isinstance(failure, (ImplementationHung, ImplementationCrashed)):
+        return failure
+    best = [failure, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
+    stopped = [False]
+
+    def fails(candidate: Any) -> bool:
+        if stopped[0]:
+            return False
+        saved = (record.failing_case, record.failing_calls, failing_ratio[0])
+        try:
+            one_example(candidate)
+        except PropertyFailure as found:
+            if type(found) is type(failure):
+                best[:] = [found, record.failing_case, record.failing_calls, failing_ratio[0],
+                           observe._EXAMPLE.get()]
+                return True
+        except stop:  # it hung or crashed: no more proposals (each would cost as much)
+            stopped[0] = True
+        except Exception:  # noqa: BLE001 - a proposal the suite cannot check is not a smaller failure
+            pass
+        record.failing_case, record.failing_calls, failing_ratio[0] = saved
+        return False
+
+    def admit(candidate: Any) -> bool:
+        try:
+            return admitted(target, candidate, **arguments)
+        except Exception:  # noqa: BLE001 - not admitted: never checked
+            return False
+
+    smallest, checked = proposals.shrink(case, fails, admit=admit)
+    exc, record.failing_case, record.failing_calls, failing_ratio[0], example = best
+    observe._EXAMPLE.set(example)
+    record.directed_origin.update(checked=checked, shrunk=smallest is not case)
+    return exc
