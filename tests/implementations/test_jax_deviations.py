@@ -15,7 +15,7 @@ import torch
 
 import spec
 from implementations import registry
-from implementations.builtins import jax_attention
+from implementations.builtins.frameworks import jax_attention
 
 
 @pytest.fixture(scope="module")
