@@ -6,7 +6,10 @@ the rule a wrong rank applies to the positions it holds (``spec.sharding``), gat
 over every rank. The keys are those of the padded sequence (zeros at positions ``>= L``,
 as the ranks hold them), so a variant that attends the padding attends those zeros.
 The others re-order head groups (an all-to-all stacked in the wrong order) or merge
-partial results without the running max in the problem's precision.
+partial results without the running max in the problem's precision. The last ones are
+SDPA-level variants seen through the whole sequence (:func:`as_sdpa`): a ring whose every
+block groups its GQA heads wrongly, scales wrongly, or keeps its running sums in float32
+gives, gathered, what the SDPA variant gives on the unsharded call.
 
 Dimension letters: B batch, N query heads, K kv heads, L the sequence length, Lp the
 padded length, E q/k head dim, Ev value head dim, W the world size.
@@ -18,9 +21,10 @@ import numpy as np
 
 from .. import sharding
 from .._sdpa import sdpa
-from ._core import ShardedProblem, Variant, VariantResult
+from ._core import SDPAProblem, ShardedProblem, Variant, VariantResult
+from .sdpa import SDPA_VARIANTS
 
-__all__ = ["SHARDED_VARIANTS", "reference"]
+__all__ = ["SHARDED_VARIANTS", "as_sdpa", "reference"]
 
 def _padded(p: ShardedProblem) -> tuple[np.ndarray, np.ndarray]:
     """The key and value of the padded sequence (zeros at positions >= L)."""
@@ -174,6 +178,42 @@ def _some_shard_offset(p: ShardedProblem) -> bool:
     return bool((index[: p.length] != np.arange(p.length)).any())
 
 
+def as_sdpa(p: ShardedProblem) -> SDPAProblem:
+    """The whole sequence as one SDPA call: the real queries over the padded keys, the
+    causal rule as the flag (upper-left: global positions), the window and the padding
+    as a bool mask (None when they block nothing)."""
+    key, value = _padded(p)
+    mask = sharding.allowed(np.arange(p.length), np.arange(p.padded_length), window=p.window, length=p.length)
+    return SDPAProblem(p.query, key, value, attend_mask=None if mask.all() else mask,
+                       causal="upper_left" if p.causal else None, scale=p.scale, dtype=p.dtype, fully_masked="zero")
+
+
+#: SDPA-level variants a context-parallel implementation shows on its gathered output
+#: (every rank's block attention or merge making the SDPA-level mistake), with what the
+#: mistake looks like in ring or all-to-all code.
+_LIFTED = {
+    "gqa_tiled": "ring or all-to-all code expanding the kv heads with repeat(k, '... h d -> ... (g h) d') "
+                 "or k.repeat(1, g, 1, 1) before each block's attention",
+    "softmax_float32": "a ring whose running max, row sums or merge buffers are float32 "
+                       "(torch.zeros(...) without the inputs' dtype) under float64 inputs",
+    "causal_ignored": "a ring that drops the causal flag on every block (or attends every block whole)",
+    "causal_excludes_diagonal": "each rank's own block masked with triu(1) shifted by one (keys strictly before)",
+    "unscaled": "block attention without the softmax scale",
+    "scale_value_dim": "block attention scaled by 1/sqrt(Ev), the value head dim",
+}
+
+
+def _lifted(variant: Variant, models: str) -> Variant:
+    return Variant(
+        id=f"sharded_{variant.id}", level="sharded",
+        summary=f"{variant.summary} (the SDPA-level variant {variant.id} over the whole sequence, gathered "
+                "from the ranks)",
+        models=models, applies=lambda p: variant.applies(as_sdpa(p)),
+        compute=lambda p: VariantResult(variant.compute(as_sdpa(p)).output, None), precision=variant.precision)
+
+
+_SDPA = {v.id: v for v in SDPA_VARIANTS}
+
 SHARDED_VARIANTS: tuple[Variant, ...] = (
     Variant(
         id="sharded_causal_local",
@@ -246,4 +286,5 @@ SHARDED_VARIANTS: tuple[Variant, ...] = (
         applies=lambda p: True,
         compute=_merge_without_max,
     ),
+    *(_lifted(_SDPA[name], models) for name, models in _LIFTED.items()),
 )

@@ -125,8 +125,10 @@ def test_each_variant_is_the_oracle_where_it_does_not_apply_and_ranks_itself_whe
                 matched = V.rank(out, p)
                 assert variant.id in [m.variant_id for m in matched], (variant.id, matched)
                 assert matched[0].fit == 0.0
-    # the merge without the max is the oracle on values this small
-    assert differed == {v.id for v in V.SHARDED_VARIANTS} - {"sharded_merge_no_max"}
+    # the merge without the max is the oracle on values this small; these problems have
+    # K = N and Ev = E (GQA and Ev != E: tests/spec/test_variants.py's cases)
+    assert differed == {v.id for v in V.SHARDED_VARIANTS} - {"sharded_merge_no_max", "sharded_gqa_tiled",
+                                                               "sharded_scale_value_dim"}
 
 
 def test_the_sharded_problem_names_bad_input():
@@ -138,3 +140,19 @@ def test_the_sharded_problem_names_bad_input():
     with pytest.raises(SpecError, match="key=.*query's length"):
         V.ShardedProblem(q, np.zeros((1, 1, 2, 2)), np.zeros((1, 1, 2, 2)))
     assert {v.level for v in V.SHARDED_VARIANTS} == {"sharded"}
+
+
+def test_sdpa_variants_over_the_whole_sequence():
+    """``as_sdpa`` states the whole sequence as one SDPA call (window and padding as a
+    mask, causal as the upper-left flag), and a lifted variant is the SDPA variant on it:
+    ``sharded_gqa_tiled`` reads kv head h % K for query head h, worked by hand."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((1, 4, 3, 2)), rng.standard_normal((1, 2, 3, 2)), rng.standard_normal((1, 2, 3, 2))
+    p = V.ShardedProblem(q, k, v, world_size=2, causal=True)     # L = 3 padded to 4
+    s = V.sharded.as_sdpa(p)
+    assert s.key.shape[2] == 4 and s.causal == "upper_left" and not s.attend_mask[:, 3].any()
+    got = V.VARIANTS["sharded_gqa_tiled"].compute(p).output
+    for h in range(4):
+        one = V.ShardedProblem(q[:, h:h + 1], k[:, h % 2:h % 2 + 1], v[:, h % 2:h % 2 + 1], world_size=2, causal=True)
+        np.testing.assert_allclose(got[:, h:h + 1], V.reference(one).output, atol=1e-12)
+    assert V.rank(got, p)[0].variant_id == "sharded_gqa_tiled"
