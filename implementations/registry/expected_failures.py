@@ -3,7 +3,9 @@
 A built-in's file is named after its registered name; the registry attaches the
 entries when it builds the built-in (:func:`implementations.registry.resolution.registered`).
 Any implementation, a plain ``file.py:attr`` function included, takes a file of the
-same schema with ``--xfail-file PATH`` (:func:`load_expected_failures_file`,
+same schema with ``--xfail-file PATH``, or a file shipped here by its short name
+(``--xfail-file=keras-mha``: the deviations of a library the user certifies, as Keras'
+MultiHeadAttention) (:func:`load_expected_failures_file`,
 :func:`with_expected_failures`).
 """
 
@@ -51,12 +53,22 @@ def load_expected_failures_file(path: str | Path) -> tuple[ExpectedFailure, ...]
     suite's properties when the run starts: ``conformance.core.expectations.entry_errors``.)"""
     where = f"--xfail-file {path}"
     file = Path(path).expanduser()
+    shipped = XFAIL_DIR / f"{path}.toml"
+    if not file.is_file() and _short_name(str(path)) and shipped.is_file():
+        file = shipped               # a short name: the file shipped in the package
     if not file.is_file():
+        names = ", ".join(sorted(p.stem for p in XFAIL_DIR.glob("*.toml")))
         raise ImplementationError(
             f"{where}: no such file (looked for {file.resolve()}); give the path of a TOML file "
-            "of [[xfail]] tables, as in implementations/xfail/*.toml"
+            "of [[xfail]] tables, as in implementations/xfail/*.toml, or the short name of a file "
+            f"shipped there ({names})"
         )
     return _load(file, where)
+
+
+def _short_name(text: str) -> bool:
+    """Whether ``--xfail-file`` was given a bare name (``keras-mha``), not a path."""
+    return bool(text) and "/" not in text and "\\" not in text and not text.endswith(".toml")
 
 
 def with_expected_failures(impl: Implementation, entries: tuple[ExpectedFailure, ...]) -> Implementation:
@@ -116,8 +128,11 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
 
 #: The library each built-in with an expected-failures file calls: a user's function
 #: that calls the same library may inherit its deviations.
+#: The files of libraries certified with no adapter (not built-ins) are offered only to an
+#: implementation that calls their library.
 BUILTIN_LIBRARIES = {"sdpa": "torch", "sdpa-flash": "torch", "sdpa-flash-cuda": "torch", "sdpa-cudnn": "torch",
-                     "torch-mha": "torch", "jax": "jax"}
+                     "torch-mha": "torch", "jax": "jax", "keras-mha": "keras", "keras-mha-tensorflow": "tensorflow",
+                     "transformers-eager": "transformers", "transformers-flex": "transformers"}
 
 
 def builtin_deviations(property_id: str, attrs: list[dict], directory: Path | None = None,

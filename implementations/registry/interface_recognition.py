@@ -44,11 +44,13 @@ interface_mask=additive|bool`` declares the form of a function not named above.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
 
 from implementations.base import Implementation, ImplementationError
+from implementations.registry.expected_failures import load_expected_failures
 
 __all__ = ["INTERFACE_PARAMETERS", "MASK_FORMS", "InterfaceSDPA", "interface_mask_form",
            "is_interface_signature", "recognise_interface"]
@@ -61,6 +63,11 @@ MASK_FORMS = ("additive", "bool")
 #: copy of ``eager_attention_forward``).
 KNOWN_FORMS = {"eager_attention_forward": "additive", "sdpa_attention_forward": "bool",
                "flex_attention_forward": "additive"}
+#: The expected-failures files (implementations/xfail/) of transformers' own backends,
+#: attached to those functions only: sdpa_attention_forward calls torch's SDPA, whose
+#: deviations it inherits.
+KNOWN_DEVIATIONS = {"eager_attention_forward": ("transformers-eager",), "sdpa_attention_forward": ("sdpa",),
+                    "flex_attention_forward": ("transformers-flex",)}
 
 
 def is_interface_signature(parameters: list[inspect.Parameter]) -> bool:
@@ -172,6 +179,14 @@ def _blocked(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(keep, zero, torch.finfo(dtype).min)
 
 
+def _deviations(fn: Any) -> tuple:
+    """The measured deviations of transformers' own backend ``fn`` (none for another function)."""
+    if not (getattr(fn, "__module__", "") or "").startswith("transformers."):
+        return ()
+    names = KNOWN_DEVIATIONS.get(getattr(fn, "__name__", ""), ())
+    return tuple(entry for name in names for entry in load_expected_failures(name))
+
+
 def _accepted(parameters: list[inspect.Parameter]) -> frozenset[str]:
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return frozenset({"scaling", "dropout"})
@@ -196,6 +211,10 @@ def recognise_interface(fn: Callable[..., Any], parameters: list[inspect.Paramet
         raise ImplementationError(
             f"{origin} has transformers' attention-interface signature but also requires {required}, which "
             "transformers does not pass to every backend; give them defaults")
+    package = (getattr(fn, "__module__", "") or "").partition(".")[0]
+    top = sys.modules.get(package)
+    if version in ("", "0") and getattr(top, "__version__", None):  # transformers.models.x has none
+        version = f"{package} {top.__version__}"
     form = interface_mask_form(fn, declared.get("interface_mask"))
     adapter = InterfaceSDPA(fn, form, _accepted(parameters))
     caps = probe(adapter, origin=origin, timeout=timeout)
@@ -209,7 +228,7 @@ def recognise_interface(fn: Callable[..., Any], parameters: list[inspect.Paramet
         caps = caps.replace(causal="lower_right", sources={**dict(caps.sources), "causal": "contract"})
     caps = caps.replace(probe_notes=tuple(notes))
     return Implementation(
-        name=name, capabilities=caps, sdpa=adapter, version=version,
+        name=name, capabilities=caps, sdpa=adapter, version=version, expected_failures=_deviations(fn),
         description=f"transformers attention-interface function {origin} (mask form {form}); capabilities "
                     "probed, semantics scaled_dot_product_attention's with lower-right causal",
     )

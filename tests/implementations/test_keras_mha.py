@@ -3,7 +3,8 @@
 In process, without Keras: how a Keras layer class is recognised, and how nn.MultiheadAttention's
 forward arguments become the layer's (a stub layer records them). Certificates as subprocesses
 with KERAS_BACKEND=torch (chosen before keras is imported): ``keras.layers:MultiHeadAttention``
-certifies under ``ci`` with examples/frameworks/keras_mha_xfail.toml, each of that file's
+certifies under ``ci`` with its shipped expected-failures file by its short name
+(``--xfail-file=keras-mha``, implementations/xfail/keras-mha.toml), each of that file's
 deviations still fails without it, and a subclass with the model-dim scaling bug fails.
 ``tf.keras`` (TensorFlow is not in the extras) skips where TensorFlow is not installed."""
 
@@ -19,7 +20,6 @@ import torch
 from implementations.bridge.mha import KerasMHA, keras_mha_framework
 from tests.implementations.test_framework_bridge import MODULES, ROOT, certify, outcomes
 
-XFAIL = ROOT / "examples" / "frameworks" / "keras_mha_xfail.toml"
 needs_keras = pytest.mark.skipif(
     importlib.util.find_spec("keras") is None or importlib.util.find_spec("torch") is None,
     reason="keras is not installed (pip install 'attention-conformance[frameworks]')")
@@ -109,7 +109,7 @@ def test_per_head_masks_go_as_four_dims_and_float_masks_are_refused():
 @needs_keras
 def test_keras_mha_certifies_with_its_expected_failures(tmp_path):
     code, report, output = certify("keras.layers:MultiHeadAttention", tmp_path, "--dtype=float64,float32",
-                                   "--xfail-file", str(XFAIL), env={"KERAS_BACKEND": "torch"})
+                                   "--xfail-file=keras-mha", env={"KERAS_BACKEND": "torch"})
     assert code == 0, output
     got = outcomes(report)
     for prop in ("mha_agreement", "mha_averaged_weights", "mha_causal_flag_equivalence", "mha_gradients",

@@ -1,7 +1,7 @@
 """TensorFlow through the framework bridge, with no adapter: an SDPA-level TensorFlow
 function (``examples/frameworks/tf_attention.py``, gradients by ``tf.GradientTape``) and
 ``tensorflow.keras.layers:MultiHeadAttention`` (Keras 3 on its tensorflow backend) at the
-MHA level with its expected failures (``examples/frameworks/keras_mha_tensorflow_xfail.toml``).
+MHA level with its expected failures (``--xfail-file=keras-mha-tensorflow``, shipped in implementations/xfail/).
 
 TensorFlow is not in the project's extras (tensorflow-cpu 2.20 installs 1.4 GB), so CI skips
 these; measured where it is installed (``pip install tensorflow-cpu``): the function
@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 FUNCTION = ROOT / "examples" / "frameworks" / "tf_attention.py"
-TF_XFAIL = ROOT / "examples" / "frameworks" / "keras_mha_tensorflow_xfail.toml"
+TF_XFAIL = ROOT / "implementations" / "xfail" / "keras-mha-tensorflow.toml"  # --xfail-file=keras-mha-tensorflow
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
@@ -41,7 +41,7 @@ def test_a_tensorflow_function_certifies_with_gradient_tape_gradients(tmp_path):
 
 def test_tf_keras_mha_certifies_with_its_expected_failures(tmp_path):
     code, report, output = certify("tensorflow.keras.layers:MultiHeadAttention", tmp_path, "--dtype=float64,float32",
-                                   "--xfail-file", str(TF_XFAIL), env={**QUIET, "KERAS_BACKEND": "tensorflow"})
+                                   "--xfail-file=keras-mha-tensorflow", env={**QUIET, "KERAS_BACKEND": "tensorflow"})
     assert code == 0, output
     got = outcomes(report)
     for prop in ("mha_agreement", "mha_averaged_weights", "mha_causal_flag_equivalence", "mha_output_contract"):
