@@ -52,7 +52,14 @@ from conformance.core.target import (
 from conformance.harness.checking import called_attrs as _called_attrs
 from conformance.harness.checking import check_example as _check_example
 from conformance.harness.session import Session
-from conformance.reporting.failure_choice import first_failure, group_message, larger
+from conformance.harness.suite_errors import SuiteError, suite_error
+from conformance.reporting.failure_choice import (
+    drop_hypothesis_notes,
+    first_failure,
+    group_message,
+    larger,
+    long_tracebacks,
+)
 from implementations import guard
 
 __all__ = ["conformance_property"]
@@ -108,7 +115,7 @@ def conformance_property(
         )
         _CHECKS[property_id] = check
 
-        def test(target: Target, conformance_session: Session) -> None:
+        def test(target: Target, conformance_session: Session, request: pytest.FixtureRequest) -> None:
             from conformance.diagnosis import diagnose as diagnosis
             from conformance.harness import directed_first, directed_shrink
             from conformance.reporting import failures
@@ -142,11 +149,19 @@ def conformance_property(
                         ratio = passed[0]
                         log.calls.extend(passed[1])
                     else:
-                        ratio = _check_example(conformance_session, property_id, check,
-                                               dataclasses.replace(target, log=log), case)
+                        try:
+                            ratio = _check_example(conformance_session, property_id, check,
+                                                   dataclasses.replace(target, log=log), case)
+                        except Exception as raised:  # the suite's own error: reported as such
+                            own = suite_error(raised, target.impl.name)
+                            if own is None:
+                                raise
+                            raise own from raised
                 except PropertyFailure as exc:
+                    exc.conformance_own_notes = len(getattr(exc, "__notes__", ()))  # type: ignore[attr-defined]
                     record.note_ran(log.calls)
-                    entry = ledger.excuse(_called_attrs(log, case)) if ledger else None
+                    entry = ledger.excuse(_called_attrs(log, case)) if ledger and not isinstance(
+                        exc, SuiteError) else None
                     if entry is not None:
                         record.xfail_hits += 1
                         record.xfail_reason = entry.reason + (
@@ -208,15 +223,26 @@ def conformance_property(
                         exc, (record.failing_case, record.failing_calls, failing_ratio[0],
                               record.first_failure_seconds) = directed_failure
                         raise exc
-            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch) as caught:
+            except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch, Exception) as caught:
                 exc = caught.failure if isinstance(caught, _StopSearch) else caught
+                if not isinstance(exc, (PropertyFailure, BaseExceptionGroup)):  # escaped the check (a draw)
+                    exc = suite_error(exc, target.impl.name)
+                    exc.__cause__ = caught
                 record.seconds = time.perf_counter() - start
                 record.outcome = "failed"
                 first, first_case = first_failure(exc)
                 record.failing_case = first_case if first_case is not None else record.failing_case
-                record.worst_ratio = failing_ratio[0]
+                # the cell's ratio is the reported failure's (the first of a group), as its message says
+                record.worst_ratio = first.ratio if isinstance(first, PropertyFailure) else failing_ratio[0]
                 record.expected_failures = ledger.summary()
-                diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
+                if not long_tracebacks(request):
+                    drop_hypothesis_notes(exc)  # its dump of the draws: --tb=long only
+                if isinstance(first, SuiteError):
+                    record.outcome = "error"  # the suite broke, not the implementation
+                    if hasattr(exc, "add_note"):
+                        exc.add_note("probable cause: the suite's own error (above), not the implementation")
+                else:
+                    diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was

@@ -155,6 +155,7 @@ class Sweep:
     def failing(self, case: Any) -> None:
         """``case`` is the failing case to save and report (call before raising)."""
         self.record.failing_case = case
+        self.record.examples += 1  # the failing size is visited too, as a failing example is counted
         if self.record.first_failure_seconds is None:
             self.record.first_failure_seconds = time.perf_counter() - self.started
 
@@ -172,6 +173,16 @@ class Sweep:
         return [f"{e.reason} ({n} covered case(s) passed)"
                 for e, n, hit in zip(self.entries, self.covered_passes, self.hits, strict=True)
                 if n and not hit and e.property != "*"]
+
+
+def failure_ratio(exc: BaseException) -> float | None:
+    """The worst error/allowed of failure ``exc``; a failure re-raised with more words
+    (``raise type(exc)(...) from exc``) carries its cause's."""
+    while isinstance(exc, PropertyFailure):
+        if exc.ratio is not None:
+            return float(exc.ratio)
+        exc = exc.__cause__  # type: ignore[assignment]
+    return None
 
 
 def sweep_property(
@@ -236,8 +247,7 @@ def sweep_property(
                     if replay.property != property_id or replay.target_id != target.id:
                         record.outcome = "skipped"
                         pytest.skip(f"--replay runs {replay.property}[{replay.target_id}] only")
-                    sweep.failing(replay.case)
-                    record.examples += 1
+                    sweep.failing(replay.case)  # (counts the example)
                     ratio = sweep.check(replay.case)
                     record.worst_ratio = None if ratio is None else float(ratio)
                     record.failing_case = None
@@ -249,6 +259,7 @@ def sweep_property(
             except PropertyFailure as exc:
                 record.seconds = time.perf_counter() - sweep.started
                 record.outcome = "failed"
+                record.worst_ratio = failure_ratio(exc)  # the cell's ratio is the failure's, as its message says
                 owner = subject_of(conformance_session, target)
                 diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
                 failures.annotate(exc, property_id, target, record,

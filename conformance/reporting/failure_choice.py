@@ -11,7 +11,7 @@ from hypothesis.errors import FlakyFailure
 
 from conformance.core.compare import PropertyFailure
 
-__all__ = ["first_failure", "group_message", "larger", "origin_line"]
+__all__ = ["first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks"]
 
 def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
     """The first property failure inside ``exc`` (an exception group or Hypothesis'
@@ -80,3 +80,37 @@ def origin_line(record: Any) -> str:
     tried = f"in {origin['checked']} examples " if origin["checked"] else ""
     return (f"  (the directed example \"{origin['example']}\" as written: no smaller case "
             f"{tried}failed the same way)\n")
+
+
+#: How Hypothesis' own notes on a failure begin: its dump of the draws and how to
+#: reproduce them, which the report replaces (shrunk case, saved case, replay line).
+HYPOTHESIS_NOTES = ("Falsifying example", "Failing test case", "Falsifying explicit example",
+                    "Failing explicit example", "Draw ", "Explanation:", "You can reproduce", "These lines were",
+                    "You can add @seed", "Trying example", "Highest target score", "Unreliable test timings",
+                    "Traceback (most recent call last)", "while generating", "@reproduce_failure")
+
+
+def long_tracebacks(request: Any) -> bool:
+    """Whether the run asked for whole tracebacks (``--tb=long`` or any style but the default)."""
+    try:
+        return request.config.getoption("tbstyle", "auto") not in ("auto", None)
+    except Exception:  # noqa: BLE001 - no pytest request: the report's form
+        return False
+
+
+def drop_hypothesis_notes(exc: BaseException) -> None:
+    """Remove Hypothesis' notes from ``exc`` and every failure inside it (kept under
+    ``conformance_hypothesis_notes``): those after the notes the property itself added
+    (``conformance_own_notes``, set by the runner), else those that read as Hypothesis'."""
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        own = getattr(exc, "conformance_own_notes", None)  # the property's, before Hypothesis added its
+        kept = notes[:own] if own is not None else [
+            n for n in notes if not str(n).lstrip().startswith(HYPOTHESIS_NOTES)]
+        if len(kept) != len(notes):
+            exc.conformance_hypothesis_notes = [n for n in notes if n not in kept]  # type: ignore[attr-defined]
+            notes[:] = kept
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            drop_hypothesis_notes(sub)
+

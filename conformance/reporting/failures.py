@@ -362,7 +362,8 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
     section = _section(property_id)
     own = _in_own_terms(target, call.case)
     note = (
-        f"\nproperty {property_id}{f' ({section})' if section else ''} failed for implementation {impl} on "
+        f"\nproperty {property_id}{f' ({section})' if section else ''} "
+        f"{'could not be checked (the suite broke)' if record.outcome == 'error' else 'failed'} for implementation {impl} on "
         f"{target.level}/{target.dtype}/{target.device}\n"
         f"shrunk case: {case.describe()}\n"
         + origin_line(record)

@@ -1,0 +1,38 @@
+"""Implementations whose failures test the report's form (``tests/runner/test_failure_report.py``),
+each with scaled_dot_product_attention's signature, right where they claim
+(``partial_support_impls._attend``) but for:
+
+* :func:`wrong_for_three_batches`: right except with a batch of three (no directed case
+  has one), so only the random search finds it;
+* :func:`bridge_breaks`: calls a helper whose code is the suite's (compiled under the
+  framework bridge's file name), which raises ``AttributeError`` on cases with L = 1,
+  S = 2 (none of the probe's calls), as the bridge does on a layer whose sublayers it
+  cannot find.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.runner.partial_support_impls import _attend
+
+_BRIDGE = Path(__file__).resolve().parents[2] / "implementations" / "bridge" / "sdpa.py"
+_namespace: dict = {}
+exec(compile("def read_sublayer(layer):\n    return layer.query_dense\n", str(_BRIDGE), "exec"), _namespace)
+
+
+def wrong_for_three_batches(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    out = _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    if query.shape[0] == 3:
+        return out * 2
+    return out
+
+
+def bridge_breaks(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+    if query.shape[-2] == 1 and key.shape[-2] == 2:  # none of the probe's calls
+        _namespace["read_sublayer"](object())
+    return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
