@@ -151,6 +151,10 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
             return _unknown("the implementation raised, hung or crashed, so there is no output to compare")
         calls = [_call_once(target, case)]
     verdict = _verdict(target, calls)
+    if not verdict.causes and _AGREES in verdict.line and _mismatch(exc):
+        verdict = _unknown(f"the property's comparison fails (worst error/allowed {exc.ratio:.3g}: a "  # type: ignore[union-attr]
+                           "mismatch) while the output of each call, read on its own, is within the "
+                           "diagnosis' tolerance of the oracle; no variant can be told apart at that margin")
     first = _FIRST_FAILURE.get()
     if first is None or first.record is not record or first.case is case:
         first = None
@@ -177,8 +181,18 @@ def _verdict(target: Any, calls: list[_Call]) -> Verdict:
         wrong = wrong or found
     if wrong:
         return _unknown("no variant of spec.variants matches the output on the shrunk case")
-    return _unknown("every output on the shrunk case agrees with the oracle; the property fails on "
+    return _unknown(_AGREES + "; the property fails on "
                     "something else (a relation between calls, gradients, an error)")
+
+
+#: The unknown verdict's words when no output read on its own is wrong.
+_AGREES = "every output on the shrunk case agrees with the oracle"
+
+
+def _mismatch(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a value mismatch (a failure past its tolerance: ratio > 1)."""
+    ratio = getattr(exc, "ratio", None)
+    return ratio is not None and ratio > 1.0
 
 
 def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:

@@ -186,13 +186,14 @@ def _kvcache_problem(target: Any, call: _Call) -> tuple[Any, Any, Callable]:
     (``calls.kvcache.kvcache_bounds``), the caches after the call exactly, rotated keys
     within a rotation's rounding (``tolerance.rotation_allowed`` at the largest rotated
     entry: the runner's ``check_cache_after``)."""
-    from conformance.calls.kvcache import _pages, kvcache_bounds, kvcache_lse_bounds
+    from conformance.calls.kvcache import kvcache_bounds, kvcache_lse_bounds
+    from conformance.calls.sequences.calling import as_pages
     from conformance.core import tolerance
 
     case, lse, stored = call.case, call.extra.get("lse"), call.extra.get("lse_dtype")
     pages = {}
     if call.extra.get("paged"):
-        (k_pages, table), (v_pages, _) = _pages(case, case.k_cache), _pages(case, case.v_cache)
+        (k_pages, table), (v_pages, _) = as_pages(case, case.k_cache), as_pages(case, case.v_cache)
         pages = {"k_cache": k_pages, "v_cache": v_pages, "block_table": table}
     problem = V.KVCacheProblem.from_case(case, fully_masked=target.caps.fully_masked, **pages)
     observed = {"output": call.output, "lse": lse, "k_cache": call.extra.get("k_cache"),

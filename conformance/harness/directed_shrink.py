@@ -38,8 +38,13 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
     """The failure of the smallest failing case found from directed ``case`` (``failure``
     itself when none is smaller); ``record.directed_origin`` says where it started."""
     arguments = proposals.arguments_of(case)
-    record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False}
-    if arguments is None or isinstance(failure, (ImplementationHung, ImplementationCrashed)):
+    record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False,
+                              "why": None}
+    if arguments is None or not proposals.passes(case):
+        record.directed_origin["why"] = f"directed cases of the {target.level} level are not shrunk"
+        return failure
+    if isinstance(failure, (ImplementationHung, ImplementationCrashed)):
+        record.directed_origin["why"] = "a case that hangs or crashes is not shrunk (each try would cost as much)"
         return failure
     best = [failure, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
     stopped = [False]

@@ -28,6 +28,7 @@ import hashlib
 import time
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -242,7 +243,8 @@ def conformance_property(
                     if hasattr(exc, "add_note"):
                         exc.add_note("probable cause: the suite's own error (above), not the implementation")
                 else:
-                    diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
+                    with np.errstate(all="ignore"):  # the variants' own float warnings stay out of the output
+                        diagnosis.annotate(exc, target, record, property_id=property_id, isolation=owner.isolation)
                 failures.annotate(exc, property_id, target, record,
                                   impl_spec=owner.impl_spec, options=owner.options)
                 if first is not exc:  # several failures, or a flaky one: say what each was

@@ -5,13 +5,15 @@ shrunk, so the search goes on after it, and the smaller of the two is reported).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hypothesis.errors import FlakyFailure
 
 from conformance.core.compare import PropertyFailure
 
-__all__ = ["first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks"]
+__all__ = ["first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks",
+           "cell_disagreements"]
 
 def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
     """The first property failure inside ``exc`` (an exception group or Hypothesis'
@@ -77,9 +79,11 @@ def origin_line(record: Any) -> str:
     if origin["shrunk"]:
         return (f"  (shrunk in {origin['checked']} examples from the directed example "
                 f"\"{origin['example']}\": {origin['case']})\n")
-    tried = f"in {origin['checked']} examples " if origin["checked"] else ""
-    return (f"  (the directed example \"{origin['example']}\" as written: no smaller case "
-            f"{tried}failed the same way)\n")
+    example = f"the directed example \"{origin['example']}\"" if origin["example"] != "?" else "a directed case"
+    if origin.get("why"):
+        return f"  ({example} as written: {origin['why']})\n"
+    return (f"  ({example} as written: no smaller case in {origin['checked']} examples "
+            "failed the same way)\n")
 
 
 #: How Hypothesis' own notes on a failure begin: its dump of the draws and how to
@@ -113,4 +117,26 @@ def drop_hypothesis_notes(exc: BaseException) -> None:
     if isinstance(exc, BaseExceptionGroup):
         for sub in exc.exceptions:
             drop_hypothesis_notes(sub)
+
+
+_STATED_RATIO = re.compile(r"worst error/allowed = ([-+0-9.eE]+|inf|nan)")
+
+
+def cell_disagreements(results: list[dict[str, Any]]) -> list[str]:
+    """The failed results (certificate entries) whose cell contradicts their message: the
+    message states a worst error/allowed the cell's ratio does not show (the message
+    prints three digits: within 1 %). Every cell must be computed from the record its
+    message came from; this says where one was not."""
+    wrong = []
+    for r in results:
+        if r.get("outcome") not in ("failed", "error"):
+            continue
+        stated = _STATED_RATIO.search(r.get("message") or "")
+        if stated is None:
+            continue
+        said, cell = float(stated.group(1)), r.get("worst_ratio")
+        if cell is None or not (abs(cell - said) <= 0.01 * abs(said) or cell == said):
+            wrong.append(f"{r.get('property')}[{r.get('level')}-{r.get('dtype')}-{r.get('device')}]: "
+                         f"cell {cell!r}, message worst error/allowed = {stated.group(1)}")
+    return wrong
 

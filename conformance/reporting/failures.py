@@ -326,6 +326,19 @@ def _section(property_id: str) -> str:
     return info.section if info is not None else ""
 
 
+def _claims(exc: BaseException, target: Any, call: Any, options: dict[str, str]) -> str:
+    """Where the claim came from, for an implementation that raised on a claimed case."""
+    from conformance.core.target import ImplementationRaised
+    from conformance.reporting.claims import claim_note
+
+    if not isinstance(exc, ImplementationRaised):
+        return ""
+    try:
+        return claim_note(target, call.attrs(), options)
+    except Exception:  # noqa: BLE001 - a courtesy: the failure is reported with or without it
+        return ""
+
+
 def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
              impl_spec: str, options: dict[str, str]) -> None:
     """Save the shrunk failing case and the call the property made on it, and
@@ -368,6 +381,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
         f"shrunk case: {case.describe()}\n"
         + origin_line(record)
         + (f"called: {call.describe()}\n" if differs else f"called as drawn: {call.arguments()}\n")
+        + _claims(exc, target, call, options)
         + f"saved: {record.failure_file}\n"
         f"replay: pytest conformance --impl={impl}{option_args} --replay={path}\n"
         f"reproducer (paste into python; {how}):\n{record.reproducer}"

@@ -1,0 +1,149 @@
+"""Every failure message true, minimal and in the report's own form (issue 42): a failing
+directed case is shrunk and names its origin; the reproducer's values carry no more
+digits than they need; a certificate cell agrees with its failure's message; no
+Hypothesis dump; a claim names its source and the declaration that withdraws it; the
+suite's own error is an ERROR naming the suite's frame; numpy's float warnings stay out
+of the output; the diagnosis never says "every output agrees" under a mismatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from conformance.calls.sdpa import run_sdpa
+from conformance.core.compare import PropertyFailure
+from conformance.core.registry import Record
+from conformance.diagnosis import diagnose as diagnosis
+from conformance.harness.checking import check_example
+from conformance.harness.session import Session
+from conformance.reporting.failure_choice import cell_disagreements
+from conformance.reporting.reproducer import _literal
+from tests.diagnosis.test_diagnosis_unit import Counted, case_of, target_of
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPLS = "tests/runner/impls_for_reports.py"
+
+
+def run(tmp_path: Path, *args: str) -> tuple[list[dict], str]:
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
+    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,
+    )
+    output = proc.stdout + proc.stderr
+    report = tmp_path / "cert.json"
+    assert report.exists(), output[-3000:]
+    return json.loads(report.read_text())["results"], output
+
+
+def _failed(results: list[dict]) -> list[dict]:
+    return [r for r in results if r["outcome"] in ("failed", "error")]
+
+
+def _numbers(snippet: str) -> list[str]:
+    """The numeric literals of a reproducer's arrays."""
+    arrays = "\n".join(re.findall(r"np\.array\((.*?)\)(?:  #|$)", snippet, flags=re.S))
+    return re.findall(r"-?\d+\.?\d*(?:e[-+]?\d+)?", arrays)
+
+
+def test_a_failing_directed_case_is_shrunk_and_names_the_example_it_started_from(tmp_path):
+    # gqa_tile fails the grouped-query directed example (L=2 S=3 E=4, values near 1e-31)
+    # as surely with L = S = E = 1 and values of a half
+    results, output = run(tmp_path, "--impl=mutant:gqa_tile", "-x", "--dtype", "float64")
+    (failed,) = _failed(results)
+    sizes = {k: failed["counterexample"][k] for k in ("B", "N", "K", "L", "S", "E", "Ev")}
+    assert sizes == {"B": 1, "N": 4, "K": 2, "L": 1, "S": 1, "E": 1, "Ev": 1}, output[-3000:]
+    assert failed["counterexample"]["regime"] == "normal"
+    assert 'from the directed example "grouped-query attention (N=4, K=2)"' in output, output[-3000:]
+    numbers = _numbers(failed["reproducer"])
+    assert numbers and all(len(re.sub(r"[-.]|e.*", "", n).strip("0")) <= 3 for n in numbers), numbers
+
+
+def test_the_reproducer_writes_a_float32_value_in_its_own_shortest_digits():
+    values = np.float32([0.1, -2.7, 1e-3]).astype(np.float64)
+    text = _literal(values)
+    assert "00000001" not in text and "99999" not in text, text  # not float64's expansions
+    assert "dtype=np.float32" in text
+    assert eval(text, {"np": np}).tolist() == values.tolist()  # read back exactly
+    assert _literal(np.array([0.25, -1.0])) == "np.array([ 0.25, -1.  ])"
+
+
+def test_every_failed_cell_agrees_with_its_failure_message(tmp_path):
+    # a float32 softmax in float64: the sweep's message says worst error/allowed 5.4e5,
+    # and its cell read FAIL 0 (1)
+    results, output = run(tmp_path, "--impl=mutant:softmax_in_float32", "--dtype", "float64",
+                          "-k", "small_sizes_sweep or forward_agreement")
+    failed = _failed(results)
+    assert len(failed) == 2, output[-3000:]
+    assert cell_disagreements(results) == []
+    assert all(r["worst_ratio"] is not None and r["worst_ratio"] > 1 for r in failed)
+
+
+def test_cell_disagreements_finds_a_cell_that_contradicts_its_message():
+    result = {"property": "p", "level": "sdpa", "dtype": "float64", "device": "cpu", "outcome": "failed",
+              "worst_ratio": 0.0, "message": "x\n  worst error/allowed = 2.70e+05 at (0, 0, 0, 0): ..."}
+    assert len(cell_disagreements([result])) == 1
+    assert cell_disagreements([dict(result, worst_ratio=2.7e5)]) == []
+
+
+def test_a_failure_the_search_found_carries_the_report_and_no_hypothesis_dump(tmp_path):
+    results, output = run(tmp_path, f"--impl={IMPLS}:wrong_for_three_batches", "--dtype", "float64",
+                          "-k", "forward_agreement")
+    (failed,) = _failed(results)
+    assert failed["counterexample"]["B"] == 3
+    for dump in ("Falsifying example", "Failing test case", "Draw 1", "reproduce_failure", "These lines were"):
+        assert dump not in output, output[-3000:]
+    for part in ("shrunk case:", "saved:", "replay:", "reproducer (paste into python", "probable cause:"):
+        assert part in output, output[-3000:]
+
+
+def test_a_claimed_feature_names_the_signature_parameter_and_the_declaration_that_withdraws_it(tmp_path):
+    results, output = run(tmp_path, f"--impl={IMPLS}:kvcache_without_rotary", "-x")
+    (failed,) = _failed(results)
+    assert "raised on a case it claims to support" in failed["message"]
+    assert "rotary: claimed by the signature's parameters `rotary_cos`, `rotary_sin`" in output, output[-3000:]
+    assert ("declare --impl-option kvcache_features=alibi,cache_batch_idx,cache_leftpad,lse,num_splits,"
+            "softcap,window") in output
+
+
+def test_an_error_raised_in_the_suites_own_code_is_an_error_naming_its_frame(tmp_path):
+    results, output = run(tmp_path, f"--impl={IMPLS}:bridge_breaks", "--dtype", "float64",
+                          "-k", "forward_agreement")
+    (broke,) = _failed(results)
+    assert broke["outcome"] == "error", output[-3000:]
+    assert "the suite itself broke" in broke["message"]
+    assert "implementations/bridge/sdpa.py:2 in read_sublayer" in output
+    assert "forward_agreement  sdpa   ERROR" in output
+
+
+def test_a_checks_numpy_float_warnings_stay_out_of_the_output():
+    target = target_of(Counted())
+    session = Session(profile="ci", started=0.0, impl=target.impl, impl_spec="counted")
+
+    def check(target, case):
+        return float(np.float16(np.float64(1e6)) - np.inf + np.inf)  # overflow, then inf - inf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_example(session, "forward_agreement", check, target, case_of())
+
+
+def test_the_diagnosis_never_says_every_output_agrees_under_a_mismatch():
+    target, case = target_of(Counted()), case_of()
+    diagnosis.start_example(case)
+    run_sdpa(target, case)  # a right output: within the diagnosis' tolerance
+    record = Record("small_sizes_sweep", "sdpa", "float64", "cpu", outcome="failed")
+    record.failing_case = case
+    verdict = diagnosis.diagnose(target, record, PropertyFailure("values mismatch", ratio=2.0))
+    assert "agrees with the oracle" not in verdict.line, verdict.line
+    assert "worst error/allowed 2" in verdict.line
