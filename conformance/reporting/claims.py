@@ -21,7 +21,10 @@ __all__ = ["claim_note"]
 #: The parameters whose presence in a recognised function's signature claims a feature,
 #: per level (``implementations.registry.recognition``'s tables, the flash level's LSE).
 def _parameters(level: str) -> dict[str, tuple[str, ...]]:
-    from implementations.registry.recognition import KVCACHE_FEATURE_PARAMETERS, VARLEN_FEATURE_PARAMETERS
+    from implementations.registry.recognition import (
+        KVCACHE_FEATURE_PARAMETERS,
+        VARLEN_FEATURE_PARAMETERS,
+    )
 
     return {"kvcache": KVCACHE_FEATURE_PARAMETERS, "varlen": VARLEN_FEATURE_PARAMETERS,
             "flash": {"lse": ("return_attn_probs",)}}.get(level, {})

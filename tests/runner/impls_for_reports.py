@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from implementations.builtins.references.varlen_reference import KVCacheAttention
 from tests.runner.partial_support_impls import _attend
 
