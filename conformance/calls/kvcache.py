@@ -7,8 +7,9 @@ call goes through ``core.target.call_guarded`` (:func:`run_kvcache`, logged as a
 reproducer runs through :func:`show_kvcache_call`). The call writes the new keys and
 values into the caches in place: every call hands over fresh tensors made from the
 case's arrays, so the case (and a saved or replayed one) keeps the caches as they were
-before the call. The error bound is the SDPA rule applied row by row of the cache, as
-at the varlen level (``conformance.calls.varlen``).
+before the call. The error bound is the SDPA rule applied sequence by sequence of the
+cache, as at the varlen level (``conformance.calls.varlen``): the rule, the tensors handed
+over and the report are the pieces both levels share (``conformance.calls.sequences``).
 
 Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim.
@@ -23,20 +24,6 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.calls.call_reports import CallReport
-from conformance.calls.call_specs import call_directly
-from conformance.calls.declarations import require_inside
-from conformance.calls.varlen import (
-    _called_invalid,
-    _compared_rows,
-    _difference,
-    _int32,
-    _output_shape_and_dtype,
-    _replace,
-    _scale_sign,
-    _sequence_bounds,
-    _tensor,
-)
 from conformance.calls.cache_options import (
     _DESCALES,
     attended_keys,
@@ -51,19 +38,38 @@ from conformance.calls.cache_options import (
     descale_forms,
     descale_kwargs,
     descale_spec_kwargs,
-    fp8_cache_bounds,
-    fp8_text,
     flash_options,
     float32_tensor,
+    fp8_cache_bounds,
+    fp8_text,
     option_features,
     option_kwargs,
     option_text,
-    sequence_lse_bounds,
     rotated_query,
-    slopes_row,
     split_lse,
 )
-from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.calls.call_reports import CallReport
+from conformance.calls.call_specs import call_directly
+from conformance.calls.sequences.bounds import (
+    compare_with_oracle,
+    sequences_bounds,
+    sequences_lse_bounds,
+)
+from conformance.calls.sequences.calling import (
+    as_pages,
+    check_returned_output,
+    int32,
+    log_call,
+    tensor,
+)
+from conformance.calls.sequences.cases import (
+    fp8_meta,
+    head_attrs,
+    option_fields_from_meta,
+    replace,
+)
+from conformance.calls.sequences.reports import report_against_oracle
+from conformance.core.compare import fail
 from conformance.core.observe import observe_kvcache
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
@@ -206,12 +212,8 @@ class KVCacheCase:
         return np.asarray(self.alibi_slopes)[b:b + 1]
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
-        out = {"level": "kvcache", "device": self.device, "dtype": self.dtype,
-               "causal": "lower_right" if self.causal else None, "scale": self.scale,
-               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
-               "L": self.L, "S": max(self.valid_lengths()), "E": self.E, "Ev": self.Ev,
-               "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
-               "kv_paged": self.paged, "kv_append": self.k_new is not None,
+        out = head_attrs(self, L=self.L, S=max(self.valid_lengths()))
+        out.update({"kv_paged": self.paged, "kv_append": self.k_new is not None,
                "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
                "alibi": self.alibi_slopes is not None,
                "kvcache_features": option_features(self) | cache_features(self),
@@ -219,14 +221,14 @@ class KVCacheCase:
                "rotary_dim": None if self.rotary_cos is None else 2 * int(np.shape(self.rotary_cos)[1]),
                "rotary_interleaved": None if self.rotary_cos is None else bool(self.rotary_interleaved),
                "cache_batch_idx": self.cache_batch_idx is not None, "cache_leftpad": self.cache_leftpad is not None,
-               "num_splits": self.num_splits, "fp8": self.fp8, "descale_forms": descale_forms(self)}
+               "num_splits": self.num_splits, "fp8": self.fp8, "descale_forms": descale_forms(self)})
         if self.fp8 is not None:
             out["kvcache_features"] = out["kvcache_features"] | {"fp8"}
         out.update(extra)
         return out
 
     def replace(self, **changes: Any) -> KVCacheCase:
-        return _replace(self, **changes)
+        return replace(self, **changes)
 
     def describe(self) -> str:
         pages = (f" page_size={self.page_size} page_order={list(self.page_order or ())}"
@@ -234,9 +236,7 @@ class KVCacheCase:
         return (f"kvcache B={self.B} L={self.L} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
                 f"S_cache={self.S_cache} cache_seqlens={list(self.cache_seqlens)} S_new={self.S_new}"
                 f"{pages} causal={self.causal}{option_text(self)}{cache_text(self)}{fp8_text(self)} "
-                f"scale={self.scale} "
-                f"dtype={self.dtype} "
-                f"device={self.device}")
+                f"scale={self.scale} dtype={self.dtype} device={self.device}")
 
     def __repr__(self) -> str:
         return f"KVCacheCase({self.describe()})"
@@ -249,43 +249,27 @@ def kvcache_bounds(target: Target, case: KVCacheCase) -> tuple[np.ndarray, np.nd
     """(expected (B, L, N, Ev) = ``spec.kvcache_attention``, allowed, live rows (B, L, N, 1))."""
     if case.fp8 is not None:  # on the dequantised values, FP8's bound (for the bfloat16 output FA3 returns)
         return fp8_cache_bounds(case, out_dtype="bfloat16")
-    ref = case.oracle()
-    shape = (case.B, case.L, case.N, case.Ev)
-    expected, allowed = np.zeros(shape), np.zeros(shape)
-    live = np.zeros((*shape[:3], 1), dtype=bool)
-    options = flash_options(case)
-    query = rotated_query(case)
-    for b in range(case.B):
-        if options.get("alibi_slopes") is not None:
-            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
-        keys, values = attended_keys(case, ref.k_cache, ref.v_cache, b)
-        expected[b], allowed[b], live[b] = _sequence_bounds(
-            target, query[b], keys, values, causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device, options=options)
-    return expected, allowed, live
+    return sequences_bounds(target, case, _sequences(case), (case.B, case.L, case.N, case.Ev))
 
 
 def kvcache_lse_bounds(target: Target, case: KVCacheCase, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(expected LSE (B, N, L) = ``spec.kvcache_attention``'s, allowed error (B, N, L))."""
+    return sequences_lse_bounds(target, case, _sequences(case), (case.B, case.N, case.L), stored)
+
+
+def _sequences(case: KVCacheCase) -> Any:
+    """Each sequence as ``(b, b, q, k, v)`` (``sequences.bounds``): its rotated queries and
+    the keys and values it attends in the spec's caches after the append."""
     ref = case.oracle()
-    expected, allowed = np.zeros((case.B, case.N, case.L)), np.zeros((case.B, case.N, case.L))
-    options = flash_options(case)
     query = rotated_query(case)
     for b in range(case.B):
-        if options.get("alibi_slopes") is not None:
-            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
         keys, values = attended_keys(case, ref.k_cache, ref.v_cache, b)
-        expected[b], allowed[b] = sequence_lse_bounds(
-            target, query[b], keys, values, causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device, options=options, stored=stored)
-    return expected, allowed
+        yield b, b, query[b], keys, values
 
 
 def check_kvcache_against_oracle(target: Target, case: KVCacheCase, output: np.ndarray) -> float:
     __tracebackhide__ = True
-    expected, allowed, live = kvcache_bounds(target, case)
-    return compare_values("kv-cache output", output, expected, allowed,
-                          where=_compared_rows(target, live)).ratio
+    return compare_with_oracle(target, "kv-cache output", output, kvcache_bounds(target, case))
 
 
 @dataclass
@@ -295,26 +279,6 @@ class KVCacheCall:
     v_cache: np.ndarray  # (B | B_cache, S_cache, K, Ev)
     lse: np.ndarray | None = None  # (B, N, L) with return_softmax_lse=True
     lse_dtype: str | None = None
-
-
-def _pages(case: KVCacheCase, cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The logical cache (B, S_cache, K, X) as pages (num_pages, page_size, K, X) and the
-    block table (B, max_pages); spare pages hold integers up to ±30 (exact in every dtype),
-    seeded by the page count and size, so a read from one shows."""
-    B, S_cache, K, X = cache.shape
-    size = case.page_size
-    max_pages = S_cache // size
-    order = np.asarray(case.page_order, dtype=np.int64)
-    table = order[:B * max_pages].reshape(B, max_pages)
-    rng = np.random.default_rng(len(order) * 7919 + size)
-    pages = np.round(rng.standard_normal((len(order), size, K, X)) * 8, 0)   # exact in every dtype
-    pages[table.reshape(-1)] = cache.reshape(B * max_pages, size, K, X)
-    return pages, table
-
-
-def _unpage(pages: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Pages (num_pages, page_size, K, X) -> the logical cache (B, max_pages·page_size, K, X)."""
-    return spec.gather_pages(pages, table)
 
 
 # -- calling the implementation ------------------------------------------------------------
@@ -373,20 +337,20 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
     __tracebackhide__ = True
     case = call.case
     if call.paged:
-        k_pages, table = _pages(case, case.k_cache)
-        v_pages, _ = _pages(case, case.v_cache)
-        k_cache, v_cache, block_table = _tensor(k_pages, case), _tensor(v_pages, case), _int32(table, case.device)
+        k_pages, table = as_pages(case, case.k_cache)
+        v_pages, _ = as_pages(case, case.v_cache)
+        k_cache, v_cache, block_table = tensor(k_pages, case), tensor(v_pages, case), int32(table, case.device)
     else:
-        k_cache, v_cache, block_table = _tensor(case.k_cache, case), _tensor(case.v_cache, case), None
-    new = {} if case.k_new is None else {"k": _tensor(case.k_new, case), "v": _tensor(case.v_new, case)}
+        k_cache, v_cache, block_table = tensor(case.k_cache, case), tensor(case.v_cache, case), None
+    new = {} if case.k_new is None else {"k": tensor(case.k_new, case), "v": tensor(case.v_new, case)}
     extra = option_kwargs(case, lambda a: float32_tensor(a, case))
-    extra.update(cache_call_kwargs(case, lambda a: _tensor(a, case), lambda x: _int32(x, case.device)))
+    extra.update(cache_call_kwargs(case, lambda a: tensor(a, case), lambda x: int32(x, case.device)))
     extra.update(descale_kwargs(case, lambda a: float32_tensor(a, case)))
     if call.lse:
         extra["return_softmax_lse"] = True
     out = invoke(
-        impl.kvcache, _tensor(case.query, case), k_cache, v_cache, **new,
-        cache_seqlens=_int32(case.cache_seqlens, case.device), block_table=block_table,
+        impl.kvcache, tensor(case.query, case), k_cache, v_cache, **new,
+        cache_seqlens=int32(case.cache_seqlens, case.device), block_table=block_table,
         softmax_scale=case.scale, causal=case.causal, **extra,
     )
     if not check_output:
@@ -394,10 +358,10 @@ def run_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_dir
     lse = None
     if call.lse:
         out, lse = split_lse(out, (case.B, case.N, case.L), "return_softmax_lse", "(B, N, L)")
-    _output_shape_and_dtype(out, case, (case.B, case.L, case.N, case.Ev), "(B, L, N, Ev)")
+    check_returned_output(out, case, (case.B, case.L, case.N, case.Ev), "(B, L, N, Ev)")
     k_after, v_after = to_numpy(k_cache), to_numpy(v_cache)
     if call.paged:
-        k_after, v_after = _unpage(k_after, table), _unpage(v_after, table)
+        k_after, v_after = spec.gather_pages(k_after, table), spec.gather_pages(v_after, table)
     return KVCacheCall(to_numpy(out), k_after, v_after, None if lse is None else to_numpy(lse),
                        None if lse is None else str(lse.dtype).removeprefix("torch."))
 
@@ -408,9 +372,7 @@ def run_kvcache(target: Target, case: KVCacheCase, *, paged: bool | None = None,
     ``return_softmax_lse=True``)."""
     __tracebackhide__ = True
     call = KVCacheCallSpec(case, paged=paged, lse=lse)
-    require_inside(target, call)
-    if target.log is not None:
-        target.log.calls.append(call)
+    log_call(target, call)
     result = run_kvcache_call(target.impl, call, invoke=partial(call_guarded, target))
     lse = None if result.lse is None else np.where(np.isposinf(result.lse), -np.inf, result.lse)
     observe_kvcache(case, result.output, paged=call.paged, k_cache=result.k_cache, v_cache=result.v_cache,
@@ -451,21 +413,15 @@ def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     options, tables = cache_meta(case)
     meta.update(options)
     arrays.update(tables)
-    meta["fp8"] = case.fp8
-    arrays.update({n: np.asarray(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None})
-    return meta, arrays
+    return fp8_meta(case, meta, arrays)
 
 
 def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCacheCase:
     order = meta["page_order"]
     return KVCacheCase(**{n: arrays.get(n) for n in _ARRAYS},
-                       cache_seqlens=tuple(int(n) for n in meta["cache_seqlens"]), causal=bool(meta["causal"]),
-                       scale=meta["scale"], page_size=meta["page_size"],
+                       cache_seqlens=tuple(int(n) for n in meta["cache_seqlens"]), page_size=meta["page_size"],
                        page_order=None if order is None else tuple(int(n) for n in order),
-                       dtype=meta["dtype"], device=meta["device"], window=tuple(meta.get("window", (-1, -1))),
-                       softcap=float(meta.get("softcap", 0.0)), alibi_slopes=arrays.get("alibi_slopes"),
-                       **cache_fields_from_meta(meta, arrays), fp8=meta.get("fp8"),
-                       **{n: arrays.get(n) for n in _DESCALES})
+                       **cache_fields_from_meta(meta, arrays), **option_fields_from_meta(meta, arrays))
 
 
 def validate(case: KVCacheCase) -> None:
@@ -496,39 +452,30 @@ def report_kvcache_call(impl: Any, call: KVCacheCallSpec, *, invoke: Any = call_
     target = Target(impl, "kvcache", case.dtype, case.device)
     report = CallReport(call, [f"call: impl.kvcache(q, k_cache, v_cache, {call.arguments()})",
                                f"case as called: {case.describe()}"])
-    try:
-        validate(case)
-    except ValueError as err:  # spec.SpecError included
-        return _called_invalid(report, err, lambda: run_kvcache_call(impl, call, invoke=invoke, check_output=False))
-    try:
-        result = run_kvcache_call(impl, call, invoke=invoke)
-    except PropertyFailure as exc:
-        report.finding(str(exc))
-        return report
-    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
-        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
-        return report
-    options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
-    report.lines.append(f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}"
-                        f"{cache_text(case, arguments=True)}), "
-                        + (f"on the dequantised {case.fp8} values (descale row b for sequence b), "
-                           "tolerance.fp8_allowed" if case.fp8 is not None else "tolerance rule")
-                        + " per sequence; the caches after the call exactly (rotated keys within the rounding "
-                        "of a rotation)")
-    ref = case.oracle()
-    checks = [lambda: check_kvcache_against_oracle(target, case, result.output),
-              lambda: check_cache_after("k_cache after the call", result.k_cache, ref.k_cache, case, keys=True),
-              lambda: check_cache_after("v_cache after the call", result.v_cache, ref.v_cache, case, keys=False)]
-    if result.lse is not None:
-        checks.append(lambda: check_lse_against_oracle("softmax_lse", result.lse,
-                                                       *kvcache_lse_bounds(target, case, result.lse_dtype)))
-    for check in checks:
-        try:
-            check()
-        except PropertyFailure as exc:
-            report.finding(str(exc))
-    _difference(report, result.output, kvcache_bounds(target, case)[0])
-    return report
+    def oracle(result: KVCacheCall) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
+        return (f"oracle: spec.kvcache_attention(causal={case.causal!r}, scale={case.scale!r}{options}"
+                f"{cache_text(case, arguments=True)}), "
+                + (f"on the dequantised {case.fp8} values (descale row b for sequence b), "
+                   "tolerance.fp8_allowed" if case.fp8 is not None else "tolerance rule")
+                + " per sequence; the caches after the call exactly (rotated keys within the rounding "
+                "of a rotation)")
+
+    def checks(result: KVCacheCall) -> list[Any]:
+        ref = case.oracle()
+        found = [lambda: check_kvcache_against_oracle(target, case, result.output),
+                 lambda: check_cache_after("k_cache after the call", result.k_cache, ref.k_cache, case, keys=True),
+                 lambda: check_cache_after("v_cache after the call", result.v_cache, ref.v_cache, case, keys=False)]
+        if result.lse is not None:
+            found.append(lambda: check_lse_against_oracle("softmax_lse", result.lse,
+                                                          *kvcache_lse_bounds(target, case, result.lse_dtype)))
+        return found
+
+    return report_against_oracle(
+        report, validate=lambda: validate(case),
+        run_unchecked=lambda: run_kvcache_call(impl, call, invoke=invoke, check_output=False),
+        run=lambda: run_kvcache_call(impl, call, invoke=invoke), oracle=oracle,
+        checks=checks, output=lambda result: result.output, expected=lambda: kvcache_bounds(target, case)[0])
 
 
 def show_kvcache_call(impl: Any, call: KVCacheCallSpec) -> CallReport:

@@ -10,7 +10,8 @@ sequence: each sequence of a packed batch is one SDPA problem of its own (B = 1,
 sequence's own L and S, FlashAttention's bottom-right causal); with a window, soft-capping
 or ALiBi it is the flash level's rule (``conformance.calls.flash_bounds``) on the sequence
 as a flash case, which also bounds the LSE. The kvcache level's calls
-(``conformance.calls.kvcache``) use the same per-sequence rule from here.
+(``conformance.calls.kvcache``) share that rule, the tensors and the report with this level
+(``conformance.calls.sequences``).
 
 Dimension letters: B sequences, N query heads, K kv heads, L query length, S key length,
 E q/k head dim, Ev value head dim, T packed total length.
@@ -18,44 +19,54 @@ E q/k head dim, Ev value head dim, T packed total length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 import spec
-from conformance.calls import sdpa as calls
-from conformance.calls.call_reports import CallReport
-from conformance.calls.call_specs import _seeded, call_directly
-from conformance.calls.declarations import require_inside
-from conformance.calls.equivalence import Side, compare_equivalent
 from conformance.calls.cache_options import (
     _DESCALES,
-    check_fp8_output_dtype,
     check_lse_against_oracle,
     descale_forms,
     descale_kwargs,
-    fp8_sequence_bounds,
-    fp8_text,
     flash_options,
     float32_tensor,
+    fp8_sequence_bounds,
+    fp8_text,
     option_features,
     option_kwargs,
     option_text,
-    sequence_flash_case,
-    sequence_lse_bounds,
-    slopes_row,
     split_lse,
 )
-from conformance.calls.flash_bounds import allowed_output
-from conformance.calls.flash_bounds import oracle as flash_oracle
-from conformance.calls.sdpa import assert_returned_tensor
-from conformance.core.cases import SDPACase
-from conformance.core.compare import PropertyFailure, compare_values, fail
+from conformance.calls.call_reports import CallReport
+from conformance.calls.call_specs import _seeded, call_directly
+from conformance.calls.equivalence import Side, compare_equivalent
+from conformance.calls.sequences.bounds import (
+    compare_with_oracle,
+    compared_rows,
+    sequences_bounds,
+    sequences_lse_bounds,
+)
+from conformance.calls.sequences.calling import (
+    check_returned_output,
+    int32,
+    is_tensor,
+    log_call,
+    tensor,
+)
+from conformance.calls.sequences.cases import (
+    fp8_meta,
+    head_attrs,
+    option_fields_from_meta,
+    replace,
+)
+from conformance.calls.sequences.reports import report_against_oracle
+from conformance.core.compare import compare_values
 from conformance.core.observe import observe_varlen
 from conformance.core.target import Target, call_guarded
-from conformance.core.tensors import dtype_of, to_numpy
+from conformance.core.tensors import to_numpy
 
 __all__ = [
     "ATTRIBUTES",
@@ -89,22 +100,12 @@ VARLEN_ATTRIBUTES = frozenset({
 })
 
 
-def _scale_sign(scale: float | None) -> str:
-    return "default" if scale is None else "positive" if scale > 0 else "zero" if scale == 0 else "negative"
-
-
 def _seqlens_text(cu_seqlens: tuple[int, ...]) -> str:
     """A cu_seqlens list as text, its middle elided past 12 entries (packed copies)."""
     values = [int(x) for x in cu_seqlens]
     if len(values) <= 12:
         return str(values)
     return f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-3:]))}] ({len(values)} entries)"
-
-
-def _replace(case: Any, **changes: Any) -> Any:
-    values = {f.name: getattr(case, f.name) for f in fields(case)}
-    values.update(changes)
-    return type(case)(**values)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -175,27 +176,23 @@ class VarlenCase:
             slopes = slopes[b:b + 1]
         descales = {n: d[b:b + 1] if d is not None and np.ndim(d) == 2 else d
                     for n, d in ((n, getattr(self, n)) for n in _DESCALES)}
-        return _replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
-                        cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes, **descales)
+        return replace(self, query=self.query[rows], key=self.key[keys], value=self.value[keys],
+                       cu_seqlens_q=(0, L), cu_seqlens_k=(0, S), alibi_slopes=slopes, **descales)
 
     def attrs(self, **extra: Any) -> dict[str, Any]:
         """Attributes for capability checks (``Implementation.not_supported_reasons``)."""
         lengths = self.lengths() or [(0, 0)]
-        out = {"level": "varlen", "device": self.device, "dtype": self.dtype,
-               "causal": "lower_right" if self.causal else None, "scale": self.scale,
-               "scale_sign": _scale_sign(self.scale), "B": self.B, "N": self.N, "K": self.K,
-               "L": max(L for L, _ in lengths), "S": max(S for _, S in lengths), "E": self.E,
-               "Ev": self.Ev, "gqa": self.K != self.N, "different_v_dim": self.E != self.Ev,
-               "window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
-               "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self),
-               "fp8": self.fp8, "descale_forms": descale_forms(self)}
+        out = head_attrs(self, L=max(L for L, _ in lengths), S=max(S for _, S in lengths))
+        out.update({"window": tuple(self.window) != (-1, -1), "softcap": self.softcap,
+                    "alibi": self.alibi_slopes is not None, "varlen_features": option_features(self),
+                    "fp8": self.fp8, "descale_forms": descale_forms(self)})
         if self.fp8 is not None:
             out["varlen_features"] = out["varlen_features"] | {"fp8"}
         out.update(extra)
         return out
 
     def replace(self, **changes: Any) -> VarlenCase:
-        return _replace(self, **changes)
+        return replace(self, **changes)
 
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
@@ -210,73 +207,23 @@ class VarlenCase:
 # -- the tolerance rule, sequence by sequence ------------------------------------------
 
 
-def _sequence_bounds(target: Target, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool,
-                     scale: float | None, dtype: str, device: str,
-                     options: dict[str, Any] | None = None) -> tuple[np.ndarray, ...]:
-    """One sequence, q (L, N, E), k (S, K, E), v (S, K, Ev): (expected (L, N, Ev), allowed
-    (L, N, Ev), live (L, N, 1): rows that attend at least one key), by ``calls.sdpa.allowed_for``
-    on the sequence as an SDPA case (B = 1, bottom-right causal, fully-masked rows -> 0);
-    with ``options`` (window, softcap, alibi_slopes (N,)), by the flash level's rule."""
-    L, N, _ = q.shape
-    S, _, Ev = v.shape
-    if L == 0 or S == 0:
-        zeros = np.zeros((L, N, Ev))
-        return zeros, zeros, np.zeros((L, N, 1), dtype=bool)
-    if options:
-        flash_case = sequence_flash_case(q, k, v, causal=causal, scale=scale, dtype=dtype, device=device,
-                                         options=options)
-        ref = flash_oracle(flash_case)
-        live = np.broadcast_to(~flash_case.empty_rows()[:, None, None], (L, N, 1))
-        return ref.output[0], allowed_output(target, flash_case, ref)[0], live
-    case = SDPACase(np.transpose(q, (1, 0, 2))[None], np.transpose(k, (1, 0, 2))[None],
-                    np.transpose(v, (1, 0, 2))[None], causal="lower_right" if causal else None,
-                    scale=scale, dtype=dtype, device=device)     # (1, N, L, E), (1, K, S, E|Ev)
-    allowed, ref = calls.allowed_for(target, case)                  # (1, N, L, Ev)
-    live = calls.valid_rows(case)                                   # (1, N, L, 1)
-
-    def back(x: np.ndarray) -> np.ndarray:                          # (1, N, L, X) -> (L, N, X)
-        return np.transpose(x[0], (1, 0, 2))
-
-    return back(ref.output), back(allowed), back(live)
-
-
 def varlen_bounds(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(expected (T_q, N, Ev) = ``spec.varlen_attention``, allowed, live rows (T_q, N, 1))."""
     if case.fp8 is not None:  # on the dequantised values, FP8's bound (for the bfloat16 output FA3 returns)
         return fp8_sequence_bounds(case, out_dtype="bfloat16")
-    T = case.query.shape[0]
-    expected, allowed = np.zeros((T, case.N, case.Ev)), np.zeros((T, case.N, case.Ev))
-    live = np.zeros((T, case.N, 1), dtype=bool)
-    options = flash_options(case)
-    for b, (rows, keys) in enumerate(case.sequences()):
-        if options.get("alibi_slopes") is not None:
-            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
-        expected[rows], allowed[rows], live[rows] = _sequence_bounds(
-            target, case.query[rows], case.key[keys], case.value[keys], causal=case.causal,
-            scale=case.scale, dtype=case.dtype, device=case.device, options=options)
-    return expected, allowed, live
+    return sequences_bounds(target, case, _sequences(case), (case.query.shape[0], case.N, case.Ev))
 
 
 def varlen_lse_bounds(target: Target, case: VarlenCase, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
     """(expected LSE (N, T_q) = ``spec.varlen_attention``'s, allowed error (N, T_q))."""
-    T = case.query.shape[0]
-    expected, allowed = np.zeros((case.N, T)), np.zeros((case.N, T))
-    options = flash_options(case)
+    return sequences_lse_bounds(target, case, _sequences(case, lse=True), (case.N, case.query.shape[0]), stored)
+
+
+def _sequences(case: VarlenCase, *, lse: bool = False) -> Any:
+    """Each sequence as ``(b, at, q, k, v)`` (``sequences.bounds``): its rows of the packed
+    output (T_q, N, Ev), or with ``lse`` of the LSE (N, T_q)."""
     for b, (rows, keys) in enumerate(case.sequences()):
-        if options.get("alibi_slopes") is not None:
-            options["alibi_slopes"] = slopes_row(case.alibi_slopes, b)
-        expected[:, rows], allowed[:, rows] = sequence_lse_bounds(
-            target, case.query[rows], case.key[keys], case.value[keys], causal=case.causal, scale=case.scale,
-            dtype=case.dtype, device=case.device, options=options, stored=stored)
-    return expected, allowed
-
-
-
-
-def _compared_rows(target: Target, live: np.ndarray) -> np.ndarray | None:
-    """Rows to compare: all of them under the ``zero`` policy (FlashAttention's: a row
-    with no key gives 0), only the live ones otherwise (``fully_masked`` declares the rest)."""
-    return None if target.caps.fully_masked == "zero" else live
+        yield b, ((slice(None), rows) if lse else rows), case.query[rows], case.key[keys], case.value[keys]
 
 
 def compare_pair(target: Target, what: str, actual: np.ndarray, other: np.ndarray,
@@ -288,7 +235,7 @@ def compare_pair(target: Target, what: str, actual: np.ndarray, other: np.ndarra
     the same for both), a disagreement says which call (``names``; ``other`` is the
     reference side) disagrees with the spec, and so which path (``paths``) is wrong."""
     __tracebackhide__ = True
-    where = _compared_rows(target, live)
+    where = compared_rows(target, live)
     if expected is None:
         return compare_values(what, actual, other, 2 * allowed, where=where).ratio
     sides = [Side(name, output, expected, allowed, where, path)
@@ -298,38 +245,10 @@ def compare_pair(target: Target, what: str, actual: np.ndarray, other: np.ndarra
 
 def check_varlen_against_oracle(target: Target, case: VarlenCase, output: np.ndarray) -> float:
     __tracebackhide__ = True
-    expected, allowed, live = varlen_bounds(target, case)
-    return compare_values("packed output", output, expected, allowed,
-                          where=_compared_rows(target, live)).ratio
+    return compare_with_oracle(target, "packed output", output, varlen_bounds(target, case))
 
 
 # -- calling the implementation ------------------------------------------------------------
-
-
-def _tensor(array: np.ndarray, case: Any) -> Any:
-    import torch
-
-    if getattr(case, "fp8", None) is not None:  # float64 -> float8 (exact), on the CPU, then moved
-        return torch.tensor(np.asarray(array, dtype=np.float64)).to(getattr(torch, case.fp8)).to(case.device)
-    return torch.tensor(np.asarray(array, dtype=np.float64), dtype=dtype_of(case.dtype), device=case.device)
-
-
-def _int32(values: Any, device: str) -> Any:
-    import torch
-
-    return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
-
-
-
-
-def _output_shape_and_dtype(out: Any, case: Any, shape: tuple[int, ...], dims: str) -> None:
-    """What came back is a tensor on the case's device, of ``shape`` and the input dtype."""
-    __tracebackhide__ = True
-    assert_returned_tensor("output", out, device=case.device, shape=shape, dims=dims)
-    if getattr(case, "fp8", None) is not None:
-        check_fp8_output_dtype(out, case.fp8)
-    elif out.dtype != dtype_of(case.dtype):
-        fail(f"output dtype={out.dtype}, but should be {dtype_of(case.dtype)} (the input dtype)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -389,8 +308,8 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
         extra["return_attn_probs"] = True
     if call.dropout_p:
         extra["dropout_p"] = float(call.dropout_p)
-    args = (_tensor(case.query, case), _tensor(case.key, case), _tensor(case.value, case),
-            _int32(case.cu_seqlens_q, case.device), _int32(case.cu_seqlens_k, case.device),
+    args = (tensor(case.query, case), tensor(case.key, case), tensor(case.value, case),
+            int32(case.cu_seqlens_q, case.device), int32(case.cu_seqlens_k, case.device),
             max(L for L, _ in lengths), max(S for _, S in lengths))
 
     def forward() -> Any:
@@ -401,19 +320,13 @@ def run_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_direc
     lse = probs = None
     if call.lse and check_output:
         if with_probs and isinstance(out, (tuple, list)) and len(out) > 2:
-            probs = out[2] if _is_tensor(out[2]) else None
+            probs = out[2] if is_tensor(out[2]) else None
         out, lse = split_lse(out, (case.N, case.query.shape[0]), "return_attn_probs", "(N, T_q)")
     if check_output:
-        _output_shape_and_dtype(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
+        check_returned_output(out, case, (case.query.shape[0], case.N, case.Ev), "(T_q, N, Ev)")
     if with_probs and lse is not None:
         return out, lse, probs
     return out if lse is None else (out, lse)
-
-
-def _is_tensor(x: Any) -> bool:
-    import torch
-
-    return isinstance(x, torch.Tensor)
 
 
 def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
@@ -421,9 +334,7 @@ def run_varlen(target: Target, case: VarlenCase) -> np.ndarray:
     the output (T_q, N, Ev)."""
     __tracebackhide__ = True
     call = VarlenCallSpec(case)
-    require_inside(target, call)
-    if target.log is not None:
-        target.log.calls.append(call)
+    log_call(target, call)
     output = to_numpy(run_varlen_call(target.impl, call, invoke=partial(call_guarded, target)))
     observe_varlen(case, output)
     return output
@@ -434,9 +345,7 @@ def run_varlen_lse(target: Target, case: VarlenCase) -> tuple[np.ndarray, np.nda
     the dtype the LSE came back in)."""
     __tracebackhide__ = True
     call = VarlenCallSpec(case, lse=True)
-    require_inside(target, call)
-    if target.log is not None:
-        target.log.calls.append(call)
+    log_call(target, call)
     out, lse = run_varlen_call(target.impl, call, invoke=partial(call_guarded, target))
     output, lse_values, stored = to_numpy(out), to_numpy(lse), str(lse.dtype).removeprefix("torch.")
     observe_varlen(case, output, np.where(np.isposinf(lse_values), -np.inf, lse_values), stored)
@@ -458,18 +367,12 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
-    meta["fp8"] = case.fp8
-    arrays.update({n: np.asarray(getattr(case, n)) for n in _DESCALES if getattr(case, n) is not None})
-    return meta, arrays
+    return fp8_meta(case, meta, arrays)
 
 
 def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> VarlenCase:
     return VarlenCase(**{n: arrays[n] for n in _ARRAYS}, cu_seqlens_q=tuple(int(n) for n in meta["cu_seqlens_q"]),
-                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), causal=bool(meta["causal"]),
-                      scale=meta["scale"], dtype=meta["dtype"], device=meta["device"],
-                      window=tuple(meta.get("window", (-1, -1))), softcap=float(meta.get("softcap", 0.0)),
-                      alibi_slopes=arrays.get("alibi_slopes"), fp8=meta.get("fp8"),
-                      **{n: arrays.get(n) for n in _DESCALES})
+                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), **option_fields_from_meta(meta, arrays))
 
 
 def validate(case: VarlenCase) -> None:
@@ -481,59 +384,34 @@ def validate(case: VarlenCase) -> None:
                           causal=case.causal, scale=case.scale, **flash_options(case))
 
 
-def _called_invalid(report: CallReport, err: Exception, run: Any) -> CallReport:
-    """The spec calls the input invalid: the call must raise."""
-    report.lines.append(f"the spec calls this input invalid: {str(err).strip().splitlines()[0]}")
-    try:
-        run()
-    except Exception as exc:  # noqa: BLE001 - raising is right here
-        report.lines.append(f"raised, as it should: {type(exc).__name__}: {exc}")
-    else:
-        report.finding("returned a result, but should raise an error (the input is invalid per the spec)")
-    return report
-
-
-def _difference(report: CallReport, actual: np.ndarray, expected: np.ndarray) -> None:
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(actual - expected)[np.isfinite(actual) & np.isfinite(expected)]
-    report.max_difference = float(diff.max()) if diff.size else 0.0
-    report.lines.append(f"max |out - oracle| = {report.max_difference:.6g}")
-
-
 def report_varlen_call(impl: Any, call: VarlenCallSpec, *, invoke: Any = call_directly) -> CallReport:
     """Make ``call`` and compare its output with ``spec.varlen_attention``, sequence by sequence."""
     case = call.case
     target = Target(impl, "varlen", case.dtype, case.device)
     report = CallReport(call, [f"call: impl.varlen(q, k, v, {call.arguments()})",
                                f"case as called: {case.describe()}"])
-    try:
-        validate(case)
-    except ValueError as err:  # spec.SpecError included
-        return _called_invalid(report, err, lambda: run_varlen_call(impl, call, invoke=invoke, check_output=False))
-    try:
-        result = run_varlen_call(impl, call, invoke=invoke)
+
+    def oracle(result: Any) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
+        return (f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}{options}), "
+                "tolerance rule per sequence")
+
+    def checks(result: Any) -> list[Any]:
         out = to_numpy(result[0] if call.lse else result)
-    except PropertyFailure as exc:
-        report.finding(str(exc))
-        return report
-    except Exception as exc:  # noqa: BLE001 - the implementation's own error, called directly
-        report.finding(f"raised on a case it claims to support: {type(exc).__name__}: {exc}")
-        return report
-    options = "".join(f", {k}={v!r}" for k, v in flash_options(case).items() if k != "alibi_slopes")
-    report.lines.append(f"oracle: spec.varlen_attention(causal={case.causal!r}, scale={case.scale!r}{options}), "
-                        "tolerance rule per sequence")
-    checks = [lambda: check_varlen_against_oracle(target, case, out)]
-    if call.lse:
-        stored = str(result[1].dtype).removeprefix("torch.")
-        checks.append(lambda: check_lse_against_oracle("softmax_lse", to_numpy(result[1]),
-                                                       *varlen_lse_bounds(target, case, stored)))
-    for check in checks:
-        try:
-            check()
-        except PropertyFailure as exc:
-            report.finding(str(exc))
-    _difference(report, out, varlen_bounds(target, case)[0])
-    return report
+        found = [lambda: check_varlen_against_oracle(target, case, out)]
+        if call.lse:
+            stored = str(result[1].dtype).removeprefix("torch.")
+            found.append(lambda: check_lse_against_oracle("softmax_lse", to_numpy(result[1]),
+                                                          *varlen_lse_bounds(target, case, stored)))
+        return found
+
+    return report_against_oracle(
+        report, validate=lambda: validate(case),
+        run_unchecked=lambda: run_varlen_call(impl, call, invoke=invoke, check_output=False),
+        run=lambda: run_varlen_call(impl, call, invoke=invoke),
+        oracle=oracle,
+        checks=checks, output=lambda result: to_numpy(result[0] if call.lse else result),
+        expected=lambda: varlen_bounds(target, case)[0])
 
 
 def show_varlen_call(impl: Any, call: VarlenCallSpec) -> CallReport:
