@@ -53,13 +53,44 @@ S key length, E q/k head dim, Ev value head dim, D model dim.
 The runner talks to implementations only through this module: it never imports
 an implementation's internals, and implementations never import ``conformance``.
 Every call into an implementation's code goes through ``implementations.guard``.
+
+The protocol's words (dtypes, policies, each level's features) live in
+``implementations.vocabulary``, :class:`Capabilities` in ``implementations.capabilities``,
+:class:`ExpectedFailure` in ``implementations.expected_failure``; all are importable from
+here, as they always were.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from implementations.capabilities import Capabilities
+from implementations.expected_failure import MATCH_COMPARISONS, ExpectedFailure
+from implementations.vocabulary import (
+    ALL_DTYPES,
+    ALL_FLASH_FEATURES,
+    ALL_KVCACHE_FEATURES,
+    ALL_MASK_KINDS,
+    ALL_MHA_FEATURES,
+    ALL_SHARDED_FEATURES,
+    ALL_VARLEN_FEATURES,
+    CAUSAL_ALIGNMENTS,
+    DEFAULT_FLASH_FEATURES,
+    FP8_DESCALE_FORMS,
+    FP8_DTYPES,
+    FULLY_MASKED_KINDS,
+    FULLY_MASKED_POLICIES,
+    PER_DTYPE_FIELDS,
+    RENAMED_MHA_FEATURES,
+    SEMANTIC_FIELDS,
+    SHARDED_LAYOUTS,
+    SOURCES,
+    VARLEN_LEVELS,
+    ImplementationError,
+    check_mha_feature_names,
+    renamed_mha_features,
+)
 
 __all__ = [
     "ALL_DTYPES",
@@ -72,6 +103,8 @@ __all__ = [
     "ALL_MASK_KINDS",
     "ALL_MHA_FEATURES",
     "RENAMED_MHA_FEATURES",
+    "ALL_SHARDED_FEATURES",
+    "SHARDED_LAYOUTS",
     "CAUSAL_ALIGNMENTS",
     "FULLY_MASKED_KINDS",
     "FULLY_MASKED_POLICIES",
@@ -87,494 +120,6 @@ __all__ = [
     "check_mha_feature_names",
     "renamed_mha_features",
 ]
-
-ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
-#: The 8-bit float formats q, k, v may come in at the flash level (``Capabilities.fp8_dtypes``,
-#: ``spec.fp8.FORMATS``); never a target dtype: an FP8 call's output is 16- or 32-bit.
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-#: How an FP8 call's descale factors may be given (``Capabilities.fp8_descales``): not
-#: passed (1), one per tensor (shape (1,)), one per batch element and kv head ((B, K),
-#: FlashAttention-3's only shape).
-FP8_DESCALE_FORMS = ("none", "per_tensor", "per_head")
-CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
-FULLY_MASKED_POLICIES = ("zero", "nan", "uniform", "unspecified")
-#: What blocks every key of a fully-masked row, as the implementation is called: a bool
-#: ``attn_mask``, a -inf additive ``attn_mask``, or the ``is_causal`` flag alone (rows
-#: emptied by a lower-right flag with L > S). A causal constraint the runner folds into a
-#: mask is that mask's kind. ``Capabilities.fully_masked`` may give a policy per kind.
-FULLY_MASKED_KINDS = ("bool", "additive", "causal")
-#: Where a semantic value came from (``Capabilities.sources``): ``declared`` by the
-#: implementation's author or ``--impl-option``; ``contract``, the documented meaning of
-#: the signature it was recognised by (probing never changes it); ``probed``, read off the
-#: implementation on a point the contract leaves open (the value of a fully-masked row).
-SOURCES = ("declared", "contract", "probed")
-#: The capabilities that say what a result *means* (not which inputs are accepted).
-SEMANTIC_FIELDS = ("causal", "fully_masked", "shared_kv", "flash_features")
-#: The capabilities that may differ per dtype (``Capabilities.by_dtype``).
-PER_DTYPE_FIELDS = ("mask_kinds", "gqa", "different_v_dim", "autograd", "mask_grad", "custom_scale",
-                    "dropout", "non_contiguous", "flash_features")
-#: The per-dtype fields that hold sets (kept in ``by_dtype`` as sorted tuples: plain data).
-_SET_FIELDS = ("mask_kinds", "flash_features", "sharded_layouts")
-#: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).
-ALL_MASK_KINDS = frozenset({"none", "bool", "additive"})
-#: Optional features of an MHA-level implementation (constructor options and
-#: forward arguments of ``torch.nn.MultiheadAttention``).
-ALL_MHA_FEATURES = frozenset(
-    {
-        "no_bias",           # bias=False accepted (projections without bias)
-        "kdim_vdim",         # kdim/vdim != embed_dim (separate projection weights)
-        "bias_kv",           # add_bias_kv=True
-        "zero_attn",         # add_zero_attn=True
-        "batch_first",       # batch_first=True
-        "unbatched",         # 2-D inputs (L, D)
-        "key_padding_mask",  # key_padding_mask argument, bool and float
-        "attn_mask",         # attn_mask argument, bool and float
-        "is_causal",         # is_causal argument (with its attn_mask hint)
-        "need_weights",      # returns weights when need_weights=True
-        "per_head_weights",  # average_attn_weights=False returns per-head weights
-        "dropout",           # dropout>0 constructor option, train/eval modes
-        "cross_attention",   # query, key, value may differ (without it: self-attention only)
-    }
-)
-#: Former MHA feature names -> their names now. The old ones read as the opposite of
-#: what they meant ("bias" meant bias=False works), so they are refused, not mapped.
-RENAMED_MHA_FEATURES = {"bias": "no_bias", "average_weights": "per_head_weights"}
-
-
-def renamed_mha_features(names: Any) -> str:
-    """``"'bias' is now 'no_bias'"`` for each former feature name in ``names`` ("" if none)."""
-    return "; ".join(f"{old!r} is now {RENAMED_MHA_FEATURES[old]!r}"
-                     for old in sorted(set(names) & RENAMED_MHA_FEATURES.keys()))
-
-
-def check_mha_feature_names(names: Any, where: str = "mha_features") -> None:
-    """Raise ImplementationError naming each unknown feature (and a former name's new one)."""
-    unknown = sorted(set(names) - ALL_MHA_FEATURES)
-    if unknown:
-        renamed = renamed_mha_features(unknown)
-        raise ImplementationError(
-            f"{where} has unknown entries {unknown}{f' ({renamed})' if renamed else ''}; "
-            f"known: {sorted(ALL_MHA_FEATURES)}"
-        )
-
-
-# -- varlen / kv-cache levels (FlashAttention's packed and decoding entry points) --
-#: The levels whose callable is an ``Implementation`` field of the same name.
-VARLEN_LEVELS = ("varlen", "kvcache")
-
-#: Optional features of a flash-level implementation (``flash_attn_func`` arguments).
-ALL_FLASH_FEATURES = frozenset(
-    {
-        "window",   # window_size=(left, right) other than (-1, -1)
-        "softcap",  # softcap > 0
-        "alibi",    # alibi_slopes (N,) or (B, N)
-        "lse",      # return_attn_probs=True returns (output, lse, ...)
-        "sinks",    # sinks= (N,) learned sink logits (gpt-oss style; not in flash_attn_func)
-        # return_attn_probs=True with dropout_p > 0 returns (out, lse, S_dmask), S_dmask
-        # (B, N, >= L, >= S) negative where a weight was dropped (FlashAttention-2's contract)
-        "dropout_pattern",
-    }
-)
-#: Optional FlashAttention options at the varlen level (``flash_attn_varlen_func``'s
-#: ``window_size``, ``softcap``, ``alibi_slopes`` and ``return_attn_probs=True`` returning
-#: ``(output, softmax_lse (N, T_q), ...)``; ``dropout``: ``dropout_p > 0`` honoured, each
-#: packed sequence's weights dropped after the softmax with a pattern of its own and
-#: rescaled by 1/(1 - p); ``fp8``: FP8 q, k, v of ``fp8_dtypes`` with FlashAttention-3's
-#: ``q_descale``/``k_descale``/``v_descale``, (B, K) one row per sequence; ``dropout_pattern``:
-#: ``return_attn_probs=True`` with ``dropout_p > 0`` returns ``(out, lse, S_dmask)``, S_dmask
-#: (num_sequences, N, >= max_seqlen_q, >= max_seqlen_k) holding sequence b's weights at
-#: ``[b, :, :L_b, :S_b]``, negative where dropped (FlashAttention-2's contract)); none is
-#: claimed unless declared (or, for ``dropout`` and ``fp8``, read from a recognised
-#: signature's ``dropout_p`` / descale parameters).
-ALL_VARLEN_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "dropout", "fp8", "dropout_pattern"})
-#: The same at the kvcache level (``flash_attn_with_kvcache``; ``return_softmax_lse=True``
-#: returns ``(output, softmax_lse (B, N, L))``), plus its cache options: ``rotary``
-#: (rotary_cos/rotary_sin/rotary_interleaved), ``cache_batch_idx``, ``cache_leftpad`` and
-#: ``num_splits`` (split-KV decoding, n > 1); ``fp8``: FP8 q, caches and new keys of
-#: ``fp8_dtypes`` with FlashAttention-3's ``q_descale``/``k_descale``/``v_descale``, (B, K) one
-#: row per sequence for everything it attends (read from a recognised signature's descale
-#: parameters, or declared).
-ALL_KVCACHE_FEATURES = frozenset({"window", "softcap", "alibi", "lse", "rotary", "cache_batch_idx",
-                                  "cache_leftpad", "num_splits", "fp8"})
-#: What a flash-level implementation is taken to honour when it declares nothing:
-#: ``flash_attn_func``'s own features. ``sinks`` is no argument of FlashAttention-2's and
-#: is claimed only when declared (or recognised from the signature and probed).
-DEFAULT_FLASH_FEATURES = frozenset({"window", "softcap", "alibi", "lse"})
-
-
-#: The sequence layouts of the sharded level (``spec.sharding.LAYOUTS``).
-SHARDED_LAYOUTS = frozenset({"contiguous", "zigzag"})
-#: Optional features of the sharded level (none is claimed unless declared):
-#: ``window`` (``window_size=(left, right)`` over global positions) and ``padding``
-#: (lengths that do not divide by the layout's divisor, padded at the end, ``seq_len=L``).
-ALL_SHARDED_FEATURES = frozenset({"window", "padding"})
-
-
-class ImplementationError(ValueError):
-    """An implementation is misdeclared or cannot be resolved/loaded."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What an implementation claims to support, as data (xformers style).
-
-    A case outside these claims is skipped with the reason from
-    :meth:`Implementation.not_supported_reasons`; a case inside them must pass.
-    """
-
-    devices: tuple[str, ...] = ("cpu",)
-    dtypes: tuple[str, ...] = ("float64", "float32")
-    mask_kinds: frozenset[str] = ALL_MASK_KINDS
-    #: Alignment that ``is_causal=True`` means; ``None``: no causal flag support.
-    causal: str | None = "upper_left"
-    #: Output for query rows where every key is blocked: zero / nan / uniform / unspecified;
-    #: or a policy per kind of blocking (:data:`FULLY_MASKED_KINDS`), given as a mapping
-    #: such as ``{"bool": "uniform", "additive": "nan"}`` (kinds left out: ``"zero"``) and
-    #: kept as ``(kind, policy)`` pairs, or as one string when every kind agrees
-    #: (``fully_masked_rows``, ``mha_fully_masked_rows``; read it with
-    #: :meth:`fully_masked_policy`).
-    fully_masked: str | tuple[tuple[str, str], ...] = "zero"
-    different_v_dim: bool = True     # Ev != E
-    gqa: bool = True                 # K < N with enable_gqa=True
-    dropout: bool = False            # dropout_p > 0 honoured
-    custom_scale: bool = True        # scale= honoured
-    autograd: bool = True            # backward through q, k, v (and additive mask)
-    mask_grad: bool = True           # gradient w.r.t. an additive mask
-    non_contiguous: bool = True      # arbitrary strides accepted without error
-    max_head_dim: int | None = None  # E and Ev at most this
-    max_seq_len: int | None = None   # L and S at most this
-    min_head_dim: int | None = None  # E and Ev at least this (e.g. tensor-core tiles)
-    #: E and Ev each one of these (kernels compiled for a few head dims: 64, 96, 128).
-    head_dims: tuple[int, ...] | None = None
-    #: L and S multiples of this (kernels whose tiles are not masked at the edges).
-    seq_multiple: int | None = None
-    #: Every call is causal (a kernel without a non-causal path): the suite draws causal
-    #: cases only (at the SDPA level: the flag, without a mask).
-    causal_only: bool = False
-    #: An explicit scale must be > 0 (the default 1/sqrt(E) always is).
-    positive_scale: bool = False
-    tf32: bool = False               # float32 matmuls may run as TF32 on CUDA
-    #: Each new input shape costs a compilation (JAX, torch.compile): the runner then
-    #: draws from a small budget of shapes (``sdpa_cases(shape_budget=...)``).
-    jit: bool = False
-    #: Only self-attention lengths, L == S (sliding-window and many fused self-attention
-    #: kernels): the strategies draw L == S only, and L != S is outside the claims.
-    self_attention_lengths: bool = False
-    #: Key is value: one memory tensor (``forward(x, memory)``). The suite hands the same
-    #: tensor over as ``key`` and ``value`` (so Ev == E); the gradient w.r.t. it is
-    #: dkey + dvalue; properties that change the values apart from the keys skip.
-    shared_kv: bool = False
-    #: Leading batch dims the SDPA callable accepts: None, any number (torch's
-    #: convention); 1, exactly (B, N, L, E) 4-D inputs and 4-D masks: the suite reshapes
-    #: other ranks (masks (L, S), (N, L, S), ...) to 4-D and the output back.
-    batch_dims: int | None = None
-    mha_features: frozenset[str] = ALL_MHA_FEATURES
-    # -- kv-cache level features (``conformance/test_varlen.py`` consumes them) --
-    kv_paged: bool = True            # block_table= (paged cache) honoured: paged_equivalence
-    kv_append: bool = True           # new k=/v= written at cache_seqlens: kvcache_equivalence
-    #: Varlen level: the ``flash_attn_varlen_func`` options honoured (``ALL_VARLEN_FEATURES``).
-    varlen_features: frozenset[str] = frozenset()
-    #: KV-cache level: the ``flash_attn_with_kvcache`` options honoured (``ALL_KVCACHE_FEATURES``).
-    kvcache_features: frozenset[str] = frozenset()
-    #: KV-cache level, with ``rotary``: the rotary dim R (2·rotary_cos.shape[1]) a multiple of
-    #: this (FlashAttention-2: 16); None: any even R <= E.
-    rotary_dim_multiple: int | None = None
-    #: Flash level: the ``flash_attn_func`` features honoured (``ALL_FLASH_FEATURES``;
-    #: by default ``DEFAULT_FLASH_FEATURES``, flash_attn_func's own).
-    flash_features: frozenset[str] = DEFAULT_FLASH_FEATURES
-    #: SDPA level: the callable takes learned sinks (N,) as ``sinks=`` (one logit per query
-    #: head joining the softmax denominator, ``spec.sdpa(sinks=)``; recognised from a
-    #: parameter named ``sinks``, ``s_aux`` or ``learnable_sink`` and probed).
-    sdpa_sinks: bool = False
-    #: Flash level: the 8-bit float formats (:data:`FP8_DTYPES`) q, k, v may be given in,
-    #: with ``q_descale``/``k_descale``/``v_descale`` (FlashAttention-3); () = no FP8 inputs.
-    fp8_dtypes: tuple[str, ...] = ()
-    #: How the descales of those calls may be given (:data:`FP8_DESCALE_FORMS`); a form that
-    #: raises in the probe is left out (FlashAttention-3 takes (B, K) or none, not (1,)).
-    fp8_descales: tuple[str, ...] = FP8_DESCALE_FORMS
-    # -- sharded (context-parallel) level (``conformance/test_sharded.py`` consumes them) --
-    #: The sequence layouts (``spec.sharding.LAYOUTS``) the sharded callable honours.
-    sharded_layouts: frozenset[str] = frozenset({"contiguous", "zigzag"})
-    #: The sharded callable returns ``(output, lse)`` (lse (B, N, L_shard), natural log).
-    sharded_lse: bool = False
-    #: The sharded callable re-shards over heads (all-to-all): N and K must be multiples
-    #: of the world size (cases that are not are outside the claims).
-    sharded_heads_divisible: bool = False
-    #: The largest world size (number of ranks) the sharded callable supports.
-    max_world_size: int = 4
-    #: The sharded level's optional features honoured (``ALL_SHARDED_FEATURES``).
-    sharded_features: frozenset[str] = frozenset()
-    #: How probing decided a value when the answer was not a plain yes or no, e.g.
-    #: ``"causal: is_causal=True has no effect ..."`` (shown on the certificate).
-    probe_notes: tuple[str, ...] = ()
-    #: Where each semantic value (:data:`SEMANTIC_FIELDS`) came from, as ``(field, source)``
-    #: pairs (a mapping is accepted), source one of :data:`SOURCES`; a field not listed is
-    #: ``declared``. Read it with :meth:`source`.
-    sources: tuple[tuple[str, str], ...] = ()
-    #: Values that differ in one dtype, as ``(dtype, ((field, value), ...))`` pairs (a mapping
-    #: ``{"float16": {"autograd": False}}`` is accepted), fields among
-    #: :data:`PER_DTYPE_FIELDS`; the other fields hold in every dtype. Read the capabilities
-    #: of one dtype with :meth:`for_dtype` (``conformance.core.target.Target.caps`` does).
-    by_dtype: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
-
-    def __post_init__(self) -> None:
-        bad = [d for d in self.dtypes if d not in ALL_DTYPES]
-        if bad:
-            raise ImplementationError(
-                f"dtypes={self.dtypes!r} contains {bad!r}; each must be one of {ALL_DTYPES}"
-                + (" (8-bit float formats go in fp8_dtypes)" if set(bad) <= set(FP8_DTYPES) else "")
-            )
-        bad = [d for d in self.fp8_dtypes if d not in FP8_DTYPES]
-        if bad:
-            raise ImplementationError(
-                f"fp8_dtypes={self.fp8_dtypes!r} contains {bad!r}; each must be one of {FP8_DTYPES}")
-        object.__setattr__(self, "fp8_dtypes", tuple(d for d in FP8_DTYPES if d in self.fp8_dtypes))
-        bad = [d for d in self.fp8_descales if d not in FP8_DESCALE_FORMS]
-        if bad or not self.fp8_descales:
-            raise ImplementationError(
-                f"fp8_descales={self.fp8_descales!r}: each must be one of {FP8_DESCALE_FORMS}, at least one")
-        object.__setattr__(self, "fp8_descales", tuple(d for d in FP8_DESCALE_FORMS if d in self.fp8_descales))
-        if self.causal is not None and self.causal not in CAUSAL_ALIGNMENTS:
-            raise ImplementationError(
-                f"causal={self.causal!r} is not an alignment; use one of "
-                f"{CAUSAL_ALIGNMENTS} or None for no causal flag"
-            )
-        object.__setattr__(self, "fully_masked", _fully_masked_value(self.fully_masked))
-        if self.batch_dims not in (None, 1):
-            raise ImplementationError(
-                f"batch_dims={self.batch_dims!r} is not supported; use None (any number of "
-                "leading batch dims) or 1 (exactly (B, N, L, E))"
-            )
-        if not set(self.mask_kinds) <= ALL_MASK_KINDS:
-            raise ImplementationError(
-                f"mask_kinds={set(self.mask_kinds)!r} must be a subset of {set(ALL_MASK_KINDS)}"
-            )
-        check_mha_feature_names(self.mha_features)
-        _check_size_declarations(self)
-        object.__setattr__(self, "sources", _sources_value(self.sources))
-        object.__setattr__(self, "by_dtype", _by_dtype_value(self.by_dtype))
-
-        for name, known in (("varlen_features", ALL_VARLEN_FEATURES), ("kvcache_features", ALL_KVCACHE_FEATURES)):
-            unknown = set(getattr(self, name)) - known
-            if unknown:
-                raise ImplementationError(f"{name} has unknown entries {sorted(unknown)}; known: {sorted(known)}")
-            object.__setattr__(self, name, frozenset(getattr(self, name)))
-        if not set(self.flash_features) <= ALL_FLASH_FEATURES:
-            raise ImplementationError(
-                f"flash_features has unknown entries "
-                f"{sorted(set(self.flash_features) - ALL_FLASH_FEATURES)}; known: "
-                f"{sorted(ALL_FLASH_FEATURES)}"
-            )
-        unknown = set(self.sharded_features) - ALL_SHARDED_FEATURES
-        if unknown:
-            raise ImplementationError(f"sharded_features has unknown entries {sorted(unknown)}; "
-                                      f"known: {sorted(ALL_SHARDED_FEATURES)}")
-        object.__setattr__(self, "sharded_features", frozenset(self.sharded_features))
-        object.__setattr__(self, "sharded_layouts", frozenset(self.sharded_layouts))
-        if not self.sharded_layouts <= SHARDED_LAYOUTS:
-            raise ImplementationError(
-                f"sharded_layouts has unknown entries {sorted(self.sharded_layouts - SHARDED_LAYOUTS)}; "
-                f"known: {sorted(SHARDED_LAYOUTS)} (spec.sharding.LAYOUTS)"
-            )
-
-    def replace(self, **changes: Any) -> "Capabilities":
-        return dataclasses.replace(self, **changes)
-
-    def source(self, name: str) -> str:
-        """Where the value of ``name`` came from: ``declared``, ``contract`` or ``probed``."""
-        return dict(self.sources).get(name, "declared")
-
-    def probe_note(self, name: str) -> str:
-        """The probe notes about ``name`` (``"causal: ..."``), joined; "" when there are none
-        or the value is declared (the notes then no longer describe it)."""
-        if self.source(name) == "declared" and name in SEMANTIC_FIELDS:
-            return ""
-        return " ".join(n for n in self.probe_notes if n.split(":", 1)[0] == name)
-
-    def for_dtype(self, dtype: str) -> "Capabilities":
-        """The capabilities in ``dtype``: :attr:`by_dtype`'s values for it applied."""
-        values = dict(self.by_dtype).get(dtype)
-        return dataclasses.replace(self, **{k: _per_dtype_value(k, v) for k, v in values}) if values else self
-
-    def dtype_differences(self, name: str) -> dict[str, Any]:
-        """dtype -> the value of ``name`` there, for each dtype where it differs."""
-        return {dtype: _per_dtype_value(name, dict(values)[name]) for dtype, values in self.by_dtype
-                if name in dict(values) and _per_dtype_value(name, dict(values)[name]) != getattr(self, name)}
-
-    def fully_masked_policy(self, kind: str) -> str:
-        """The policy for a row emptied by ``kind`` (one of :data:`FULLY_MASKED_KINDS`)."""
-        if isinstance(self.fully_masked, str):
-            return self.fully_masked
-        return dict(self.fully_masked)[kind]
-
-    @property
-    def fully_masked_policies(self) -> dict[str, str]:
-        """Kind -> policy, for every kind in :data:`FULLY_MASKED_KINDS`."""
-        return {kind: self.fully_masked_policy(kind) for kind in FULLY_MASKED_KINDS}
-
-    def fully_masked_text(self) -> str:
-        """``"zero"``, or per kind ``"bool:uniform,additive:nan,causal:uniform"``
-        (the ``--impl-option fully_masked=`` syntax)."""
-        if isinstance(self.fully_masked, str):
-            return self.fully_masked
-        return ",".join(f"{kind}:{policy}" for kind, policy in self.fully_masked)
-
-
-def _check_size_declarations(caps: Capabilities) -> None:
-    """``head_dims`` (normalized to a sorted tuple), ``seq_multiple`` and ``causal_only``
-    checked against each other and the other bounds."""
-    if caps.head_dims is not None:
-        try:
-            dims = tuple(sorted({int(d) for d in caps.head_dims}))
-        except (TypeError, ValueError):
-            dims = ()
-        if not dims or dims[0] < 1:
-            raise ImplementationError(f"head_dims={caps.head_dims!r} must be a non-empty set of positive "
-                                      "integers, e.g. (64, 96, 128), or None (any head dim)")
-        inside = [d for d in dims if (caps.min_head_dim or 1) <= d <= (caps.max_head_dim or d)]
-        if not inside:
-            raise ImplementationError(
-                f"head_dims={dims} has no head dim inside min_head_dim={caps.min_head_dim}, "
-                f"max_head_dim={caps.max_head_dim}; widen the bounds or the set")
-        object.__setattr__(caps, "head_dims", dims)
-    if caps.rotary_dim_multiple is not None and (not isinstance(caps.rotary_dim_multiple, int)
-                                                 or caps.rotary_dim_multiple < 2 or caps.rotary_dim_multiple % 2):
-        raise ImplementationError(f"rotary_dim_multiple={caps.rotary_dim_multiple!r} must be an even integer >= 2 "
-                                  "(FlashAttention-2: 16), or None (any even rotary dim)")
-    if caps.seq_multiple is not None:
-        if not isinstance(caps.seq_multiple, int) or caps.seq_multiple < 1:
-            raise ImplementationError(f"seq_multiple={caps.seq_multiple!r} must be a positive integer "
-                                      "(L and S multiples of it) or None")
-        if caps.max_seq_len is not None and caps.max_seq_len < caps.seq_multiple:
-            raise ImplementationError(f"seq_multiple={caps.seq_multiple} > max_seq_len={caps.max_seq_len} "
-                                      "leaves no length; raise max_seq_len or lower seq_multiple")
-    if caps.causal_only and caps.causal is None:
-        raise ImplementationError("causal_only=True but causal=None (no causal flag): a kernel that runs "
-                                  "only causal needs its causal flag declared")
-
-
-def _fully_masked_value(value: Any) -> str | tuple[tuple[str, str], ...]:
-    """``Capabilities.fully_masked`` checked and normalized: one policy string, or
-    (kind, policy) pairs for every kind in :data:`FULLY_MASKED_KINDS` (a mapping or a
-    sequence of pairs; kinds left out get ``"zero"``); one string when all agree."""
-    if isinstance(value, str):
-        if value not in FULLY_MASKED_POLICIES:
-            raise ImplementationError(
-                f"fully_masked={value!r} is not a policy; use one of {FULLY_MASKED_POLICIES}, "
-                "or a policy per kind such as {'bool': 'uniform', 'additive': 'nan'}"
-            )
-        return value
-    try:
-        pairs = dict(value.items() if isinstance(value, Mapping) else value)
-    except (TypeError, ValueError):
-        raise ImplementationError(
-            f"fully_masked={value!r} is neither a policy nor a mapping kind -> policy; use one "
-            f"of {FULLY_MASKED_POLICIES} or e.g. {{'bool': 'uniform', 'additive': 'nan'}}"
-        ) from None
-    unknown = sorted(set(pairs) - set(FULLY_MASKED_KINDS))
-    bad = {kind: policy for kind, policy in pairs.items() if policy not in FULLY_MASKED_POLICIES}
-    if unknown or bad:
-        raise ImplementationError(
-            f"fully_masked={value!r}: " + (f"unknown kinds {unknown} (kinds: {FULLY_MASKED_KINDS})"
-                                           if unknown else f"{bad} are not policies")
-            + f"; give each of {FULLY_MASKED_KINDS} one of {FULLY_MASKED_POLICIES}"
-        )
-    full = tuple((kind, pairs.get(kind, "zero")) for kind in FULLY_MASKED_KINDS)
-    if len({policy for _, policy in full}) == 1:
-        return full[0][1]
-    return full
-
-
-def _sources_value(value: Any) -> tuple[tuple[str, str], ...]:
-    pairs = dict(value.items() if isinstance(value, Mapping) else value)
-    bad = {k: v for k, v in pairs.items() if k not in SEMANTIC_FIELDS or v not in SOURCES}
-    if bad:
-        raise ImplementationError(
-            f"sources={pairs!r}: {bad!r} is not (semantic field, source); fields: "
-            f"{SEMANTIC_FIELDS}, sources: {SOURCES}"
-        )
-    return tuple(sorted(pairs.items()))
-
-
-def _by_dtype_value(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
-    per_dtype = dict(value.items() if isinstance(value, Mapping) else value)
-    out = []
-    for dtype, values in sorted(per_dtype.items()):
-        values = dict(values.items() if isinstance(values, Mapping) else values)
-        bad = sorted(set(values) - set(PER_DTYPE_FIELDS))
-        if dtype not in ALL_DTYPES or bad:
-            raise ImplementationError(
-                f"by_dtype={per_dtype!r}: " + (f"{dtype!r} is not a dtype of {ALL_DTYPES}" if dtype not in ALL_DTYPES
-                                              else f"{bad} cannot differ per dtype")
-                + f"; give dtype -> {{field: value}} with fields among {PER_DTYPE_FIELDS}"
-            )
-        for name in _SET_FIELDS:  # kept as a sorted tuple: plain data (JSON), read as a set
-            if name in values:
-                values[name] = tuple(sorted(values[name]))
-        if values:
-            out.append((dtype, tuple(sorted(values.items()))))
-    return tuple(out)
-
-
-def _per_dtype_value(name: str, value: Any) -> Any:
-    """A ``by_dtype`` value as the field holds it (``mask_kinds``, ``flash_features``: a frozenset)."""
-    return frozenset(value) if name in _SET_FIELDS else value
-
-
-@dataclass(frozen=True)
-class ExpectedFailure:
-    """A known deviation: property id (+ optional case filter) -> reason.
-
-    ``match`` maps case attribute names (see ``conformance.core.cases``) to the value
-    (or list of values) they must have for the entry to apply, e.g. ``{"level": "mha",
-    "need_weights": True}``; an empty match applies to every case of the property.
-    """
-
-    property: str
-    reason: str
-    match: Mapping[str, Any] = field(default_factory=dict)
-    reference: str = ""  # e.g. "pytorch/pytorch#41508"
-
-    def applies(self, property_id: str, case_attrs: Mapping[str, Any]) -> bool:
-        """Whether this entry covers ``property_id`` on a case with ``case_attrs``.
-
-        ``property`` may be ``"*"`` (a deviation that shows in every property).
-        A ``match`` value is compared with the case attribute of that name: a
-        list matches any of its members; a table of comparisons
-        (``lt/le/gt/ge/ne/in``, e.g. ``{"le": 0.0}``) must all hold (a None
-        attribute never satisfies one); the string ``"none"`` matches None
-        (TOML has no null); anything else must be equal.
-        """
-        if self.property not in ("*", property_id):
-            return False
-        return all(_matches(case_attrs.get(key), wanted) for key, wanted in self.match.items())
-
-
-#: The comparisons a table value of ``ExpectedFailure.match`` may use.
-MATCH_COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
-    "lt": lambda got, bound: got < bound,
-    "le": lambda got, bound: got <= bound,
-    "gt": lambda got, bound: got > bound,
-    "ge": lambda got, bound: got >= bound,
-    "ne": lambda got, bound: got != bound,
-    "in": lambda got, bound: got in bound,
-}
-
-
-def _matches(got: Any, wanted: Any) -> bool:
-    if isinstance(wanted, Mapping):
-        if got is None:
-            return False
-        try:
-            return all(MATCH_COMPARISONS[op](got, bound) for op, bound in wanted.items())
-        except (TypeError, KeyError):
-            return False
-    if isinstance(wanted, (list, tuple, set, frozenset)):
-        return any(_matches(got, w) for w in wanted)
-    if wanted == "none":
-        return got is None or got == "none"
-    return got == wanted
-
 
 SDPACallable = Callable[..., Any]
 MHAFactory = Callable[..., Any]
