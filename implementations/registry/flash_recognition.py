@@ -33,7 +33,7 @@ from implementations.base import (
 )
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
-from implementations.registry.probing import (
+from implementations.registry.prober import (
     DEFAULT_PROBE_TIMEOUT,
     _describe_result,
     _dtypes_that_run,
@@ -414,7 +414,7 @@ def _probe_fully_masked(probe: _Prober, fn, qkv, notes: list[str], L0: int = 2, 
     """The declared policy (and its source) for rows attending no key (causal with L > S:
     L = 3, S = 1 empties rows 0 and 1; with lengths a multiple m of a block, L = 2m, S = m
     empties rows 0..m-1): zero or nan adopted as probed; a uniform or unclassified row is
-    not adopted (:func:`~implementations.registry.probing._fully_masked_declaration`)."""
+    not adopted (:func:`~implementations.registry.prober._fully_masked_declaration`)."""
     import torch
 
     L, S = (3, 1) if (L0, S0) == (2, 3) else (2 * L0, L0)

@@ -21,6 +21,10 @@ NumPy or torch settings the suite computes under. A probe that does not return i
 time is an :class:`~implementations.base.ImplementationError` naming it; an
 implementation that cannot be probed declares its capabilities itself (an
 ``Implementation``).
+
+Here the SDPA level's probes (:func:`probe_sdpa`); the MHA level's are in
+``implementations.registry.mha_probing`` (:func:`probe_mha`, re-exported here); the probe
+calls both make, and the fully-masked declaration, in ``implementations.registry.prober``.
 """
 
 from __future__ import annotations
@@ -30,84 +34,26 @@ from typing import Any, Callable
 import numpy as np
 
 import spec
-from implementations.base import ALL_DTYPES, ALL_MASK_KINDS, Capabilities, ImplementationError
-from implementations.guard import CallRaised, CallTimedOut, guarded_call
+from implementations.base import Capabilities, ImplementationError
+from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
+from implementations.registry.mha_probing import probe_mha
 from implementations.registry.probe_plan import first_call_hint, probe_plan
+from implementations.registry.prober import (
+    BUILD_TIMEOUT,
+    DEFAULT_PROBE_TIMEOUT,
+    _describe_result,
+    _dtypes_that_run,
+    _fully_masked_declaration,
+    _is_output,
+    _per_dtype_capabilities,
+    _Prober,
+    _supports,
+    _try,
+    build_limit,
+)
 
 __all__ = ["BUILD_TIMEOUT", "DEFAULT_PROBE_TIMEOUT", "build_limit", "probe_mha", "probe_sdpa"]
-
-#: Seconds a probe call may take when the caller gives no timeout.
-DEFAULT_PROBE_TIMEOUT = 60.0
-#: Seconds an import or a zero-argument builder may take at least: importing torch or
-#: compiling kernels is slow (a longer call timeout applies when one is given).
-BUILD_TIMEOUT = 300.0
-
-
-def build_limit(timeout: float | None) -> float | None:
-    """The limit for importing or building an implementation under call timeout ``timeout``."""
-    return max(timeout, BUILD_TIMEOUT) if timeout else None
-
-
-class _Prober:
-    """Makes the probe calls of one implementation: ``call`` returns the result or
-    raises the implementation's exception as :class:`CallRaised`; a probe that does
-    not return within ``timeout`` is an ImplementationError."""
-
-    def __init__(self, origin: str, timeout: float | None) -> None:
-        self.origin, self.timeout = origin, timeout
-
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        # The first probe call is the first call into the implementation: it may compile
-        # (guard.COMPILE_FACTOR x the timeout); a slow one is noted in ``slow_first_call``.
-        import time
-
-        from implementations.guard import COMPILE_FACTOR
-
-        started = time.monotonic()
-        try:
-            return guarded_call(fn, timeout=self.timeout, rng=True, warm_key=self.__dict__.setdefault("_warm_key", ("probe", self.origin, object())))
-        except CallTimedOut as exc:
-            raise ImplementationError(
-                f"{self.origin}: probing {what} {exc} (--example-timeout); fix the hang, or "
-                "skip probing by declaring the capabilities yourself with "
-                "implementations.Implementation(..., capabilities=Capabilities(...))"
-            ) from None
-        finally:
-            seconds = time.monotonic() - started
-            if self.timeout and not getattr(self, "slow_first_call", "") and seconds > self.timeout:
-                self.slow_first_call = (f"first call took {seconds:.0f} s: compile time allowed "
-                                        f"(up to {COMPILE_FACTOR:g} x --example-timeout)")
-
-    def tried(self, what: str, fn: Callable[[], Any]) -> str | None:
-        """None when ``fn()`` returns (and not False), else what it did, for a note
-        (``"raised ValueError('...')"``)."""
-        try:
-            result = self.call(what, fn)
-        except CallRaised as exc:
-            return f"raised {summarise(exc.error)}"
-        return "returned False" if result is False else None
-
-    def runs(self, what: str, fn: Callable[[], Any]) -> bool:
-        """Whether ``fn()`` returns without raising (and does not return False)."""
-        try:
-            return self.call(what, fn) is not False
-        except CallRaised:
-            return False
-
-
-def _describe_result(out: Any) -> str:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return f"a {out.device.type} tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
-    return "None" if out is None else f"a {type(out).__module__}.{type(out).__qualname__}"
-
-
-def _is_output(out: Any, shape: tuple[int, ...]) -> bool:
-    import torch
-
-    return isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.device.type == "cpu"
 
 
 # --------------------------------------------------------------------------- SDPA
@@ -303,79 +249,6 @@ def _sdpa_attempt_runs(probe: _Prober, fn: Callable[..., Any], plan: Any) -> boo
     return _is_output(out, (1, 2, plan.L, plan.E))
 
 
-def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``'s result, or None when it raises."""
-    try:
-        return probe.call(what, fn)
-    except CallRaised:
-        return None
-
-
-def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes: list[str],
-              dtype: str = "float32") -> bool:
-    """Whether ``fn()`` runs; when not, a note of what it raised (``name: what in dtype raised ...``)."""
-    said = probe.tried(what, fn)
-    if said:
-        notes.append(f"{name}: {what} in {dtype} {said}; declared unsupported")
-    return said is None
-
-
-def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str],
-                     candidates: tuple[str, ...] = ALL_DTYPES) -> tuple[str, ...]:
-    """The dtypes among ``candidates`` (the declared ones, else all) in which a plain call
-    runs; a note for each one that does not."""
-    dtypes = []
-    for dtype in [d for d in ALL_DTYPES if d in candidates]:
-        said = probe.tried(f"dtype {dtype}", lambda d=dtype: call(d))
-        if said:
-            notes.append(f"dtypes: a plain call in {dtype} {said}; {dtype} not declared")
-        else:
-            dtypes.append(dtype)
-    return tuple(dtypes)
-
-
-def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tuple]],
-                            dtypes: tuple[str, ...], notes: list[str],
-                            base_dtype: str = "float32") -> tuple[dict[str, bool], dict[str, dict]]:
-    """Each capability of ``probes(dtype)`` (key -> ``(what, call)``, or ``(what, call,
-    "direct")`` for a call that makes its own guarded calls and returns None or what
-    happened) in float32 (the declaration) and in every other dtype that runs
-    (``Capabilities.by_dtype`` where it differs). A guarded call is supported when it
-    returns (not False). Every limitation found is a note naming what was tried, in which
-    dtype, and what it did."""
-    def outcome(what: str, call: Callable[[], Any], *direct: str) -> str | None:
-        if direct:
-            return call()
-        try:
-            result = probe.call(what, call)
-        except CallRaised as exc:
-            return f"raised {summarise(exc.error)}"
-        if result is False:
-            return "returned False"
-        return None
-
-    def field(key: str) -> str:
-        return key.split(":", 1)[0]
-
-    base = {}
-    for key, (what, *call) in probes(base_dtype).items():
-        said = outcome(f"{what} in {base_dtype}", *call)
-        base[key] = said is None
-        if said:
-            notes.append(f"{field(key)}: {what} in {base_dtype} {said}; declared unsupported")
-    by_dtype: dict[str, dict] = {}
-    for dtype in dtypes:
-        if dtype == base_dtype:
-            continue
-        for key, (what, *call) in probes(dtype).items():
-            said = outcome(f"{what} in {dtype}", *call)
-            if (said is None) != base[key]:
-                by_dtype.setdefault(dtype, {})[key] = said is None
-                notes.append(f"{field(key)}: {what} in {dtype} {said}; unsupported in {dtype}" if said else
-                             f"{field(key)}: {what} in {dtype} works (not in {base_dtype}); supported in {dtype}")
-    return base, by_dtype
-
-
 def _value_ignored(out: Any, q, k, v, notes: list[str], tol: float = 1e-4, causal: str | None = None) -> bool:
     """Whether the plain call's output is attention with the keys as values (``value``
     ignored). The contract uses ``value``: that is not declared (the suite's properties
@@ -390,55 +263,6 @@ def _value_ignored(out: Any, q, k, v, notes: list[str], tol: float = 1e-4, causa
                      "tensor as both key and value is intended, declare --impl-option shared_kv=true")
         return True
     return False
-
-
-def _kinds_text(policies: dict[str, str]) -> str:
-    """``bool:zero,additive:nan`` (the ``--impl-option fully_masked=`` syntax)."""
-    return ",".join(f"{kind}:{policy}" for kind, policy in policies.items())
-
-
-#: What blocks every key of a probed row, per kind, for the notes.
-_BLOCKED_BY = {"bool": "a bool mask", "additive": "a -inf additive mask",
-               "causal": "the causal flag alone (query length 3, key length 2)"}
-
-
-def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level: str = "",
-                              blocked_by: dict[str, str] | None = None) -> tuple[str, str]:
-    """The declared fully-masked policy and its source, from the policies ``observed`` per
-    kind of blocking. The contract leaves the value open, so a probed policy is adopted
-    (source ``probed``) when every probed kind gives the same non-attending one (zero or
-    nan). A policy that differs between kinds, attends blocked keys (``uniform``) or could
-    not be classified (``unspecified``) is not: the declaration stays at the agreeing
-    kinds' zero or nan, else the contract default zero (source ``contract``), so the
-    fully-masked property fails on the offending rows; the note names what was seen and
-    the ``--impl-option`` that would declare it."""
-    where = f" at the {level} level" if level else ""
-    if not observed:
-        return "zero", "contract"
-    seen = set(observed.values())
-    text = _kinds_text(observed)
-    blocked_by = {**_BLOCKED_BY, **(blocked_by or {})}
-    said = "; ".join(f"{blocked_by.get(kind, kind)}: {policy}" for kind, policy in observed.items())
-    if len(seen) == 1 and seen <= {"zero", "nan"}:
-        notes.append(f"fully_masked: a row with every key blocked came out {seen.pop()} ({said}){where}; "
-                     "the contract leaves it open, so this probed policy is adopted")
-        return observed[next(iter(observed))], "probed"
-    why = []
-    if len(seen) > 1:
-        why.append("it differs between the kinds of blocking")
-    if "uniform" in seen:
-        why.append("uniform rows attend the keys the mask or causal rule blocks")
-    if "unspecified" in seen:
-        why.append("the probe could not classify " + ", ".join(
-            k for k, p in observed.items() if p == "unspecified") + " rows (neither zero, NaN nor the mean of V, "
-            "or the call raised)")
-    agreeing = seen & {"zero", "nan"}
-    fallback = agreeing.pop() if len(agreeing) == 1 else "zero"
-    hint = text if len(seen) > 1 else seen.pop()
-    notes.append(f"fully_masked: probed {text}{where} ({said}); not adopted: {'; '.join(why)}; declared "
-                 f"{fallback}, so the fully-masked property tests it and fails on those rows; if the "
-                 f"probed behaviour is intended, declare --impl-option fully_masked={hint}")
-    return fallback, "contract"
 
 
 def _probe_causal(probe: _Prober, fn, q, k, v, notes: list[str],
@@ -514,205 +338,3 @@ def _probe_fully_masked(probe: _Prober, fn, q, k, v, kind: str, as_mask: Callabl
     if torch.allclose(row.double(), v.double().mean(dim=-2)[0], atol=1e-5 if tol <= 1e-4 else tol):
         return "uniform"
     return "unspecified"
-
-
-# --------------------------------------------------------------------------- MHA
-
-# L == S and query = key = value unless a feature needs otherwise, so that a
-# self-attention-only module is probed feature by feature too.
-_D, _N, _L, _S, _B = 4, 2, 3, 3, 2
-
-
-def probe_mha(factory: Callable[..., Any], *, origin: str,
-              timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
-    """Capabilities of an nn.MultiheadAttention drop-in, found by tiny calls on CPU
-    (each limited to ``timeout`` seconds)."""
-    import torch
-
-    probe = _Prober(origin, timeout)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(_L, _B, _D, generator=gen)
-    kv = torch.randn(_S, _B, _D, generator=gen)
-
-    def first() -> Any:
-        module = factory(_D, _N)
-        module.eval()
-        return module(x, x, x)
-
-    plain = ("building it with (embed_dim=4, num_heads=2) and calling it on query = key = value "
-             "of shape (3, 2, 4)")
-    try:
-        out = probe.call("a plain call", first)
-    except CallRaised as exc:
-        raise ImplementationError(
-            f"{origin} has nn.MultiheadAttention's signature but {plain} raised "
-            f"{summarise(exc.error)}; it must at least run that"
-        ) from exc.error
-    if not (isinstance(out, (tuple, list)) and len(out) == 2 and _is_output(out[0], (_L, _B, _D))):
-        shown = (f"a pair whose output is {_describe_result(out[0])}"
-                 if isinstance(out, (tuple, list)) and len(out) == 2 else _describe_result(out))
-        raise ImplementationError(
-            f"{origin} has nn.MultiheadAttention's signature but {plain} returned {shown}; it must "
-            "return (output, weights) with output a torch.Tensor of shape (3, 2, 4) (L, B, D), as "
-            "torch.nn.MultiheadAttention does"
-        )
-
-    def call(build: dict | None = None, *args, **forward) -> Any:
-        m = factory(_D, _N, **(build or {}))
-        m.eval()
-        q_, k_, v_ = args or (x, x, x)
-        return m(q_, k_, v_, **forward)
-
-    # The order below (features, dtypes, fully-masked rows, backward) fixes what each
-    # module built from torch's global generator is: keep it. (Probe calls restore the
-    # global generator afterwards, so each module is built from the same state.)
-    mha_features = set()
-    notes: list[str] = []
-    for feature, run in _mha_feature_probes(factory, call, x, kv).items():
-        said = probe.tried(f"feature {feature}", run)
-        if said:
-            notes.append(f"mha_features: {feature} in float32 {said}; declared unsupported")
-        else:
-            mha_features.add(feature)
-    # Masks are features when their bool form runs; their float form is the mask kind
-    # "additive", probed apart (a module with bool masks only is certified with bool masks).
-    mask_kinds = set(ALL_MASK_KINDS)
-    for feature, run in _mha_float_mask_probes(call, x).items():
-        said = probe.tried(f"a float {feature}", run) if feature in mha_features else None
-        if said:
-            notes.append(f"mask_kinds: a float {feature} in float32 {said}; float masks declared unsupported "
-                         "(MHA masks are drawn bool only)")
-            mask_kinds.discard("additive")
-
-    def built(d: str) -> Any:
-        return call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3)
-
-    dtypes = _dtypes_that_run(probe, built, notes)
-    if "key_padding_mask" in mha_features:
-        observed = _probe_mha_fully_masked(probe, factory, x, kinds=mask_kinds)
-        fully_masked, source = _fully_masked_declaration(
-            observed, notes, level="MHA",
-            blocked_by={"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"})
-    else:
-        fully_masked, source = "zero", "contract"
-
-    def backward(d: str) -> str | None:
-        xx = x.to(getattr(torch, d)).clone().requires_grad_()
-        try:
-            out = probe.call("backward", lambda: factory(_D, _N, dtype=getattr(torch, d))(xx, xx, xx))
-            if not (isinstance(out, (tuple, list)) and isinstance(out[0], torch.Tensor)):
-                return f"returned {_describe_result(out)}"
-            probe.call("backward", lambda: out[0].sum().backward())
-        except CallRaised as exc:
-            return f"raised {summarise(exc.error)}"
-        return None if xx.grad is not None else "left the input without a gradient"
-
-    found, by_dtype = _per_dtype_capabilities(
-        probe, lambda d: {"autograd": ("backward through query, key, value", lambda: backward(d), "direct")},
-        dtypes, notes)
-    return Capabilities(
-        devices=("cpu",),
-        dtypes=dtypes or ("float32",),
-        causal="upper_left",
-        fully_masked=fully_masked,
-        mask_kinds=frozenset(mask_kinds),
-        dropout="dropout" in mha_features,
-        autograd=found["autograd"],
-        mask_grad=False,
-        mha_features=frozenset(mha_features),
-        by_dtype=by_dtype,
-        probe_notes=tuple(notes),
-        sources={"causal": "contract", "fully_masked": source},
-    )
-
-
-def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
-    """MHA feature name -> a call that raises (or returns False) when it is unsupported."""
-    import torch
-
-    kpm = torch.tensor([[False, False, True], [False, True, False]])
-    causal = torch.ones(_L, _S, dtype=torch.bool).tril().logical_not()
-    return {
-        "cross_attention": lambda: call(None, x, kv, kv),
-        "no_bias": lambda: call({"bias": False}),
-        "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(_S, _B, 3), torch.randn(_S, _B, 5)),
-        "bias_kv": lambda: call({"add_bias_kv": True}),
-        "zero_attn": lambda: call({"add_zero_attn": True}),
-        "batch_first": lambda: call({"batch_first": True}, *[x.transpose(0, 1)] * 3),
-        "unbatched": lambda: call(None, *[x[:, 0]] * 3),
-        "key_padding_mask": lambda: call(None, key_padding_mask=kpm),
-        "attn_mask": lambda: call(None, attn_mask=causal),
-        "is_causal": lambda: call(None, attn_mask=causal, is_causal=True),
-        "need_weights": lambda: call(None, need_weights=True)[1] is not None,
-        "per_head_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,
-        "dropout": lambda: factory(_D, _N, dropout=0.5).train()(x, x, x),
-    }
-
-
-def _mha_float_mask_probes(call, x) -> dict[str, Callable[[], Any]]:
-    """MHA mask feature -> a call with its float form (0/-inf key padding, a float attn_mask)."""
-    import torch
-
-    kpm = torch.tensor([[False, False, True], [False, True, False]])
-    return {
-        "key_padding_mask": lambda: call(None, key_padding_mask=torch.zeros(_B, _S).masked_fill(kpm, float("-inf"))),
-        "attn_mask": lambda: call(None, attn_mask=torch.randn(_L, _S)),
-    }
-
-
-def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS) -> dict[str, str]:
-    """Kind -> policy of a query row whose keys a key_padding_mask blocks all of, bool
-    (``bool``) and -inf float (``additive``): ``nan``, ``zero`` (module output =
-    out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
-    nn.MultiheadAttention's parameter names) or ``unspecified`` (anything else, or the
-    call raised)."""
-    import torch
-
-    blocked = torch.tensor([[True, True, True], [False, False, False]])
-    masks = {"bool": blocked, "additive": torch.zeros(2, 3).masked_fill(blocked, float("-inf"))}
-
-    def policy(mask: Any) -> str:
-        def run() -> tuple[Any, Any]:
-            m = factory(_D, _N)
-            m.eval()
-            out = m(x, x, x, key_padding_mask=mask, need_weights=False)[0]
-            return out, m
-
-        try:
-            out, module = probe.call("a fully-masked row", run)
-        except CallRaised:
-            return "unspecified"
-        if not _is_output(out, (_L, _B, _D)):
-            return "unspecified"
-        out = out.detach()[:, 0]  # (L, D), batch 0
-        if torch.isnan(out).all():
-            return "nan"
-        out_proj = getattr(module, "out_proj", None)
-        bias = getattr(out_proj, "bias", None)
-        if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
-            return "zero"  # attention output 0, so the module output is out_proj.bias
-        uniform = _mha_uniform_row(module, x[:, 0])
-        if uniform is not None and torch.allclose(out, uniform.expand_as(out), atol=1e-5):
-            return "uniform"
-        return "unspecified"
-
-    return {kind: policy(mask) for kind, mask in masks.items() if kind in kinds}
-
-
-def _mha_uniform_row(module: Any, keys: Any) -> Any:
-    """out_proj(mean over keys of the value projection), the output of a row attending
-    every key equally, from nn.MultiheadAttention's parameter names; None without them."""
-    import torch
-
-    try:
-        with torch.no_grad():
-            weight, bias = module.in_proj_weight, module.in_proj_bias
-            if not isinstance(weight, torch.Tensor):
-                return None
-            w_v = weight[2 * _D:]
-            b_v = bias[2 * _D:] if isinstance(bias, torch.Tensor) else 0.0
-            mean_v = (keys @ w_v.T + b_v).mean(dim=0)
-            out_bias = module.out_proj.bias if module.out_proj.bias is not None else 0.0
-            return mean_v @ module.out_proj.weight.T + out_bias
-    except (AttributeError, RuntimeError, TypeError, IndexError):
-        return None

@@ -40,8 +40,10 @@ from implementations.bridge import (
     bridge_declarations,
     bridged_implementation,
     bridged_mha_implementation,
+    bridged_module_implementation,
     detect_framework,
     keras_mha_framework,
+    module_table,
 )
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
@@ -52,13 +54,9 @@ from implementations.registry.flash_recognition import (
 from implementations.registry.interface_recognition import is_interface_signature, recognise_interface
 from implementations.registry.learner import is_learner_candidate, recognise_learner
 from implementations.registry.probe_plan import probe_plan
-from implementations.registry.probing import (
-    DEFAULT_PROBE_TIMEOUT,
-    _Prober,
-    build_limit,
-    probe_mha,
-    probe_sdpa,
-)
+from implementations.registry.mha_probing import probe_mha
+from implementations.registry.prober import DEFAULT_PROBE_TIMEOUT, _Prober, build_limit
+from implementations.registry.probing import probe_sdpa
 
 __all__ = [
     "ACCEPTED_OBJECTS",
@@ -103,6 +101,8 @@ def recognise(obj: Any, *, name: str, origin: str = "",
         if keras is not None:  # Keras' MultiHeadAttention (or a subclass): the MHA level through the bridge
             return bridged_mha_implementation(obj, keras, name=name, origin=origin, probe=probe_mha,
                                               timeout=timeout)
+        if module_table(obj) is not None:  # another framework's multi-head layer: the module bridge
+            return bridged_module_implementation(obj, name=name, origin=origin, probe=probe_mha, timeout=timeout)
         return _recognise_class(obj, name=name, origin=origin, timeout=timeout)
     if not callable(obj):
         raise ImplementationError(
