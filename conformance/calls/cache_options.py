@@ -25,8 +25,11 @@ from typing import Any
 import numpy as np
 
 import spec
-from conformance.calls.flash import FP8_OUTPUT_DTYPES
-from conformance.calls.flash_bounds import allowed_lse, fp8_allowed_output
+from conformance.calls.flash_bounds import (
+    FP8_OUTPUT_DTYPES,
+    allowed_lse,
+    fp8_allowed_output,
+)
 from conformance.calls.flash_bounds import oracle as flash_oracle
 from conformance.calls.flash_cases import FlashCase
 from conformance.core import tolerance

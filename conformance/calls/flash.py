@@ -19,37 +19,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 import spec
-from conformance.core import observe, tolerance
-from conformance.calls.call_specs import Invoke, _seeded, call_directly, case_rng, content_seed
-from conformance.calls.sdpa import assert_returned_tensor, grad_magnitudes
-from conformance.core.cases import SDPACase
-from conformance.core.compare import (
-    Comparison,
-    PropertyFailure,
-    assert_contract,
-    compare_values,
-    fail,
+from conformance.calls.call_reports import CallReport
+from conformance.calls.call_specs import (
+    Invoke,
+    _seeded,
+    call_directly,
+    case_rng,
+    content_seed,
 )
 from conformance.calls.declarations import require_inside
 from conformance.calls.flash_bounds import (
-    _forward,
+    FP8_OUTPUT_DTYPES,
     allowed_lse,
     allowed_output,
     check_dropout_mean,
+    check_fp8,
+    check_lse,
+    check_output,
+    compare_dropout_gradients,
+    compare_gradients,
     dropout_pattern_of,
     emulate_flash,
     fp8_allowed_lse,
     fp8_allowed_output,
     oracle,
 )
-from conformance.calls.flash_cases import FLASH_ATTRIBUTES, FlashCase, case_from_meta, case_meta, tile_flash_case
-from conformance.calls.call_reports import CallReport
+from conformance.calls.flash_cases import (
+    FLASH_ATTRIBUTES,
+    FlashCase,
+    case_from_meta,
+    case_meta,
+    tile_flash_case,
+)
+from conformance.calls.sdpa import assert_returned_tensor
+from conformance.core import observe
+from conformance.core.compare import PropertyFailure, assert_contract, fail
 from conformance.core.target import ImplementationRaised, Target, call_guarded
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
@@ -57,6 +66,7 @@ from spec.emulate import round_to
 __all__ = [
     "ATTRIBUTES",
     "FLASH_ATTRIBUTES",
+    "FP8_OUTPUT_DTYPES",
     "SHOW",
     "CallSpec",
     "Case",
@@ -306,39 +316,6 @@ def expect_flash_raises(target: Target, case: FlashCase, what: str) -> None:
 # --------------------------------------------------------------------------- checks against the oracle and its bounds
 
 
-def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: str = "output",
-                 ref: spec.FlashResult | None = None, allowed: np.ndarray | None = None) -> Comparison:
-    """The output against ``spec.flash_attention`` under the tolerance rule (or ``allowed``);
-    rows attending no key follow the declared policy (zero: exactly 0, nan: NaN)."""
-    __tracebackhide__ = True
-    ref = ref if ref is not None else oracle(case)
-    rows = ~case.empty_rows()                                                 # (L,)
-    where = rows[None, :, None, None]
-    allowed = allowed if allowed is not None else allowed_output(target, case, ref)
-    comparison = compare_values(what, actual, ref.output, allowed, where=where)
-    dead = actual[:, ~rows]
-    policy = "zero" if case.sinks is not None else target.caps.fully_masked
-    if dead.size and case.sinks is not None and not (dead == 0).all():
-        fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
-             "(with sinks such a row puts all its weight on the sink, which carries no value)")
-    if dead.size and policy == "zero" and not (dead == 0).all():
-        fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
-             "(declared fully_masked='zero', FlashAttention's)")
-    if dead.size and policy == "nan" and not np.isnan(dead).all():
-        fail(f"{what} of rows attending no key should be NaN (declared fully_masked='nan')")
-    return comparison
-
-
-def check_lse(target: Target, case: FlashCase, lse: np.ndarray, *,
-              ref: spec.FlashResult | None = None, stored: str | None = None) -> Comparison:
-    """The LSE (B, N, L) against the oracle's natural-log LSE; -inf (FlashAttention-2's +inf
-    is mapped to it) in rows attending no key."""
-    __tracebackhide__ = True
-    ref = ref if ref is not None else oracle(case)
-    with np.errstate(invalid="ignore"):  # -inf against -inf
-        return compare_values("softmax_lse", lse, ref.lse, allowed_lse(target, case, ref, stored=stored))
-
-
 def check_gradients(target: Target, case: FlashCase) -> float:
     """dq, dk, dv of a seeded upstream gradient against ``spec.flash_attention_vjp``, within
     ``tolerance.grad_allowed`` (magnitudes of ``calls.sdpa.grad_magnitudes`` on the heads-first
@@ -348,66 +325,6 @@ def check_gradients(target: Target, case: FlashCase) -> float:
     grad_out = round_to(rng.standard_normal((case.B, case.L, case.N, case.Ev)), case.dtype)
     call = run_flash(target, case, grad_output=grad_out)
     return compare_gradients(target, call.spec, call.inputs)
-
-
-def compare_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any], *,
-                      expected: spec.FlashGrads | None = None, factor: float = 1.0) -> float:
-    """dq, dk, dv against ``expected`` (default the VJP of the call's case) within the
-    gradient floor at the case's magnitudes, times ``factor``."""
-    __tracebackhide__ = True
-    case, grad_out = call.case, call.grad_output
-    grads = expected or spec.flash_attention_vjp(case.query, case.key, case.value, grad_out, **case.options())
-    problem, forward = _forward(case)
-    t = (0, 2, 1, 3)
-    view = SDPACase(problem.query, case.key.transpose(t), case.value.transpose(t), scale=problem.scale)
-    bounds = grad_magnitudes(view, SimpleNamespace(weights=forward.weights), grad_out.transpose(t))
-    finite = forward.logits[np.isfinite(forward.logits)]
-    logit_range = float(np.abs(finite).max()) if finite.size else 0.0
-    if problem.bias is not None:
-        logit_range += float(np.abs(problem.bias).max())
-    worst = 0.0
-    for what, name, expected in (("dq", "q", grads.dquery), ("dk", "k", grads.dkey), ("dv", "v", grads.dvalue)):
-        grad = tensors[name].grad
-        if grad is None:
-            fail(f"{what} is None, but should be a gradient (autograd is declared)")
-        bound = bounds[{"dq": "dquery", "dk": "dkey", "dv": "dvalue"}[what]].transpose(t)
-        allowed = factor * tolerance.grad_allowed(case.dtype, bound, logit_range, tf32=target.tf32)
-        worst = max(worst, compare_values(what, to_numpy(grad), expected, allowed).ratio)
-    return worst
-
-
-#: The dtypes an FP8 call's output may come back in (FlashAttention-3's is bfloat16).
-FP8_OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def check_fp8(target: Target, case: FlashCase, call: Any) -> float:
-    """An FP8 call (``case.fp8``): the output, in a 16- or 32-bit float dtype, against the
-    oracle on the dequantised inputs within ``tolerance.fp8_allowed`` for the dtype it came
-    back in; the LSE, when asked for, within ``tolerance.fp8_lse_allowed``."""
-    __tracebackhide__ = True
-    if call.out_dtype not in FP8_OUTPUT_DTYPES:
-        fail(f"output dtype={call.out_dtype} for q, k, v in {case.fp8}, but should be one of "
-             f"{', '.join(FP8_OUTPUT_DTYPES)} (an FP8 call's output is not FP8; FlashAttention-3 returns bfloat16)")
-    ref = oracle(case)
-    ratio = check_output(target, case, call.output, ref=ref, what=f"output (q, k, v in {case.fp8})",
-                         allowed=fp8_allowed_output(case, ref, call.out_dtype)).ratio
-    if call.lse is not None:
-        stored = call.lse_dtype if call.lse_dtype in tolerance.EPS else "float32"
-        with np.errstate(invalid="ignore"):  # -inf against -inf
-            ratio = max(ratio, compare_values(f"softmax_lse (q, k, v in {case.fp8})", call.lse, ref.lse,
-                                              fp8_allowed_lse(case, ref, stored)).ratio)
-    return ratio
-
-
-def compare_dropout_gradients(target: Target, call: FlashCallSpec, tensors: dict[str, Any],
-                              keep: np.ndarray) -> float:
-    """dq, dk, dv of a dropout call against ``spec.flash_attention_vjp`` with the call's own
-    pattern ``keep``, within the gradient floor at the dropout-free magnitudes / (1 - p)."""
-    __tracebackhide__ = True
-    case, p = call.case, call.dropout_p
-    grads = spec.flash_attention_vjp(case.query, case.key, case.value, call.grad_output, **case.options(),
-                                     dropout_p=p, dropout_mask=keep)
-    return compare_gradients(target, call, tensors, expected=grads, factor=1 / (1 - p))
 
 
 def assert_output_contract(target: Target, case: FlashCase, call: FlashCall) -> None:
