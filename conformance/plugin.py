@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -47,8 +46,14 @@ from hypothesis import HealthCheck, settings
 
 from conformance.core.options import NAMESPACED_OPTIONS, pytest_addoption  # noqa: F401 - pytest's hook, found here
 from conformance.harness import directed_first, reporting, subjects
-from conformance.harness.ordering import property_rank
-from conformance.harness.session import SESSION_KEY, Session, Subject, session_of
+from conformance.harness.ordering import LEVEL_ORDER, property_rank
+from conformance.harness.results import (  # noqa: F401 - tests read them here
+    _NODE_ID,
+    _label_of,
+    _ResultCollector,
+    _target_of,
+)
+from conformance.harness.session import SESSION_KEY, Session, session_of
 from implementations.base import ALL_DTYPES
 
 __all__ = ["PROFILES", "conformance_session"]
@@ -225,15 +230,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("target", targets, ids=[t.test_id for t in targets])
 
 
-#: The order in which an implementation's levels are certified: the SDPA level first, the
-#: levels built on it after it. A bug of an SDPA callable also fails the flash level
-#: derived from it (``implementations/flash_from_sdpa.py``), where the case is a flash
-#: call, no ``spec.variants`` variant names a cause and the directed examples are not
-#: shrunk; found first at its own level it gets the smallest case and its diagnosis
-#: (measured on the zoo: minimal counterexamples 29/78 with the flash level first).
-LEVEL_ORDER = {"sdpa": 0, "mha": 1, "flash": 2, "varlen": 3, "kvcache": 4, "sharded": 5}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each implementation's properties level by level (:data:`LEVEL_ORDER`), each level's
     in the measured order of kill power per second (``conformance.harness.ordering``); a run of
@@ -265,14 +261,6 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     if session.testsfailed or config.option.collectonly or not directed_first.enabled(config):
         return
     directed_first.run(session.items, config)
-
-
-def _target_of(item: pytest.Item) -> Any:
-    return getattr(getattr(item, "callspec", None), "params", {}).get("target")
-
-
-def _label_of(item: pytest.Item) -> str | None:
-    return getattr(_target_of(item), "label", None)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -327,100 +315,6 @@ def _as_report(item: pytest.Item, call: pytest.CallInfo[Any], report: pytest.Tes
     where = f"{Path(str(entry.path)).name}:{entry.lineno + 1}"
     text = "\n".join([str(error), *getattr(error, "__notes__", ())])
     report.longrepr = f"{text}\n\n(raised in {where}; the runner's frames: --tb=long)"
-
-
-#: A property test's node id: ``test_<property>[<label>-<level>-<dtype>-<device>]``,
-#: ``<label>-`` only in a run of several implementations (a label may hold ``-``).
-#: A property test's node id: ``::test_<property>[<label>-]<level>-<dtype>-<device>]``,
-#: every level (a flash, varlen or kvcache test unmatched here escaped --impl-exitfirst
-#: and, crashed or skipped at setup, the certificate).
-_NODE_ID = re.compile(r"::test_(?P<property>\w+)\[(?:(?P<label>.+)-)?(?P<level>" + "|".join(LEVEL_ORDER)
-                      + r")-(?P<dtype>\w+)-(?P<device>\w+)\]$")
-
-
-class _ResultCollector:
-    """Gathers the records attached to test reports into the session: under
-    xdist the controller receives every worker's reports here. A property test
-    whose report carries no record (its process crashed, a fixture failed, a
-    marker skipped it) gets one made from the report, so that the certificate
-    counts every test pytest counts."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-
-    def _subject(self, nodeid: str) -> Subject | None:
-        """The implementation a property test's node id names (None: not a property test)."""
-        m = _NODE_ID.search(nodeid)
-        return None if m is None else self.session.subjects.get(m["label"] or "")
-
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        from conformance.isolation import supervisor as isolation
-
-        subject = self._subject(item.nodeid)
-        isolation.mark_running(subject.impl_spec if subject else self.session.impl_spec, item.nodeid)
-        if subject is not None and self.session.exitfirst and subject.stopped_by:
-            pytest.skip(f"--impl-exitfirst: {subject.impl_spec} already failed {subject.stopped_by}")
-
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        """After an implementation's last test, its isolated worker (if any) stops."""
-        if not self.session.compares:
-            return
-        label = _label_of(item)
-        subject = self.session.subjects.get(label or "")
-        if subject is not None and subject.isolation is not None and (
-                nextitem is None or _label_of(nextitem) != label):
-            subject.isolation.close()
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed and self.session.exitfirst:
-            subject = self._subject(report.nodeid)
-            if subject is not None and not subject.stopped_by:
-                subject.stopped_by = report.nodeid.rsplit("::", 1)[-1]
-        recorded = False
-        for key, value in getattr(report, "user_properties", ()):
-            if key == "conformance":
-                self.session.results.append(value)
-                recorded = True
-        if recorded:
-            self.session.recorded.add(report.nodeid)
-        elif report.nodeid not in self.session.recorded and (
-                report.failed or (report.skipped and report.when == "setup")):
-            result = self._result_from_report(report)
-            if result is not None:
-                self.session.results.append(result)
-                self.session.recorded.add(report.nodeid)
-
-    def _result_from_report(self, report: pytest.TestReport) -> dict[str, Any] | None:
-        from conformance.core.registry import Record, registered_properties
-        from conformance.isolation import supervisor as isolation
-
-        m = _NODE_ID.search(report.nodeid)
-        if m is None or m["property"] not in registered_properties():
-            return None
-        record = Record(m["property"], m["level"], m["dtype"], m["device"])
-        subject = self.session.subjects.get(m["label"] or "")
-        spec = subject.impl_spec if subject is not None else self.session.impl_spec
-        text = str(getattr(report, "longreprtext", "") or report.longrepr or "").strip()
-        if report.skipped and isinstance(report.longrepr, tuple):  # (path, line, "Skipped: why")
-            text = str(report.longrepr[2])
-        if report.skipped:
-            record.outcome = "skipped"
-            record.reason = text.rsplit("Skipped: ", 1)[-1] if "Skipped: " in text else text
-        elif "crashed while running" in text:
-            record.outcome = "failed"
-            record.message = (
-                f"{text.splitlines()[-1]}: the test process died (os._exit, abort or a segfault in "
-                "the implementation?) before the property could save the case; rerun with "
-                "--isolate=always to run the implementation in a worker process that survives it"
-            )
-            isolation.record_crash(spec, f"a test process died during {report.nodeid}")
-        else:
-            record.outcome = "failed" if report.when == "call" else "error"
-            record.message = f"{report.when} of the test failed outside the property: " + text[-2000:]
-        result = record.as_dict()
-        if self.session.compares:
-            result["implementation"] = m["label"]
-        return result
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
