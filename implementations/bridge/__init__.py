@@ -33,12 +33,15 @@ from implementations.base import Implementation, ImplementationError
 from implementations.bridge.arguments import ArgumentMap, map_arguments
 from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, Framework, framework_named
 from implementations.bridge.mha import KerasMHAFactory, keras_mha_framework, load_keras_weights
+from implementations.bridge.module_tables import module_table
+from implementations.bridge.modules import ModuleMHAFactory, load_module_weights
 from implementations.bridge.sdpa import LAYOUTS, BridgedSDPA
 
 __all__ = [
     "BRIDGE_OPTIONS", "FRAMEWORKS", "LAYOUTS", "ArgumentMap", "BridgedSDPA", "Framework",
     "bridge_declarations", "bridge_options", "bridged_implementation", "bridged_mha_implementation",
-    "detect_framework", "keras_mha_framework", "make_bridge", "map_arguments", "split_bridge_options",
+    "bridged_module_implementation", "detect_framework", "keras_mha_framework", "make_bridge", "map_arguments",
+    "module_table", "split_bridge_options",
 ]
 
 #: ``--impl-option`` keys the bridge reads (not capabilities).
@@ -243,4 +246,41 @@ def bridged_mha_implementation(cls: type, framework: str, *, name: str, origin: 
         name=name, capabilities=caps, mha=factory, load_weights=load_keras_weights, version=version,
         description=f"Keras {cls.__qualname__} ({origin}) through the framework bridge; capabilities probed, "
                     "semantics nn.MultiheadAttention's",
+    )
+
+
+def bridged_module_implementation(cls: type, *, name: str, origin: str, probe: Callable[..., Any],
+                                  timeout: float | None) -> Implementation:
+    """The MHA-level Implementation of another framework's multi-head layer class
+    (:mod:`.modules`, its table in :mod:`.module_tables`), probed by ``probe``."""
+    table = module_table(cls)
+    declared = _declared()
+    if declared:
+        declared["_used"] = "yes"
+        raise ImplementationError(
+            f"--impl-option {', '.join(k for k in declared if k != '_used')}: {origin} is a {table.name} layer "
+            "(the MHA level), recognised from its class; the bridge options apply to SDPA-level functions")
+    try:
+        factory = ModuleMHAFactory(cls, table)
+    except ImportError as exc:
+        return Implementation(name=name, unavailable_reason=(
+            f"{origin} is a {table.name} layer, and {table.framework} is not importable ({exc}); install it"))
+    caps = probe(factory, origin=origin, timeout=timeout)
+    version = factory.framework.version
+    package = (cls.__module__ or "").partition(".")[0]
+    top = sys.modules.get(package)
+    if getattr(top, "__version__", None):
+        version = f"{package} {top.__version__}, {version}"
+    notes = [f"bridge: {version}, {cls.__module__}.{cls.__qualname__} behind nn.MultiheadAttention's constructor "
+             f"and forward (table {table.name}: (B, L, D) layout; masks inverted to one bool mask, True = attend; "
+             f"is_causal {'as the causal flag' if table.causal_flag else 'through attn_mask'}; weights written "
+             "into the layer's (D, N, hd) and (N, hd, D) kernels)",
+             f"autograd: {factory.framework.name} arrays pass through NumPy; declared off"]
+    caps = caps.replace(autograd=False, mask_grad=False, by_dtype={
+        d: {k: v for k, v in values if k not in ("autograd", "mask_grad")} for d, values in caps.by_dtype},
+        probe_notes=(*notes, *caps.probe_notes))
+    return Implementation(
+        name=name, capabilities=caps, mha=factory, load_weights=load_module_weights, version=version,
+        description=f"{table.name} ({origin}) through the module bridge; capabilities probed, semantics "
+                    "nn.MultiheadAttention's",
     )
