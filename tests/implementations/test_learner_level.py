@@ -62,13 +62,14 @@ def test_probed_conventions_are_on_the_notes():
     assert "attn_mask" not in caps.mha_features and "cross_attention" not in caps.mha_features
     annotated = registry.resolve(f"{MODULES}:AnnotatedMultiHeadedAttention").caps("mha")
     assert {"attn_mask", "is_causal", "cross_attention"} <= annotated.mha_features
-    assert "heads first" in annotated.probe_notes[0] and "definition order" in annotated.probe_notes[0]
+    assert "heads first" in annotated.probe_notes[0] and "linears.0 q, linears.1 k" in annotated.probe_notes[0]
+    assert "q read by linears.0" in annotated.probe_notes[0]  # the dataflow, not the definition order
 
 
 def test_lazy_layers_are_read_and_lengths_are_not_taken_for_a_mask():
     caps = registry.resolve(f"{MODULES}:D2LAttention").caps("mha")
     notes = " ".join(caps.probe_notes)
-    assert "W_q, W_k, W_v, W_o (by name)" in notes and "valid_lens is read as valid lengths" in notes
+    assert "W_q q, W_k k, W_v v, W_o out" in notes and "valid_lens is read as valid lengths" in notes
     assert "key_padding_mask" not in caps.mha_features and "cross_attention" in caps.mha_features
 
 
@@ -119,7 +120,7 @@ def test_a_failure_is_shown_in_the_modules_own_terms(impl, names):
     from conformance.reporting.failures import _in_own_terms
 
     target = Target(registry.resolve(impl), "mha", "float64", "cpu")
-    case = next(c for c in mha_directed(target) if c.key_padding_mask is not None)
+    case = next(c for c in mha_directed(target) if c.key_padding_mask is not None or c.attn_mask is not None)
     snippet = _in_own_terms(target, case)
     assert snippet is not None and all(n in snippet for n in names), snippet
     assert "in_proj_weight" not in snippet and "conformance" not in snippet

@@ -28,21 +28,23 @@ _SHAPES = (("B", "1", "L", "S"), ("B", "L", "S"), ("B", "1", "1", "S"), ("B", "1
            ("B", "H", "L", "S"))
 
 
-def _keep_pattern(shape: tuple[str, ...], per_row: bool) -> np.ndarray:
+def _keep_pattern(shape: tuple[str, ...], per_row: bool, causal: bool = False) -> np.ndarray:
     """A keep (True = attend) mask of ``shape`` leaving each query row one key: key 0, S-1,
     1 for batch items 0, 1, 2; with ``per_row`` (shapes with L) row L-1 of each item keeps
-    another one; per head (H) head 1 keeps that other one on every row."""
+    another one; per head (H) head 1 keeps that other one on every row. ``causal`` (the
+    module blocks the keys after each query itself): key 0 on every row, the other key
+    of row L-1 (2, 1, 3 by batch item), head 1 keeping key 0 there too."""
     full = np.zeros((_B, _H, _L, _L), dtype=bool)
     for b in range(_B):
-        key = (0, _L - 1, 1)[b % 3]
-        other = (key + 2) % _L
+        key = 0 if causal else (0, _L - 1, 1)[b % 3]
+        other = (2, 1, 3)[b % 3] if causal else (key + 2) % _L
         full[b, :, :, key] = True
         if per_row and "L" in shape:
             full[b, :, -1, :] = False
             full[b, :, -1, other] = True
         if "H" in shape:
             full[b, 1] = False
-            full[b, 1, :, other] = True
+            full[b, 1, :, key if causal else other] = True
     index = tuple(slice(None) if d in shape else slice(0, 1) for d in ("B", "H", "L", "S"))
     sizes = {"B": _B, "H": _H, "L": _L, "S": _L, "1": 1}
     return full[index].reshape(tuple(sizes[d] for d in shape))
@@ -103,7 +105,7 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
             for dtype in dtypes:
                 ok = True
                 for per_row in ((False, True) if "L" in shape else (False,)):
-                    keep = _keep_pattern(shape, per_row)
+                    keep = _keep_pattern(shape, per_row, plan.causal is not None)
                     full = _as_full(shape, keep)
                     tensor = _convention_tensor(keep, convention, dtype)
                     got = probe.value(f"mask {convention} {_shape_text(shape)}",
@@ -139,7 +141,7 @@ def _assumed_mask(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options
     plain = probe.value("a plain call", lambda: _raw(module, plan, x))
     shapes = []
     for shape in _SHAPES:
-        keep = _keep_pattern(shape, per_row=True)
+        keep = _keep_pattern(shape, per_row=True, causal=plan.causal is not None)
         tensor = _convention_tensor(keep, convention, dtype)
         got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
         if got is not None and tuple(got.shape) == (_B, _L, _D) and plain is not None and \

@@ -14,6 +14,8 @@ LEARNER_OPTIONS = {
     "learner_fused": "qkv|kqv|qkv_per_head (how a fused q, k, v projection is cut)",
     "learner_projections": "Q,K,V,O attribute names of the Linear layers (or QKV,O for a fused one)",
     "learner_init": "DIM,HEADS names of the constructor's model-dim and head-count parameters",
+    "learner_config": "NAME=VALUE[,NAME=VALUE] attributes of the config object the constructor takes",
+    "learner_layout": "batch_first|seq_first (the module's inputs (B, L, D) or (L, B, D))",
 }
 MASK_CONVENTIONS = ("keep", "blocked", "additive")
 FUSED_LAYOUTS = ("qkv", "kqv", "qkv_per_head")
@@ -46,7 +48,8 @@ def split_learner_options(options: Mapping[str, str] | None) -> tuple[dict[str, 
             raise ImplementationError(
                 f"--impl-option {key}={value}: unknown learner option {key!r}; valid: "
                 + "; ".join(f"{k}={v}" for k, v in LEARNER_OPTIONS.items()))
-        choices = {"learner_mask": MASK_CONVENTIONS, "learner_fused": FUSED_LAYOUTS}.get(key)
+        choices = {"learner_mask": MASK_CONVENTIONS, "learner_fused": FUSED_LAYOUTS,
+                   "learner_layout": ("batch_first", "seq_first")}.get(key)
         if choices and value not in choices:
             raise ImplementationError(f"--impl-option {key}={value}: bad value; expected one of {list(choices)}")
         names = [n.strip() for n in value.split(",") if n.strip()]
@@ -58,6 +61,10 @@ def split_learner_options(options: Mapping[str, str] | None) -> tuple[dict[str, 
             raise ImplementationError(
                 f"--impl-option {key}={value}: expected the names of the model-dim and head-count "
                 "constructor parameters, e.g. learner_init=d_model,n_heads")
+        if key == "learner_config" and any("=" not in n for n in names):
+            raise ImplementationError(
+                f"--impl-option {key}={value}: expected NAME=VALUE pairs, comma-separated, e.g. "
+                "learner_config=block_size=32,bias=false")
     return learner, rest
 
 

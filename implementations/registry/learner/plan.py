@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # --------------------------------------------------------------------------- the plan
 
@@ -12,16 +13,17 @@ class LearnerPlan:
     """Everything read and probed about one learner class."""
 
     cls: type
-    dim_arg: str                # constructor parameter name of the model dim
-    heads_arg: str              # ... of the head count
-    dropout_arg: str | None     # constructor parameter taking the dropout probability
-    #: role -> Linear attribute path: "q", "k", "v", "o", or "qkv"/"kv" for a fused one.
+    construction: Any           # how it is built (.construct.Construction)
+    #: role -> layer path: "q", "k", "v", "o", "qkv"/"kv" for a fused one, "q@i" for head i's
+    #: own layer; no "o": the module has no output projection (the identity).
     projections: tuple[tuple[str, str], ...]
-    projections_how: str        # "by name", "in definition order", "--impl-option"
+    projections_how: str        # "by dataflow ...", "by name", "--impl-option"
     fused: str = "qkv"          # head layout of a fused projection
     fused_how: str = ""
     inputs: str = "self"        # "self" forward(x), "kv" forward(q, kv), "qkv" forward(q, k, v)
-    forward_names: tuple[str, ...] = ()
+    forward_names: tuple[str, ...] = ()  # the forward's parameters bound to q[, k, v | kv]
+    keyword: bool = False       # inputs passed by keyword (their names bind them)
+    bind_how: str = ""
     mask_arg: str | None = None
     mask: str | None = None     # keep / blocked / additive, None: no mask
     mask_dtype: str = "bool"    # bool / long / float (keep and blocked masks)
@@ -30,11 +32,35 @@ class LearnerPlan:
     mask_shapes: tuple[tuple[str, ...], ...] = ()
     returns: str = "output"     # "output", "pair" (output, weights)
     weights: str | None = None  # None, "per_head" (B, H, L, S), "averaged" (B, L, S)
+    #: Every call causal, and why (the code's evidence or the declaration); None: not.
+    causal: str | None = None
+    seq_first: bool = False     # inputs (L, B, D)
+    layout_how: str = ""
     notes: tuple[str, ...] = field(default=())
     origin: str = ""            # the --impl value that named the class (file.py:Class, module:Class)
 
+    @property
+    def dropout_arg(self) -> str | None:
+        return self.construction.dropout
+
+    @property
+    def out_identity(self) -> bool:
+        return "o" not in dict(self.projections)
+
     def role(self, name: str) -> str | None:
         return dict(self.projections).get(name)
+
+
+def expanded(projections: tuple[tuple[str, str], ...], H: int) -> list[tuple[str, str]]:
+    """The projections of a module of ``H`` heads: a per-head pair ``("q@*", "heads.*.query")``
+    is one pair per head (``("q@0", "heads.0.query")``, ...)."""
+    out = []
+    for role, path in projections:
+        if role.endswith("@*"):
+            out += [(f"{role[:-1]}{h}", path.replace("*", str(h), 1)) for h in range(H)]
+        else:
+            out.append((role, path))
+    return out
 
 
 def _shape_text(shape: tuple[str, ...]) -> str:

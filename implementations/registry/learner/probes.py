@@ -18,6 +18,7 @@ from implementations.registry.learner.reading import _usage
 from implementations.registry.learner.wrapper import (
     LearnerMHA,
     _PlannedFactory,
+    call_inner,
     load_learner_weights,
 )
 
@@ -56,11 +57,28 @@ def _build(plan: LearnerPlan, params: Any, **options: Any) -> Any:
 
 
 def _raw(module: Any, plan: LearnerPlan, x: Any, mask: Any = None) -> Any:
-    """The learner module called on batch-first ``x`` (self-attention), output only."""
-    kwargs = {} if mask is None else {plan.mask_arg: mask}
+    """The learner module called on batch-first ``x`` (self-attention), output only (the
+    spec's output projection after it where the module has none)."""
     args = {"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[plan.inputs]
-    out = module.inner(*args, **kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    out = call_inner(plan, module.inner, args, mask)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out if module.out_proj is None else module.out_proj(out)
+
+
+def causal_call(plan: LearnerPlan, L: int) -> dict[str, Any]:
+    """The wrapper's arguments of a causal call where the module is always causal."""
+    import torch
+
+    if plan.causal is None:
+        return {}
+    return {"attn_mask": torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1), "is_causal": True}
+
+
+def causal_spec(plan: LearnerPlan, L: int) -> dict[str, Any]:
+    """``spec.mha_forward``'s arguments of the same call."""
+    if plan.causal is None:
+        return {}
+    return {"attn_mask": np.triu(np.ones((L, L), dtype=bool), k=1), "is_causal": True}
 
 
 def _probe_output(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> LearnerPlan:
@@ -69,7 +87,7 @@ def _probe_output(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> Lear
     def plain() -> Any:
         module = _build(plan, params)
         args = {"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[plan.inputs]
-        return module.inner(*args)
+        return call_inner(plan, module.inner, args)
 
     try:
         out = probe.call("a plain call", plain)
@@ -104,7 +122,7 @@ def _probe_fused(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options:
     if "learner_fused" in options:
         return replace(plan, fused=options["learner_fused"], fused_how="as --impl-option learner_fused says")
     xs = x.double().numpy()
-    want, _ = spec.mha_forward(params, xs, xs, xs, batch_first=True, need_weights=False)
+    want, _ = spec.mha_forward(params, xs, xs, xs, batch_first=True, need_weights=False, **causal_spec(plan, _L))
     for layout in ("qkv", "qkv_per_head"):
         candidate = replace(plan, fused=layout)
         got = probe.value(f"fused layout {layout}", lambda c=candidate: _raw(_build(c, params), c, x))
@@ -137,8 +155,9 @@ def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -
     # Probed in the shape that fixed the convention (the first one found), so that a
     # shape the module reads the other way does not change the declaration.
     plan = replace(plan, mask_shapes=plan.mask_shapes[:1])
+    causal = causal_call(plan, _L)
     got = probe.value("a fully-masked row", lambda: _build(plan, params, batch_first=True)(
-        x, x, x, key_padding_mask=blocked, need_weights=False)[0])
+        x, x, x, key_padding_mask=blocked, need_weights=False, **causal)[0])
     # A row the probe cannot classify is not a convention: the contract's zero is tested
     # (mha_fully_masked_rows fails on it), never "unspecified", which would check nothing.
     if got is None:
@@ -150,9 +169,12 @@ def _probe_fully_masked(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -
     # Zero: the attention output of every row of batch item 0 is 0, so the module outputs
     # its output bias there, whatever its other steps do.
     zero, _ = spec.mha_forward(params, xs, xs, xs, key_padding_mask=blocked.numpy(), batch_first=True,
-                               need_weights=False, fully_masked="zero")
+                               need_weights=False, fully_masked="zero", **causal_spec(plan, _L))
     if np.allclose(row, zero[0], rtol=1e-7, atol=1e-7):
         return "zero", "zero (attention output 0, module output = the output bias)"
+    if plan.causal is not None:  # uniform over all keys or over the causal prefix: not told apart here
+        return "zero", ("neither zero nor NaN; zero is tested, declare --impl-option fully_masked=... if "
+                        "another policy is intended")
     # Uniform: with the query projection zeroed every score is 0, so every row of the
     # module's own unmasked call is uniform over the keys; a blocked row is uniform when it
     # equals it. The module's own call is the reference, not the spec's, so that a mistake
@@ -181,7 +203,23 @@ def _probe_dropout(probe: _Probe, plan: LearnerPlan, params: Any, x: Any) -> boo
         a, b = _raw(module, plan, x), _raw(module, plan, x)
         return not bool((a == b).all())
 
-    return bool(probe.value("dropout", differs))
+    if not probe.value("dropout", differs):
+        return False
+    # nn.MultiheadAttention's dropout drops attention weights, never the output bias: with
+    # every weight zero, the output is the output bias on every call. A module whose
+    # dropout also drops its output (nanoGPT's resid_dropout) is not that switch.
+    D = params.embed_dim
+    zero = replace(params, in_proj_weight=np.zeros((3 * D, D)), out_proj_weight=np.zeros((D, D)),
+                   in_proj_bias=None if params.in_proj_bias is None else np.zeros(3 * D),
+                   out_proj_bias=np.ones(D) if params.out_proj_bias is not None else None)
+    if zero.out_proj_bias is None:
+        return True
+
+    def bias_kept() -> bool:
+        module = _build(plan, zero, dropout=0.5).train()
+        return all(bool((_raw(module, plan, x) == 1.0).all()) for _ in range(3))
+
+    return bool(probe.value("dropout keeps the output bias", bias_kept))
 
 
 def _probe_dtypes(probe: _Probe, plan: LearnerPlan, params: Any, notes: list[str]) -> tuple[str, ...]:
@@ -195,7 +233,8 @@ def _probe_dtypes(probe: _Probe, plan: LearnerPlan, params: Any, notes: list[str
         x = torch.randn(_B, _L, _D).to(getattr(torch, dtype))
         blocked = torch.zeros(_B, _L, dtype=torch.bool)
         blocked[:, -1] = True
-        out = module(x, x, x, need_weights=False, key_padding_mask=blocked if masked else None)[0]
+        out = module(x, x, x, need_weights=False, key_padding_mask=blocked if masked else None,
+                     **causal_call(plan, _L))[0]
         return out.dtype == x.dtype
 
     dtypes = []
@@ -217,7 +256,7 @@ def _probe_backward(probe: _Probe, plan: LearnerPlan) -> bool:
     def run() -> bool:
         module = LearnerMHA(plan)(_D, _H, batch_first=True)
         x = torch.randn(_B, _L, _D, requires_grad=True)
-        module(x, x, x, need_weights=False)[0].sum().backward()
+        module(x, x, x, need_weights=False, **causal_call(plan, _L))[0].sum().backward()
         return x.grad is not None
 
     return bool(probe.value("backward", run))

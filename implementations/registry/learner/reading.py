@@ -113,19 +113,41 @@ def _role_of(path: str) -> str | None:
     return _ROLE_WORDS.get(compact)
 
 
-def _linears(module: Any, D: int) -> list[tuple[str, Any]]:
+def transposed(layer: Any) -> bool:
+    """A ``Conv1D``-style layer: a 2-D weight stored ``(in, out)``, applied as x @ W + b."""
     from torch import nn
 
-    return [(name, sub) for name, sub in module.named_modules()
-            if isinstance(sub, nn.Linear) and name and sub.in_features == D
-            and sub.out_features in (D, 2 * D, 3 * D)]
+    weight = getattr(layer, "weight", None)
+    return (not isinstance(layer, nn.Linear) and weight is not None and getattr(weight, "dim", lambda: 0)() == 2
+            and (type(layer).__name__ == "Conv1D" or hasattr(layer, "nf")))
 
 
-def _projections(module: Any, D: int, cls: type, origin: str,
-                 options: Mapping[str, str]) -> tuple[tuple[tuple[str, str], ...], str]:
-    found = _linears(module, D)
-    shapes = {name: sub.out_features // D for name, sub in found}
-    listing = ", ".join(f"{name} ({sub.out_features}x{sub.in_features})" for name, sub in found) or "none"
+def is_projection(layer: Any) -> bool:
+    from torch import nn
+
+    return isinstance(layer, nn.Linear) or transposed(layer)
+
+
+def in_out(layer: Any) -> tuple[int, int]:
+    """(in_features, out_features) of a projection layer."""
+    rows, cols = layer.weight.shape
+    return (int(rows), int(cols)) if transposed(layer) else (int(cols), int(rows))
+
+
+def _linears(module: Any, D: int) -> list[tuple[str, Any]]:
+    return [(name, sub) for name, sub in module.named_modules() if name and is_projection(sub)]
+
+
+def _projections(module: Any, D: int, cls: type, origin: str, options: Mapping[str, str],
+                 found: list[tuple[str, Any]] | None = None,
+                 output: str | None = None, dataflow: bool = False) -> tuple[tuple[tuple[str, str], ...], str]:
+    """q, k, v, o (or fused) among ``found`` (default: every projection layer), by shape
+    and name; with ``dataflow``, ``found`` are the layers that read the input and ``output``
+    the layer that gives the output (None: no output projection)."""
+    found = [(n, s) for n, s in (_linears(module, D) if found is None else found)
+             if in_out(s)[0] == D and in_out(s)[1] in (D, 2 * D, 3 * D)]
+    shapes = {name: in_out(sub)[1] // D for name, sub in found}
+    listing = ", ".join(f"{name} ({in_out(sub)[1]}x{in_out(sub)[0]})" for name, sub in found) or "none"
     if "learner_projections" in options:
         names = [n.strip() for n in options["learner_projections"].split(",")]
         bad = [n for n in names if n not in shapes]
@@ -138,17 +160,28 @@ def _projections(module: Any, D: int, cls: type, origin: str,
            "= d_model")
     fused3 = [n for n, k in shapes.items() if k == 3]
     fused2 = [n for n, k in shapes.items() if k == 2]
-    square = [n for n, k in shapes.items() if k == 1]
+    square = [n for n, k in shapes.items() if k == 1 and n != output]
+    o = () if output is None else (("o", output),)
     by_role = {}
     for name in square + fused2 + fused3:
         by_role.setdefault(_role_of(name), []).append(name)
-    if len(fused3) == 1 and len(square) == 1:
+    if dataflow:
+        if len(fused3) == 1 and not square:
+            return (("qkv", fused3[0]), *o), "by shape (one fused q, k, v layer of 3·d_model)"
+        if len(fused2) == 1 and len(square) == 1:
+            return (("q", square[0]), ("kv", fused2[0]), *o), "by shape (one fused k, v layer of 2·d_model)"
+        if len(square) == 3 and not fused2 and not fused3:
+            roles = {r: names[0] for r, names in by_role.items() if r in ("q", "k", "v") and len(names) == 1}
+            if set(roles) == {"q", "k", "v"}:
+                return (*((r, roles[r]) for r in "qkv"), *o), "q, k, v by name"
+            return (*zip("qkv", square, strict=True), *o), "q, k, v in definition order (assumed)"
+    elif len(fused3) == 1 and len(square) == 1:
         return (("qkv", fused3[0]), ("o", square[0])), "by shape (one fused q, k, v Linear of 3·d_model)"
-    if len(fused2) == 1 and len(square) == 2:
+    elif len(fused2) == 1 and len(square) == 2:
         q = by_role.get("q", [None])[0] or square[0]
-        o = next(n for n in square if n != q)
-        return (("q", q), ("kv", fused2[0]), ("o", o)), "by name and shape (one fused k, v Linear of 2·d_model)"
-    if len(square) == 4 and not fused2 and not fused3:
+        o_name = next(n for n in square if n != q)
+        return (("q", q), ("kv", fused2[0]), ("o", o_name)), "by name and shape (one fused k, v Linear of 2·d_model)"
+    elif len(square) == 4 and not fused2 and not fused3:
         roles = {r: names[0] for r, names in by_role.items() if r in ("q", "k", "v", "o") and len(names) == 1}
         if set(roles) == {"q", "k", "v", "o"}:
             return tuple((r, roles[r]) for r in "qkvo"), "by name"
@@ -157,20 +190,48 @@ def _projections(module: Any, D: int, cls: type, origin: str,
                  "(q, k, v, output), or a fused q, k, v one (3·d_model) and an output one", fix)
 
 
-def _forward(cls: type, origin: str) -> tuple[str, tuple[str, ...], str | None]:
+def _input_role(name: str) -> str | None:
+    """q, k, v or kv from a forward parameter's name (``query``, ``key``, ``value``,
+    ``memory``, ...), None where the name says nothing."""
+    low = re.sub(r"[^a-z]", "", name.lower())
+    for role, words in (("kv", ("kv", "keyvalue", "keyvalues", "memory", "context", "encoderout",
+                                "encoderhiddenstates", "keyvaluestates")),
+                        ("q", ("q", "query", "queries", "xq", "tgt")), ("k", ("k", "key", "keys", "xk")),
+                        ("v", ("v", "value", "values", "xv"))):
+        if low in words:
+            return role
+    return None
+
+
+def _forward(cls: type, origin: str) -> tuple[str, tuple[str, ...], str | None, bool, str]:
+    """``(inputs, the forward's parameters bound to q[, k, v | kv], its mask parameter,
+    whether they are passed by keyword, how they were bound)``: required inputs are bound
+    by name where the names say q, k, v (in any order: ``forward(key, value, query,
+    mask)``), by position otherwise; a mask parameter is passed (None when no mask), with
+    or without a default."""
     forward = getattr(cls, "forward", None)
     if forward is None:
         raise _usage(origin, f"{cls.__name__} has no forward", "define forward(x, mask=None)")
     params = _signature(forward, origin)
-    mask = next((p.name for p in params if "mask" in p.name.lower()), None)
-    inputs = [p for p in params if p.name != mask and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-              and p.default is p.empty]
-    extra = [p.name for p in params if p.name != mask and p.default is p.empty and p.kind is p.KEYWORD_ONLY]
+    mask = next((p.name for p in params if "mask" in p.name.lower() and "head" not in p.name.lower()), None)
+    kinds = inspect.Parameter
+    data = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+    inputs = [p for p in params if p.name != mask and p.kind in data and p.default is p.empty]
     names = tuple(p.name for p in inputs)
-    if extra or not 1 <= len(inputs) <= 3:
-        raise _usage(origin, f"{cls.__name__}.forward({', '.join(p.name for p in params)}) takes "
-                     f"{len(inputs)} required inputs{f' and requires {extra}' if extra else ''}",
+    shown = ", ".join(("*, " if p.kind is p.KEYWORD_ONLY and (i == 0 or params[i - 1].kind is not p.KEYWORD_ONLY)
+                       else "") + p.name for i, p in enumerate(params))
+    if not 1 <= len(inputs) <= 3:
+        raise _usage(origin, f"{cls.__name__}.forward({shown}) takes {len(inputs)} required inputs",
                      "expected forward(x, mask=None), forward(q, kv, mask=None) or forward(query, key, value, "
                      "mask=None) on (B, L, D) inputs")
-    return {1: "self", 2: "kv", 3: "qkv"}[len(inputs)], names, mask
-
+    kind = {1: "self", 2: "kv", 3: "qkv"}[len(inputs)]
+    keyword = not any(p.kind is p.POSITIONAL_ONLY for p in inputs)
+    wanted = {"self": (), "kv": ("q", "kv"), "qkv": ("q", "k", "v")}[kind]
+    roles = [_input_role(n) for n in names]
+    if kind == "kv" and roles.count("kv") == 1:
+        roles = ["q" if r != "kv" else r for r in roles]
+    how = "bound by position"
+    if wanted and keyword and sorted(r or "" for r in roles) == sorted(wanted):
+        names = tuple(names[roles.index(r)] for r in wanted)
+        how = "bound by name"
+    return kind, names, mask, keyword, how

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 import spec
-from implementations.base import Capabilities, Implementation
+from implementations.base import ALL_MASK_KINDS, Capabilities, Implementation
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
+from implementations.registry.learner.construct import read_constructor
+from implementations.registry.learner.dataflow import (
+    causal_evidence,
+    observe,
+    read_projections,
+)
 from implementations.registry.learner.masks import _probe_mask
 from implementations.registry.learner.options import _OPTIONS
 from implementations.registry.learner.plan import LearnerPlan, _shape_text
@@ -27,16 +35,58 @@ from implementations.registry.learner.probes import (
     _probe_output,
 )
 from implementations.registry.learner.reading import (
-    _constructor,
     _forward,
-    _projections,
     _usage,
 )
 from implementations.registry.learner.wrapper import (
     _materialised,
     _PlannedFactory,
+    call_inner,
     load_learner_weights,
 )
+from implementations.registry.probe_plan import current_declarations
+
+
+def _layout(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
+    """Batch-first or sequence-first: a batch-first module's other batch items do not
+    change when item 0 does; a sequence-first one's later positions do (told apart on the
+    module's own calls, never by comparing with the spec)."""
+    import torch
+
+    if "learner_layout" in options:
+        return replace(plan, seq_first=options["learner_layout"] == "seq_first",
+                       layout_how="as --impl-option learner_layout says")
+
+    def mixes(seq_first: bool) -> bool:
+        trial = replace(plan, seq_first=seq_first)
+        args = {"self": 1, "kv": 2, "qkv": 3}[plan.inputs]
+        changed = x.clone()
+        changed[0] = changed[0] + 1.0
+        with torch.no_grad():
+            a = call_inner(trial, module.eval(), (x,) * args)
+            b = call_inner(trial, module, (changed,) * args)
+        a, b = (t[0] if isinstance(t, (tuple, list)) else t for t in (a, b))
+        return not bool(torch.allclose(a[1:], b[1:], rtol=0, atol=0))
+
+    if probe.value("the layout", lambda: mixes(False)) and probe.value("the layout", lambda: mixes(True)) is False:
+        return replace(plan, seq_first=True, layout_how="sequence-first (L, B, D): read on its calls, where a "
+                       "change to x[0] reaches x[1:] (--impl-option learner_layout=batch_first overrides)")
+    return plan
+
+
+def _causal(plan: LearnerPlan, module: Any) -> str | None:
+    """Why every call is causal: the declaration, or the code's evidence where the forward
+    takes no mask and no causal argument (a module that takes a mask and applies a causal
+    rule anyway is tested as what its signature says: non-causal)."""
+    import inspect
+
+    if current_declarations("mha").get("causal_only"):
+        return "declared: --impl-option causal_only=true"
+    names = [p.lower() for p in inspect.signature(plan.cls.forward).parameters]
+    if plan.mask_arg is not None or any("causal" in n for n in names):
+        return None
+    evidence = causal_evidence(plan.cls, module)
+    return None if evidence is None else f"always causal ({evidence})"
 
 
 def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | None) -> Implementation:
@@ -50,22 +100,35 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     if held is not None:
         held["_used"] = "yes"
     probe = _Probe(origin, timeout)
-    dim, heads, dropout, init_notes = _constructor(cls, origin, options)
-    inputs, forward_names, mask_arg = _forward(cls, origin)
-    plan = LearnerPlan(cls=cls, dim_arg=dim, heads_arg=heads, dropout_arg=dropout, projections=(),
-                       projections_how="", inputs=inputs, forward_names=forward_names, mask_arg=mask_arg,
+    construction = read_constructor(cls, origin, options)
+    inputs, forward_names, mask_arg, keyword, bind_how = _forward(cls, origin)
+    plan = LearnerPlan(cls=cls, construction=construction, projections=(), projections_how="", inputs=inputs,
+                       forward_names=forward_names, keyword=keyword, bind_how=bind_how, mask_arg=mask_arg,
                        origin=origin)
+    configs: list[Any] = []
     try:
-        module = probe.call("building it", lambda: _materialised(cls(**{dim: _D, heads: _H}), inputs, _D))
+        module = probe.call("building it", lambda: _materialised(construction.build(cls, _D, _H, 0.0, configs),
+                                                                 plan, _D))
     except CallRaised as exc:
-        raise _usage(origin, f"{cls.__name__}({dim}={_D}, {heads}={_H}) raised {summarise(exc.error)}",
-                     "pass --impl-option learner_init=DIM,HEADS if those are not its model dim and head "
-                     "count") from exc.error
-    projections, how = _projections(module, _D, cls, origin, options)
-    plan = replace(plan, projections=projections, projections_how=how)
+        raise _usage(origin, f"{construction.text(cls.__name__)} with d_model={_D}, heads={_H} raised "
+                     f"{summarise(exc.error)}", "pass --impl-option learner_init=DIM,HEADS (or learner_config="
+                     "NAME=VALUE for a config) if those are not its model dim and head count") from exc.error
+    if configs:
+        read = [n for n in object.__getattribute__(configs[-1], "__dict__").get("_read_", [])
+                if not n.startswith("_")]
+        plan = replace(plan, construction=replace(construction, read=tuple(dict.fromkeys(read))))
     gen = np.random.default_rng(0)
     params = spec.MHAParams.random(gen, _D, _H)
     x = torch.from_numpy(gen.standard_normal((_B, _L, _D)))
+    plan = _layout(probe, plan, module.double(), x, options)
+    plan = replace(plan, causal=_causal(plan, module))
+    roles = {"self": ("x",), "kv": ("q", "kv"), "qkv": ("q", "k", "v")}[inputs]
+    tensors = tuple(torch.from_numpy(gen.standard_normal((_B, _L, _D))) for _ in roles)
+    observed = probe.value("one observed call", lambda: observe(module, lambda: call_inner(plan, module, tensors)))
+    seen, output = observed if observed is not None else ({}, None)
+    projections, how = read_projections(module, seen, output, dict(zip(roles, tensors, strict=True)), _D, _H, cls,
+                                        origin, options)
+    plan = replace(plan, projections=projections, projections_how=how)
     plan = _probe_output(probe, plan, params, x)
     plan = _probe_fused(probe, plan, params, x, options)
     plan = _probe_mask(probe, plan, params, x, options)
@@ -74,7 +137,8 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     features = {"batch_first", "unbatched", "no_bias"}
     if plan.mask is not None and any("B" in s for s in plan.mask_shapes):
         features.add("key_padding_mask")
-    if plan.mask == "additive" and any("H" in s for s in plan.mask_shapes):
+    full_masks = plan.mask is not None and any("H" in s and "L" in s for s in plan.mask_shapes)
+    if full_masks or plan.causal is not None:
         features |= {"attn_mask", "is_causal"}
     if plan.weights is not None:
         features.add("need_weights")
@@ -84,9 +148,12 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
         features.add("dropout")
     if plan.inputs == "qkv":
         features.add("cross_attention")
-    notes = list(_notes(plan, init_notes, fm_text, dropout_on, features))
+    notes = list(_notes(plan, fm_text, dropout_on, features))
     caps = Capabilities(
         devices=("cpu",), dtypes=_probe_dtypes(probe, plan, params, notes) or ("float32",), causal="upper_left",
+        causal_only=plan.causal is not None, max_seq_len=plan.construction.max_len,
+        # a mask the module takes as bool cannot carry the float biases of an additive one
+        mask_kinds=ALL_MASK_KINDS if plan.mask in (None, "additive") else ALL_MASK_KINDS - {"additive"},
         fully_masked=fully_masked, dropout=dropout_on, autograd=_probe_backward(probe, plan), mask_grad=False,
         gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=tuple(notes),
         # The module's own conventions, as the probes found them (its fully-masked rows
@@ -98,22 +165,42 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
                           description=f"learner module {origin}: " + "; ".join(n.split(": ", 1)[-1] for n in notes[:1]))
 
 
-def _notes(plan: LearnerPlan, init_notes: list[str], fm_text: str, dropout_on: bool,
-           features: set[str]) -> tuple[str, ...]:
-    proj = ", ".join(f"{path}" for _, path in plan.projections)
+def _roles_text(plan: LearnerPlan) -> str:
+    """The projections in the module's terms: ``c_attn fused q|k|v, c_proj``; per-head
+    layers as ``heads.*.query`` (one per head)."""
+    words = {"q": "q", "k": "k", "v": "v", "o": "out", "qkv": "fused q|k|v", "kv": "fused k|v"}
+    parts: list[str] = []
+    for role, path in plan.projections:
+        base, _, head = role.partition("@")
+        if head:
+            parts.append(f"{path} {base} per head")
+            continue
+        parts.append(f"{path} {words[base]}")
+    if plan.out_identity:
+        parts.append("no output projection (the identity; the spec's applied after it)")
+    return ", ".join(parts)
+
+
+def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]) -> tuple[str, ...]:
+    proj = ", ".join(path for _, path in plan.projections)
     fused = f", fused one {plan.fused_how}" if plan.fused_how else ""
-    forward = f"forward({', '.join(plan.forward_names + ((plan.mask_arg,) if plan.mask_arg else ()))})"
+    names = list(plan.forward_names)
+    forward = f"forward({', '.join(names + ([plan.mask_arg] if plan.mask_arg else []))})"
+    bound = {"self": "", "kv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key/value'), plan.forward_names, strict=False))})",
+             "qkv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key', 'value'), plan.forward_names, strict=False))})"}[plan.inputs]
     inputs = {"self": "self-attention only (one input; cross-attention cases skipped: forward(query, key, value) "
                       "would enable them)",
               "kv": "one key/value input (key = value; cross-attention cases, which draw key != value, skipped)",
               "qkv": "query, key, value"}[plan.inputs]
-    notes = [f"learner module: {init_notes[0]}, projections {proj} ({plan.projections_how}{fused}); {forward}: "
-             f"{inputs}"]
+    causal = f"; {plan.causal}: certified as causal self-attention (causal calls only)" if plan.causal else ""
+    layout = f"; {plan.layout_how}" if plan.seq_first else ""
+    notes = [f"learner module: {plan.construction.text(plan.cls.__name__)}, {_roles_text(plan)}; projections "
+             f"{proj} ({plan.projections_how}{fused}); {forward}{bound}: {inputs}{causal}{layout}"]
     if plan.mask is None:
         notes.append(f"learner mask: none certified ({plan.mask_how})")
     else:
         shapes = ", ".join(_shape_text(s) for s in plan.mask_shapes)
-        attn = ("attn_mask and causal cases run as one additive mask" if "attn_mask" in features else
+        attn = ("attn_mask and causal cases run as one full (B, H, L, S) mask" if "attn_mask" in features else
                 "read as key padding only: attn_mask cases (float biases, per-head masks) skipped, an additive "
                 "mask taking (B, H, L, S) would enable them")
         notes.append(f"learner mask: {plan.mask_arg} {plan.mask_how}; shapes {shapes}; {attn}")
@@ -123,6 +210,6 @@ def _notes(plan: LearnerPlan, init_notes: list[str], fm_text: str, dropout_on: b
                "per_head": "returns (output, weights per head (B, H, L, S))",
                "averaged": "returns (output, weights averaged over heads): per-head weight cases skipped"}
     notes.append(f"learner output: {weights[plan.weights]}; dropout "
-                 + ("switchable" if dropout_on else "not switchable (no dropout constructor argument that works): "
-                    "dropout cases skipped"))
+                 + ("switchable" if dropout_on else "not switchable as attention-weight dropout (no dropout "
+                    "argument that works, or it also drops the output): dropout cases skipped"))
     return tuple(notes)

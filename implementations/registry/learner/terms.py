@@ -96,7 +96,9 @@ def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | 
     elif not case.batch_first:
         expected = expected.transpose(1, 0, 2)                    # (L, B, D) -> (B, L, D)
     layers = []
-    for _, path in plan.projections:
+    from implementations.registry.learner.plan import expanded
+
+    for _, path in expanded(plan.projections, params.num_heads):
         layer = layer_at(module.inner, path)
         layers.append((f"{path}.weight", layer.weight.detach().double().numpy()))
         layers.append((f"{path}.bias", None if layer.bias is None else layer.bias.detach().double().numpy()))
@@ -108,9 +110,8 @@ def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | 
     lines = ["# " + f"the failing call as {name} received it (through the learner level's reading; "
              "paste into python)"]
     lines += _import_lines(getattr(plan, "origin", "") or f"{plan.cls.__module__}:{name}", name)
-    dropout = f", {plan.dropout_arg}=0.0" if plan.dropout_arg else ""
-    lines += ["", f"module = {name}({plan.dim_arg}={params.embed_dim}, {plan.heads_arg}={params.num_heads}"
-              f"{dropout}).to(torch.{dtype}).eval()", "with torch.no_grad():"]
+    build = plan.construction.snippet(name, params.embed_dim, params.num_heads)
+    lines += ["", *build[:-1], f"{build[-1]}.to(torch.{dtype}).eval()", "with torch.no_grad():"]
     for path, value in layers:
         where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
         if path.endswith(".bias"):  # assigned: the case may add a bias to a bias-free layer, or remove one
@@ -119,18 +120,22 @@ def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | 
         else:
             lines.append(f"    module{where}.copy_({_tensor(value, dtype)})")
     names = list(plan.forward_names)
+    inputs = list(args) + [kwargs.pop(n) for n in names if n in kwargs]
+    if plan.seq_first:  # shown batch-first, handed over as the module takes them
+        inputs = [a.transpose(0, 1) for a in inputs]
     shown: list[tuple[str, Any]] = []
     call_args = []
-    for i, a in enumerate(args):
+    for i, a in enumerate(inputs):
         same = next((n for n, b in shown if b.shape == a.shape and torch.equal(b, a)), None)
         arg_name = names[i] if i < len(names) else f"arg{i}"
-        if same is not None:
-            call_args.append(same)
-            continue
-        shape = "(" + ", ".join(f"{d}={n}" for d, n in zip("BLD", a.shape, strict=False)) + ")"
-        lines.append(f"{arg_name} = {_tensor(a.detach().double().numpy(), dtype)}  # {shape}")
-        shown.append((arg_name, a))
-        call_args.append(arg_name)
+        if same is None:
+            shape = "(" + ", ".join(f"{d}={n}" for d, n in zip("BLD", a.shape, strict=False)) + ")"
+            lines.append(f"{arg_name} = {_tensor(a.detach().double().numpy(), dtype)}  # {shape}")
+            shown.append((arg_name, a))
+        value = same or arg_name
+        if plan.seq_first:
+            value = f"{value}.transpose(0, 1)"
+        call_args.append(f"{arg_name}={value}" if plan.keyword else value)
     for key, value in kwargs.items():
         if hasattr(value, "detach"):
             lines.append(f"{key} = {_tensor(np.asarray(value.detach().cpu()), dtype)}  "
@@ -139,7 +144,15 @@ def in_own_terms(module: Any, plan: Any, case: Any, fully_masked: str) -> str | 
     pick = "[0]" if plan.returns == "pair" else ""
     policy = {"zero": "0 (the output bias after the out projection)", "nan": "NaN",
               "uniform": "uniform weights"}.get(fully_masked, fully_masked)
-    lines += [f"out = module({', '.join(call_args)}){pick}",
+    if plan.seq_first:
+        pick += ".transpose(0, 1)"
+    lines.append(f"out = module({', '.join(call_args)}){pick}")
+    if module.out_proj is not None:  # the module has no output projection: the spec's after it
+        weight = module.out_proj.weight.detach().double().numpy()
+        bias = None if module.out_proj.bias is None else module.out_proj.bias.detach().double().numpy()
+        lines.append(f"out = torch.nn.functional.linear(out, {_tensor(weight, dtype)}, "
+                     f"{'None' if bias is None else _tensor(bias, dtype)})  # the spec's output projection")
+    lines += [
               f"expected = {_tensor(expected, 'float64')}  # the spec's output (B, L, D); a row with "
               f"every key blocked: {policy}",
               "both_nan = out.isnan() & expected.isnan()  # NaN where both are NaN agrees",

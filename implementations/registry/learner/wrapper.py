@@ -8,13 +8,48 @@ from typing import Any
 import numpy as np
 
 from implementations.base import ImplementationError
-from implementations.registry.learner.plan import LearnerPlan, _Unsupported
+from implementations.registry.learner.plan import LearnerPlan, _Unsupported, expanded
+from implementations.registry.learner.reading import transposed
 from implementations.registry.learner.terms import layer_at
+
+
+def call_inner(plan: LearnerPlan, inner: Any, tensors: tuple, mask: Any = None) -> Any:
+    """``inner`` called on batch-first ``tensors`` (q[, k, v | kv], in that order) and
+    ``mask`` (passed to its mask parameter, None included: a mask without a default needs
+    it), each bound to the parameter read for it; the output comes back batch-first."""
+    if plan.seq_first:
+        tensors = tuple(t.transpose(0, 1) for t in tensors)
+    kwargs = {} if plan.mask_arg is None else {plan.mask_arg: mask}
+    if plan.keyword:
+        out = inner(**dict(zip(plan.forward_names, tensors, strict=True)), **kwargs)
+    else:
+        out = inner(*tensors, **kwargs)
+    if plan.seq_first:
+        if isinstance(out, (tuple, list)):
+            return (out[0].transpose(0, 1), *out[1:])
+        return out.transpose(0, 1)
+    return out
+
+
+def _causal_rest(plan: LearnerPlan, mask: Any, L: int, S: int) -> Any:
+    """For an always-causal module: ``mask`` (additive, (B|1, H|1, L, S)) without the causal
+    rule the module applies itself (None when nothing else is blocked); a call that is not
+    causal is outside what the module does."""
+    import torch
+
+    upper = torch.triu(torch.ones(L, S, dtype=torch.bool, device=mask.device if mask is not None else None),
+                       diagonal=1)
+    if mask is None or not bool(torch.isneginf(mask.expand(-1, -1, L, S)[..., upper]).all()):
+        raise _Unsupported(f"{plan.cls.__name__} is always causal ({plan.causal}): a non-causal call is outside it")
+    rest = mask.masked_fill(upper, 0.0)
+    return None if not bool(rest.ne(0).any()) else mask
 
 
 def _make_learner_mha(plan: LearnerPlan):
     import torch
     from torch import nn
+
+    from implementations.registry.learner.reading import in_out
 
     class _LearnerMHA(nn.Module):
         """nn.MultiheadAttention's constructor and forward around a learner's module."""
@@ -29,21 +64,22 @@ def _make_learner_mha(plan: LearnerPlan):
                 raise _Unsupported(f"{name} projects keys and values from d_model only (kdim/vdim)")
             if dropout and plan.dropout_arg is None:
                 raise _Unsupported(f"{name}'s constructor takes no dropout argument")
-            kwargs = {plan.dim_arg: embed_dim, plan.heads_arg: num_heads}
-            if plan.dropout_arg is not None:
-                kwargs[plan.dropout_arg] = float(dropout)
-            inner = _materialised(plan.cls(**kwargs), plan.inputs, embed_dim)
+            inner = _materialised(plan.construction.build(plan.cls, embed_dim, num_heads, dropout), plan, embed_dim)
             if plan.dropout_arg is None:  # a hard-wired nn.Dropout: off, as dropout=0 asks
                 for sub in inner.modules():
                     if isinstance(sub, nn.Dropout):
                         sub.p = 0.0
             self.inner = inner.to(device=device, dtype=dtype)
+            # No output projection in the module (BERT's self-attention): the spec's is
+            # applied after it, so what the module computes is certified as is.
+            self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype) \
+                if plan.out_identity else None
             self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
             with torch.no_grad():
-                for _, path in plan.projections:
+                for _, path in expanded(plan.projections, num_heads):
                     layer = layer_at(self.inner, path)
-                    if bias and layer.bias is None:  # nn.Linear adds its bias when it has one
-                        layer.bias = nn.Parameter(torch.zeros(layer.out_features, device=layer.weight.device,
+                    if bias and layer.bias is None:  # a projection applies its bias when it has one
+                        layer.bias = nn.Parameter(torch.zeros(in_out(layer)[1], device=layer.weight.device,
                                                               dtype=layer.weight.dtype))
                     elif not bias and layer.bias is not None:
                         layer.bias = None
@@ -59,23 +95,28 @@ def _make_learner_mha(plan: LearnerPlan):
                 query, key, value = (t.transpose(0, 1) for t in (query, key, value))
             q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (B, T, D)
             B, L, S = q.shape[0], q.shape[1], k.shape[1]
-            kwargs = {}
             mask = _merged_mask(key_padding_mask, attn_mask, B, self.num_heads, L, S, q.dtype)
-            if mask is not None:
-                kwargs[plan.mask_arg] = _render_mask(plan, mask, (B, self.num_heads, L, S))
+            if plan.causal is not None:
+                mask = _causal_rest(plan, mask, L, S)
+            if mask is not None and plan.mask_arg is None:
+                raise _Unsupported(f"{plan.cls.__name__}.forward takes no mask")
+            rendered = None if mask is None else _render_mask(plan, mask, (B, self.num_heads, L, S))
             if plan.inputs == "self":
                 if not (key is query or torch.equal(k, q)) or not (value is query or torch.equal(v, q)):
                     raise _Unsupported(f"{plan.cls.__name__} is self-attention only: forward takes one input")
-                out = self.inner(q, **kwargs)
+                tensors = (q,)
             elif plan.inputs == "kv":
                 if not (value is key or torch.equal(k, v)):
                     raise _Unsupported(f"{plan.cls.__name__} takes one key/value input: key must equal value")
-                out = self.inner(q, k, **kwargs)
+                tensors = (q, k)
             else:
-                out = self.inner(q, k, v, **kwargs)
+                tensors = (q, k, v)
+            out = call_inner(plan, self.inner, tensors, rendered)
             weights = None
             if plan.returns == "pair":
                 out, weights = out[0], out[1]
+            if self.out_proj is not None:
+                out = self.out_proj(out)
             if need_weights and weights is not None:
                 if plan.weights == "per_head" and average_attn_weights:
                     weights = weights.mean(dim=1)
@@ -94,7 +135,7 @@ def _make_learner_mha(plan: LearnerPlan):
     return _LearnerMHA
 
 
-def _materialised(module: Any, inputs: str, D: int) -> Any:
+def _materialised(module: Any, plan: LearnerPlan, D: int) -> Any:
     """``module`` with its lazy layers (``nn.LazyLinear``, whose in_features are known only
     after a first call) given their shapes by one call on zeros (B=1, L=2, d_model=D)."""
     import torch
@@ -106,7 +147,7 @@ def _materialised(module: Any, inputs: str, D: int) -> Any:
     training = module.training
     with torch.no_grad():
         module.eval()
-        module(*{"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[inputs])
+        call_inner(plan, module, {"self": (x,), "kv": (x, x), "qkv": (x, x, x)}[plan.inputs])
     return module.train(training)
 
 
@@ -222,19 +263,26 @@ def load_learner_weights(module: Any, params: Any) -> None:
     rows["qkv"] = fused
     rows["kv"] = np.arange(D, 3 * D)
     with torch.no_grad():
-        for role, path in plan.projections:
-            layer = layer_at(inner, path)
-            if role == "o":
+        layers = [(role, layer_at(inner, path), path) for role, path in expanded(plan.projections, H)]
+        if module.out_proj is not None:
+            layers.append(("o", module.out_proj, "(the identity: no output projection)"))
+        for role, layer, path in layers:
+            base, _, head = role.partition("@")
+            if base == "o":
                 weight, bias = np.asarray(params.out_proj_weight), params.out_proj_bias
             else:
-                weight, bias = w[rows[role]], None if b is None else np.asarray(b)[rows[role]]
+                index = rows[base] if not head else rows[base][int(head) * dh:(int(head) + 1) * dh]
+                weight, bias = w[index], None if b is None else np.asarray(b)[index]
+            if transposed(layer):  # Conv1D: weight stored (in, out)
+                weight = weight.T
             if tuple(layer.weight.shape) != weight.shape:
                 raise ImplementationError(
                     f"{plan.cls.__name__}.{path}.weight has shape {tuple(layer.weight.shape)}, but the "
                     f"{role} projection of d_model={D} needs {weight.shape}")
             layer.weight.copy_(torch.as_tensor(weight, dtype=torch.float64))
             if layer.bias is not None:
-                layer.bias.copy_(torch.as_tensor(np.zeros(weight.shape[0]) if bias is None else np.asarray(bias),
+                out = weight.shape[1] if transposed(layer) else weight.shape[0]
+                layer.bias.copy_(torch.as_tensor(np.zeros(out) if bias is None else np.asarray(bias),
                                                  dtype=torch.float64))
 
 

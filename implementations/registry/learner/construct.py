@@ -1,0 +1,293 @@
+"""How a learner's module is built: ``(d_model, n_heads, dropout)`` arguments, or one
+config object (nanoGPT's ``GPTConfig``, transformers' ``BertConfig``), read through the
+base class's signature where the class forwards ``*args, **kwargs``.
+
+A config is the one the code names (the parameter's annotation, else a class named
+``...Config`` in the module's namespace), else a namespace answering the usual names; the
+attributes the constructor reads are recorded (shown on the certificate), and a length
+limit it carries (``block_size``) bounds the sequence lengths drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from implementations.registry.learner.options import (
+    DIM_NAMES,
+    DROPOUT_NAMES,
+    HEAD_NAMES,
+)
+from implementations.registry.learner.reading import _usage
+
+__all__ = ["Construction", "init_parameters", "read_constructor"]
+
+#: Config attributes that bound the sequence length (the module's buffers are that long).
+LENGTH_LIMIT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_len",
+                     "max_seq_len", "context_length", "max_length", "seq_len")
+#: Config attributes for the bias of the projections.
+BIAS_NAMES = ("bias", "qkv_bias", "use_bias", "attention_bias")
+#: Constructor parameters giving the head dim (d_model = heads * it).
+HEAD_SIZE_NAMES = ("head_size", "head_dim", "d_head", "dim_head", "d_k", "dk", "head_dims", "size_per_head")
+#: The length a config gets where the suite chooses it (no default of its own).
+DEFAULT_LIMIT = 64
+
+
+def _is_dropout(name: str) -> bool:
+    low = name.lower()
+    return low in DROPOUT_NAMES or low.endswith(("dropout", "pdrop", "dropout_prob", "dropout_rate"))
+
+
+def init_parameters(cls: type, origin: str) -> tuple[type, list[inspect.Parameter]]:
+    """``(the base whose signature was read through a forwarding ``__init__(*args,
+    **kwargs)``, else ``cls``; the parameters after self)``."""
+    forwarded = False
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = list(inspect.signature(inspect.unwrap(init)).parameters.values())[1:]
+        except (TypeError, ValueError) as exc:
+            raise _usage(origin, f"{klass.__name__}.__init__'s signature cannot be read ({exc})",
+                         "give the class a Python __init__") from exc
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return (klass if forwarded else cls), params
+        forwarded = True
+    return cls, []
+
+
+class _Recording:
+    """Mixed into a config class: records which attributes the constructor reads."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            object.__getattribute__(self, "__dict__").setdefault("_read_", []).append(name)
+        return object.__getattribute__(self, name)
+
+
+class _Namespace:
+    """A config where the module's file names none: answers the usual names."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self.__dict__.update(values)
+        self.__dict__["_read_"] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            object.__getattribute__(self, "__dict__")["_read_"].append(name)
+        return object.__getattribute__(self, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Construction:
+    """How to build the module for (D, H, dropout)."""
+
+    kind: str                    # "args" or "config"
+    dim: str                     # parameter (args) or config attribute (config) of the model dim
+    heads: str
+    dropout: str | None          # parameter taking the dropout; config: the first dropout attribute
+    config_arg: str | None = None
+    config_type: Any = None      # the config class; None: a namespace
+    dropouts: tuple[str, ...] = ()   # config: every dropout attribute (set together)
+    values: tuple[tuple[str, Any], ...] = ()  # config: other attributes set (bias, limits, learner_config)
+    read: tuple[str, ...] = ()   # config: the attributes the constructor read
+    max_len: int | None = None
+    limit_name: str | None = None
+    heads_first: bool = False
+    via: str | None = None       # the base class whose signature was read
+    per_head: bool = False       # args: ``dim`` takes the head dim (d_model / heads)
+
+    def config(self, D: int, H: int, dropout: float = 0.0) -> Any:
+        values = dict(self.values)
+        values.update({self.dim: D, self.heads: H})
+        values.update({name: float(dropout) for name in self.dropouts})
+        if self.config_type is None:  # every model-dim and head-count name answers D and H
+            return _Namespace({**{n: D for n in DIM_NAMES}, **{n: H for n in HEAD_NAMES}, **values})
+        recording = type(self.config_type.__name__, (_Recording, self.config_type), {})
+        try:
+            config = recording()
+        except TypeError:  # required fields: give the known ones
+            fields = _field_names(self.config_type)
+            config = recording(**{k: v for k, v in values.items() if k in fields})
+        for key, value in values.items():
+            object.__setattr__(config, key, value)
+        object.__getattribute__(config, "__dict__")["_read_"] = []
+        return config
+
+    def build(self, cls: type, D: int, H: int, dropout: float = 0.0, seen: list | None = None) -> Any:
+        """The module; ``seen`` gets the config it was built from."""
+        if self.kind == "config":
+            config = self.config(D, H, dropout)
+            if seen is not None:
+                seen.append(config)
+            return cls(**{self.config_arg: config})
+        kwargs = {self.dim: D // H if self.per_head else D, self.heads: H}
+        if self.dropout is not None:
+            kwargs[self.dropout] = float(dropout)
+        return cls(**kwargs)
+
+    def text(self, name: str) -> str:
+        """The constructor in the module's terms, for the certificate."""
+        via = f" (read through {self.via}'s signature)" if self.via else ""
+        if self.kind == "args":
+            dim = f"{self.dim} = d_model / {self.heads}" if self.per_head else self.dim
+            args = f"{self.heads}, {dim}), heads first" if self.heads_first else f"{dim}, {self.heads})"
+            return f"{name}({args}{via}"
+        typed = self.config_type.__name__ if self.config_type is not None else "a namespace"
+        read = list(dict.fromkeys(self.read))
+        limit = (f"; {self.limit_name} {self.max_len} → L ≤ {self.max_len}" if self.limit_name else "")
+        return f"{name}({self.config_arg}: {typed}({', '.join(read) or 'nothing read'}{limit})){via}"
+
+    def snippet(self, name: str, D: int, H: int) -> list[str]:
+        """Lines that build the module in a torch-only snippet."""
+        if self.kind == "args":
+            drop = f", {self.dropout}=0.0" if self.dropout else ""
+            return [f"module = {name}({self.dim}={D // H if self.per_head else D}, {self.heads}={H}{drop})"]
+        values = dict(self.values)
+        values.update({self.dim: D, self.heads: H})
+        values.update({n: 0.0 for n in self.dropouts})
+        fields = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        return ["from types import SimpleNamespace", f"config = SimpleNamespace({fields})",
+                f"module = {name}({self.config_arg}=config)"]
+
+
+def _field_names(config_type: Any) -> set[str]:
+    if dataclasses.is_dataclass(config_type):
+        return {f.name for f in dataclasses.fields(config_type)}
+    try:
+        return {p for p in inspect.signature(config_type).parameters if p not in ("args", "kwargs")}
+    except (TypeError, ValueError):
+        return set()
+
+
+def _attributes(config_type: Any) -> dict[str, Any]:
+    """The config's attributes and defaults (an instance built with no arguments, else the
+    dataclass fields' defaults)."""
+    try:
+        return dict(vars(config_type()))
+    except Exception:  # noqa: BLE001 - required fields: the defaults that exist
+        if dataclasses.is_dataclass(config_type):
+            return {f.name: (None if f.default is dataclasses.MISSING else f.default)
+                    for f in dataclasses.fields(config_type)}
+        return {}
+
+
+def _config_type(cls: type, param: inspect.Parameter) -> Any:
+    """The config class the code names: the annotation, else a ``...Config`` class of the
+    module's namespace that has a model-dim attribute; None: none named."""
+    namespace = vars(sys.modules.get(cls.__module__)) if cls.__module__ in sys.modules else {}
+    annotation = param.annotation
+    if isinstance(annotation, str):
+        annotation = namespace.get(annotation.split("[")[0].strip().strip("'\""))
+    if isinstance(annotation, type) and _dim_name(_attributes(annotation)):
+        return annotation
+    for value in namespace.values():
+        if isinstance(value, type) and value.__name__.lower().endswith("config") and \
+                _dim_name(_attributes(value)):
+            return value
+    return None
+
+
+def _dim_name(attributes: Mapping[str, Any]) -> str | None:
+    return next((n for n in DIM_NAMES if n in attributes), None)
+
+
+def _parse(value: str) -> Any:
+    low = value.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def learner_config_values(text: str | None) -> dict[str, Any]:
+    """``--impl-option learner_config=name=value,name=value`` as a dict."""
+    values = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            key, _, value = item.partition("=")
+            values[key.strip()] = _parse(value)
+    return values
+
+
+def _read_config(cls: type, param: inspect.Parameter, origin: str, options: Mapping[str, str]) -> Construction:
+    config_type = _config_type(cls, param)
+    user = learner_config_values(options.get("learner_config"))
+    if config_type is not None:
+        attributes = _attributes(config_type)
+        dim = _dim_name(attributes)
+        heads = next((n for n in HEAD_NAMES if n in attributes), None)
+        dropouts = tuple(n for n in attributes if _is_dropout(n))
+        values = {n: True for n in BIAS_NAMES if n in attributes and isinstance(attributes[n], bool)}
+        limit_name = next((n for n in LENGTH_LIMIT_NAMES if isinstance(attributes.get(n), int)), None)
+        max_len = attributes.get(limit_name) if limit_name else None
+        if heads is None:
+            raise _usage(origin, f"{cls.__name__}.__init__ takes a {config_type.__name__}, which has no head "
+                         f"count attribute (names tried: {', '.join(HEAD_NAMES[:6])}...)",
+                         "pass --impl-option learner_config=NAME=VALUE for the attributes it lacks")
+    else:  # a namespace answering every usual name
+        dim, heads = "n_embd", "n_head"
+        dropouts = tuple(n for n in DROPOUT_NAMES) + ("attn_pdrop", "resid_pdrop", "attention_probs_dropout_prob")
+        values = {"bias": True, "block_size": DEFAULT_LIMIT}
+        limit_name, max_len = "block_size", DEFAULT_LIMIT
+    values.update(user)
+    if limit_name in user:
+        max_len = user[limit_name]
+    return Construction(kind="config", dim=dim, heads=heads, dropout=dropouts[0] if dropouts else None,
+                        config_arg=param.name, config_type=config_type, dropouts=dropouts,
+                        values=tuple(values.items()), max_len=max_len, limit_name=limit_name)
+
+
+def read_constructor(cls: type, origin: str, options: Mapping[str, str]) -> Construction:
+    """How ``cls`` is built (see the module docstring); a usage error naming what is not
+    understood and the option that settles it."""
+    owner, all_params = init_parameters(cls, origin)
+    via = owner.__name__ if owner is not cls else None
+    params = [p for p in all_params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    names = [p.name for p in params]
+    if "learner_init" in options:
+        dim, heads = (n.strip() for n in options["learner_init"].split(","))
+        missing = [n for n in (dim, heads) if n not in names]
+        if missing:
+            raise _usage(origin, f"learner_init names {missing}, which {owner.__name__}.__init__({', '.join(names)}) "
+                         "does not take", "give the names of its model-dim and head-count parameters")
+    else:
+        dim = next((n for n in names if n.lower() in DIM_NAMES), None)
+        heads = next((n for n in names if n.lower() in HEAD_NAMES), None)
+        size = next((n for n in names if n.lower() in HEAD_SIZE_NAMES), None)
+        if dim is None and heads is not None and size is not None:
+            dropout = next((n for n in names if _is_dropout(n)), None)
+            return Construction(kind="args", dim=size, heads=heads, dropout=dropout, per_head=True, via=via,
+                                heads_first=names.index(heads) < names.index(size))
+        required = [p.name for p in params if p.default is p.empty and not _is_dropout(p.name)]
+        if dim is None and heads is None and len(required) == 1:
+            construction = _read_config(cls, params[names.index(required[0])], origin, options)
+            return dataclasses.replace(construction, via=via)
+        if dim is None and heads is None and len(required) >= 2:
+            dim, heads = required[0], required[1]
+        elif (dim is None) != (heads is None):
+            rest = [n for n in required if n not in (dim, heads)]
+            if not rest:
+                raise _usage(origin, f"{owner.__name__}.__init__({', '.join(names)}) has no parameter named like "
+                             f"the {'model dim' if dim is None else 'head count'}",
+                             "pass --impl-option learner_init=DIM,HEADS naming its two parameters")
+            dim, heads = (rest[0], heads) if dim is None else (dim, rest[0])
+        elif dim is None:
+            raise _usage(origin, f"{owner.__name__}.__init__({', '.join(names)}) takes no model dim and head count "
+                         f"(names tried: {', '.join(DIM_NAMES[:5])}...; {', '.join(HEAD_NAMES[:5])}...)",
+                         "pass --impl-option learner_init=DIM,HEADS")
+    dropout = next((n for n in names if _is_dropout(n) and n not in (dim, heads)), None)
+    others = [p.name for p in params if p.default is p.empty and p.name not in (dim, heads, dropout)]
+    if others:
+        raise _usage(origin, f"{owner.__name__}.__init__ also requires {others}, which the suite cannot choose",
+                     "give them defaults")
+    return Construction(kind="args", dim=dim, heads=heads, dropout=dropout,
+                        heads_first=names.index(heads) < names.index(dim), via=via)
