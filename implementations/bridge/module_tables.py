@@ -22,6 +22,7 @@ Dropout is on the attention weights with ``deterministic=False`` (rngs from seed
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import numpy as np
@@ -60,8 +61,10 @@ def _nnx_build(cls, embed_dim, num_heads, kdim, vdim, bias, dropout, dtype):
 def _nnx_call(layer, query, key, value, mask, causal, training, need_weights):
     from flax import nnx
 
-    out = layer(query, key, value, mask=mask, deterministic=not training, is_causal=causal,
-                sow_weights=need_weights)
+    with warnings.catch_warnings():  # flax 0.12: sow outside nnx.capture() is deprecated, still documented
+        warnings.simplefilter("ignore", DeprecationWarning)
+        out = layer(query, key, value, mask=mask, deterministic=not training, is_causal=causal,
+                    sow_weights=need_weights)
     if not need_weights:
         return out, None
     sown = nnx.pop(layer, nnx.Intermediate)  # the weights of this call only

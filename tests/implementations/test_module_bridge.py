@@ -1,0 +1,104 @@
+"""Other frameworks' multi-head layers at the MHA level with no adapter: the generic part
+(implementations/bridge/modules.py) and the tables (module_tables.py).
+
+In process: each table's layer, built by the factory with the drawn weights written into it,
+agrees with the float64 oracle ``spec.mha_forward`` (masks, per-head masks, the causal flag,
+need_weights), and shows the weights back under nn.MultiheadAttention's names. Certificates
+under ``ci`` as subprocesses (slow). Tests of a framework that is not installed skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import spec
+from implementations import registry
+from implementations.base import ImplementationError
+from implementations.bridge import module_table
+from implementations.bridge.modules import ModuleMHAFactory, load_module_weights
+from tests.implementations.test_framework_bridge import certify, installed, outcomes
+
+needs_flax = pytest.mark.skipif(not installed("flax"), reason="flax is not installed (pip install flax)")
+
+D, N, L, S, B = 4, 2, 3, 5, 2
+
+
+def drawn(seed=0):
+    rng = np.random.default_rng(seed)
+    params = spec.MHAParams(
+        embed_dim=D, num_heads=N, in_proj_weight=rng.standard_normal((3 * D, D)),
+        in_proj_bias=rng.standard_normal(3 * D), out_proj_weight=rng.standard_normal((D, D)),
+        out_proj_bias=rng.standard_normal(D), kdim=D, vdim=D, add_zero_attn=False)
+    return params, rng
+
+
+def built(cls, params, **options):
+    factory = ModuleMHAFactory(cls, module_table(cls))
+    module = factory(D, N, dtype=torch.float64, kdim=params.kdim, vdim=params.vdim, **options)
+    load_module_weights(module, params)
+    return module
+
+
+def classes():
+    import flax.linen as nn
+    from flax import nnx
+
+    return [nnx.MultiHeadAttention, nn.MultiHeadDotProductAttention]
+
+
+@needs_flax
+@pytest.mark.parametrize("index", [0, 1], ids=["nnx", "linen"])
+def test_flax_layers_compute_nn_multihead_attention(index):
+    cls = classes()[index]
+    params, rng = drawn()
+    module = built(cls, params)
+    q, k, v = rng.standard_normal((L, B, D)), rng.standard_normal((S, B, D)), rng.standard_normal((S, B, D))
+    padding = np.zeros((B, S), bool)
+    padding[0, 1] = True
+    per_head = rng.random((B * N, L, S)) < 0.3
+    per_head[..., 0] = False
+    t = torch.tensor
+    out, weights = module(t(q), t(k), t(v), key_padding_mask=t(padding), attn_mask=t(per_head),
+                          average_attn_weights=False)
+    want, want_weights = spec.mha_forward(params, q, k, v, key_padding_mask=padding, attn_mask=per_head,
+                                          average_attn_weights=False)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
+    np.testing.assert_allclose(weights.numpy(), want_weights, atol=1e-12)
+    torch.testing.assert_close(module.in_proj_weight, t(params.in_proj_weight))
+    torch.testing.assert_close(module.out_proj.weight, t(params.out_proj_weight))
+    causal = np.triu(np.ones((L, L), bool), 1)
+    out, none = module(t(q), t(q), t(q), attn_mask=t(causal), is_causal=True, need_weights=False)
+    want = spec.mha_forward(params, q, q, q, attn_mask=causal, need_weights=False)
+    want = want[0] if isinstance(want, tuple) else want
+    assert none is None
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-6)  # NNX's fused path: a float32 softmax
+
+
+@needs_flax
+def test_flax_layers_are_recognised_and_refuse_what_they_lack():
+    from flax import nnx
+
+    assert module_table(nnx.MultiHeadAttention).name == "flax.nnx.MultiHeadAttention"
+    assert module_table(torch.nn.MultiheadAttention) is None
+    factory = ModuleMHAFactory(nnx.MultiHeadAttention, module_table(nnx.MultiHeadAttention))
+    with pytest.raises(NotImplementedError, match="one width for key and value"):
+        factory(D, N, kdim=3, vdim=5)
+    module = factory(D, N)
+    x = torch.randn(L, B, D)
+    with pytest.raises(NotImplementedError, match="bool masks only"):
+        module(x, x, x, key_padding_mask=torch.zeros(B, L))
+    with pytest.raises(ImplementationError, match="MHA level"):
+        registry.resolve("flax.nnx:MultiHeadAttention", options={"layout": "BLNE"})
+
+
+@pytest.mark.slow
+@needs_flax
+@pytest.mark.parametrize("spec_", ["flax.nnx:MultiHeadAttention", "flax.linen:MultiHeadDotProductAttention"])
+def test_flax_layers_certify_with_their_deviations(tmp_path, spec_):
+    name = "flax-nnx" if "nnx" in spec_ else "flax-linen"
+    code, report, output = certify(spec_, tmp_path, "--dtype=float64,float32", f"--xfail-file={name}")
+    assert code == 0, output
+    got = outcomes(report)
+    for prop in ("mha_agreement", "mha_averaged_weights", "mha_output_contract"):
+        assert got[(prop, "float32")] == "passed", (prop, output)
