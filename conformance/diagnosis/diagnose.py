@@ -75,6 +75,7 @@ from conformance.diagnosis.causes import (
     cause_lines,
     cause_markdown,
 )
+from conformance.diagnosis.derived import derived_from_sdpa, through_derivation
 from conformance.diagnosis.deviations import KNOWN_DEVIATION, _with_known_deviations  # noqa: F401 - as before the split
 from conformance.diagnosis.problems import problem_of, sdpa_mask_kind
 from conformance.diagnosis.randomness import RECALLS, _random_in_eval, _random_on_recall  # noqa: F401 - as before the split
@@ -150,6 +151,10 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
         if exc is not None and _implementation_broke(exc):
             return _unknown("the implementation raised, hung or crashed, so there is no output to compare")
         calls = [_call_once(target, case)]
+    if derived_from_sdpa(target):  # diagnosed through the derivation by the SDPA level's variants
+        base = _through_derivation(target, case)
+        if base is not None:
+            return _with_known_deviations(target, record, base)
     verdict = _verdict(target, calls)
     if not verdict.causes and _AGREES in verdict.line and _mismatch(exc):
         verdict = _unknown(f"the property's comparison fails (worst error/allowed {exc.ratio:.3g}: a "  # type: ignore[union-attr]
@@ -193,6 +198,27 @@ def _mismatch(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a value mismatch (a failure past its tolerance: ratio > 1)."""
     ratio = getattr(exc, "ratio", None)
     return ratio is not None and ratio > 1.0
+
+
+def _through_derivation(target: Any, case: Any) -> Verdict | None:
+    """The verdict of the SDPA level's variants on the SDPA call a derived flash level makes
+    on ``case`` (``derived``), when they name a cause; None otherwise (the flash level's own
+    verdict stands)."""
+    try:
+        found = through_derivation(target, case, _call_once)
+        if found is None:
+            return None
+        base, call, note = found
+        verdict = _verdict(base, [call])
+        if verdict.causes and (len(verdict.causes) > 1 or not _evidence(verdict.causes[0])):
+            verdict = _separate(base, verdict, None)
+        if verdict.causes and verdict.causes[0].get("confirmed") is None:
+            verdict = _named(verdict)
+    except Exception:  # noqa: BLE001 - the flash level's own diagnosis then stands
+        return None
+    if not verdict.causes or not verdict.causes[0].get("confirmed"):
+        return None
+    return Verdict(verdict.causes, verdict.line + note, verdict.call)
 
 
 def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from implementations.builtins.references.varlen_reference import KVCacheAttention
 from tests.runner.partial_support_impls import _attend
 
@@ -53,3 +55,11 @@ def kvcache_without_rotary(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     return _kvcache(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                     alibi_slopes, num_splits, return_softmax_lse)
+
+
+def mask_subtracted(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """Subtracts its float mask instead of adding it (a bool mask is right)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = -attn_mask
+    return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)

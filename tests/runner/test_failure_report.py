@@ -147,3 +147,15 @@ def test_the_diagnosis_never_says_every_output_agrees_under_a_mismatch():
     verdict = diagnosis.diagnose(target, record, PropertyFailure("values mismatch", ratio=2.0))
     assert "agrees with the oracle" not in verdict.line, verdict.line
     assert "worst error/allowed 2" in verdict.line
+
+
+def test_a_failure_at_the_derived_flash_level_is_diagnosed_by_the_sdpa_levels_variants(tmp_path):
+    # an SDPA callable that subtracts its float mask fails alibi_equivalence at the flash
+    # level derived from it (ALiBi reaches it as an additive mask): the cause is the SDPA
+    # level's additive_mask_subtracted, not a flash bug about ALiBi
+    results, output = run(tmp_path, f"--impl={IMPLS}:mask_subtracted", "--dtype", "float64",
+                          "-k", "alibi_equivalence")
+    (failed,) = _failed(results)
+    assert failed["causes"][0]["variant"] == "additive_mask_subtracted", output[-3000:]
+    assert "probable cause: additive_mask_subtracted" in output and "through the derivation" in output
+    assert "flash_alibi_upper_left" not in output
