@@ -27,6 +27,7 @@ there is no pass.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -34,7 +35,11 @@ import pytest
 from conformance.core.compare import PropertyFailure
 from conformance.harness.session import Session, session_of
 
-__all__ = ["enabled", "run", "cases", "swept"]
+__all__ = ["enabled", "run", "cases", "swept", "NO_DIRECTED"]
+
+#: Set (to anything), no property runs its directed cases: a measurement of what the plain
+#: Hypothesis search finds alone (docs/ZOO.md's shrunk-case sizes), not a way to certify.
+NO_DIRECTED = "ATTENTION_CONFORMANCE_NO_DIRECTED"
 
 
 def enabled(config: pytest.Config) -> bool:
@@ -71,6 +76,8 @@ def cases(session: Session, property_id: str, target: Any) -> list[tuple[Any, An
     kept = session.directed.pop((property_id, target.test_id), None)
     if kept is not None:
         return kept
+    if os.environ.get(NO_DIRECTED):
+        return []
     directed = registered_properties()[property_id].directed
     return [(case, None) for case in directed(target)] if directed is not None else []
 
@@ -134,7 +141,7 @@ def _directed_fails(session: Session, item: pytest.Item) -> bool:
     property_id, target = _property_of(item), _target(item)
     info = registered_properties()[property_id]
     try:
-        if info.directed is None or not _runs(info, target):
+        if info.directed is None or not _runs(info, target) or os.environ.get(NO_DIRECTED):
             return False
         kept: list[tuple[Any, Any]] = [(case, None) for case in info.directed(target)]
     except Exception:  # the suite's own error: the test shows it, first
