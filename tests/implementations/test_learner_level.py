@@ -14,7 +14,8 @@ import pytest
 from implementations import ImplementationError, registry
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = "tests/implementations/learner_modules/tutorial_modules.py"
+MODULES_DIR = "tests/implementations/learner_modules"
+MODULES = f"{MODULES_DIR}/tutorial_modules.py"
 CONTROLS = ["KeepMaskAttention", "AnnotatedMultiHeadedAttention", "FusedBlockedAttention", "CrossAttention",
             "GPTStyleAttention", "PerHeadFusedAttention", "SDPAAttention", "D2LAttention"]
 
@@ -141,7 +142,26 @@ def test_a_correct_modules_call_in_its_own_terms_agrees_with_the_spec(name):
         assert _distance(snippet) < 1e-12, snippet
 
 
-def test_a_config_constructor_is_a_usage_error_that_says_so(tmp_path):
-    message = _usage_error(tmp_path, "CausalSelfAttention", "config",
-                           "self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)", "x")
-    assert "\n" not in message and "takes one object (config" in message and "learner_init" not in message
+def test_a_config_constructor_is_read_and_its_attributes_shown(tmp_path):
+    """A module built from one config object: the learner level hands it a namespace (no
+    config class in the file), records what it read, and bounds L by its block_size."""
+    path = tmp_path / "module.py"
+    path.write_text("import torch.nn as nn\n\nclass Attn(nn.Module):\n    def __init__(self, config):\n"
+                    "        super().__init__()\n        self.n_head = config.n_head\n"
+                    "        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)\n"
+                    "        self.c_proj = nn.Linear(config.n_embd, config.n_embd)\n\n"
+                    "    def forward(self, x):\n        return self.c_proj(x)\n")
+    message = _usage_error_or_none(f"{path}:Attn")
+    assert message is None or "takes one object" not in message
+    caps = registry.resolve(f"{MODULES_DIR}/nanogpt_style.py:CausalSelfAttention",
+                            {"learner_config": "block_size=12"}).caps("mha")
+    assert "config: GPTConfig(n_embd, n_head" in caps.probe_notes[0] and "block_size 12 → L ≤ 12" in caps.probe_notes[0]
+    assert caps.max_seq_len == 12 and caps.causal_only
+
+
+def _usage_error_or_none(impl: str) -> str | None:
+    try:
+        registry.resolve(impl)
+    except ImplementationError as exc:
+        return str(exc)
+    return None

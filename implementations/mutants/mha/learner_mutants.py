@@ -277,3 +277,17 @@ LEARNER_MUTANTS = [
         expected_cause="mha_dropout_in_eval", safe_case=_case(L=2, dropout=0.0),
     ),
 ]
+
+
+# --------------------------------------------------------------------------- copied modules' conventions
+
+from implementations.mutants.mha.copied_mutants import (  # noqa: E402 - after the helpers it is built with
+    COPIED_CONTROLS,
+    HeadListAttention,
+    KeyValueQueryAttention,
+    copied_mutants,
+)
+
+LEARNER_CONTROLS.update(COPIED_CONTROLS)
+LEARNER_MUTANTS += copied_mutants(_mutant, _case)
+assert {HeadListAttention, KeyValueQueryAttention} <= set(LEARNER_CONTROLS.values())

@@ -99,24 +99,13 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
         return replace(plan, mask=None, mask_how="rows of a plain call are already equal; the mask cannot be probed")
     conventions = [options["learner_mask"]] if "learner_mask" in options else list(MASK_CONVENTIONS)
     found: dict[tuple[str, ...], tuple[str, str]] = {}
+    # Patterns a causal rule leaves alone (key 0 on every row) are tried second: a module
+    # that is causal by mistake keeps its mask convention, and fails as what it says.
     for shape in _SHAPES:
-        for convention in conventions:
-            dtypes = ("float",) if convention == "additive" else ("bool", "long")
-            for dtype in dtypes:
-                ok = True
-                for per_row in ((False, True) if "L" in shape else (False,)):
-                    keep = _keep_pattern(shape, per_row, plan.causal is not None)
-                    full = _as_full(shape, keep)
-                    tensor = _convention_tensor(keep, convention, dtype)
-                    got = probe.value(f"mask {convention} {_shape_text(shape)}",
-                                      lambda t=tensor: _raw(module, plan, x, t))
-                    if got is None or tuple(got.shape) != (_B, _L, _D) or not _rows_follow(got, full):
-                        ok = False
-                        break
-                if ok:
-                    found[shape] = (convention, dtype)
-                    break
-            if shape in found:
+        for causal in ((True,) if plan.causal is not None else (False, True)):
+            found_as = _shape_convention(probe, plan, module, x, shape, conventions, causal)
+            if found_as is not None:
+                found[shape] = found_as
                 break
     if not found:
         return _assumed_mask(probe, plan, module, x, options)
@@ -130,6 +119,25 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
         how += (f"; but shapes {', '.join(_shape_text(s) for s in disagree)} read the other way (inconsistent): "
                 "the suite hands them over in this convention too, so the inconsistency fails")
     return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(found), mask_how=how)
+
+
+def _shape_convention(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, shape: tuple[str, ...],
+                      conventions: list[str], causal: bool) -> tuple[str, str] | None:
+    """``(convention, dtype)`` of the first convention whose masks of ``shape`` the module
+    follows (rows left the same keys equal, the others not), or None."""
+    for convention in conventions:
+        for dtype in (("float",) if convention == "additive" else ("bool", "long")):
+            ok = True
+            for per_row in ((False, True) if "L" in shape else (False,)):
+                keep = _keep_pattern(shape, per_row, causal)
+                tensor = _convention_tensor(keep, convention, dtype)
+                got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
+                if got is None or tuple(got.shape) != (_B, _L, _D) or not _rows_follow(got, _as_full(shape, keep)):
+                    ok = False
+                    break
+            if ok:
+                return convention, dtype
+    return None
 
 
 def _assumed_mask(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:

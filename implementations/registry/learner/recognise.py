@@ -181,11 +181,26 @@ def _roles_text(plan: LearnerPlan) -> str:
     return ", ".join(parts)
 
 
+def _signature_text(fn: Any) -> str:
+    """A forward's parameters as written (``*`` before keyword-only ones), self left out."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    parts, star = [], False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        star = star or p.kind is p.VAR_POSITIONAL
+        parts.append(("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+                     + ("=..." if p.default is not p.empty else ""))
+    return ", ".join(parts)
+
+
 def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]) -> tuple[str, ...]:
     proj = ", ".join(path for _, path in plan.projections)
     fused = f", fused one {plan.fused_how}" if plan.fused_how else ""
-    names = list(plan.forward_names)
-    forward = f"forward({', '.join(names + ([plan.mask_arg] if plan.mask_arg else []))})"
+    forward = f"forward({_signature_text(plan.cls.forward)})"
     bound = {"self": "", "kv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key/value'), plan.forward_names, strict=False))})",
              "qkv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key', 'value'), plan.forward_names, strict=False))})"}[plan.inputs]
     inputs = {"self": "self-attention only (one input; cross-attention cases skipped: forward(query, key, value) "
