@@ -62,6 +62,7 @@ from implementations.registry.options import (
 from implementations.registry.probe_plan import declared_for_probes
 from implementations.registry.probing import DEFAULT_PROBE_TIMEOUT, build_limit, probe_sdpa
 from implementations.registry.learner import learner_options, split_learner_options
+from implementations.registry.learner.packages import member_of_package
 from implementations.registry.recognition import ACCEPTED_OBJECTS, recognise
 
 __all__ = ["ACCEPTED", "ENTRY_POINT_GROUP", "registered", "resolve"]
@@ -323,6 +324,8 @@ def _import_file(spec: str, location: str, timeout: float | None) -> Any:
         guarded_call(module_spec.loader.exec_module, module, timeout=build_limit(timeout), rng=True)
     except CallRaised as exc:
         del sys.modules[module_name]
+        if (packaged := member_of_package(path, exc.error)) is not None:  # a relative import: run in its package
+            return packaged
         raise ImplementationError(
             f"--impl={spec!r}: running {location!r} raised {summarise(exc.error)}; fix the error in "
             "that file"

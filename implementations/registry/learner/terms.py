@@ -41,9 +41,11 @@ def _import_lines(origin: str, cls_name: str) -> list[str]:
         import os
 
         path = os.path.abspath(where)
-        module = os.path.splitext(os.path.basename(path))[0]
+        module, folder = os.path.splitext(os.path.basename(path))[0], os.path.dirname(path)
+        while os.path.isfile(os.path.join(folder, "__init__.py")):  # a package member: its dotted name
+            module, folder = f"{os.path.basename(folder)}.{module}", os.path.dirname(folder)
         return ["import sys", "", "import torch", "",
-                f"sys.path.insert(0, {os.path.dirname(path)!r})", f"from {module} import {cls_name}"]
+                f"sys.path.insert(0, {folder!r})", f"from {module} import {cls_name}"]
     return ["import torch", "", f"from {where} import {cls_name}"]
 
 

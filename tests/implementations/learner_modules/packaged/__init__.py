@@ -1,0 +1,1 @@
+"""A package whose attention module imports its helpers relatively."""
