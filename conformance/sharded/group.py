@@ -208,11 +208,16 @@ class WorkerGroup:
                 try:
                     replies[rank] = conn.recv()
                 except (EOFError, OSError):
-                    self.processes[rank].wait(2) if self.processes[rank].poll() is None else None
+                    try:
+                        self.processes[rank].wait(5)
+                    except subprocess.TimeoutExpired:  # its socket closed, its exit still running
+                        pass
                     code = self.processes[rank].poll()
+                    output = self.log_tail(rank, 1500)
                     self.kill()
-                    raise GroupCrashed(f"rank {rank}'s process ended (exit code {code}) during the call",
-                                       rank) from None
+                    what = "ended" if code is not None else "closed its connection"
+                    raise GroupCrashed(f"rank {rank}'s process {what} (exit code {code}) during the call"
+                                       + (f"; its output:\n{output}" if output else ""), rank) from None
                 if "raised" in replies[rank] and raised_at is None:
                     raised_at = time.monotonic()
             for rank in ranks:  # a rank may die with its socket still held open by nobody else
@@ -277,8 +282,10 @@ class WorkerGroup:
             try:
                 self.conns[rank].send(request)
             except (BrokenPipeError, OSError):
+                code, output = self.processes[rank].poll(), self.log_tail(rank, 1500)
                 self.kill()
-                raise GroupCrashed(f"rank {rank}'s process had ended before the call", rank) from None
+                raise GroupCrashed(f"rank {rank}'s process had ended before the call (exit code {code})"
+                                   + (f"; its output:\n{output}" if output else ""), rank) from None
         replies = self._collect(list(range(world_size)), timeout)
         raised = [r for r, reply in enumerate(replies) if "raised" in reply]
         if raised:
