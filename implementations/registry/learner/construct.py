@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,7 +67,7 @@ class _Recording:
     def __getattribute__(self, name: str) -> Any:
         if not name.startswith("_"):
             object.__getattribute__(self, "__dict__").setdefault("_read_", []).append(name)
-        return object.__getattribute__(self, name)
+        return super().__getattribute__(name)  # the config's own (transformers maps aliases)
 
 
 class _Namespace:
@@ -92,6 +93,9 @@ class Construction:
     dropout: str | None          # parameter taking the dropout; config: the first dropout attribute
     config_arg: str | None = None
     config_type: Any = None      # the config class; None: a namespace
+    #: args: an optional config parameter the code annotates (transformers' BartAttention):
+    #: given one of that class, so the module finds its settings (its attention path).
+    side_config: tuple[str, Any] | None = None
     dropouts: tuple[str, ...] = ()   # config: every dropout attribute (set together)
     values: tuple[tuple[str, Any], ...] = ()  # config: other attributes set (bias, limits, learner_config)
     read: tuple[str, ...] = ()   # config: the attributes the constructor read
@@ -114,7 +118,10 @@ class Construction:
             fields = _field_names(self.config_type)
             config = recording(**{k: v for k, v in values.items() if k in fields})
         for key, value in values.items():
-            object.__setattr__(config, key, value)
+            try:
+                setattr(config, key, value)
+            except (AttributeError, TypeError, ValueError):  # a frozen or validating config
+                object.__setattr__(config, key, value)
         object.__getattribute__(config, "__dict__")["_read_"] = []
         return config
 
@@ -128,6 +135,11 @@ class Construction:
         kwargs = {self.dim: D // H if self.per_head else D, self.heads: H}
         if self.dropout is not None:
             kwargs[self.dropout] = float(dropout)
+        if self.side_config is not None:
+            name, config_type = self.side_config
+            kwargs[name] = config = config_type()
+            for key, value in self.values:
+                setattr(config, key, value)
         return cls(**kwargs)
 
     def text(self, name: str) -> str:
@@ -176,16 +188,17 @@ def _attributes(config_type: Any) -> dict[str, Any]:
         return {}
 
 
-def _config_type(cls: type, param: inspect.Parameter) -> Any:
+def _config_type(cls: type, param: inspect.Parameter, fallback: bool = True) -> Any:
     """The config class the code names: the annotation, else a ``...Config`` class of the
     module's namespace that has a model-dim attribute; None: none named."""
     namespace = vars(sys.modules.get(cls.__module__)) if cls.__module__ in sys.modules else {}
     annotation = param.annotation
     if isinstance(annotation, str):
-        annotation = namespace.get(annotation.split("[")[0].strip().strip("'\""))
-    if isinstance(annotation, type) and _dim_name(_attributes(annotation)):
-        return annotation
-    for value in namespace.values():
+        annotation = namespace.get(annotation.split("|")[0].split("[")[0].strip().strip("'\""))
+    for candidate in (annotation, *typing.get_args(annotation)):  # ``BartConfig | None`` too
+        if isinstance(candidate, type) and _dim_name(_attributes(candidate)):
+            return candidate
+    for value in namespace.values() if fallback else ():
         if isinstance(value, type) and value.__name__.lower().endswith("config") and \
                 _dim_name(_attributes(value)):
             return value
@@ -289,5 +302,9 @@ def read_constructor(cls: type, origin: str, options: Mapping[str, str]) -> Cons
     if others:
         raise _usage(origin, f"{owner.__name__}.__init__ also requires {others}, which the suite cannot choose",
                      "give them defaults")
+    side = next(((p.name, t) for p in params if p.default is None and p.name not in (dim, heads, dropout)
+                 and (t := _config_type(owner, p, fallback=False)) is not None), None)
     return Construction(kind="args", dim=dim, heads=heads, dropout=dropout,
-                        heads_first=names.index(heads) < names.index(dim), via=via)
+                        heads_first=names.index(heads) < names.index(dim), via=via, side_config=side,
+                        values=tuple(learner_config_values(options.get("learner_config")).items()))
+

@@ -74,6 +74,37 @@ def _layout(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options: Mapp
     return plan
 
 
+def _optional_key_value(probe: _Probe, plan: LearnerPlan, module: Any, x: Any) -> LearnerPlan:
+    """A self-attention forward with an optional key/value input (transformers'
+    ``key_value_states``) is cross-attention where a call with it runs and changes the
+    output; else it stays self-attention."""
+    import inspect
+
+    import torch
+
+    from implementations.registry.learner.reading import _input_role
+
+    if plan.inputs != "self" or not plan.keyword or plan.causal is not None:
+        return plan
+    optional = [p.name for p in inspect.signature(plan.cls.forward).parameters.values() if p.default is not p.empty]
+    kv = next((n for n in optional if _input_role(n) == "kv"), None)
+    if kv is None:
+        return plan
+    trial = replace(plan, inputs="kv", forward_names=(plan.forward_names[0], kv),
+                    bind_how=f"bound by name; {kv} read as the key/value input")
+
+    def first(out: Any) -> Any:
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    memory = x.flip(1) * 0.5 + 1.0
+    with torch.no_grad():
+        crossed = probe.value("an optional key/value input", lambda: first(call_inner(trial, module, (x, memory))))
+        alone = probe.value("a plain call", lambda: first(call_inner(plan, module, (x,))))
+    if crossed is None or alone is None or crossed.shape != alone.shape or torch.allclose(crossed, alone):
+        return plan
+    return trial
+
+
 def _causal(plan: LearnerPlan, module: Any) -> str | None:
     """Why every call is causal: the declaration, or the code's evidence where the forward
     takes no mask and no causal argument (a module that takes a mask and applies a causal
@@ -122,6 +153,7 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     x = torch.from_numpy(gen.standard_normal((_B, _L, _D)))
     plan = _layout(probe, plan, module.double(), x, options)
     plan = replace(plan, causal=_causal(plan, module))
+    plan = _optional_key_value(probe, plan, module, x)
     roles = {"self": ("x",), "kv": ("q", "kv"), "qkv": ("q", "k", "v")}[inputs]
     tensors = tuple(torch.from_numpy(gen.standard_normal((_B, _L, _D))) for _ in roles)
     observed = probe.value("one observed call", lambda: observe(module, lambda: call_inner(plan, module, tensors)))
