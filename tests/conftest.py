@@ -91,10 +91,29 @@ def _seconds(nodeid: str) -> float:
     return 0.0
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--release-tier", action="store_true", default=False,
+                     help="also run the tests marked release: the certificates the test command "
+                          "leaves out (the slow built-ins' other dtypes; docs/SPEED.md, the tiers)")
+
+
+def _deselect_release_tests(config, items) -> None:
+    """The tiers (docs/SPEED.md): ``pytest -m "not slow"`` is the quick tier, ``pytest -n 2``
+    the test command, and ``--release-tier`` adds the tests marked ``release``."""
+    if config.getoption("--release-tier"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("release") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker("release") is None]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist, deal the long tests out longest first (greedily to the worker with
+    """Leave out the release tier unless asked (:func:`_deselect_release_tests`). Then,
+    under xdist, deal the long tests out longest first (greedily to the worker with
     the least so far), each worker's slice starting with its long tests; short tests fill
     the slices to equal lengths in their collected order. Without xdist: unchanged."""
+    _deselect_release_tests(config, items)
     workers = getattr(config, "workerinput", {}).get("workercount", 0)
     if workers < 2 or len(items) < workers:
         return

@@ -189,8 +189,20 @@ def _require_builtin(name: str) -> None:
         pytest.skip(f"{name} unavailable: {impl.unavailable_reason}")
 
 
-@pytest.mark.parametrize("impl,dtype", [(impl, dtype) for impl in CORRECT for dtype in BY_DTYPE.get(impl, [None])],
-                         ids=lambda v: v if v is not None else "declared")
+#: Certified only in the release tier (``pytest --release-tier``, docs/SPEED.md): the
+#: dtypes of the slow built-ins (the Triton interpreter, JAX's compilations) beyond the
+#: one the test command certifies each in. float32 exercises every path of both; the
+#: other dtypes are their tolerances and 16-bit emulation, a minute or more each.
+RELEASE_ONLY = {("triton", "float64"), ("triton", "float16"), ("triton", "bfloat16"),
+                ("jax", "float64"), ("jax", "float16"), ("jax", "bfloat16")}
+
+
+def _correct_params() -> list:
+    return [pytest.param(impl, dtype, marks=[pytest.mark.release] if (impl, dtype) in RELEASE_ONLY else [])
+            for impl in CORRECT for dtype in BY_DTYPE.get(impl, [None])]
+
+
+@pytest.mark.parametrize("impl,dtype", _correct_params(), ids=lambda v: v if v is not None else "declared")
 def test_correct_implementation_passes(impl, dtype, tmp_path):
     if impl in ("triton", "jax"):
         _require_builtin(impl)

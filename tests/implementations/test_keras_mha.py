@@ -106,6 +106,7 @@ def test_per_head_masks_go_as_four_dims_and_float_masks_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.release
 @needs_keras
 def test_keras_mha_certifies_with_its_expected_failures(tmp_path):
     code, report, output = certify("keras.layers:MultiHeadAttention", tmp_path, "--dtype=float64,float32",

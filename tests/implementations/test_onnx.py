@@ -207,6 +207,7 @@ def outcomes(report: dict) -> dict[tuple[str, str], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.release
 @needs_onnx
 def test_sdpa_exported_at_opset_17_certifies(tmp_path):
     """``--impl=onnx:sdpa``: every property passes or is an expected failure of
