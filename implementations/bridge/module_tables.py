@@ -16,7 +16,8 @@ Flax Linen             ``flax.linen.                     a pure module: paramete
 
 Both take a bool mask True = attend broadcastable to (B, N, L, S), their kernels are
 ``LinearGeneral``/``DenseGeneral`` (D_in, N, hd) and (N, hd, D): the canonical layout as is.
-Dropout is on the attention weights with ``deterministic=False`` (rngs from seed 0).
+Dropout is on the attention weights with ``deterministic=False``, seeded from torch's global
+generator when the layer is built (:func:`_seed`).
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ def _subclass_of(module: str, name: str):
 # --------------------------------------------------------------------------- Flax NNX
 
 
+def _seed() -> int:
+    """A dropout seed from torch's global generator, which the suite seeds per example: each
+    layer built draws its own dropout patterns, as nn.MultiheadAttention's would."""
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
 def _nnx_build(cls, embed_dim, num_heads, kdim, vdim, bias, dropout, dtype):
     from flax import nnx
 
     return cls(num_heads=num_heads, in_features=embed_dim, qkv_features=embed_dim, out_features=embed_dim,
                in_kv_features=kdim, dtype=dtype, param_dtype=dtype, dropout_rate=dropout, use_bias=bias,
-               decode=False, rngs=nnx.Rngs(0))
+               decode=False, rngs=nnx.Rngs(_seed()))
 
 
 def _nnx_call(layer, query, key, value, mask, causal, training, need_weights):
@@ -99,7 +108,7 @@ class _Linen:
 
     def __init__(self, module: Any, params: Any) -> None:
         self.module, self.params = module, params
-        self.calls = 0  # a new dropout key per call, as a stateful layer's rngs advance
+        self.seed, self.calls = _seed(), 0  # a new dropout key per call, as a stateful layer's rngs advance
 
 
 def _linen_build(cls, embed_dim, num_heads, kdim, vdim, bias, dropout, dtype):
@@ -118,7 +127,7 @@ def _linen_call(layer, query, key, value, mask, causal, training, need_weights):
     import jax
 
     layer.calls += 1
-    rngs = {"dropout": jax.random.fold_in(jax.random.PRNGKey(0), layer.calls)} if training else None
+    rngs = {"dropout": jax.random.fold_in(jax.random.PRNGKey(layer.seed), layer.calls)} if training else None
     out, state = layer.module.apply({"params": layer.params}, query, key, value, mask=mask,
                                     deterministic=not training, rngs=rngs, sow_weights=need_weights,
                                     mutable=["intermediates"])
