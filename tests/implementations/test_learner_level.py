@@ -165,3 +165,87 @@ def _usage_error_or_none(impl: str) -> str | None:
     except ImplementationError as exc:
         return str(exc)
     return None
+
+
+# --------------------------------------------------------------------------- the modules people copy
+
+COPIED = [f"{MODULES_DIR}/{m}" for m in (
+    "nanogpt_style.py:CausalSelfAttention", "nanogpt_style.py:SlowCausalSelfAttention",
+    "nanogpt_style.py:LoggedAttention", "mingpt_style.py:CausalSelfAttention", "build_gpt_style.py:MultiHeadAttention",
+    "espnet_style.py:MultiHeadedAttention", "labml_style.py:MultiHeadAttention",
+    "packaged/attention.py:PackagedAttention")]
+
+
+@pytest.mark.parametrize("impl", COPIED)
+def test_copied_module_certifies_with_no_adapter(impl, tmp_path):
+    cert = _certify(impl, tmp_path)
+    outcomes = {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}
+    assert "failed" not in outcomes.values() and "error" not in outcomes.values(), outcomes
+    assert outcomes["mha_agreement-float64"] == "passed" and outcomes["mha_agreement-float32"] == "passed"
+
+
+def test_opennmt_style_certifies_in_float32_and_its_float32_softmax_fails_float64(tmp_path):
+    """forward(key, value, query, mask) bound by name; the softmax taken in float32
+    (``scores.float()``) is a float64 deviation, reported as one (not a binding error)."""
+    cert = _certify(f"{MODULES_DIR}/opennmt_style.py:MultiHeadedAttention", tmp_path)
+    outcomes = {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}
+    assert not {k for k, v in outcomes.items() if k.endswith("float32") and v in ("failed", "error")}, outcomes
+    assert outcomes["mha_agreement-float64"] == "failed"
+
+
+@pytest.mark.parametrize("impl, cause", [(f"{MODULES_DIR}/nanogpt_style.py:ForgotTheCausalScale", "mha_scale_model_dim"),
+                                         (f"{MODULES_DIR}/build_gpt_style.py:HeadsConcatenatedReversed", None),
+                                         (f"{MODULES_DIR}/nanogpt_style.py:CausalMaskOffByOne", None)])
+def test_a_mistake_in_a_copied_module_fails(impl, cause, tmp_path):
+    cert = _certify(impl, tmp_path)
+    assert any(r["property"] == "mha_agreement" and r["outcome"] == "failed" for r in cert["results"])
+    assert cause is None or cause in {c["variant"] for c in cert["causes"]}
+
+
+def _notes(impl: str, options: dict | None = None) -> tuple[str, "Capabilities"]:  # noqa: F821
+    caps = registry.resolve(impl, options).caps("mha")
+    return " ".join(caps.probe_notes), caps
+
+
+def test_always_causal_modules_are_read_from_their_code():
+    notes, caps = _notes(f"{MODULES_DIR}/nanogpt_style.py:SlowCausalSelfAttention")
+    assert caps.causal_only and "a lower-triangular buffer bias" in notes and "c_attn fused q|k|v" in notes
+    notes, caps = _notes(f"{MODULES_DIR}/nanogpt_style.py:CausalSelfAttention")
+    assert caps.causal_only and "is_causal=True in its code" in notes
+    notes, caps = _notes(f"{MODULES_DIR}/build_gpt_style.py:MultiHeadAttention")
+    assert caps.causal_only and "heads.*.query q per head" in notes and "num_heads, head_size = d_model" in notes
+    # A module that takes a mask says it is not causal: a causal rule in it is a mistake.
+    notes, caps = _notes("implementations.mutants.mha.copied_mutants:AccidentallyCausal")
+    assert not caps.causal_only and "always causal" not in notes
+
+
+def test_subclass_forwarding_args_is_read_through_its_base():
+    notes, caps = _notes(f"{MODULES_DIR}/nanogpt_style.py:LoggedAttention")
+    assert "read through CausalSelfAttention's signature" in notes and caps.causal_only
+
+
+def test_inputs_are_bound_by_name_in_any_order_and_keyword_only():
+    notes, caps = _notes(f"{MODULES_DIR}/opennmt_style.py:MultiHeadedAttention")
+    assert "forward(key, value, query, mask=...)" in notes and "query=query, key=key, value=value" in notes
+    assert "q read by linear_query" in notes and "cross_attention" in caps.mha_features
+    notes, caps = _notes(f"{MODULES_DIR}/labml_style.py:MultiHeadAttention")
+    assert "forward(*, query, key, value, mask=...)" in notes and "sequence-first (L, B, D)" in notes
+    notes, caps = _notes(f"{MODULES_DIR}/espnet_style.py:MultiHeadedAttention")  # dropout and mask required
+    assert "key_padding_mask" in caps.mha_features and caps.dropout and caps.fully_masked == "zero"
+
+
+def test_learner_layout_and_config_options_are_validated():
+    with pytest.raises(ImplementationError, match="learner_layout"):
+        registry.resolve(f"{MODULES_DIR}/labml_style.py:MultiHeadAttention", {"learner_layout": "sideways"})
+    with pytest.raises(ImplementationError, match="NAME=VALUE"):
+        registry.resolve(f"{MODULES_DIR}/nanogpt_style.py:CausalSelfAttention", {"learner_config": "block_size"})
+
+
+def test_transformers_attention_classes_are_read_with_their_config():
+    pytest.importorskip("transformers")
+    notes, caps = _notes("transformers.models.bert.modeling_bert:BertSelfAttention")
+    assert "config: BertConfig(hidden_size, num_attention_heads" in notes and "no output projection" in notes
+    notes, caps = _notes("transformers.models.gpt2.modeling_gpt2:GPT2Attention")
+    assert "c_attn fused q|k|v, c_proj out" in notes  # Conv1D layers, weights stored (in, out)
+    notes, caps = _notes("transformers.models.bart.modeling_bart:BartAttention")
+    assert "key_value_states read as the key/value input" in notes

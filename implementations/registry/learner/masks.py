@@ -21,6 +21,7 @@ from implementations.registry.learner.probes import (
     _raw,
     torch_allclose,
 )
+from implementations.registry.learner.reading import forward_of
 
 #: Mask shapes tried, most specific convention first: full (B, 1, L, S) masks decide the
 #: polarity; key-padding shapes after them; the per-head (B, H, L, S) last.
@@ -85,7 +86,7 @@ def _convention_tensor(keep: np.ndarray, convention: str, dtype: str) -> Any:
 
 def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: Mapping[str, str]) -> LearnerPlan:
     if plan.mask_arg is None:
-        forward = [p.name for p in inspect.signature(plan.cls.forward).parameters.values()]
+        forward = [p.name for p in inspect.signature(forward_of(plan.cls)).parameters.values()]
         lengths = next((n for n in forward if n.lower() in LENGTH_NAMES), None)
         if lengths is not None:
             return replace(plan, mask=None, mask_how=(

@@ -203,13 +203,29 @@ def _input_role(name: str) -> str | None:
     return None
 
 
+def forward_of(cls: type) -> Any:
+    """The forward whose signature says the inputs: a forward taking only ``*args,
+    **kwargs`` (a subclass adding logging) is read through its bases."""
+    for klass in cls.__mro__:
+        fn = klass.__dict__.get("forward")
+        if fn is None:
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters.values())[1:]
+        except (TypeError, ValueError):
+            return fn
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return fn
+    return getattr(cls, "forward", None)
+
+
 def _forward(cls: type, origin: str) -> tuple[str, tuple[str, ...], str | None, bool, str]:
     """``(inputs, the forward's parameters bound to q[, k, v | kv], its mask parameter,
     whether they are passed by keyword, how they were bound)``: required inputs are bound
     by name where the names say q, k, v (in any order: ``forward(key, value, query,
     mask)``), by position otherwise; a mask parameter is passed (None when no mask), with
     or without a default."""
-    forward = getattr(cls, "forward", None)
+    forward = forward_of(cls)
     if forward is None:
         raise _usage(origin, f"{cls.__name__} has no forward", "define forward(x, mask=None)")
     params = _signature(forward, origin)

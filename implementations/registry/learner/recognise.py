@@ -37,6 +37,7 @@ from implementations.registry.learner.probes import (
 from implementations.registry.learner.reading import (
     _forward,
     _usage,
+    forward_of,
 )
 from implementations.registry.learner.wrapper import (
     _materialised,
@@ -86,7 +87,7 @@ def _optional_key_value(probe: _Probe, plan: LearnerPlan, module: Any, x: Any) -
 
     if plan.inputs != "self" or not plan.keyword or plan.causal is not None:
         return plan
-    optional = [p.name for p in inspect.signature(plan.cls.forward).parameters.values() if p.default is not p.empty]
+    optional = [p.name for p in inspect.signature(forward_of(plan.cls)).parameters.values() if p.default is not p.empty]
     kv = next((n for n in optional if _input_role(n) == "kv"), None)
     if kv is None:
         return plan
@@ -113,7 +114,7 @@ def _causal(plan: LearnerPlan, module: Any) -> str | None:
 
     if current_declarations("mha").get("causal_only"):
         return "declared: --impl-option causal_only=true"
-    names = [p.lower() for p in inspect.signature(plan.cls.forward).parameters]
+    names = [p.lower() for p in inspect.signature(forward_of(plan.cls)).parameters]
     if plan.mask_arg is not None or any("causal" in n for n in names):
         return None
     evidence = causal_evidence(plan.cls, module)
@@ -232,7 +233,7 @@ def _signature_text(fn: Any) -> str:
 def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]) -> tuple[str, ...]:
     proj = ", ".join(path for _, path in plan.projections)
     fused = f", fused one {plan.fused_how}" if plan.fused_how else ""
-    forward = f"forward({_signature_text(plan.cls.forward)})"
+    forward = f"forward({_signature_text(forward_of(plan.cls))})"
     bound = {"self": "", "kv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key/value'), plan.forward_names, strict=False))})",
              "qkv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key', 'value'), plan.forward_names, strict=False))})"}[plan.inputs]
     inputs = {"self": "self-attention only (one input; cross-attention cases skipped: forward(query, key, value) "
