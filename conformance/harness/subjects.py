@@ -85,7 +85,7 @@ def resolve_subject(config: pytest.Config, spec: str, label: str, options: dict[
     if getattr(impl, "sharded", None) is not None:  # its ranks resolve it by the same spec
         from conformance.sharded import group as sharded_group
 
-        sharded_group.register(impl, spec, options)
+        subject.impl = impl = sharded_group.register(impl, spec, options)  # with the groups' run note
     try:
         requested, name = config.getoption("conformance_compile_budget"), "--compile-budget"
         if requested is None:

@@ -17,8 +17,11 @@ every rank, which shards it itself, and waits for every reply with a deadline:
   each waiting rank is blocked and the likely cause: ``stacks``), a rank whose
   process ends is a **crash** (:class:`GroupCrashed`); in both cases every process of
   the group is killed and reaped, and the next call of that world size starts a fresh group;
-* a rank that raised while others may wait on it in a collective: the others get a
-  short grace, then the group is killed and restarted likewise (:class:`GroupRaised`).
+* a rank that raised while others may wait on it in a collective: after a short grace
+  the supervisor asks where the others are (``stacks``); those still computing are
+  waited for (they may raise too, which keeps the group in step: no restart), and once
+  the rest wait in communication the group is killed and restarted likewise
+  (:class:`GroupRaised`).
 
 Like ``conformance.isolation`` (one worker per implementation, killed and restarted on a
 hang or crash), extended to a group: no process outlives a case that broke it.
@@ -27,6 +30,7 @@ hang or crash), extended to a group: no process outlives a case that broke it.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import secrets
@@ -42,7 +46,7 @@ from typing import Any
 from conformance.sharded import backends, stacks
 
 __all__ = ["WorkerGroup", "GroupError", "GroupHung", "GroupCrashed", "GroupRaised", "GroupStartFailed",
-           "group_for", "world_for", "register", "close_all", "live_processes", "stats", "DEFAULT_WORLD",
+           "group_for", "world_for", "register", "run_note", "close_all", "live_processes", "stats", "DEFAULT_WORLD",
            "MAX_LIVE_RANKS", "START_TIMEOUT"]
 
 #: The largest world size (one group per world size 1..DEFAULT_WORLD).
@@ -193,8 +197,15 @@ class WorkerGroup:
             if now >= limit:
                 missing = [r for r in ranks if r not in replies]
                 raised = [r for r in ranks if "raised" in replies.get(r, {})]
-                where = "" if starting else stacks.likely_cause(
-                    self.blocked(missing), sorted(set(replies) - set(raised)), self.world)
+                blocked = {} if starting else self.blocked(missing)
+                if raised and now < deadline and any(b is not None and b.collective is None
+                                                     for b in blocked.values()):
+                    # A rank still computing (not waiting for the one that raised) may raise
+                    # too, or answer: the group is kept in step, and no restart is needed.
+                    raised_at = now
+                    continue
+                where = "" if starting else stacks.likely_cause(blocked, sorted(set(replies) - set(raised)),
+                                                                self.world)
                 self.kill()
                 if raised:
                     raise GroupRaised(self._raised_text(replies[raised[0]], raised[0], missing)
@@ -338,9 +349,40 @@ _GROUPS: dict[tuple[str, tuple[tuple[str, str], ...], str, int], WorkerGroup] = 
 _NAMES: dict[int, tuple[str, dict[str, str]]] = {}
 
 
-def register(impl: Any, impl_spec: str, options: dict[str, str] | None) -> None:
-    """Remember how ``impl`` was resolved, so that its ranks resolve it the same way."""
+def register(impl: Any, impl_spec: str, options: dict[str, str] | None) -> Any:
+    """Remember how ``impl`` was resolved, so that its ranks resolve it the same way; the
+    same implementation with the groups' run note added to its own (``run_notes``: a
+    ``run:`` line of the certificate, :func:`run_note`), where it is an Implementation."""
     _NAMES[id(impl)] = (impl_spec, dict(options or {}))
+    if not (dataclasses.is_dataclass(impl) and hasattr(impl, "run_notes")):
+        return impl
+    own = impl.run_notes
+
+    def notes() -> tuple[str, ...]:
+        note = run_note(impl_spec, options)
+        return (*(own() if own is not None else ()), *((note,) if note else ()))
+
+    noted = dataclasses.replace(impl, run_notes=notes)
+    _NAMES[id(noted)] = _NAMES[id(impl)]
+    return noted
+
+
+def run_note(impl_spec: str, options: dict[str, str] | None) -> str:
+    """What the worker groups of one implementation cost, for its certificate: the groups
+    started, the seconds spent starting them, and the restarts among them (a restart is
+    the one cost a failing case's shrink steps add to their calls); "" when none ran."""
+    key = (impl_spec, tuple(sorted(dict(options or {}).items())))
+    mine = [g for k, g in _GROUPS.items() if k[:2] == key and g.starts]
+    if not mine:
+        return ""
+    starts, restarts = sum(g.starts for g in mine), sum(g.restarts for g in mine)
+    sizes = ", ".join(str(W) for W in sorted({g.world for g in mine}))
+    again = (f"{restarts} restart(s), each after a hang, a crash or a rank that raised while others waited "
+             "(every other call, shrinking included, reused the running group of its world size)"
+             if restarts else "no restart: every call, shrinking included, reused the running group of its "
+             "world size")
+    return (f"sharded worker groups: {starts} start(s) for world sizes {sizes}, "
+            f"{sum(g.start_seconds for g in mine):.1f} s starting; {again}")
 
 
 def group_for(impl: Any, device: str = "cpu", world_size: int | None = None) -> WorkerGroup:

@@ -44,6 +44,18 @@ class _Raises(_Broken):
         raise RuntimeError("rank 1 refuses causal calls")
 
 
+class _RaisesUnevenly(RingAttention):
+    """Every rank raises on a causal call, rank 0 five seconds after rank 1 (as a slow
+    first import would make it): no rank waits for another, the group stays in step."""
+
+    def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False, **kwargs):
+        if causal:
+            if rank == 0:
+                time.sleep(5)
+            raise RuntimeError(f"rank {rank} refuses causal calls")
+        return super().__call__(q, k, v, group=group, rank=rank, world_size=world_size, causal=causal, **kwargs)
+
+
 def _build(name, ring):
     impl = make_implementation(name=name, ring=ring)
     caps = impl.capabilities.replace(max_world_size=2)
@@ -55,3 +67,4 @@ hangs = _build("hangs-on-rank-1", _Hangs())
 dies = _build("dies-on-rank-1", _Dies())
 raises = _build("raises-on-rank-1", _Raises())
 barrier = _build("extra-barrier-on-rank-1", _ExtraBarrier())
+raises_unevenly = _build("raises-unevenly", _RaisesUnevenly())

@@ -168,3 +168,17 @@ def test_stacks_name_a_rank_busy_outside_communication():
     text = stacks.likely_cause({0: waiting, 1: where}, [], 2)
     assert "rank(s) [1] are not in communication" in text and "while rank(s) [0] wait" in text, text
     assert stacks.blocked_at("no dump here") is None
+
+
+def test_ranks_that_all_raise_at_different_times_keep_the_group(group):
+    """Rank 1 raises at once, rank 0 five seconds later (past the grace): rank 0 was still
+    computing, not waiting in communication, so it is waited for; every rank raised, the
+    group is in step and the next call reuses it (no restart)."""
+    g = group("raises_unevenly")
+    fine = make_case(world_size=2, layout="contiguous", shard=1, causal=False)
+    assert len(g.call(_request(fine), 2, 60.0)) == 2
+    first = g.pids()
+    with pytest.raises(groups.GroupRaised, match="refuses causal calls"):
+        g.call(_request(fine.replace(causal=True)), 2, 60.0)
+    assert g.pids() == first and g.starts == 1 and g.restarts == 0
+    assert len(g.call(_request(fine), 2, 60.0)) == 2
