@@ -104,6 +104,7 @@ class Construction:
     heads_first: bool = False
     via: str | None = None       # the base class whose signature was read
     per_head: bool = False       # args: ``dim`` takes the head dim (d_model / heads)
+    user: tuple[str, ...] = ()   # config attributes set by --impl-option learner_config
 
     def config(self, D: int, H: int, dropout: float = 0.0) -> Any:
         values = dict(self.values)
@@ -152,7 +153,9 @@ class Construction:
         typed = self.config_type.__name__ if self.config_type is not None else "a namespace"
         read = list(dict.fromkeys(self.read))
         limit = (f"; {self.limit_name} {self.max_len} → L ≤ {self.max_len}" if self.limit_name else "")
-        return f"{name}({self.config_arg}: {typed}({', '.join(read) or 'nothing read'}{limit})){via}"
+        values = dict(self.values)
+        user = "".join(f"; {n}={values[n]!r} (learner_config)" for n in self.user)
+        return f"{name}({self.config_arg}: {typed}({', '.join(read) or 'nothing read'}{limit}{user})){via}"
 
     def snippet(self, name: str, D: int, H: int) -> list[str]:
         """Lines that build the module in a torch-only snippet."""
@@ -256,7 +259,8 @@ def _read_config(cls: type, param: inspect.Parameter, origin: str, options: Mapp
         max_len = user[limit_name]
     return Construction(kind="config", dim=dim, heads=heads, dropout=dropouts[0] if dropouts else None,
                         config_arg=param.name, config_type=config_type, dropouts=dropouts,
-                        values=tuple(values.items()), max_len=max_len, limit_name=limit_name)
+                        values=tuple(values.items()), max_len=max_len, limit_name=limit_name,
+                        user=tuple(user))
 
 
 def read_constructor(cls: type, origin: str, options: Mapping[str, str]) -> Construction:

@@ -17,8 +17,8 @@ def call_inner(plan: LearnerPlan, inner: Any, tensors: tuple, mask: Any = None) 
     """``inner`` called on batch-first ``tensors`` (q[, k, v | kv], in that order) and
     ``mask`` (passed to its mask parameter, None included: a mask without a default needs
     it), each bound to the parameter read for it; the output comes back batch-first."""
-    if plan.seq_first:
-        tensors = tuple(t.transpose(0, 1) for t in tensors)
+    # contiguous, as a caller's own tensors are (GPT-2's Conv1D views its input)
+    tensors = tuple((t.transpose(0, 1) if plan.seq_first else t).contiguous() for t in tensors)
     kwargs = {} if plan.mask_arg is None else {plan.mask_arg: mask}
     if plan.keyword:
         out = inner(**dict(zip(plan.forward_names, tensors, strict=True)), **kwargs)
@@ -81,6 +81,9 @@ def _make_learner_mha(plan: LearnerPlan):
                     if bias and layer.bias is None:  # a projection applies its bias when it has one
                         layer.bias = nn.Parameter(torch.zeros(in_out(layer)[1], device=layer.weight.device,
                                                               dtype=layer.weight.dtype))
+                    elif not bias and layer.bias is not None and transposed(layer):
+                        # Conv1D always adds its bias (addmm): a zero one, frozen, is none
+                        layer.bias = nn.Parameter(torch.zeros_like(layer.bias), requires_grad=False)
                     elif not bias and layer.bias is not None:
                         layer.bias = None
 
