@@ -2,8 +2,9 @@
 any random search (``conformance.harness.directed_first``): a wrong implementation caught by a
 directed case of a late property fails it first, with no passing test before it, and a
 correct one is certified exactly as without the pass, with no case checked twice. A
-failing directed case (not shrunk) is followed by the search, and the smaller of the two
-failing cases is reported (``conformance.harness.runner``)."""
+failing directed case is shrunk (``conformance.harness.directed_shrink``) and then followed
+by the search, and the smaller of the two failing cases is reported
+(``conformance.harness.runner``)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,14 @@ def test_a_failing_directed_case_is_followed_by_the_search_and_the_smaller_case_
     assert sum(_sizes(record).values()) < 14, (_sizes(record), output[-3000:])
 
 
-def test_a_directed_failure_the_search_cannot_find_is_reported_as_it_is(tmp_path):
+def test_a_directed_failure_the_search_cannot_find_is_shrunk_keeping_what_makes_it_fail(tmp_path):
+    # wrong only at S = 33 with Ev = 2 (the directed "two key blocks + 1" example, L=2 E=4):
+    # the search never draws it; the directed case is shrunk where the bug allows
     report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:wrong_at_s33_ev2_impl",
                          "--dtype", "float64", "-k", "forward_agreement")
     (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
     assert record["outcome"] == "failed", output[-3000:]
-    assert _sizes(record) == {"B": 1, "N": 1, "K": 1, "L": 2, "S": 33, "E": 4, "Ev": 2}, output[-3000:]
+    sizes = _sizes(record)
+    assert (sizes["S"], sizes["Ev"], sizes["L"]) == (33, 2, 1), output[-3000:]
+    assert sizes["E"] < 4, output[-3000:]
+    assert 'from the directed example "two key blocks + 1 (S=33), Ev != E"' in output, output[-3000:]
