@@ -7,7 +7,9 @@ wraps an implementation into a callable (``implementations/bridge/``, ``registry
 Keras 2 layer that names it otherwise raises ``AttributeError`` inside the bridge: that is
 not a failure of the layer, and every cell would read FAIL. Such an error is reported as
 an ERROR ("the suite itself broke") that names the suite's frame (:func:`suite_error`);
-a ``NotImplementedError`` is a deliberate refusal, never the suite's bug.
+a ``NotImplementedError`` is a deliberate refusal, never the suite's bug, and an
+exception that a C function raised while the suite's code was calling it (torch's SDPA,
+which has no Python frame, called by the registry's wrapper) is the implementation's.
 
 Everything else that escapes a property's check is reported in the report's own form too
 (:class:`SuiteError` is a ``PropertyFailure``, so the runner saves its case and writes the
@@ -16,8 +18,10 @@ reproducer): no traceback of the runner's frames, no Hypothesis dump.
 
 from __future__ import annotations
 
+import dis
 import traceback
 from pathlib import Path
+from typing import Any
 
 from conformance.core.compare import PropertyFailure
 
@@ -39,6 +43,20 @@ def _suite_path(filename: str) -> Path | None:
     return path.relative_to(_ROOT) if str(path).startswith(SUITE_CODE) else None
 
 
+def _raised_by_a_callee(tb: Any) -> bool:
+    """Whether the innermost Python frame of ``tb`` was making a call when the exception
+    came: then a callee without a Python frame raised it (a C function: the implementation
+    itself, such as torch's SDPA called from the registry's wrapper), not that frame's code."""
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    for instruction in dis.get_instructions(tb.tb_frame.f_code):
+        if instruction.offset == tb.tb_lasti:
+            return instruction.opname.startswith("CALL") or instruction.opname == "PRECALL"
+    return False
+
+
 def suite_frame(error: BaseException, *, raised_there: bool = True) -> str | None:
     """``path:line in function`` of the suite's frame behind ``error``: with
     ``raised_there``, only when the line that raised it is the suite's code (an error out
@@ -46,6 +64,8 @@ def suite_frame(error: BaseException, *, raised_there: bool = True) -> str | Non
     library it calls); otherwise the deepest frame of the suite's code in its traceback
     (an error that escaped a check: the suite's own wherever it was raised). None: none."""
     if isinstance(error, NotImplementedError):
+        return None
+    if raised_there and _raised_by_a_callee(error.__traceback__):
         return None
     frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ is not None else []
     for frame in reversed(frames[-1:] if raised_there else frames):

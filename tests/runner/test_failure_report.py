@@ -7,6 +7,7 @@ of the output; the diagnosis never says "every output agrees" under a mismatch."
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -159,3 +160,23 @@ def test_a_failure_at_the_derived_flash_level_is_diagnosed_by_the_sdpa_levels_va
     assert failed["causes"][0]["variant"] == "additive_mask_subtracted", output[-3000:]
     assert "probable cause: additive_mask_subtracted" in output and "through the derivation" in output
     assert "flash_alibi_upper_left" not in output
+
+
+def test_an_error_a_c_function_raised_under_the_suites_call_is_the_implementations():
+    # the registry's wrapper calling torch's SDPA (a C function, no Python frame of its own):
+    # its error is the implementation's, even though the innermost Python frame is the suite's
+    from conformance.harness.suite_errors import suite_frame
+
+    namespace: dict = {}
+    bridge = str(ROOT / "implementations" / "bridge" / "sdpa.py")
+    exec(compile("def call(f):\n    return f()\ndef read(x):\n    return x.query_dense\n", bridge, "exec"),
+         namespace)
+    errors = []
+    for fn, argument in ((namespace["call"], functools.partial(int, "x")), (namespace["read"], object())):
+        try:
+            fn(argument)
+        except Exception as err:  # noqa: BLE001 - what each raised
+            errors.append(err)
+    c_callee, own = errors
+    assert suite_frame(c_callee) is None
+    assert suite_frame(own) == "implementations/bridge/sdpa.py:4 in read"
