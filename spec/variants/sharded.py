@@ -190,13 +190,14 @@ def as_sdpa(p: ShardedProblem) -> SDPAProblem:
 
 #: SDPA-level variants a context-parallel implementation shows on its gathered output
 #: (every rank's block attention or merge making the SDPA-level mistake), with what the
-#: mistake looks like in ring or all-to-all code.
+#: mistake looks like in ring or all-to-all code. Not ``causal_ignored``: on the smallest
+#: causal case (W = 2, L = 2) it gives what ``sharded_causal_local`` gives, and the
+#: narrower sharded convention would lose its confirmation.
 _LIFTED = {
     "gqa_tiled": "ring or all-to-all code expanding the kv heads with repeat(k, '... h d -> ... (g h) d') "
                  "or k.repeat(1, g, 1, 1) before each block's attention",
     "softmax_float32": "a ring whose running max, row sums or merge buffers are float32 "
                        "(torch.zeros(...) without the inputs' dtype) under float64 inputs",
-    "causal_ignored": "a ring that drops the causal flag on every block (or attends every block whole)",
     "causal_excludes_diagonal": "each rank's own block masked with triu(1) shifted by one (keys strictly before)",
     "unscaled": "block attention without the softmax scale",
     "scale_value_dim": "block attention scaled by 1/sqrt(Ev), the value head dim",

@@ -200,7 +200,6 @@ SHARDED_CASES: dict[str, Callable[[], V.ShardedProblem]] = {
     "sharded_gqa_tiled": lambda: V.ShardedProblem(*(np.random.default_rng(8).normal(0, 1, shape) for shape in
                                                     ((1, 4, 2, 2), (1, 2, 2, 2), (1, 2, 2, 2))), world_size=2),
     "sharded_softmax_float32": lambda: sharded_problem(9, L=4, world_size=2),
-    "sharded_causal_ignored": lambda: sharded_problem(10, world_size=1, causal=True),
     "sharded_causal_excludes_diagonal": lambda: sharded_problem(11, world_size=1, causal=True),
     "sharded_unscaled": lambda: sharded_problem(12, E=4, world_size=2),
     "sharded_scale_value_dim": lambda: V.ShardedProblem(*(np.random.default_rng(13).normal(0, 1, shape) for shape
@@ -213,8 +212,6 @@ CASES = {**SDPA_CASES, **MHA_CASES, **SHARDED_CASES, **FAMILY_CASES}
 
 #: Variants with exactly the same output as the key's on the key's case.
 TIES = {
-    # W = 2, L = 2: each rank's own triangle lets every query see both keys, as no causal rule
-    "sharded_causal_local": {"sharded_causal_ignored"},
     # with one query, upper-left sees key 0 only and lower-right sees every key
     "causal_ignored_when_L1": {"causal_ignored", "causal_lower_right"},
     "causal_ignored": set(),
