@@ -166,6 +166,11 @@ class Construction:
         values.update({self.dim: D, self.heads: H})
         values.update({n: 0.0 for n in self.dropouts})
         fields = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        typed = self.config_type
+        if typed is not None and not typed.__module__.startswith("_attention_conformance_user_"):
+            # an importable config class (a library's): built as the module expects it
+            return [f"from {typed.__module__} import {typed.__name__}", f"config = {typed.__name__}()",
+                    *(f"config.{k} = {v!r}" for k, v in values.items()), f"module = {name}({self.config_arg}=config)"]
         return ["from types import SimpleNamespace", f"config = SimpleNamespace({fields})",
                 f"module = {name}({self.config_arg}=config)"]
 
