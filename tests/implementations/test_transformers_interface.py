@@ -23,7 +23,7 @@ import spec
 from implementations import registry
 from implementations.base import ImplementationError
 from implementations.registry.interface_recognition import InterfaceSDPA
-from tests.implementations.test_framework_bridge import MODULES, certify, installed, outcomes, tensors
+from tests.implementations.test_framework_bridge import MODULES, ROOT, certify, installed, outcomes, tensors
 
 KERNELS = MODULES / "transformers_interface.py"
 SDPA = "transformers.integrations.sdpa_attention:sdpa_attention_forward"
@@ -221,3 +221,16 @@ def test_the_correct_interface_kernel_passes_where_the_mutants_fail(tmp_path):
     props = "gqa_equivalence or temperature or weights_are_distributions or forward_agreement"
     code, report, output = certify(f"{KERNELS}:attention_forward", tmp_path, "--dtype=float32", "-k", props)
     assert code == 0, output
+
+
+@pytest.mark.slow
+def test_the_example_kernel_certifies_with_no_declaration(tmp_path):
+    """examples/frameworks/transformers_kernel.py: four dtypes under ``ci``, nothing declared
+    (its empty rows are NaN for every kind of blocking, which the probe adopts)."""
+    example = ROOT / "examples" / "frameworks" / "transformers_kernel.py"
+    code, report, output = certify(f"{example}:attention_forward", tmp_path)
+    assert code == 0, output
+    got = outcomes(report)
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        assert got[("forward_agreement", dtype)] == "passed", (dtype, output)
+    assert got[("large_logits", "float16")] == "passed", output
