@@ -3,8 +3,9 @@
 
 In process: each table's layer, built by the factory with the drawn weights written into it,
 agrees with the float64 oracle ``spec.mha_forward`` (masks, per-head masks, the causal flag,
-need_weights), and shows the weights back under nn.MultiheadAttention's names. Certificates
-under ``ci`` as subprocesses (slow). Tests of a framework that is not installed skip."""
+need_weights), and shows the weights back under nn.MultiheadAttention's names. (Their ``ci``
+certificates are not pinned here yet: docs/FRAMEWORKS.md.) Tests of a framework that is not
+installed skip."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from implementations import registry
 from implementations.base import ImplementationError
 from implementations.bridge import module_table
 from implementations.bridge.modules import ModuleMHAFactory, load_module_weights
-from tests.implementations.test_framework_bridge import certify, installed, outcomes
+from tests.implementations.test_framework_bridge import installed
 
 needs_flax = pytest.mark.skipif(not installed("flax"), reason="flax is not installed (pip install flax)")
 
@@ -91,14 +92,3 @@ def test_flax_layers_are_recognised_and_refuse_what_they_lack():
     with pytest.raises(ImplementationError, match="MHA level"):
         registry.resolve("flax.nnx:MultiHeadAttention", options={"layout": "BLNE"})
 
-
-@pytest.mark.slow
-@needs_flax
-@pytest.mark.parametrize("spec_", ["flax.nnx:MultiHeadAttention", "flax.linen:MultiHeadDotProductAttention"])
-def test_flax_layers_certify_with_their_deviations(tmp_path, spec_):
-    name = "flax-nnx" if "nnx" in spec_ else "flax-linen"
-    code, report, output = certify(spec_, tmp_path, "--dtype=float64,float32", f"--xfail-file={name}")
-    assert code == 0, output
-    got = outcomes(report)
-    for prop in ("mha_agreement", "mha_averaged_weights", "mha_output_contract"):
-        assert got[(prop, "float32")] == "passed", (prop, output)
