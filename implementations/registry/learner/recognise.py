@@ -39,6 +39,7 @@ from implementations.registry.learner.reading import (
     _usage,
     forward_of,
 )
+from implementations.registry.learner.terms import layer_at
 from implementations.registry.learner.wrapper import (
     _materialised,
     _PlannedFactory,
@@ -162,6 +163,11 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     projections, how = read_projections(module, seen, output, dict(zip(roles, tensors, strict=True)), _D, _H, cls,
                                         origin, options)
     plan = replace(plan, projections=projections, projections_how=how)
+    free = [path for _, path in projections if getattr(layer_at(module, path.replace("*", "0")), "bias", 0) is None]
+    if free:
+        plan = replace(plan, notes=(f"bias-free as written: {', '.join(free)} (the suite's bias=True cases give "
+                                    "them a bias, which a Linear applies when it has one; bias=False cases run "
+                                    "them as written)",))
     plan = _probe_output(probe, plan, params, x)
     plan = _probe_fused(probe, plan, params, x, options)
     plan = _probe_mask(probe, plan, params, x, options)
@@ -242,8 +248,9 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
               "qkv": "query, key, value"}[plan.inputs]
     causal = f"; {plan.causal}: certified as causal self-attention (causal calls only)" if plan.causal else ""
     layout = f"; {plan.layout_how}" if plan.seq_first else ""
+    free = "".join(f"; {n}" for n in plan.notes)
     notes = [f"learner module: {plan.construction.text(plan.cls.__name__)}, {_roles_text(plan)}; projections "
-             f"{proj} ({plan.projections_how}{fused}); {forward}{bound}: {inputs}{causal}{layout}"]
+             f"{proj} ({plan.projections_how}{fused}); {forward}{bound}: {inputs}{causal}{layout}{free}"]
     if plan.mask is None:
         notes.append(f"learner mask: none certified ({plan.mask_how})")
     else:
