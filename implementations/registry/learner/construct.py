@@ -302,6 +302,11 @@ def read_constructor(cls: type, origin: str, options: Mapping[str, str]) -> Cons
                              f"the {'model dim' if dim is None else 'head count'}",
                              "pass --impl-option learner_init=DIM,HEADS naming its two parameters")
             dim, heads = (rest[0], heads) if dim is None else (dim, rest[0])
+        elif dim is None and not names:  # a decorator hid the signature and no base says more
+            raise _usage(origin, f"{cls.__name__}.__init__ takes only *args, **kwargs (a decorator hides its "
+                         "signature) and no base class says more, so the learner level cannot know what to pass",
+                         "certify a three-line subclass whose __init__(self, d_model, n_heads) (or (self, config)) "
+                         "calls super().__init__ with what the class needs")
         elif dim is None:
             raise _usage(origin, f"{owner.__name__}.__init__({', '.join(names)}) takes no model dim and head count "
                          f"(names tried: {', '.join(DIM_NAMES[:5])}...; {', '.join(HEAD_NAMES[:5])}...)",

@@ -240,6 +240,12 @@ def _forward(cls: type, origin: str) -> tuple[str, tuple[str, ...], str | None, 
         raise _usage(origin, f"{cls.__name__}.forward({shown}) takes {len(inputs)} required inputs",
                      "expected forward(x, mask=None), forward(q, kv, mask=None) or forward(query, key, value, "
                      "mask=None) on (B, L, D) inputs")
+    rotary = [p.name for p in params if re.search(r"position_embeddings|rotary|freqs_cis|^rope|^(sin|cos)$", p.name.lower())]
+    if rotary:
+        raise _usage(origin, f"{cls.__name__}.forward({shown}) takes {', '.join(rotary)}: it rotates q and k with "
+                     "rotary embeddings, which the learner level does not read yet (its MHA properties have no "
+                     "positions)", "certify the rotary attention itself at the kvcache level, or the module with "
+                     "the rotation taken out")
     kind = {1: "self", 2: "kv", 3: "qkv"}[len(inputs)]
     keyword = not any(p.kind is p.POSITIONAL_ONLY for p in inputs)
     wanted = {"self": (), "kv": ("q", "kv"), "qkv": ("q", "k", "v")}[kind]
