@@ -249,3 +249,11 @@ def test_transformers_attention_classes_are_read_with_their_config():
     assert "c_attn fused q|k|v, c_proj out" in notes  # Conv1D layers, weights stored (in, out)
     notes, caps = _notes("transformers.models.bart.modeling_bart:BartAttention")
     assert "key_value_states read as the key/value input" in notes
+
+
+def test_rotary_and_hidden_signatures_are_refused_with_the_reason(tmp_path):
+    message = _usage_error(tmp_path, "Rotated", "d_model, n_heads", "self.wq = nn.Linear(d_model, d_model)",
+                           "x, freqs_cis, mask=None")
+    assert "\n" not in message and "rotary embeddings" in message and "kvcache level" in message
+    message = _usage_error(tmp_path, "Hidden", "*args, **kwargs", "self.wq = nn.Linear(8, 8)", "x")
+    assert "a decorator hides its signature" in message and "learner_init" not in message
