@@ -170,7 +170,7 @@ def conformance_property(
                         )
                         return
                     record.failing_case = exc.conformance_case = case  # type: ignore[attr-defined]
-                    record.failing_calls = tuple(log.calls)
+                    record.failing_calls = exc.conformance_calls = tuple(log.calls)  # type: ignore[attr-defined]
                     failing_ratio[0] = exc.ratio
                     if record.first_failure_seconds is None:
                         record.first_failure_seconds = time.perf_counter() - start
@@ -233,6 +233,9 @@ def conformance_property(
                 record.outcome = "failed"
                 first, first_case = first_failure(exc)
                 record.failing_case = first_case if first_case is not None else record.failing_case
+                # one failure, one story: the reported failure's own calls (the call, saved case and
+                # reproducer), not those of whichever failing example Hypothesis replayed last
+                record.failing_calls = getattr(first, "conformance_calls", record.failing_calls)
                 # the cell's ratio is the reported failure's (the first of a group), as its message says
                 record.worst_ratio = first.ratio if isinstance(first, PropertyFailure) else failing_ratio[0]
                 record.expected_failures = ledger.summary()

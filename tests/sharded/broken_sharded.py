@@ -56,6 +56,17 @@ class _RaisesUnevenly(RingAttention):
         return super().__call__(q, k, v, group=group, rank=rank, world_size=world_size, causal=causal, **kwargs)
 
 
+class _TwoStories(RingAttention):
+    """Two distinct failures: it raises on one rank alone (world size 1) and returns twice
+    the output on more (a value mismatch)."""
+
+    def __call__(self, q, k, v, *, group=None, rank=None, world_size=None, causal=False, **kwargs):
+        if world_size == 1:
+            raise RuntimeError("refuses to run on one rank")
+        out, lse = super().__call__(q, k, v, group=group, rank=rank, world_size=world_size, causal=causal, **kwargs)
+        return 2 * out, lse
+
+
 def _build(name, ring):
     impl = make_implementation(name=name, ring=ring)
     caps = impl.capabilities.replace(max_world_size=2)
@@ -68,3 +79,4 @@ dies = _build("dies-on-rank-1", _Dies())
 raises = _build("raises-on-rank-1", _Raises())
 barrier = _build("extra-barrier-on-rank-1", _ExtraBarrier())
 raises_unevenly = _build("raises-unevenly", _RaisesUnevenly())
+two_stories = _build("two-stories", _TwoStories())
