@@ -45,9 +45,9 @@ from typing import Any
 
 from conformance.sharded import backends, stacks
 
-__all__ = ["WorkerGroup", "GroupError", "GroupHung", "GroupCrashed", "GroupRaised", "GroupStartFailed",
-           "group_for", "world_for", "register", "run_note", "close_all", "live_processes", "stats", "DEFAULT_WORLD",
-           "MAX_LIVE_RANKS", "START_TIMEOUT"]
+__all__ = ["DEFAULT_WORLD", "MAX_LIVE_RANKS", "START_TIMEOUT", "GroupCrashed", "GroupError", "GroupHung",
+           "GroupRaised", "GroupStartFailed", "WorkerGroup", "close_all", "group_for", "live_processes", "register",
+           "run_note", "stats", "world_for"]
 
 #: The largest world size (one group per world size 1..DEFAULT_WORLD).
 DEFAULT_WORLD = backends.MAX_RANKS

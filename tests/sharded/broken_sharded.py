@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import time
 
-from implementations.builtins.distributed.ring_attention import RingAttention, make_implementation
+from implementations.builtins.distributed.ring_attention import (
+    RingAttention,
+    make_implementation,
+)
 
 
 class _Broken(RingAttention):

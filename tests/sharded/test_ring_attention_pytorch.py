@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("ring_attention_pytorch", reason="ring-attention-pytorch is not installed (the project's "
                     "ring_attention optional dependencies)")
 
-from conformance.core.compare import PropertyFailure  # noqa: E402
-from conformance.core.target import ImplementationRaised, Target  # noqa: E402
-from conformance.sharded import checks  # noqa: E402
-from conformance.sharded import group as groups  # noqa: E402
-from conformance.sharded.cases import ShardedCallSpec, run_call  # noqa: E402
-from conformance.sharded.strategies import make_case  # noqa: E402
-from implementations import registry  # noqa: E402
-from spec import variants as V  # noqa: E402
+from conformance.core.compare import PropertyFailure
+from conformance.core.target import ImplementationRaised, Target
+from conformance.sharded import checks
+from conformance.sharded import group as groups
+from conformance.sharded.cases import ShardedCallSpec, run_call
+from conformance.sharded.strategies import make_case
+from implementations import registry
+from spec import variants as V
 
 SPEC = "implementations/builtins/distributed/ring_attention_pytorch.py:ring_flash"
 
