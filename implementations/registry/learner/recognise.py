@@ -149,7 +149,10 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     if configs:
         read = [n for n in object.__getattribute__(configs[-1], "__dict__").get("_read_", [])
                 if not n.startswith("_")]
-        plan = replace(plan, construction=replace(construction, read=tuple(dict.fromkeys(read))))
+        construction = replace(construction, read=tuple(dict.fromkeys(read)))
+        if construction.limit_name not in read and construction.limit_name not in construction.user:
+            construction = replace(construction, limit_name=None, max_len=None)  # a limit it never reads
+        plan = replace(plan, construction=construction)
     gen = np.random.default_rng(0)
     params = spec.MHAParams.random(gen, _D, _H)
     x = torch.from_numpy(gen.standard_normal((_B, _L, _D)))
