@@ -12,9 +12,10 @@ nn.MultiheadAttention's interface (:class:`LearnerMHA`) and whose ``load_weights
 ``spec.MHAParams`` onto the module's own Linear layers, so every MHA-level property
 runs on it.
 
-What is *read* (signature, parameter names and shapes): the constructor's model-dim and
-head-count arguments, which Linear is q, k, v, o (by name; by definition order when the
-names do not say, e.g. ``linears``), the forward's inputs and mask argument, dropout.
+What is *read* (``docs/LEARNER.md``): the constructor (model dim and head count, or one
+config object: :mod:`.construct`), the projections by dataflow (one observed call: which
+layer reads which input, which gives the output: :mod:`.dataflow`), the forward's inputs
+bound by name or position, its mask argument, dropout, a causal rule in the code.
 What is *probed*, each a convention the module may choose and never its behaviour:
 
 * the mask convention (1 = keep, True = blocked, additive) and which shapes it accepts:
