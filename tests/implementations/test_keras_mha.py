@@ -4,7 +4,7 @@ In process, without Keras: how a Keras layer class is recognised, and how nn.Mul
 forward arguments become the layer's (a stub layer records them). Certificates as subprocesses
 with KERAS_BACKEND=torch (chosen before keras is imported): ``keras.layers:MultiHeadAttention``
 certifies under ``ci`` with its shipped expected-failures file by its short name
-(``--xfail-file=keras-mha``, implementations/xfail/keras-mha.toml), each of that file's
+(``--xfail-file=keras-mha``, implementations/xfail/libraries/keras-mha.toml), each of that file's
 deviations still fails without it, and a subclass with the model-dim scaling bug fails.
 ``tf.keras`` (TensorFlow is not in the extras) skips where TensorFlow is not installed."""
 

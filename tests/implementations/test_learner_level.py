@@ -202,7 +202,7 @@ def test_a_mistake_in_a_copied_module_fails(impl, cause, tmp_path):
     assert cause is None or cause in {c["variant"] for c in cert["causes"]}
 
 
-def _notes(impl: str, options: dict | None = None) -> tuple[str, "Capabilities"]:  # noqa: F821
+def _notes(impl: str, options: dict | None = None) -> tuple[str, object]:
     caps = registry.resolve(impl, options).caps("mha")
     return " ".join(caps.probe_notes), caps
 
@@ -247,7 +247,7 @@ def test_transformers_attention_classes_are_read_with_their_config():
     assert "config: BertConfig(hidden_size, num_attention_heads" in notes and "no output projection" in notes
     notes, caps = _notes("transformers.models.gpt2.modeling_gpt2:GPT2Attention")
     assert "c_attn fused q|k|v, c_proj out" in notes  # Conv1D layers, weights stored (in, out)
-    notes, caps = _notes("transformers.models.bart.modeling_bart:BartAttention")
+    notes, _ = _notes("transformers.models.bart.modeling_bart:BartAttention")
     assert "key_value_states read as the key/value input" in notes
 
 

@@ -1,7 +1,7 @@
 """TensorFlow through the framework bridge, with no adapter: an SDPA-level TensorFlow
 function (``examples/frameworks/tf_attention.py``, gradients by ``tf.GradientTape``) and
 ``tensorflow.keras.layers:MultiHeadAttention`` (Keras 3 on its tensorflow backend) at the
-MHA level with its expected failures (``--xfail-file=keras-mha-tensorflow``, shipped in implementations/xfail/).
+MHA level with its expected failures (``--xfail-file=keras-mha-tensorflow``, shipped in implementations/xfail/libraries/).
 
 TensorFlow is not in the project's extras (tensorflow-cpu 2.20 installs 1.4 GB), so CI skips
 these; measured where it is installed (``pip install tensorflow-cpu``): the function
@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 FUNCTION = ROOT / "examples" / "frameworks" / "tf_attention.py"
-TF_XFAIL = ROOT / "implementations" / "xfail" / "keras-mha-tensorflow.toml"  # --xfail-file=keras-mha-tensorflow
+TF_XFAIL = ROOT / "implementations" / "xfail" / "libraries" / "keras-mha-tensorflow.toml"  # --xfail-file=keras-mha-tensorflow
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 

@@ -3,7 +3,7 @@
 In process: how ``fn(module, query, key, value, attention_mask, scaling=, dropout=)`` is
 recognised and called (the module stub, the mask forms transformers builds, GQA, the
 (B, L, N, Ev) output turned back), checked against the float64 oracle; each deviation listed
-in implementations/xfail/transformers-eager.toml re-measured, so a fix upstream fails here.
+in implementations/xfail/libraries/transformers-eager.toml re-measured, so a fix upstream fails here.
 As subprocesses under ``ci``: transformers' sdpa and eager backends certify with their
 attached files, and each mutant in the interface's signature
 (framework_modules/transformers_interface.py) fails its expected property with its
@@ -22,6 +22,7 @@ import torch
 import spec
 from implementations import registry
 from implementations.base import ImplementationError
+from implementations.registry.expected_failures import LIBRARY_XFAIL_DIR
 from implementations.registry.interface_recognition import InterfaceSDPA
 from tests.implementations.test_framework_bridge import MODULES, ROOT, certify, installed, outcomes, tensors
 
@@ -134,7 +135,7 @@ def test_transformers_backends_are_recognised_with_their_forms_and_files():
     assert any("mask form additive" in n for n in eager.capabilities.probe_notes)
     assert sdpa.version.startswith("transformers ") and sdpa.capabilities.causal == "lower_right"
     assert {e.reason for e in sdpa.expected_failures} == {e.reason for e in registry.load_expected_failures("sdpa")}
-    assert eager.expected_failures == registry.load_expected_failures("transformers-eager")
+    assert eager.expected_failures == registry.load_expected_failures("transformers-eager", LIBRARY_XFAIL_DIR)
     q, k, v = tensors((2, 4, 1, 8), (2, 2, 5, 8), (2, 2, 5, 8), dtype=torch.float64)
     kv = [x.repeat_interleave(2, dim=1) for x in (k, v)]
     # L = 1 with GQA and a mask: sdpa_attention_forward packs the heads as queries (pack_gqa)
