@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["MAX_RANKS", "backend_for", "local_gpus", "nccl_available", "ranks_for", "unavailable_reason",
            "world_limit"]
 
-#: The most ranks a worker group has (world sizes 1..MAX_RANKS run on its prefix subgroups).
+#: The largest world size (one worker group per world size 1..MAX_RANKS, its default group the call's ranks).
 MAX_RANKS = 4
 
 
