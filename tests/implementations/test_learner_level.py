@@ -245,8 +245,11 @@ def test_transformers_attention_classes_are_read_with_their_config():
     pytest.importorskip("transformers")
     notes, caps = _notes("transformers.models.bert.modeling_bert:BertSelfAttention")
     assert "config: BertConfig(hidden_size, num_attention_heads" in notes and "no output projection" in notes
-    notes, caps = _notes("transformers.models.gpt2.modeling_gpt2:GPT2Attention")
+    assert "need_weights" in caps.mha_features
+    notes, caps = _notes("transformers.models.gpt2.modeling_gpt2:GPT2Attention",
+                         {"learner_config": "_attn_implementation=sdpa", "causal_only": "true"})
     assert "c_attn fused q|k|v, c_proj out" in notes  # Conv1D layers, weights stored (in, out)
+    assert caps.causal_only and "_attn_implementation='sdpa' (learner_config)" in notes
     notes, _ = _notes("transformers.models.bart.modeling_bart:BartAttention")
     assert "key_value_states read as the key/value input" in notes
 
