@@ -5,7 +5,7 @@ entries when it builds the built-in (:func:`implementations.registry.resolution.
 Any implementation, a plain ``file.py:attr`` function included, takes a file of the
 same schema with ``--xfail-file PATH``, or a file shipped here by its short name
 (``--xfail-file=keras-mha``: the deviations of a library the user certifies, as Keras'
-MultiHeadAttention) (:func:`load_expected_failures_file`,
+MultiHeadAttention, kept in ``implementations/xfail/libraries/``) (:func:`load_expected_failures_file`,
 :func:`with_expected_failures`).
 """
 
@@ -23,10 +23,15 @@ from implementations.base import (
 )
 
 __all__ = ["XFAIL_DIR", "load_expected_failures", "load_expected_failures_file", "with_expected_failures",
-           "builtin_deviations", "BUILTIN_LIBRARIES"]
+           "builtin_deviations", "BUILTIN_LIBRARIES", "LIBRARY_XFAIL_DIR"]
 
 #: Where the built-ins' expected-failures files live.
 XFAIL_DIR = Path(__file__).resolve().parent.parent / "xfail"
+#: Where the files of libraries certified with no adapter live (Keras' MultiHeadAttention,
+#: transformers' eager attention): shipped, named by ``--xfail-file=NAME``, and never
+#: offered by a diagnosis to another implementation (:func:`builtin_deviations` reads
+#: :data:`XFAIL_DIR` only).
+LIBRARY_XFAIL_DIR = XFAIL_DIR / "libraries"
 
 _ENTRY_KEYS = {"property", "match", "reason", "reference"}
 
@@ -53,11 +58,11 @@ def load_expected_failures_file(path: str | Path) -> tuple[ExpectedFailure, ...]
     suite's properties when the run starts: ``conformance.core.expectations.entry_errors``.)"""
     where = f"--xfail-file {path}"
     file = Path(path).expanduser()
-    shipped = XFAIL_DIR / f"{path}.toml"
-    if not file.is_file() and _short_name(str(path)) and shipped.is_file():
-        file = shipped               # a short name: the file shipped in the package
+    shipped = [d / f"{path}.toml" for d in (LIBRARY_XFAIL_DIR, XFAIL_DIR) if (d / f"{path}.toml").is_file()]
+    if not file.is_file() and _short_name(str(path)) and shipped:
+        file = shipped[0]            # a short name: the file shipped in the package
     if not file.is_file():
-        names = ", ".join(sorted(p.stem for p in XFAIL_DIR.glob("*.toml")))
+        names = ", ".join(sorted(p.stem for d in (LIBRARY_XFAIL_DIR, XFAIL_DIR) for p in d.glob("*.toml")))
         raise ImplementationError(
             f"{where}: no such file (looked for {file.resolve()}); give the path of a TOML file "
             "of [[xfail]] tables, as in implementations/xfail/*.toml, or the short name of a file "
@@ -128,11 +133,8 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
 
 #: The library each built-in with an expected-failures file calls: a user's function
 #: that calls the same library may inherit its deviations.
-#: The files of libraries certified with no adapter (not built-ins) are offered only to an
-#: implementation that calls their library.
 BUILTIN_LIBRARIES = {"sdpa": "torch", "sdpa-flash": "torch", "sdpa-flash-cuda": "torch", "sdpa-cudnn": "torch",
-                     "torch-mha": "torch", "jax": "jax", "keras-mha": "keras", "keras-mha-tensorflow": "tensorflow",
-                     "transformers-eager": "transformers", "transformers-flex": "transformers"}
+                     "torch-mha": "torch", "jax": "jax"}
 
 
 def builtin_deviations(property_id: str, attrs: list[dict], directory: Path | None = None,

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 
 from implementations.base import Implementation, ImplementationError
-from implementations.registry.expected_failures import load_expected_failures
+from implementations.registry.expected_failures import LIBRARY_XFAIL_DIR, load_expected_failures
 
 __all__ = ["INTERFACE_PARAMETERS", "MASK_FORMS", "InterfaceSDPA", "interface_mask_form",
            "is_interface_signature", "recognise_interface"]
@@ -63,7 +63,8 @@ MASK_FORMS = ("additive", "bool")
 #: copy of ``eager_attention_forward``).
 KNOWN_FORMS = {"eager_attention_forward": "additive", "sdpa_attention_forward": "bool",
                "flex_attention_forward": "additive"}
-#: The expected-failures files (implementations/xfail/) of transformers' own backends,
+#: The expected-failures files (implementations/xfail/libraries/, else a built-in's in
+#: implementations/xfail/) of transformers' own backends,
 #: attached to those functions only: sdpa_attention_forward calls torch's SDPA, whose
 #: deviations it inherits.
 KNOWN_DEVIATIONS = {"eager_attention_forward": ("transformers-eager",), "sdpa_attention_forward": ("sdpa",),
@@ -184,7 +185,8 @@ def _deviations(fn: Any) -> tuple:
     if not (getattr(fn, "__module__", "") or "").startswith("transformers."):
         return ()
     names = KNOWN_DEVIATIONS.get(getattr(fn, "__name__", ""), ())
-    return tuple(entry for name in names for entry in load_expected_failures(name))
+    return tuple(entry for name in names
+                 for entry in load_expected_failures(name, LIBRARY_XFAIL_DIR) or load_expected_failures(name))
 
 
 def _accepted(parameters: list[inspect.Parameter]) -> frozenset[str]:
