@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from implementations.bridge.mha import KerasMHA, keras_mha_framework
-from tests.implementations.test_framework_bridge import MODULES, ROOT, certify, outcomes
+from tests.implementations.test_framework_bridge import MODULES, certify, outcomes
 
 needs_keras = pytest.mark.skipif(
     importlib.util.find_spec("keras") is None or importlib.util.find_spec("torch") is None,
