@@ -71,7 +71,7 @@ def test_learner_module_example():
     assert {"key_padding_mask", "batch_first", "unbatched"} <= caps.mha_features
     assert caps.fully_masked == "zero"
     notes = " ".join(caps.probe_notes)
-    assert "w_q, w_k, w_v, w_o" in notes and "1/True = keep" in notes and "forward(x, mask)" in notes
+    assert "w_q, w_k, w_v, w_o" in notes and "1/True = keep" in notes and "forward(x, mask=...)" in notes
     rng = np.random.default_rng(2)
     params = spec.MHAParams.random(rng, 8, 2)
     x = rng.standard_normal((4, 2, 8))  # (L, B, D), self-attention
