@@ -45,6 +45,19 @@ def _index(shape: tuple[int, ...], flat: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(flat, shape))
 
 
+def distinct_digits(got: float, want: float) -> tuple[str, str]:
+    """Two values with as few significant digits as tell them apart (at least 4, at most 17).
+
+    A float32 result compared in float64 would otherwise print 17 digits of which the last
+    eight are noise of the conversion.
+    """
+    for digits in range(4, 18):
+        a, b = f"{got:.{digits}g}", f"{want:.{digits}g}"
+        if a != b:
+            return a, b
+    return repr(got), repr(want)
+
+
 def compare_values(
     what: str,
     actual: np.ndarray,
@@ -102,10 +115,11 @@ def compare_values(
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(bad, err / np.abs(expected), 0.0)
         k = _index(actual.shape, int(np.nanargmax(np.where(bad, rel, -1.0))))
+        got, want = distinct_digits(float(actual[i]), float(expected[i]))
         fail(
             f"{what} values mismatch: {positions(bad)}\n"
-            f"  worst error/allowed = {worst_ratio:.3g} at {i}: got {actual[i]!r}, "
-            f"but should be {expected[i]!r} (|diff|={err[i]:.3g}, allowed {allowed[i]:.3g})\n"
+            f"  worst error/allowed = {worst_ratio:.3g} at {i}: got {got}, "
+            f"but should be {want} (|diff|={err[i]:.3g}, allowed {allowed[i]:.3g})\n"
             f"  greatest abs diff {err[j]:.3g} at {j}; greatest rel diff "
             f"{float(err[k] / abs(expected[k])) if expected[k] != 0 else float('inf'):.3g} at {k}",
             ratio=worst_ratio,

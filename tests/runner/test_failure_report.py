@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conformance.calls.sdpa import run_sdpa
 from conformance.core.compare import PropertyFailure
@@ -180,3 +181,16 @@ def test_an_error_a_c_function_raised_under_the_suites_call_is_the_implementatio
     c_callee, own = errors
     assert suite_frame(c_callee) is None
     assert suite_frame(own) == "implementations/bridge/sdpa.py:4 in read"
+
+
+def test_mismatched_values_are_shown_with_the_digits_that_tell_them_apart():
+    """A float32 value compared in float64 is not printed with 17 digits of conversion noise."""
+    from conformance.core.compare import PropertyFailure, compare_values, distinct_digits
+
+    assert distinct_digits(-2.0, 1.0) == ("-2", "1")
+    got, want = distinct_digits(1.2345678, 1.2345679)
+    assert (got, want) == ("1.2345678", "1.2345679")
+    with pytest.raises(PropertyFailure) as info:
+        compare_values("output", np.array([float(np.float32(1.304))]), np.array([0.9470809631292422]),
+                       allowed=1e-6)
+    assert "got 1.304, but should be 0.9471" in str(info.value)
