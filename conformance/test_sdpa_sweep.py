@@ -350,8 +350,10 @@ def _sweep(target: Target, sweep: Sweep, order: list[tuple[int, int]] | None = N
     if smallest is not None:
         (_, _), case, exc = smallest
         sweep.failing(case)
-        raise type(exc)(f"{exc}\nsmallest failing size of the sweep: L={case.L}, S={case.S} "
-                        f"({case.notes[0].split(': ', 1)[1]})") from exc
+        message = (f"{exc}\nsmallest failing size of the sweep: L={case.L}, S={case.S} "
+                   f"({case.notes[0].split(': ', 1)[1]})")
+        # The failure keeps its ratio: the certificate's FAIL cell shows it.
+        raise type(exc)(message, ratio=getattr(exc, "ratio", None)) from exc
 
 
 def _check_size_isolated(sweep: Sweep, pool: _Pool, layouts: list[_Layout], L: int,

@@ -96,3 +96,15 @@ def test_a_directed_failure_the_search_cannot_find_is_shrunk_keeping_what_makes_
     assert (sizes["S"], sizes["Ev"], sizes["L"]) == (33, 2, 1), output[-3000:]
     assert sizes["E"] < 4, output[-3000:]
     assert 'from the directed example "two key blocks + 1 (S=33), Ev != E"' in output, output[-3000:]
+
+
+def test_a_sweep_failure_keeps_its_ratio_on_the_certificate(tmp_path):
+    # 1% too large at L = 7, S = 13 only: the sweep fails with a value mismatch, and the
+    # FAIL cell shows that mismatch's worst error/allowed ratio, although the sweep
+    # re-raises the failure with the smallest size added to its message.
+    report, output = run(tmp_path, "cert", "--impl=tests/runner/impls_for_tests.py:scaled_at_one_size_impl",
+                         "--dtype", "float64", "-k", "small_sizes_sweep")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert record["worst_ratio"] is not None and record["worst_ratio"] > 1, (record, output[-3000:])
+    assert "smallest failing size of the sweep: L=7, S=13" in output, output[-3000:]
