@@ -48,6 +48,9 @@ from implementations.bridge import (
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
 from implementations.registry.flash_recognition import (
+    FA3_OTHER_PARAMETERS,
+    FLASH_PARAMETERS,
+    SINK_ALIASES,
     is_flash_signature,
     recognise_flash,
 )
@@ -130,12 +133,27 @@ def recognise(obj: Any, *, name: str, origin: str = "",
     required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not required:
         return _call_builder(obj, origin, timeout)
-    raise ImplementationError(
-        f"{origin} has the signature {getattr(obj, '__name__', 'f')}({', '.join(names)}), which "
-        "is not torch.nn.functional.scaled_dot_product_attention's "
-        f"({', '.join(SDPA_PARAMETERS)}): the first three parameters must be named query, key, "
-        "value (or q, k, v for flash_attn_func's signature); or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
-    )
+    raise ImplementationError(_unrecognised_signature(obj, origin, parameters))
+
+
+def _unrecognised_signature(obj: Any, origin: str, parameters: list[inspect.Parameter]) -> str:
+    """Why a function's signature is none the suite recognises, and what would make it one."""
+    names = [p.name for p in parameters]
+    shown = f"{origin} has the signature {getattr(obj, '__name__', 'f')}({', '.join(names)})"
+    alternatives = "; or give a drop-in class for torch.nn.MultiheadAttention, or an Implementation"
+    if names[:3] == ["q", "k", "v"]:
+        foreign = [n for n in names[3:] if n not in FLASH_PARAMETERS and n not in SINK_ALIASES
+                   and n not in FA3_OTHER_PARAMETERS]
+        return (f"{shown}: a function whose first parameters are q, k, v is read as flash_attn_func's "
+                f"((B, L, N, E) tensors; parameters {', '.join(FLASH_PARAMETERS)}), but "
+                f"{', '.join(foreign) or 'none of the others'} {'is' if len(foreign) == 1 else 'are'} not "
+                "among them. If it follows torch.nn.functional.scaled_dot_product_attention's convention "
+                f"((B, N, L, E) tensors; {', '.join(SDPA_PARAMETERS)}), name its first three parameters "
+                "query, key, value (parameters SDPA lacks need defaults), or wrap it in a function of "
+                "either signature" + alternatives)
+    return (f"{shown}, which is not torch.nn.functional.scaled_dot_product_attention's "
+            f"({', '.join(SDPA_PARAMETERS)}): the first three parameters must be named query, key, "
+            "value (or q, k, v for flash_attn_func's signature)" + alternatives)
 
 
 def _declared_framework() -> bool:

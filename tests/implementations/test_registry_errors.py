@@ -58,6 +58,26 @@ def test_wrong_function_signature(tmp_path):
     assert "query, key, value" in message
 
 
+def test_a_q_k_v_function_is_told_which_parameters_keep_it_from_flash_attn_func(tmp_path):
+    # fairseq2's naive SDPA: q, k, v are named as flash_attn_func's are; the message must not
+    # claim they are not (the real reason is the other parameters).
+    path = tmp_path / "naive.py"
+    path.write_text("def naive_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, needs_weights=False,"
+                    " training=True):\n    return q\n")
+    message = error_for(f"{path}:naive_sdpa")
+    assert "must be named query, key, value" not in message
+    assert "attn_mask, needs_weights, training are not among them" in message
+    assert "name its first three parameters query, key, value" in message
+
+
+def test_other_first_parameter_names_are_told_the_names_to_use(tmp_path):
+    path = tmp_path / "other.py"
+    path.write_text("def attend(seqs, keys, values, mask=None):\n    return seqs\n")
+    message = error_for(f"{path}:attend")
+    assert "attend(seqs, keys, values, mask)" in message
+    assert "the first three parameters must be named query, key, value (or q, k, v" in message
+
+
 def test_wrong_class_signature(tmp_path):
     path = tmp_path / "wrong_cls.py"
     path.write_text(textwrap.dedent(
