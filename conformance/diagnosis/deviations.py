@@ -31,10 +31,7 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     named = bool(verdict.causes) and bool(verdict.causes[0].get("confirmed"))
     found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
              if entry not in own and _specific(entry)]
-    libraries, bridged = _libraries_used(target)
-    used = libraries & set(BUILTIN_LIBRARIES.values())
-    if used or bridged:                   # the built-ins of the libraries the implementation calls
-        found = [item for item in found if BUILTIN_LIBRARIES.get(item[0]) in used]
+    found = _offered(found, target, BUILTIN_LIBRARIES)
     if not found:
         return verdict
     name, path, entry = found[0]
@@ -58,6 +55,27 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
                                           if verdict.line else "")
     return Verdict([pseudo, *verdict.causes], line, verdict.call)
+
+
+#: Built-ins that are a library's layer, not a kernel: their deviations are in that layer's
+#: own code (nn.MultiheadAttention's fast path, its need_weights softmax), which a layer of
+#: another framework bridged onto the same library's kernels (Keras' MultiHeadAttention on
+#: the torch backend) does not run.
+LAYER_BUILTINS = frozenset({"torch-mha"})
+
+
+def _offered(found: list[tuple[str, Any, Any]], target: Any,
+             libraries_of: dict[str, str]) -> list[tuple[str, Any, Any]]:
+    """The known deviations of ``found`` that the implementation can inherit: those of
+    built-ins whose library it calls (all of them when nothing it references is a
+    built-in's library and nothing is bridged), never a layer built-in's for a bridged one."""
+    libraries, bridged = _libraries_used(target)
+    used = libraries & set(libraries_of.values())
+    if used or bridged:                   # the built-ins of the libraries the implementation calls
+        found = [item for item in found if libraries_of.get(item[0]) in used]
+    if bridged:
+        found = [item for item in found if item[0] not in LAYER_BUILTINS]
+    return found
 
 
 def _libraries_used(target: Any) -> tuple[set[str], bool]:

@@ -363,3 +363,20 @@ def test_the_sharded_derived_case_can_confirm_a_merge_without_the_max():
             problem = V.ShardedProblem.from_case(derived)
             assert _could_confirm(problem, "sharded_merge_no_max"), (dtype, layout, causal)
             assert np.isfinite(V.reference(problem).output).all()
+
+
+def test_a_bridged_layer_on_torch_is_offered_torchs_kernel_deviations_but_not_nn_multiheadattentions():
+    """Keras' MultiHeadAttention on the torch backend calls torch's kernels, not
+    nn.MultiheadAttention's code: torch-mha's known deviations are not its own."""
+    from types import SimpleNamespace
+
+    from conformance.diagnosis.deviations import _offered
+
+    framework = SimpleNamespace(package="keras", native_torch=True)
+    layer = SimpleNamespace(framework=framework)
+    target = SimpleNamespace(impl=SimpleNamespace(sdpa=None, mha=layer, flash=None))
+    found = [("sdpa", None, None), ("torch-mha", None, None), ("jax", None, None)]
+    libraries = {"sdpa": "torch", "torch-mha": "torch", "jax": "jax"}
+    assert [name for name, _, _ in _offered(found, target, libraries)] == ["sdpa"]
+    plain = SimpleNamespace(impl=SimpleNamespace(sdpa=None, mha=torch.nn.MultiheadAttention, flash=None))
+    assert "torch-mha" in [name for name, _, _ in _offered(found, plain, libraries)]
