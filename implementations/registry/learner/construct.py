@@ -239,8 +239,11 @@ def learner_config_values(text: str | None) -> dict[str, Any]:
     return values
 
 
-def _read_config(cls: type, param: inspect.Parameter, origin: str, options: Mapping[str, str]) -> Construction:
-    config_type = _config_type(cls, param)
+def _read_config(cls: type, param: inspect.Parameter, origin: str, options: Mapping[str, str],
+                 owner: type | None = None) -> Construction:
+    # The class whose __init__ was read names its config in its own module (a subclass
+    # forwarding *args to GPT2Attention lives in a file that never imports GPT2Config).
+    config_type = (_config_type(owner, param) if owner not in (None, cls) else None) or _config_type(cls, param)
     user = learner_config_values(options.get("learner_config"))
     if config_type is not None:
         attributes = _attributes(config_type)
@@ -291,7 +294,7 @@ def read_constructor(cls: type, origin: str, options: Mapping[str, str]) -> Cons
                                 heads_first=names.index(heads) < names.index(size))
         required = [p.name for p in params if p.default is p.empty and not _is_dropout(p.name)]
         if dim is None and heads is None and len(required) == 1:
-            construction = _read_config(cls, params[names.index(required[0])], origin, options)
+            construction = _read_config(cls, params[names.index(required[0])], origin, options, owner)
             return dataclasses.replace(construction, via=via)
         if dim is None and heads is None and len(required) >= 2:
             dim, heads = required[0], required[1]

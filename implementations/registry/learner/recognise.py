@@ -247,7 +247,9 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
              "qkv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key', 'value'), plan.forward_names, strict=False))})"}[plan.inputs]
     inputs = {"self": "self-attention only (one input; cross-attention cases skipped: forward(query, key, value) "
                       "would enable them)",
-              "kv": "one key/value input (key = value; cross-attention cases, which draw key != value, skipped)",
+              "kv": "one key/value input (key = value): certified on self-attention calls; cross-attention "
+                    "cases skipped (the MHA level draws key and value apart, which one input cannot take, and "
+                    "has no feature that draws key = value != query)",
               "qkv": "query, key, value"}[plan.inputs]
     causal = f"; {plan.causal}: certified as causal self-attention (causal calls only)" if plan.causal else ""
     layout = f"; {plan.layout_how}" if plan.seq_first else ""
@@ -258,9 +260,7 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
         notes.append(f"learner mask: none certified ({plan.mask_how})")
     else:
         shapes = ", ".join(_shape_text(s) for s in plan.mask_shapes)
-        attn = ("attn_mask and causal cases run as one full (B, H, L, S) mask" if "attn_mask" in features else
-                "read as key padding only: attn_mask cases (float biases, per-head masks) skipped, an additive "
-                "mask taking (B, H, L, S) would enable them")
+        attn = _query_axis_text(plan, features)
         notes.append(f"learner mask: {plan.mask_arg} {plan.mask_how}; shapes {shapes}; {attn}")
     notes.append(f"fully_masked: a row with every key blocked gives {fm_text}")
     weights = {None: "returns the output only: need_weights cases skipped (returning (output, weights) would "
@@ -271,3 +271,20 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
                  + ("switchable" if dropout_on else "not switchable as attention-weight dropout (no dropout "
                     "argument that works, or it also drops the output): dropout cases skipped"))
     return tuple(notes)
+
+
+def _query_axis_text(plan: LearnerPlan, features: set[str]) -> str:
+    """What happens to masks with a query axis (attn_mask, causal) and, where they are
+    skipped, why: the MHA level's attn_mask cases include per-head (B·H, L, S) masks, and
+    no feature draws the (L, S) ones alone, so a module whose masks have no head axis
+    cannot be handed any of them."""
+    if "attn_mask" in features:
+        return "attn_mask and causal cases run as one full (B, H, L, S) mask"
+    with_query = [_shape_text(s) for s in plan.mask_shapes if "L" in s]
+    if not with_query:
+        return ("read as key padding only: it takes no mask with a query axis, so attn_mask and causal cases "
+                "are skipped")
+    return (f"read as key padding only: attn_mask and causal cases skipped, though it takes masks with a query "
+            f"axis ({', '.join(with_query)}): the MHA level's attn_mask cases include per-head (B*H, L, S) "
+            "masks, which a mask without a head axis cannot hold, and no feature draws the others alone (a "
+            "mask argument that also takes (B, H, L, S) would enable them)")

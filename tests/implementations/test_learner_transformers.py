@@ -1,0 +1,84 @@
+"""transformers' own attention classes at the learner level, with no adapter: built from
+their config, read by dataflow (Conv1D layers, ``key_value_states``, no output projection),
+certified as what they are, and a classic mistake written into each fails with its cause.
+Skipped where transformers is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from implementations import registry
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+BART = "transformers.models.bart.modeling_bart:BartAttention"
+WHISPER = "transformers.models.whisper.modeling_whisper:WhisperAttention"
+BERT = "transformers.models.bert.modeling_bert:BertSelfAttention"
+GPT2 = "transformers.models.gpt2.modeling_gpt2:GPT2Attention"
+SDPA = {"learner_config": "_attn_implementation=sdpa"}
+CAUSAL = {"causal_only": "true"}
+MISTAKES = "tests/implementations/learner_modules/transformers_mistakes.py"
+
+
+def _certify(impl: str, options: dict[str, str], tmp_path: Path) -> tuple[dict[str, str], dict]:
+    report = tmp_path / "cert"
+    flags = [f"--impl-option={k}={v}" for k, v in options.items()]
+    subprocess.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", *flags,
+                    "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", "mha",
+                    "--dtype", "float64,float32", f"--conformance-report={report}"],
+                   cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                   timeout=900)
+    cert = json.loads(Path(f"{report}.json").read_text())
+    return {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}, cert
+
+
+@pytest.mark.parametrize("impl, options", [(BART, {}), (WHISPER, {}), (BERT, {}), (GPT2, {}),
+                                           (GPT2, {**SDPA, **CAUSAL})],
+                         ids=["bart", "whisper", "bert", "gpt2-eager", "gpt2-sdpa-causal"])
+def test_transformers_class_certifies_as_what_it_is(impl, options, tmp_path):
+    """GPT-2's eager path (the default of a standalone config) is bidirectional without a
+    mask; its sdpa path is causal there, so it certifies when declared causal_only."""
+    outcomes, _ = _certify(impl, options, tmp_path)
+    assert "failed" not in outcomes.values() and "error" not in outcomes.values(), outcomes
+    assert outcomes["mha_agreement-float64"] == "passed" and outcomes["mha_agreement-float32"] == "passed"
+
+
+@pytest.mark.parametrize("options", [SDPA, CAUSAL], ids=["sdpa-undeclared", "eager-declared-causal"])
+def test_gpt2_declared_as_what_it_is_not_fails(options, tmp_path):
+    """The disagreement of GPT-2's two paths on a call without a mask (docs/FINDINGS.md):
+    each fails where it is declared as the other."""
+    outcomes, _ = _certify(GPT2, options, tmp_path)
+    assert outcomes["mha_agreement-float64"] == "failed" and outcomes["mha_agreement-float32"] == "failed"
+
+
+@pytest.mark.parametrize("cls", ["BartScaledByModelDim", "WhisperScaledByModelDim", "GPT2ScaledByModelDim"])
+def test_a_mistake_in_a_transformers_class_fails_with_its_cause(cls, tmp_path):
+    """A subclass forwarding *args (its config found in its base's module: GPT2Config) that
+    scales the scores by 1/sqrt(embed_dim)."""
+    outcomes, cert = _certify(f"{MISTAKES}:{cls}", {}, tmp_path)
+    assert outcomes["mha_agreement-float64"] == "failed" and outcomes["mha_agreement-float32"] == "failed"
+    assert "mha_scale_model_dim" in {c["variant"] for c in cert["causes"]}
+
+
+def test_key_value_states_is_read_and_cross_cases_skip_with_the_reason():
+    for impl in (BART, WHISPER):
+        caps = registry.resolve(impl).caps("mha")
+        notes = " ".join(caps.probe_notes)
+        assert "key_value_states read as the key/value input" in notes
+        assert "the MHA level draws key and value apart, which one input cannot take" in notes
+        assert "cross_attention" not in caps.mha_features
+
+
+def test_gpt2_conv1d_layers_are_read_on_both_paths():
+    for options in ({}, {**SDPA, **CAUSAL}):
+        caps = registry.resolve(GPT2, options).caps("mha")
+        notes = " ".join(caps.probe_notes)
+        assert "c_attn fused q|k|v, c_proj out" in notes and "matches the oracle exactly" in notes
+        assert caps.causal_only == bool(options)
