@@ -260,3 +260,14 @@ def test_rotary_and_hidden_signatures_are_refused_with_the_reason(tmp_path):
     assert "\n" not in message and "rotary embeddings" in message and "kvcache level" in message
     message = _usage_error(tmp_path, "Hidden", "*args, **kwargs", "self.wq = nn.Linear(8, 8)", "x")
     assert "a decorator hides its signature" in message and "learner_init" not in message
+
+
+def test_query_axis_masks_without_heads_say_why_they_skip():
+    """ESPnet's and OpenNMT-py's masks take (B, L, S) and (B, 1, S), no head axis: attn_mask
+    and causal cases skip, and the note says it is the per-head cases that rule them out."""
+    for impl in ("espnet_style.py:MultiHeadedAttention", "opennmt_style.py:MultiHeadedAttention"):
+        notes, caps = _notes(f"{MODULES_DIR}/{impl}")
+        assert "attn_mask" not in caps.mha_features and "is_causal" not in caps.mha_features
+        assert "though it takes masks with a query axis ((B, L, S))" in notes and "per-head (B*H, L, S)" in notes
+    notes, caps = _notes(f"{MODULES}:KeepMaskAttention")
+    assert "attn_mask" in caps.mha_features and "attn_mask and causal cases run as one full" in notes
