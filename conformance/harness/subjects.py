@@ -130,7 +130,7 @@ def _resolve_in(config: pytest.Config, impl_spec: str, options: dict[str, str],
 
     if not isolate:
         try:
-            return registry.resolve(impl_spec, options or None, timeout=timeout), None
+            return registry.resolve(impl_spec, options or None, timeout=timeout, root=config.rootpath), None
         except ImplementationError as err:
             raise pytest.UsageError(str(err)) from None
     worker = isolation.Worker(impl_spec, options, timeout)

@@ -61,8 +61,8 @@ from implementations.base import (
     renamed_mha_features,
 )
 
-__all__ = ["DERIVED_FLASH_OPTION", "OPTION_LEVELS", "ParsedOptions", "apply_options", "derived_flash_wanted",
-           "parse_options"]
+__all__ = ["CAPABILITY_OPTION_KEYS", "DERIVED_FLASH_OPTION", "OPTION_LEVELS", "ParsedOptions", "apply_options",
+           "derived_flash_wanted", "parse_options"]
 
 #: The levels a ``LEVEL.key=value`` option may name.
 OPTION_LEVELS = ("sdpa", "mha", "flash")
@@ -201,6 +201,8 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
 
 
 _OPTION_PARSERS = _option_parsers()
+#: The capability keys of ``--impl-option`` (each a Capabilities field; a declaration's too).
+CAPABILITY_OPTION_KEYS = tuple(_OPTION_PARSERS)
 
 
 def derived_flash_wanted(options: Mapping[str, str] | None) -> bool | None:

@@ -23,10 +23,14 @@ from typing import Any, Callable, Iterator, Mapping
 
 from implementations.base import ALL_DTYPES
 
-__all__ = ["ProbePlan", "current_declarations", "declared_for_probes", "first_call_hint", "probe_plan"]
+__all__ = ["ProbePlan", "current_declarations", "declared_for_probes", "first_call_hint", "probe_plan",
+           "unprobed_value"]
 
 _DECLARED: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("declared_for_probes",
                                                                                      default=None)
+#: scope ("" every level, a level, a dtype) -> field -> value: what a declaration gives, not probed.
+_UNPROBED: contextvars.ContextVar[Mapping[str, Mapping[str, Any]] | None] = contextvars.ContextVar(
+    "unprobed", default=None)
 
 #: The declarations a probe call is built inside (parsed ``--impl-option`` values).
 PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_multiple", "causal_only",
@@ -34,17 +38,48 @@ PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_mult
 
 
 @contextlib.contextmanager
-def declared_for_probes(values: Any) -> Iterator[None]:
+def declared_for_probes(values: Any, unprobed: tuple[str, ...] = ()) -> Iterator[None]:
     """Probe calls made inside this block are built inside ``values`` (parsed options:
-    a mapping, or ``options.ParsedOptions``, whose options for every level count)."""
+    a mapping, or ``options.ParsedOptions``, whose options for every level count). The
+    fields of the option keys ``unprobed`` (a declaration's, ``flash.head_dims`` scoped) are
+    not probed: a probe reads their value (:func:`unprobed_value`) instead of calling."""
     scoped = {"": dict(getattr(values, "common", values))}
     scoped.update(getattr(values, "per_level", {}))
+    skipped: dict[str, dict[str, Any]] = {}
+    for key in unprobed:
+        scope, dot, name = key.rpartition(".")
+        held = {**scoped, **getattr(values, "per_dtype", {})}.get(scope, {})
+        if name in held:  # absent: moved by the options (8-bit dtypes go to fp8_dtypes)
+            skipped.setdefault(scope, {})[name] = held[name]
     token = _DECLARED.set({scope: {k: v for k, v in vals.items() if k in PROBE_FIELDS}
                            for scope, vals in scoped.items()})
+    unprobed_token = _UNPROBED.set(skipped)
     try:
         yield
     finally:
+        _UNPROBED.reset(unprobed_token)
         _DECLARED.reset(token)
+
+
+_MISSING = object()
+
+
+def unprobed_value(field: str, level: str, dtype: str | None = None) -> Any:
+    """The declared value of ``field`` (``mask_kinds:bool``: whether ``bool`` is among the
+    declared mask kinds) at ``level`` in ``dtype`` when a declaration gives it, so that no
+    probe call finds it; else :data:`NOT_DECLARED`."""
+    name, _, part = field.partition(":")
+    scoped = _UNPROBED.get() or {}
+    value = _MISSING
+    for scope in ("", level, dtype or ""):  # the narrower scope wins
+        value = scoped.get(scope, {}).get(name, value)
+    if value is _MISSING:
+        return NOT_DECLARED
+    return part in value if part else value
+
+
+#: What :func:`unprobed_value` returns for a field that is probed.
+NOT_DECLARED = _MISSING
 
 
 def current_declarations(level: str = "") -> Mapping[str, Any]:

@@ -10,6 +10,12 @@
 4. ``package.module:attr``;
 5. ``path/to/file.py:attr``.
 
+A declaration (:mod:`.declaration`) comes before all of these: ``path/to/decl.toml``, or a
+name that is not a built-in and has a table ``[tool.attention-conformance.implementations.NAME]``
+in ``root/pyproject.toml``. Its ``spec`` is resolved as above, its values are options
+(``options`` win key by key), its ``xfail_file`` entries are attached, and what it declares
+is not probed.
+
 ``--impl-option`` values are parsed first, and every probe call is built inside them
 (:mod:`.probe_plan`: dtype, head dims, lengths, causal only). Then they override the capabilities, and an implementation with an
 SDPA callable but no flash callable of its own gets a flash level derived from the SDPA
@@ -52,7 +58,12 @@ from implementations.onnx import (
     split_onnx_options,
 )
 from implementations.registry._errors import summarise
-from implementations.registry.expected_failures import load_expected_failures
+from implementations.registry.declaration import find_declaration
+from implementations.registry.expected_failures import (
+    load_expected_failures,
+    load_expected_failures_file,
+    with_expected_failures,
+)
 from implementations.registry.options import (
     DERIVED_FLASH_OPTION,
     apply_options,
@@ -111,15 +122,26 @@ def registered() -> dict[str, Callable[[], Implementation]]:
 
 
 def resolve(spec: str, options: Mapping[str, str] | None = None, *,
-            timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Implementation:
+            timeout: float | None = DEFAULT_PROBE_TIMEOUT, root: str | Path | None = None) -> Implementation:
     """The implementation ``spec`` names (see the module docstring), with ``options``
     overriding its capabilities and, unless ``options`` has ``derived_flash=false``, a
     flash level derived from its SDPA callable where it has none of its own. Importing,
     building and probing a user's code is limited to ``timeout`` seconds a call
-    (``0``/``None``: no limit)."""
+    (``0``/``None``: no limit). ``root``: where a name's ``pyproject.toml`` declaration is
+    looked for (pytest's rootdir; default the current directory)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ImplementationError(f"--impl={spec!r} is empty; give {ACCEPTED}")
-    spec = spec.strip()
+    declared = find_declaration(spec, root)
+    if declared is None:
+        return _resolve_with_options(spec.strip(), options, timeout, ())
+    impl = _resolve_with_options(declared.spec, declared.merged(options), timeout, declared.unprobed(options))
+    if declared.xfail_file:
+        impl = with_expected_failures(impl, load_expected_failures_file(declared.xfail_file))
+    return impl
+
+
+def _resolve_with_options(spec: str, options: Mapping[str, str] | None, timeout: float | None,
+                          unprobed: tuple[str, ...]) -> Implementation:
     learner, options = split_learner_options(options)
     bridge, options = split_bridge_options(options)
     onnx, options = split_onnx_options(options)
@@ -137,7 +159,7 @@ def resolve(spec: str, options: Mapping[str, str] | None = None, *,
     # call is built inside them (.probe_plan).
     parsed = parse_options({k: v for k, v in (options or {}).items() if k != DERIVED_FLASH_OPTION})
     with learner_options(learner) as held, bridge_options(bridge) as bridge_held, onnx_options(onnx), \
-            declared_for_probes(parsed):
+            declared_for_probes(parsed, unprobed):
         if graph is not None:
             impl = graph_implementation(graph[0], name=spec, probe=probe_sdpa, timeout=timeout)
         elif target is not None:
