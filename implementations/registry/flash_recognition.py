@@ -141,7 +141,7 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
     causal only); without any, float32 with E = 4, L = 2, S = 3."""
     import torch
 
-    probe = _Prober(origin, timeout)
+    probe = _Prober(origin, timeout, "flash")
     gen = torch.Generator().manual_seed(0)
     plan = probe_plan(level="flash")
     L0, S0, E0 = plan.L, plan.S, plan.E

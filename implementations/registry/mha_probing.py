@@ -35,7 +35,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     (each limited to ``timeout`` seconds)."""
     import torch
 
-    probe = _Prober(origin, timeout)
+    probe = _Prober(origin, timeout, "mha")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(_L, _B, _D, generator=gen)
     kv = torch.randn(_S, _B, _D, generator=gen)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from implementations.base import ALL_DTYPES, ImplementationError
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
+from implementations.registry.probe_plan import NOT_DECLARED, unprobed_value
 
 __all__ = ["BUILD_TIMEOUT", "DEFAULT_PROBE_TIMEOUT", "build_limit"]
 
@@ -31,8 +32,13 @@ class _Prober:
     raises the implementation's exception as :class:`CallRaised`; a probe that does
     not return within ``timeout`` is an ImplementationError."""
 
-    def __init__(self, origin: str, timeout: float | None) -> None:
-        self.origin, self.timeout = origin, timeout
+    def __init__(self, origin: str, timeout: float | None, level: str = "") -> None:
+        self.origin, self.timeout, self.level = origin, timeout, level
+
+    def given(self, field: str, dtype: str | None = None) -> Any:
+        """A declaration's value of ``field`` at this prober's level (in ``dtype``), which
+        is then not probed; :data:`NOT_DECLARED` when it is probed (``probe_plan.unprobed_value``)."""
+        return unprobed_value(field, self.level, dtype)
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         # The first probe call is the first call into the implementation: it may compile
@@ -98,6 +104,8 @@ def _try(probe: _Prober, what: str, fn: Callable[[], Any]) -> Any:
 def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes: list[str],
               dtype: str = "float32") -> bool:
     """Whether ``fn()`` runs; when not, a note of what it raised (``name: what in dtype raised ...``)."""
+    if (value := probe.given(name)) is not NOT_DECLARED:
+        return bool(value)
     said = probe.tried(what, fn)
     if said:
         notes.append(f"{name}: {what} in {dtype} {said}; declared unsupported")
@@ -107,7 +115,9 @@ def _supports(probe: _Prober, name: str, what: str, fn: Callable[[], Any], notes
 def _dtypes_that_run(probe: _Prober, call: Callable[[str], Any], notes: list[str],
                      candidates: tuple[str, ...] = ALL_DTYPES) -> tuple[str, ...]:
     """The dtypes among ``candidates`` (the declared ones, else all) in which a plain call
-    runs; a note for each one that does not."""
+    runs; a note for each one that does not (declared: the declared ones, no call)."""
+    if (declared := probe.given("dtypes")) is not NOT_DECLARED:
+        return tuple(d for d in ALL_DTYPES if d in declared)
     dtypes = []
     for dtype in [d for d in ALL_DTYPES if d in candidates]:
         said = probe.tried(f"dtype {dtype}", lambda d=dtype: call(d))
@@ -143,6 +153,9 @@ def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tu
 
     base = {}
     for key, (what, *call) in probes(base_dtype).items():
+        if (value := probe.given(key, base_dtype)) is not NOT_DECLARED:  # declared: not probed
+            base[key] = bool(value)
+            continue
         said = outcome(f"{what} in {base_dtype}", *call)
         base[key] = said is None
         if said:
@@ -152,6 +165,8 @@ def _per_dtype_capabilities(probe: _Prober, probes: Callable[[str], dict[str, tu
         if dtype == base_dtype:
             continue
         for key, (what, *call) in probes(dtype).items():
+            if probe.given(key, dtype) is not NOT_DECLARED:  # the declaration holds in this dtype
+                continue
             said = outcome(f"{what} in {dtype}", *call)
             if (said is None) != base[key]:
                 by_dtype.setdefault(dtype, {})[key] = said is None

@@ -38,7 +38,7 @@ from implementations.base import Capabilities, ImplementationError
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
 from implementations.registry.mha_probing import probe_mha
-from implementations.registry.probe_plan import first_call_hint, probe_plan
+from implementations.registry.probe_plan import NOT_DECLARED, first_call_hint, probe_plan
 from implementations.registry.prober import (
     BUILD_TIMEOUT,
     DEFAULT_PROBE_TIMEOUT,
@@ -69,7 +69,7 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
     (``is_causal`` upper-left, ``value`` used); probes find what it accepts, per dtype."""
     import torch
 
-    probe = _Prober(origin, timeout)
+    probe = _Prober(origin, timeout, "sdpa")
     gen = torch.Generator().manual_seed(0)
     # Declarations first: every call is built inside the declarations in force (.probe_plan).
     plan = probe_plan(level="sdpa")
@@ -115,9 +115,14 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
     # What it attends over, for the notes below: the values, or the keys where it ignores value.
     seen_v = k if _value_ignored(out, q, k, v, notes, tol, "upper_left" if plan.causal_only else None) else v
     runs = probe.runs
-    batch_dims = None
-    if not runs("3-D inputs", lambda: fn(q[0], k[0], v[0])) and \
-            not runs("5-D inputs", lambda: fn(q[None], k[None], v[None])):
+    batch_dims = probe.given("batch_dims")  # a declared field is not probed (probe_plan.unprobed_value)
+    if batch_dims is NOT_DECLARED:
+        batch_dims = None
+        probed_batch_dims = not runs("3-D inputs", lambda: fn(q[0], k[0], v[0])) and \
+            not runs("5-D inputs", lambda: fn(q[None], k[None], v[None]))
+    else:
+        probed_batch_dims = False
+    if probed_batch_dims:
         batch_dims = 1
         notes.append("batch_dims: 3-D and 5-D inputs raise; declared exactly (B, N, L, E), "
                      "the suite reshapes other ranks and masks to 4-D")
@@ -187,16 +192,25 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
                             if values.pop(f"mask_kinds:{kind}", found[f"mask_kinds:{kind}"])}
         if kinds != mask_kinds:
             values["mask_kinds"] = frozenset(kinds)
-    mask_grad = False
-    if "additive" in mask_kinds and found["autograd"]:
+    mask_grad = probe.given("mask_grad")
+    if mask_grad is not NOT_DECLARED:
+        mask_grad = bool(mask_grad)
+    elif "additive" not in mask_kinds or not found["autograd"]:
+        mask_grad = False
+    else:
         said = backward(q, k, v, mask=torch.randn(L, S0, generator=gen))
         mask_grad = said is None
         if said:
             notes.append(f"mask_grad: a gradient w.r.t. a float mask in {plan.dtype} {said}; declared unsupported")
-    causal, causal_seen = _probe_causal(probe, fn, q, k, seen_v, notes, equal_lengths, tol)
+    causal = probe.given("causal")
+    if causal is NOT_DECLARED:
+        causal, causal_seen = _probe_causal(probe, fn, q, k, seen_v, notes, equal_lengths, tol)
+    else:
+        causal_seen = causal or "raised"
+    declared_policy = probe.given("fully_masked")
     observed = {
         kind: _probe_fully_masked(probe, fn, q, k, seen_v, kind, as_mask, tol)
-        for kind in ("bool", "additive") if kind in mask_kinds
+        for kind in ("bool", "additive") if kind in mask_kinds and declared_policy is NOT_DECLARED
     }
     caps = Capabilities(
         devices=("cpu",),
@@ -219,11 +233,13 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
         batch_dims=batch_dims,
         by_dtype=by_dtype,
     )
-    if causal_seen == "lower_right" and not equal_lengths:  # the flag alone empties row 0 at L=3 > S=2
+    if causal_seen == "lower_right" and not equal_lengths and declared_policy is NOT_DECLARED:
+        # the flag alone empties row 0 at L=3 > S=2
         q3, k2, v2 = qkv(L=3, S=2) if (L0, S0) == (2, 3) else qkv(L=2 * L0, S=L0)
         observed["causal"] = _probe_fully_masked(probe, fn, q3, k2, k2 if seen_v is k else v2, "causal", as_mask,
                                                  tol)
-    fully_masked, source = _fully_masked_declaration(observed, notes)
+    fully_masked, source = ((declared_policy, "declared") if declared_policy is not NOT_DECLARED
+                            else _fully_masked_declaration(observed, notes))
     return caps.replace(fully_masked=fully_masked, probe_notes=tuple(notes),
                         sources={"causal": "contract" if causal else "probed", "shared_kv": "contract",
                                  "fully_masked": source})

@@ -1,0 +1,67 @@
+"""A field a declaration gives is not probed: probe calls counted (``_Prober.call``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from implementations import registry
+from implementations.registry import prober
+from implementations.registry.declaration import toml_value
+
+EXAMPLE = "examples/sdpa_function.py:attention"
+#: Every field the SDPA probe finds, as a declaration (what the example supports).
+FULL = {"dtypes": ["float64", "float32", "float16", "bfloat16"], "mask_kinds": ["none", "bool", "additive"],
+        "gqa": True, "different_v_dim": True, "autograd": True, "mask_grad": True, "dropout": True,
+        "custom_scale": True, "non_contiguous": True, "batch_dims": "none", "causal": "upper_left",
+        "fully_masked": "zero"}
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """The probe calls each resolve makes, by what was tried."""
+    seen: list[str] = []
+    real = prober._Prober.call
+
+    def call(self, what, fn):
+        seen.append(what)
+        return real(self, what, fn)
+
+    monkeypatch.setattr(prober._Prober, "call", call)
+    return seen
+
+
+def _declare(tmp_path: Path, values: dict) -> str:
+    path = tmp_path / "decl.toml"
+    path.write_text("\n".join(f"{k} = {toml_value(v)}" for k, v in {"spec": EXAMPLE, **values}.items()) + "\n")
+    return str(path)
+
+
+def _plain(caps):
+    return caps.replace(sources={}, probe_notes=())
+
+
+def test_declared_fields_are_not_probed_and_resolve_alike(tmp_path, count_calls):
+    undeclared = registry.resolve(EXAMPLE)
+    probed = len(count_calls)
+    count_calls.clear()
+    some = registry.resolve(_declare(tmp_path, {k: FULL[k] for k in ("dtypes", "gqa", "mask_kinds")}))
+    partly = len(count_calls)
+    assert not any(what.startswith(("dtype ", "GQA", "a bool mask", "a float mask")) for what in count_calls)
+    count_calls.clear()
+    full = registry.resolve(_declare(tmp_path, FULL))
+    assert count_calls == ["a plain call"], count_calls  # the signature's check: nothing else is probed
+    assert 1 < partly < probed, (partly, probed)
+    for impl in (some, full):
+        assert _plain(impl.caps("sdpa")) == _plain(undeclared.caps("sdpa"))
+    print(f"probe calls: undeclared {probed}, 3 fields declared {partly}, fully declared 1")
+
+
+def test_the_same_values_on_the_command_line_are_probed_as_before(count_calls):
+    registry.resolve(EXAMPLE)
+    probed = len(count_calls)
+    count_calls.clear()
+    # --impl-option keeps its behaviour: probed, and a claim the probe saw fail refused.
+    registry.resolve(EXAMPLE, {"gqa": "true", "mask_kinds": "none,bool,additive"})
+    assert len(count_calls) == probed
