@@ -148,6 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if len(specs) > 1 and subject.isolation is not None:
             subject.isolation.close()  # started again on its first check: one worker at a time
         session.add(subject)
+    subjects.write_declaration(config, list(session.subjects.values()))
     if config.getoption("conformance_device") in ("cuda", "all"):
         from conformance.core.devices import pin_cuda_device
 

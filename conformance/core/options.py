@@ -21,7 +21,7 @@ NAMESPACED_OPTIONS = ("--xfail-file", "--device", "--dtype", "--replay", "--exam
 #: a test path there; ``conformance.activation`` reads the command line with this list
 #: first, so that both spellings give the same run (tests/runner/test_option_spelling.py
 #: checks that the list is every value-taking option ``pytest_addoption`` registers).
-VALUE_OPTIONS = ("--impl", "--impl-option", "--conformance-report",
+VALUE_OPTIONS = ("--impl", "--impl-option", "--conformance-report", "--conformance-write-declaration",
                  *NAMESPACED_OPTIONS, *("--conformance-" + n[2:] for n in NAMESPACED_OPTIONS))
 
 
@@ -63,6 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: what the implementation declares)")
     group.addoption("--conformance-report", default=None, metavar="PATH",
                     help="write the certificate to PATH.json and PATH.md")
+    group.addoption("--conformance-write-declaration", default=None, metavar="PATH",
+                    help="write what resolution and probing found as a declaration (TOML, each entry "
+                         "with where it came from) to PATH; --impl=PATH reads it back, unprobed")
     _add(group, taken, "--replay", default=None, metavar="FILE",
                     help="re-run the one failing case saved in FILE (.npz)")
     _add(group, taken, "--example-timeout", default=60.0, type=float, metavar="SECONDS",

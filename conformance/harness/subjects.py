@@ -17,7 +17,7 @@ import pytest
 from conformance.harness.session import Subject
 from implementations.base import ImplementationError
 
-__all__ = ["impl_specs", "labels", "resolve_subject", "devices"]
+__all__ = ["impl_specs", "labels", "resolve_subject", "devices", "write_declaration"]
 
 
 _GLOB = re.compile(r"[*?\[]")
@@ -166,6 +166,28 @@ def _with_xfail_file(config: pytest.Config, impl: Any) -> Any:
         return registry.with_expected_failures(impl, registry.load_expected_failures_file(path))
     except ImplementationError as err:
         raise pytest.UsageError(str(err)) from None
+
+
+def write_declaration(config: pytest.Config, subjects: list[Subject]) -> None:
+    """``--conformance-write-declaration PATH``: the implementation's effective declaration
+    (``implementations.registry.declaration.draft_declaration``) written to PATH."""
+    path = config.getoption("conformance_write_declaration")
+    if not path or hasattr(config, "workerinput"):
+        return
+    if len(subjects) != 1:
+        raise pytest.UsageError(f"--conformance-write-declaration={path} drafts the declaration of one "
+                                f"implementation; --impl names {len(subjects)}: give one")
+    from pathlib import Path
+
+    from implementations.registry.declaration import draft_declaration, find_declaration
+
+    subject = subjects[0]
+    try:
+        declaration = find_declaration(subject.impl_spec, config.rootpath)
+        Path(path).write_text(draft_declaration(subject.impl, subject.impl_spec, subject.options, declaration),
+                              encoding="utf-8")
+    except (OSError, ImplementationError) as err:
+        raise pytest.UsageError(f"--conformance-write-declaration={path}: cannot write it: {err}") from None
 
 
 def devices(config: pytest.Config) -> list[str]:

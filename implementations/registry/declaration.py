@@ -247,10 +247,121 @@ def _render(spec: str, options: Mapping[str, str], xfail_file: str | None) -> st
     scoped: dict[str, list[str]] = {}
     for key, text in options.items():
         scope, dot, inner = key.partition(".")
+        value: Any = text
+        if text in ("true", "false"):
+            value = text == "true"
+        elif text.isdigit():
+            value = int(text)
+        elif "," in text and not any(c in text for c in ":="):
+            value = text.split(",")
         if dot:
-            scoped.setdefault(scope, []).append(f"{inner} = {toml_value(text)}")
+            scoped.setdefault(scope, []).append(f"{inner} = {toml_value(value)}")
         else:
-            lines.append(f"{key} = {toml_value(text)}")
+            lines.append(f"{key} = {toml_value(value)}")
     for scope, entries in scoped.items():
         lines += [f"[{scope}]", *entries]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- drafting from a run
+
+#: The fields the SDPA-level probe finds (``probing.probe_sdpa``): ``probe`` in a draft.
+_PROBED = frozenset({"dtypes", "mask_kinds", "causal", "different_v_dim", "gqa", "dropout", "custom_scale",
+                     "autograd", "mask_grad", "non_contiguous", "self_attention_lengths", "batch_dims",
+                     "fully_masked"})
+#: ... and at the MHA and flash levels (``mha_probing``, ``flash_recognition``).
+_PROBED_AT = {"sdpa": _PROBED, "mha": _PROBED | {"mha_features"},
+              "flash": _PROBED | {"flash_features", "fp8_dtypes", "fp8_descales"}}
+_SOURCE_WORDS = {"contract": "contract (the signature's meaning)", "probed": "probe", "declared": "declared"}
+
+
+def _native(value: Any) -> Any:
+    """A capability value as TOML: None is ``"none"``, a set a sorted list, an empty one ``"none"``."""
+    if value is None:
+        return "none"
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value)
+    if isinstance(value, (list, tuple)):
+        return list(value) if value else "none"
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _expressible(key: str, value: Any, caps: Any) -> bool:
+    """Whether ``value`` written for ``key`` reads back as the same capability."""
+    from implementations.registry.options import parse_options
+
+    try:
+        parsed = parse_options({key: option_text(key, _native(value))}).common
+        return getattr(caps.replace(**parsed), key) == getattr(caps, key)
+    except (ImplementationError, TypeError, ValueError):
+        return False
+
+
+def _source(key: str, caps: Any, given: Mapping[str, str], scoped_key: str, recognised: bool,
+            derived: bool) -> str:
+    from implementations.base import Capabilities
+
+    if scoped_key in given:
+        return "declared"
+    if caps.sources and dict(caps.sources).get(key):
+        return _SOURCE_WORDS.get(dict(caps.sources)[key], dict(caps.sources)[key])
+    note = " ".join(n for n in caps.probe_notes if n.split(":", 1)[0] == key)
+    if derived:
+        return "derived from the SDPA level"
+    if recognised and (note or key in _PROBED_AT[scoped_key.partition(".")[0] if "." in scoped_key else "sdpa"]):
+        return f"probe: {note.split(': ', 1)[-1][:90]}" if note else "probe"
+    if getattr(Capabilities(), key) == getattr(caps, key):
+        return "default"
+    return "signature" if recognised else "the implementation's own declaration"
+
+
+def draft_declaration(impl: Any, spec: str, options: Mapping[str, str] | None = None,
+                      declaration: Declaration | None = None) -> str:
+    """The effective declaration of ``impl`` (resolved from ``--impl=spec`` with ``options``,
+    and ``declaration`` when the spec named one) as a TOML file: every capability that has an
+    option key, at the SDPA level, then ``[mha]``/``[flash]`` where a level differs and
+    ``[DTYPE]`` where a dtype does; each entry with a comment saying where it came from
+    (declared, contract, probe, signature, default). ``--impl=that.toml`` reads it back."""
+    from implementations.base import PER_DTYPE_FIELDS
+    from implementations.registry.options import CAPABILITY_OPTION_KEYS
+
+    given = {**(declaration.options if declaration else {}), **(options or {})}
+    base = impl.capabilities
+    recognised = bool(base.sources)
+    lines = [f"# Declaration of --impl={spec} drafted by --conformance-write-declaration: what resolution",
+             "# and probing found. Review it, then certify with --impl=THIS.toml (or paste it as",
+             f"# [{DECLARATION_TABLE}.NAME] in pyproject.toml): what it declares is not probed.",
+             f"spec = {toml_value(declaration.spec if declaration else spec)}"]
+    if declaration and declaration.xfail_file:
+        lines.append(f"xfail_file = {toml_value(declaration.xfail_file)}")
+    for key, text in given.items():  # the bridge's, the learner's, ONNX's, derived_flash: as given
+        if key not in CAPABILITY_OPTION_KEYS and "." not in key:
+            lines.append(f"{key} = {toml_value(text)}  # declared")
+
+    def entries(caps: Any, keys: Iterable[str], scope: str, derived: bool = False) -> list[str]:
+        out = []
+        for key in keys:
+            value = getattr(caps, key)
+            scoped = f"{scope}.{key}" if scope else key
+            entry = f"{key} = {toml_value(_native(value))}"
+            why = _source(key, caps, given, scoped, recognised, derived)
+            out.append(f"{entry}  # {why}" if _expressible(key, value, caps) else
+                       f"# {entry}  (no option value gives this; {why})")
+        return out
+
+    lines += entries(base, CAPABILITY_OPTION_KEYS, "")
+    for level in ("mha", "flash"):
+        if getattr(impl, level, None) is None:
+            continue
+        caps = impl.caps(level)
+        differing = [key for key in CAPABILITY_OPTION_KEYS if getattr(caps, key) != getattr(base, key)]
+        if differing:
+            derived = any("derived" in n for n in caps.probe_notes) and level == "flash"
+            lines += ["", f"[{level}]", *entries(caps, differing, level, derived)]
+    for dtype, values in base.by_dtype:
+        per = [(k, v) for k, v in values if k in PER_DTYPE_FIELDS]
+        if per:
+            lines += ["", f"[{dtype}]"]
+            lines += [f"{k} = {toml_value(_native(v))}  # {'declared' if f'{dtype}.{k}' in given else 'probe'}"
+                      for k, v in per]
+    return "\n".join(lines) + "\n"
