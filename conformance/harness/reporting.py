@@ -129,7 +129,8 @@ def write_certificate(terminalreporter: Any, config: pytest.Config) -> None:
     else:
         cert = certificate.certificate(
             implementation=certificate.implementation_entry(session.impl, session.impl_spec, session.options,
-                                                          compile_budget=session.shape_budget),
+                                                          compile_budget=session.shape_budget,
+                                                          declaration=_declaration(config, session.impl_spec)),
             environment=_environment(config),
             profile=session.profile,
             seconds=time.time() - session.started,
@@ -149,6 +150,17 @@ def write_certificate(terminalreporter: Any, config: pytest.Config) -> None:
             tr.write_line(f"certificate written to {json_path} and {md_path}")
 
 
+def _declaration(config: pytest.Config, spec: str) -> Any:
+    """The declaration ``--impl=spec`` named (a TOML file, a pyproject.toml table), or None."""
+    from implementations.base import ImplementationError
+    from implementations.registry.declaration import find_declaration
+
+    try:
+        return find_declaration(spec, config.rootpath)
+    except ImplementationError:  # it was read when the run started; gone since: not shown
+        return None
+
+
 def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
     """The certificate of a run of several implementations: each one's certificate (its
     ``seconds``: the time inside its property tests) and their matrix."""
@@ -160,7 +172,8 @@ def _comparison(config: pytest.Config, session: Session) -> dict[str, Any]:
     certificates = [
         certificate.certificate(
             implementation=certificate.implementation_entry(s.impl, s.impl_spec, s.options,
-                                                          compile_budget=s.shape_budget),
+                                                          compile_budget=s.shape_budget,
+                                                          declaration=_declaration(config, s.impl_spec)),
             environment=environment,
             profile=session.profile,
             seconds=sum(r.get("seconds") or 0.0 for r in by_label[s.label]),

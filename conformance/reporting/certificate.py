@@ -125,12 +125,15 @@ def _input_declarations(caps: dict[str, Any]) -> str:
 
 
 def implementation_entry(impl: Implementation, spec: str, options: dict[str, str], *,
-                         compile_budget: int | None = None) -> dict[str, Any]:
+                         compile_budget: int | None = None, declaration: Any = None) -> dict[str, Any]:
     """The certificate's ``implementation`` entry: names, declared capabilities at
     both levels and the expected failures (``spec``, ``options``: ``--impl`` and
     ``--impl-option`` as given; ``compile_budget``: the configurations per property its
-    random search was limited to, None: none)."""
+    random search was limited to, None: none; ``declaration``: the
+    ``implementations.registry.declaration.Declaration`` ``--impl`` named, if any)."""
     return {
+        "declaration": None if declaration is None else {"source": declaration.source,
+                                                         "text": declaration.pasteable()},
         "name": impl.name,
         "spec": spec,
         "version": impl.version,
@@ -293,6 +296,9 @@ def details(cert: dict[str, Any]) -> list[str]:
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
     lines += [text for text in (provenance(caps), per_dtype(caps)) if text]
+    declared = cert["implementation"].get("declaration")
+    if declared:  # pasteable: a TOML file, or a pyproject.toml table
+        lines += [f"declaration used ({declared['source']}):", *("    " + x for x in declared["text"].splitlines())]
     budget_line = compile_budget_line(cert["implementation"].get("compile_budget"))
     lines += [budget_line] if budget_line else []
     lines += [f"run: {n}" for n in cert["implementation"].get("run_notes") or ()]
