@@ -42,7 +42,7 @@ from implementations.registry.prober import (
     _Prober,
     _supports,
 )
-from implementations.registry.probe_plan import first_call_hint, probe_plan
+from implementations.registry.probe_plan import NOT_DECLARED, first_call_hint, probe_plan
 
 __all__ = ["FLASH_PARAMETERS", "FlashAdapter", "is_flash_signature", "probe_flash", "recognise_flash"]
 
@@ -197,28 +197,32 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
             notes.append(f"{feature}: {what} has no effect (the output equals the plain call's); " + contract)
         return True
 
-    slopes = torch.tensor([0.5, 0.25])
-    features = set()
-    if feature_runs("window", "window_size=(0, 0)", lambda: fn(q, k, v, window_size=(0, 0)), window=(0, 0)):
-        features.add("window")
-    if feature_runs("softcap", "softcap=0.05", lambda: fn(q, k, v, softcap=0.05), softcap=0.05):
-        features.add("softcap")
-    if feature_runs("alibi", "alibi_slopes=[0.5, 0.25]", lambda: fn(q, k, v, alibi_slopes=slopes),
-                    alibi_slopes=slopes.numpy()):
-        features.add("alibi")
-    if _probe_lse(probe, fn, q, k, v, notes):
-        features.add("lse")
-    sinks = torch.tensor([1.5, -0.5])
-    if _takes_sinks(fn) and feature_runs("sinks", "sinks=[1.5, -0.5]", lambda: fn(q, k, v, sinks=sinks),
-                                         sinks=sinks.numpy()):
-        features.add("sinks")
-    dropout = _probe_dropout(probe, fn, q, k, v, base, notes)
-    if dropout and _probe_dropout_pattern(probe, fn, q, k, v, notes):
+    declared_features = probe.given("flash_features")
+    slopes, features = torch.tensor([0.5, 0.25]), set(() if declared_features is NOT_DECLARED else declared_features)
+    if declared_features is NOT_DECLARED:  # a declared field is not probed (.probe_plan)
+        if feature_runs("window", "window_size=(0, 0)", lambda: fn(q, k, v, window_size=(0, 0)), window=(0, 0)):
+            features.add("window")
+        if feature_runs("softcap", "softcap=0.05", lambda: fn(q, k, v, softcap=0.05), softcap=0.05):
+            features.add("softcap")
+        if feature_runs("alibi", "alibi_slopes=[0.5, 0.25]", lambda: fn(q, k, v, alibi_slopes=slopes),
+                        alibi_slopes=slopes.numpy()):
+            features.add("alibi")
+        if _probe_lse(probe, fn, q, k, v, notes):
+            features.add("lse")
+        sinks = torch.tensor([1.5, -0.5])
+        if _takes_sinks(fn) and feature_runs("sinks", "sinks=[1.5, -0.5]", lambda: fn(q, k, v, sinks=sinks),
+                                             sinks=sinks.numpy()):
+            features.add("sinks")
+    dropout = probe.given("dropout")
+    dropout = _probe_dropout(probe, fn, q, k, v, base, notes) if dropout is NOT_DECLARED else dropout
+    if dropout and declared_features is NOT_DECLARED and _probe_dropout_pattern(probe, fn, q, k, v, notes):
         features.add("dropout_pattern")
     fp8_dtypes = _probe_fp8(probe, fn, q, k, v, notes) if _names_any(fn, DESCALE_PARAMETERS) else ()
     fp8_descales = _probe_descale_forms(probe, fn, q, k, v, fp8_dtypes[0], notes) if fp8_dtypes else None
-    causal, causal_seen = _probe_causal(probe, fn, q, k, v, q64, k64, v64,
-                                        None if plan.causal_only else base, notes, tol)
+    causal, causal_seen = ((probe.given("causal"), probe.given("causal") or "raised")
+                           if probe.given("causal") is not NOT_DECLARED else
+                           _probe_causal(probe, fn, q, k, v, q64, k64, v64, None if plan.causal_only else base,
+                                         notes, tol))
 
     def backward(qq, kk, vv) -> str | None:
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (qq, kk, vv))
@@ -251,7 +255,8 @@ def probe_flash(fn: Callable[..., Any], *, origin: str,
         found["different_v_dim"] = False
         notes.append(f"different_v_dim: the declarations leave one head dim (E={E0}); Ev != E not tried")
     # Rows attend no key only where causal=True is the lower-right rule it should be.
-    fully_masked, source = (_probe_fully_masked(probe, fn, qkv, notes, L0, S0) if causal_seen == "lower_right"
+    fully_masked, source = ((probe.given("fully_masked"), "declared") if probe.given("fully_masked") is not NOT_DECLARED
+                            else _probe_fully_masked(probe, fn, qkv, notes, L0, S0) if causal_seen == "lower_right"
                             else ("zero", "contract"))
     return Capabilities(
         devices=("cpu",),
