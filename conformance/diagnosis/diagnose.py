@@ -75,7 +75,7 @@ from conformance.diagnosis.causes import (
     cause_lines,
     cause_markdown,
 )
-from conformance.diagnosis.derived import derived_from_sdpa, through_derivation
+from conformance.diagnosis.derived import derived_from_sdpa, lifted_variant, lifted_variants, through_derivation
 from conformance.diagnosis.deviations import KNOWN_DEVIATION, _with_known_deviations  # noqa: F401 - as before the split
 from conformance.diagnosis.problems import problem_of, sdpa_mask_kind
 from conformance.diagnosis.randomness import RECALLS, _random_in_eval, _random_on_recall  # noqa: F401 - as before the split
@@ -259,7 +259,7 @@ def _separate(target: Any, verdict: Verdict, first: _Example | None) -> Verdict:
             # prediction, an all-zero one with any variant that reads no key
             wrong = V.correct_fit(observed, problem, allowed) > 1.0 and _partly_nonzero(call)
             for v in ids:
-                if V.variant_fit(observed, problem, v, allowed) <= 1.0:
+                if V.variant_fit(observed, problem, lifted_variant(target.level, v), allowed) <= 1.0:
                     fits[v].append(description)
                     telling[v] += wrong
     order = sorted(range(len(ids)), key=lambda i: -len(fits[ids[i]]))     # stable: rank's order on ties
@@ -401,12 +401,13 @@ def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:
     problem, observed, allowed = prepared
     if V.correct_fit(observed, problem, allowed) <= 1.0:
         return False
-    matches = V.rank(observed, problem, allowed=allowed)
+    matches = V.rank(observed, problem, variants=lifted_variants(target.level), allowed=allowed)
     if not matches:
         return True
     relative = _relative_error(observed, V.reference(problem))
     causes = [dict(_cause(m.variant_id, m.fit, relative),
-                   finite_evidence=V.finite_evidence(observed, problem, m.variant_id, allowed),
+                   finite_evidence=V.finite_evidence(observed, problem, lifted_variant(target.level, m.variant_id),
+                                                     allowed),
                    kind=_mask_kind(call)) for m in matches]
     return Verdict(causes, _line(causes), call)
 

@@ -186,11 +186,14 @@ def test_copied_module_certifies_with_no_adapter(impl, tmp_path):
 
 def test_opennmt_style_certifies_in_float32_and_its_float32_softmax_fails_float64(tmp_path):
     """forward(key, value, query, mask) bound by name; the softmax taken in float32
-    (``scores.float()``) is a float64 deviation, reported as one (not a binding error)."""
+    (``scores.float()``) is a float64 deviation, diagnosed as one: the SDPA level's
+    ``softmax_float32`` lifted to the MHA level names every float64 failure, the
+    fully-masked rows its -1e18 fill makes uniform (1/S in float32) included."""
     cert = _certify(f"{MODULES_DIR}/opennmt_style.py:MultiHeadedAttention", tmp_path)
     outcomes = {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}
     assert not {k for k, v in outcomes.items() if k.endswith("float32") and v in ("failed", "error")}, outcomes
     assert outcomes["mha_agreement-float64"] == "failed"
+    assert {c["variant"] for c in cert["causes"]} == {"softmax_float32"}, cert["causes"]
 
 
 @pytest.mark.parametrize("impl, cause", [(f"{MODULES_DIR}/nanogpt_style.py:ForgotTheCausalScale", "mha_scale_model_dim"),
