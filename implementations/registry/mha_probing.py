@@ -12,6 +12,7 @@ from typing import Any, Callable
 from implementations.base import ALL_MASK_KINDS, Capabilities, ImplementationError
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
+from implementations.registry.probe_plan import NOT_DECLARED
 from implementations.registry.prober import (
     DEFAULT_PROBE_TIMEOUT,
     _describe_result,
@@ -72,9 +73,12 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     # The order below (features, dtypes, fully-masked rows, backward) fixes what each
     # module built from torch's global generator is: keep it. (Probe calls restore the
     # global generator afterwards, so each module is built from the same state.)
-    mha_features = set()
+    # A field a declaration gives is not probed (probe_plan.unprobed_value): its value is read.
+    declared = {name: probe.given(name) for name in ("mha_features", "mask_kinds", "fully_masked", "dropout")}
+    mha_features = set() if declared["mha_features"] is NOT_DECLARED else set(declared["mha_features"])
     notes: list[str] = []
-    for feature, run in _mha_feature_probes(factory, call, x, kv).items():
+    feature_probes = _mha_feature_probes(factory, call, x, kv) if declared["mha_features"] is NOT_DECLARED else {}
+    for feature, run in feature_probes.items():
         said = probe.tried(f"feature {feature}", run)
         if said:
             notes.append(f"mha_features: {feature} in float32 {said}; declared unsupported")
@@ -82,8 +86,8 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
             mha_features.add(feature)
     # Masks are features when their bool form runs; their float form is the mask kind
     # "additive", probed apart (a module with bool masks only is certified with bool masks).
-    mask_kinds = set(ALL_MASK_KINDS)
-    for feature, run in _mha_float_mask_probes(call, x).items():
+    mask_kinds = set(ALL_MASK_KINDS) if declared["mask_kinds"] is NOT_DECLARED else set(declared["mask_kinds"])
+    for feature, run in (_mha_float_mask_probes(call, x) if declared["mask_kinds"] is NOT_DECLARED else {}).items():
         said = probe.tried(f"a float {feature}", run) if feature in mha_features else None
         if said:
             notes.append(f"mask_kinds: a float {feature} in float32 {said}; float masks declared unsupported "
@@ -94,7 +98,9 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
         return call({"dtype": getattr(torch, d)}, *[x.to(getattr(torch, d))] * 3)
 
     dtypes = _dtypes_that_run(probe, built, notes)
-    if "key_padding_mask" in mha_features:
+    if declared["fully_masked"] is not NOT_DECLARED:
+        fully_masked, source = declared["fully_masked"], "declared"
+    elif "key_padding_mask" in mha_features:
         observed = _probe_mha_fully_masked(probe, factory, x, kinds=mask_kinds)
         fully_masked, source = _fully_masked_declaration(
             observed, notes, level="MHA",
@@ -122,7 +128,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
         causal="upper_left",
         fully_masked=fully_masked,
         mask_kinds=frozenset(mask_kinds),
-        dropout="dropout" in mha_features,
+        dropout="dropout" in mha_features if declared["dropout"] is NOT_DECLARED else declared["dropout"],
         autograd=found["autograd"],
         mask_grad=False,
         mha_features=frozenset(mha_features),

@@ -67,21 +67,24 @@ def test_the_same_values_on_the_command_line_are_probed_as_before(count_calls):
     assert len(count_calls) == probed
 
 
-@pytest.mark.parametrize("name, options", [
-    ("tiled_16bit", {"dtypes": "float16,bfloat16", "min_head_dim": "16", "seq_multiple": "16"}),
-    ("causal_only", {"causal_only": "true"}),
+@pytest.mark.parametrize("spec, options", [
+    ("tests/implementations/declared_kernels.py:tiled_16bit",
+     {"dtypes": "float16,bfloat16", "min_head_dim": "16", "seq_multiple": "16"}),
+    ("tests/implementations/declared_kernels.py:causal_only", {"causal_only": "true"}),
+    ("tests/runner/partial_support_impls.py:blocks_of_4", {"seq_multiple": "4"}),
+    ("examples/mha_dropin.py:SimpleMultiheadAttention", {}),
 ])
-def test_a_flash_kernel_read_back_from_its_draft_is_probed_once(name, options, tmp_path, count_calls):
-    """The draft a run writes (declaration.draft_declaration) declares every field the flash
-    probe finds: read back, the kernel gets its plain call only, and the same capabilities."""
+def test_a_kernel_read_back_from_its_draft_is_probed_once(spec, options, tmp_path, count_calls):
+    """The draft a run writes (declaration.draft_declaration) declares every field the SDPA,
+    flash and MHA probes find: read back, the implementation gets its plain call only, and
+    the same capabilities."""
     from implementations.registry.declaration import draft_declaration
 
-    spec = f"tests/implementations/declared_kernels.py:{name}"
     probed = registry.resolve(spec, options)
     calls = len(count_calls)
     count_calls.clear()
     (tmp_path / "d.toml").write_text(draft_declaration(probed, spec, options))
     declared = registry.resolve(str(tmp_path / "d.toml"))
     assert count_calls == ["a plain call"] and calls > 10, (calls, count_calls)
-    for level in ("sdpa", "flash"):
+    for level in ("sdpa", "mha", "flash"):
         assert _plain(declared.caps(level)) == _plain(probed.caps(level)), level
