@@ -12,6 +12,9 @@ One module per job:
 * :mod:`.probing` — the capabilities of a bare function or class, found by tiny calls
   checked against the ``spec`` oracle;
 * :mod:`.options` — ``--impl-option key=value`` overrides of any capability;
+* :mod:`.declaration` — the same keys written once, in a TOML file or a
+  ``[tool.attention-conformance.implementations.NAME]`` table of ``pyproject.toml``, and
+  the draft a run writes (``--conformance-write-declaration``);
 * :mod:`.expected_failures` — ``implementations/xfail/<name>.toml`` (and ``--xfail-file``) as data;
 * :mod:`.describing` — ``describe(impl)`` and the ``--impl=list`` table.
 

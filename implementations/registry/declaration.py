@@ -22,8 +22,8 @@ the same key (:meth:`Declaration.merged`). A field a declaration gives is not pr
 (``resolution.resolve`` passes :meth:`Declaration.unprobed`); a field given only on the
 command line is probed as before (a claim the probe saw fail is refused).
 
-The way back, a declaration drafted from what resolution and probing found, is
-:mod:`.declaration_draft`.
+The way back, a declaration drafted from what resolution and probing found
+(``--conformance-write-declaration``), is :func:`draft_declaration`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, Iterable, Mapping
 
 from implementations.base import ALL_DTYPES, ImplementationError
 
-__all__ = ["DECLARATION_TABLE", "Declaration", "find_declaration", "known_keys", "load_declaration_file",
-           "option_text", "read_declaration"]
+__all__ = ["DECLARATION_TABLE", "Declaration", "draft_declaration", "find_declaration", "known_keys",
+           "load_declaration_file", "option_text", "read_declaration", "toml_value"]
 
 #: Where a ``pyproject.toml`` holds declarations, one subtable per name.
 DECLARATION_TABLE = "tool.attention-conformance.implementations"
@@ -72,8 +72,6 @@ class Declaration:
     xfail_file: str | None
     #: Where it was read, for messages and the certificate (``decl.toml``, ``pyproject.toml [tool...NAME]``).
     source: str
-    #: The TOML as written (the table's lines), for the certificate.
-    text: str = ""
 
     def merged(self, options: Mapping[str, str] | None) -> dict[str, str]:
         """The declaration's options with ``options`` (the command line's) winning key by key."""
@@ -111,7 +109,7 @@ def option_text(key: str, value: Any, where: str = "the declaration") -> str:
         f"write e.g. {key} = \"...\" as you would after --impl-option {key}=")
 
 
-def read_declaration(table: Mapping[str, Any], *, source: str, base: Path, text: str = "") -> Declaration:
+def read_declaration(table: Mapping[str, Any], *, source: str, base: Path) -> Declaration:
     """The declaration in ``table`` (a parsed TOML table): unknown keys are an error naming
     the key, the known keys and the fix; every value is checked by the option's parser."""
     from implementations.registry.options import parse_options
@@ -149,7 +147,7 @@ def read_declaration(table: Mapping[str, Any], *, source: str, base: Path, text:
     if xfail_path and not Path(xfail_path).is_file():
         raise ImplementationError(f"{source}: xfail_file = {xfail!r}: no such file ({xfail_path}); the path is "
                                   f"relative to {base}")
-    return Declaration(spec=spec.strip(), options=options, xfail_file=xfail_path, source=source, text=text)
+    return Declaration(spec=spec.strip(), options=options, xfail_file=xfail_path, source=source)
 
 
 def _capability_options(options: Mapping[str, str]) -> dict[str, str]:
@@ -182,7 +180,7 @@ def load_declaration_file(path: str | Path) -> Declaration:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ImplementationError(f"--impl={path}: {path} is not valid TOML ({exc}); fix the file") from None
-    return read_declaration(table, source=str(path), base=file.resolve().parent, text=text)
+    return read_declaration(table, source=str(path), base=file.resolve().parent)
 
 
 def _pyproject_table(name: str, root: Path) -> Mapping[str, Any] | None:
@@ -218,7 +216,7 @@ def find_declaration(spec: str, root: str | Path | None = None) -> Declaration |
     if table is None:
         return None
     where = f"{base / 'pyproject.toml'} [{DECLARATION_TABLE}.{spec}]"
-    return read_declaration(table, source=where, base=base, text="")
+    return read_declaration(table, source=where, base=base)
 
 
 # --------------------------------------------------------------------------- writing TOML
