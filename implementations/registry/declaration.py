@@ -251,7 +251,7 @@ def _render(spec: str, options: Mapping[str, str], xfail_file: str | None) -> st
         elif text.isdigit():
             value = int(text)
         elif "," in text and not any(c in text for c in ":="):
-            value = text.split(",")
+            value = [int(item) if item.isdigit() else item for item in text.split(",")]
         if dot:
             scoped.setdefault(scope, []).append(f"{inner} = {toml_value(value)}")
         else:

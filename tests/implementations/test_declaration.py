@@ -170,3 +170,16 @@ def test_the_xfail_file_of_a_declaration_is_attached(tmp_path):
     assert load_declaration_file(decl).xfail_file == str(tmp_path / "xfail.toml")
     impl = registry.resolve(str(decl))
     assert [e.property for e in impl.expected_failures] == ["sdpa_agreement"]
+
+
+def test_the_pasteable_declaration_reads_back_as_the_same_options(tmp_path):
+    import tomllib
+
+    decl = _write(tmp_path / "d.toml", {"spec": EXAMPLE, "seq_multiple": 2, "dtypes": ["float32"], "gqa": False,
+                                        "fully_masked": {"bool": "uniform", "additive": "nan"},
+                                        "flash": {"head_dims": [8, 16]}, "float64": {"mask_kinds": ["none"]}})
+    first = load_declaration_file(decl)
+    text = first.pasteable()
+    assert "head_dims = [8, 16]" in text and "seq_multiple = 2" in text and "gqa = false" in text
+    again = read_declaration(tomllib.loads(text), source="pasted", base=tmp_path)
+    assert again.spec == first.spec and parse_options(again.options) == parse_options(first.options)
