@@ -58,7 +58,8 @@ def test_gpt2_declared_as_what_it_is_not_fails(options, tmp_path):
     assert outcomes["mha_agreement-float64"] == "failed" and outcomes["mha_agreement-float32"] == "failed"
 
 
-@pytest.mark.parametrize("cls", ["BartScaledByModelDim", "WhisperScaledByModelDim", "GPT2ScaledByModelDim"])
+@pytest.mark.parametrize("cls", ["BartScaledByModelDim", "WhisperScaledByModelDim", "GPT2ScaledByModelDim",
+                                 "BertScaledByModelDim"])
 def test_a_mistake_in_a_transformers_class_fails_with_its_cause(cls, tmp_path):
     """A subclass forwarding *args (its config found in its base's module: GPT2Config) that
     scales the scores by 1/sqrt(embed_dim)."""

@@ -4,6 +4,7 @@ each must fail at the learner level with its cause named. Imported only by tests
 skip where transformers is missing."""
 
 from transformers.models.bart.modeling_bart import BartAttention
+from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.whisper.modeling_whisper import WhisperAttention
 
@@ -30,3 +31,11 @@ class GPT2ScaledByModelDim(GPT2Attention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.scaling = self.embed_dim**-0.5
+
+
+class BertScaledByModelDim(BertSelfAttention):
+    """The same mistake in BERT's self-attention (no output projection of its own)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scaling = self.all_head_size**-0.5
