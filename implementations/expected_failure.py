@@ -22,6 +22,10 @@ class ExpectedFailure:
     reason: str
     match: Mapping[str, Any] = field(default_factory=dict)
     reference: str = ""  # e.g. "pytorch/pytorch#41508"
+    #: A deviation that shows on some values, sizes and machines only (which ones
+    #: depend on the CPU's kernels, not on a rule the entry could state): the cases it
+    #: covers may pass, so it is never STALE.
+    intermittent: bool = False
 
     def applies(self, property_id: str, case_attrs: Mapping[str, Any]) -> bool:
         """Whether this entry covers ``property_id`` on a case with ``case_attrs``.

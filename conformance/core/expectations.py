@@ -72,9 +72,10 @@ class ExpectedFailureLedger:
     def stale(self) -> list[tuple[ExpectedFailure, int]]:
         """Entries whose covered cases were drawn and all passed, with how many
         passed. A wildcard entry ("*") is never judged by one property: many
-        properties cannot see its deviation at all (output_contract, say)."""
+        properties cannot see its deviation at all (output_contract, say); nor is an
+        intermittent one, whose covered cases may pass."""
         return [(e, n) for (_, e), n, h in zip(self.entries, self.covered_passes, self.hits, strict=True)
-                if n and not h and e.property != "*"]
+                if n and not h and e.property != "*" and not e.intermittent]
 
     def summary(self) -> list[dict[str, Any]]:
         """Per entry: its index in the implementation's list, hits, covered passes

@@ -169,10 +169,11 @@ class Sweep:
         return self
 
     def stale_entries(self) -> list[str]:
-        """Reasons of property-specific entries whose covered cases all passed."""
+        """Reasons of property-specific entries whose covered cases all passed (an
+        intermittent entry's may)."""
         return [f"{e.reason} ({n} covered case(s) passed)"
                 for e, n, hit in zip(self.entries, self.covered_passes, self.hits, strict=True)
-                if n and not hit and e.property != "*"]
+                if n and not hit and e.property != "*" and not e.intermittent]
 
 
 def failure_ratio(exc: BaseException) -> float | None:

@@ -145,7 +145,8 @@ def implementation_entry(impl: Implementation, spec: str, options: dict[str, str
         # None without a flash level; a derived one says so in its probe notes.
         "flash_capabilities": _capabilities(impl.caps("flash")) if impl.flash is not None else None,
         "expected_failures": [
-            {"property": e.property, "match": dict(e.match), "reason": e.reason, "reference": e.reference}
+            {"property": e.property, "match": dict(e.match), "reason": e.reason, "reference": e.reference,
+             "intermittent": e.intermittent}
             for e in impl.expected_failures
         ],
     }
@@ -367,7 +368,8 @@ def unapplied_expected_failures(cert: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"expected failure never applied: property={entry['property']} match={entry['match']} "
                      f"({entry['reason'][:70]}...): no failing example matched it in this run; "
-                     f"{covered.get(index, 0)} covered example(s) passed")
+                     f"{covered.get(index, 0)} covered example(s) passed"
+                     + (" (intermittent: its covered cases may pass)" if entry.get("intermittent") else ""))
     return lines
 
 

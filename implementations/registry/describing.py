@@ -108,7 +108,8 @@ def describe(impl: Implementation) -> str:
     for entry in impl.expected_failures:
         match = f" {dict(entry.match)}" if entry.match else ""
         ref = f" [{entry.reference}]" if entry.reference else ""
-        lines.append(f"  expected failure: {entry.property}{match}: {entry.reason}{ref}")
+        kind = " (intermittent)" if entry.intermittent else ""
+        lines.append(f"  expected failure{kind}: {entry.property}{match}: {entry.reason}{ref}")
     for note in impl.capabilities.probe_notes:
         lines.append(f"  probe note: {note}")
     if any(c.sources for c in (impl.capabilities, impl.caps("mha"), impl.caps("flash"))):

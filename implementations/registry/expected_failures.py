@@ -33,14 +33,14 @@ XFAIL_DIR = Path(__file__).resolve().parent.parent / "xfail"
 #: :data:`XFAIL_DIR` only).
 LIBRARY_XFAIL_DIR = XFAIL_DIR / "libraries"
 
-_ENTRY_KEYS = {"property", "match", "reason", "reference"}
+_ENTRY_KEYS = {"property", "match", "reason", "reference", "intermittent"}
 
 
 def load_expected_failures(name: str, directory: Path | None = None) -> tuple[ExpectedFailure, ...]:
     """Entries of ``implementations/xfail/<name>.toml`` (none when the file is absent).
 
     Each ``[[xfail]]`` has ``property`` (or ``"*"``), ``reason``, optional ``match`` and
-    ``reference`` (CONTRACTS.md); ``match`` values are matched by
+    ``reference`` and ``intermittent`` (CONTRACTS.md); ``match`` values are matched by
     :meth:`ExpectedFailure.applies` (plain value, list = any of, ``"none"`` = None, or a
     table of comparisons ``lt/le/gt/ge/ne/in``, validated here).
     """
@@ -93,7 +93,7 @@ def _load(path: Path, where: str) -> tuple[ExpectedFailure, ...]:
     if unknown or not isinstance(entries, list):
         raise ImplementationError(
             f"{where}: top-level keys {unknown or ['xfail']} are not the schema: the file holds "
-            "only [[xfail]] tables (each property, reason, optional match and reference); "
+            "only [[xfail]] tables (each property, reason, optional match, reference, intermittent); "
             "write each entry under a [[xfail]] line"
         )
     return tuple(_entry(where, index, entry) for index, entry in enumerate(entries))
@@ -104,7 +104,7 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
     unknown = set(entry) - _ENTRY_KEYS
     if unknown or "property" not in entry or "reason" not in entry:
         raise ImplementationError(
-            f"{where} entry {index}: needs property and reason (optional match, reference); "
+            f"{where} entry {index}: needs property and reason (optional match, reference, intermittent); "
             f"got keys {sorted(entry)}" + (f"; remove {sorted(unknown)}" if unknown else "")
         )
     for key_name in ("property", "reason", "reference"):
@@ -113,6 +113,11 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
                 f"{where} entry {index}: {key_name}={entry[key_name]!r} must be a string; "
                 f'write {key_name} = "..."'
             )
+    if not isinstance(entry.get("intermittent", False), bool):
+        raise ImplementationError(
+            f"{where} entry {index}: intermittent={entry['intermittent']!r} must be a boolean; "
+            "write intermittent = true (the covered cases may pass) or leave it out"
+        )
     if not isinstance(entry.get("match", {}), dict):
         raise ImplementationError(
             f"{where} entry {index}: match={entry['match']!r} must be a table of case "
@@ -127,7 +132,7 @@ def _entry(where: str, index: int, entry: dict) -> ExpectedFailure:
             )
     return ExpectedFailure(
         property=entry["property"], reason=entry["reason"],
-        match=match, reference=entry.get("reference", ""),
+        match=match, reference=entry.get("reference", ""), intermittent=entry.get("intermittent", False),
     )
 
 

@@ -25,8 +25,8 @@ from conformance.core.expectations import ExpectedFailureLedger, entry_errors
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.reporting import certificate, failures
-from implementations.base import ExpectedFailure
-from implementations.registry import resolve
+from implementations.base import ExpectedFailure, ImplementationError
+from implementations.registry import load_expected_failures_file, resolve
 
 pytest_plugins = ["pytester"]
 
@@ -161,6 +161,21 @@ def test_stale_needs_covered_calls_that_passed():
     assert ledger.stale() == [(entry, 1)]
     assert ledger.excuse([{"grad": True}]) is entry and ledger.stale() == []
     assert ledger.summary() == [{"entry": 0, "hits": 1, "covered_passes": 1}]
+
+
+def test_an_intermittent_entry_is_never_stale(tmp_path):
+    """A deviation whose sizes depend on the machine (intermittent = true) may pass on
+    every case it covers: that is no evidence against it."""
+    entry = ExpectedFailure("p", "on some machines", {"grad": True}, intermittent=True)
+    ledger = ExpectedFailureLedger([entry], "p")
+    ledger.passed([{"grad": True}])
+    assert ledger.stale() == [] and ledger.summary() == [{"entry": 0, "hits": 0, "covered_passes": 1}]
+    path = tmp_path / "x.toml"
+    path.write_text('[[xfail]]\nproperty = "p"\nreason = "r"\nintermittent = true\n')
+    assert load_expected_failures_file(path)[0].intermittent
+    path.write_text('[[xfail]]\nproperty = "p"\nreason = "r"\nintermittent = "yes"\n')
+    with pytest.raises(ImplementationError, match="intermittent='yes' must be a boolean"):
+        load_expected_failures_file(path)
 
 
 def test_torch_mha_fast_path_entry_is_not_reported_stale_under_dev(tmp_path):
