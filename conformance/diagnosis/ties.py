@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from conformance.core.observe import _EXAMPLE, _Call, start_example
-from conformance.diagnosis.problems import _sdpa_problem, problem_of, sdpa_mask_kind
+from conformance.diagnosis.problems import _MHA_OVERRIDES, _sdpa_problem, problem_of, sdpa_mask_kind
 from spec import variants as V
 
 __all__ = ["MAX_DISCRIMINATING", "sdpa_mask_kind"]
@@ -32,8 +32,8 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
     among cases that tell as many pairs apart, one where such a variant predicts a
     wrong but partly finite output comes first (only such a case can confirm it), and
     one is chosen for it even when every pair is already apart. Only a deterministic
-    SDPA call or a flash or kvcache call (``family_cases``: made as the failing call was,
-    compared on what it returns), and only cases the target claims
+    SDPA call, a flash or kvcache call (``family_cases``: made as the failing call was,
+    compared on what it returns) or an MHA call in eval mode (``mha_cases``), and only cases the target claims
     (``directed.examples.admitted``, ``calls.declarations.outside_declarations``); a call
     that raises is left out."""
     from conformance.calls.declarations import outside_declarations
@@ -56,6 +56,17 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
 
         def make(case: Any) -> None:
             run_sharded(target, case)
+    elif call.level == "mha" and not getattr(call.module, "training", False) \
+            and not set(call.overrides) - _MHA_OVERRIDES:
+        from conformance.calls.mha import run_mha
+        from conformance.diagnosis.mha_cases import mha_derived_cases
+
+        made = call.case.replace(**call.overrides) if call.overrides else call.case
+        candidates = [(d, c) for d, c in mha_derived_cases(made) if admitted(target, c)]
+        parts = ("output", "weights") if made.need_weights else ("output",)
+
+        def make(case: Any) -> None:
+            run_mha(target, case)
     elif call.level == "sdpa" and call.dropout_p == 0:
         candidates = [(d, c) for d, c in _derived_cases(call.case) if admitted(target, c)]
         parts = ("output",)
@@ -71,10 +82,14 @@ def _discriminating_calls(target: Any, call: _Call, tied: list[Any],
         scored = []
         for index, (description, case) in enumerate(candidates):
             problem, allowed = _expected_problem(target, case, call)
+            if problem is None:
+                continue
             groups = V.partition(problem, tied, allowed, parts=parts)
             pairs = {frozenset((a, b)) for g in groups for h in groups if g is not h for a in g for b in h}
             confirms = {v for v in unconfirmed if _could_confirm(problem, v, allowed)}
             scored.append((len(pairs - apart), len(confirms), -index, description, case, pairs, confirms))
+        if not scored:
+            break
         gained, confirming, _, description, case, pairs, confirms = max(scored, key=lambda item: item[:3])
         if not gained and not confirming:
             break
@@ -134,6 +149,9 @@ def _expected_problem(target: Any, case: Any, like: _Call | None = None) -> tupl
     if like is not None and like.level == "sharded":
         problem, _, allowed = problem_of(target, _Call("sharded", case, None))
         return problem, allowed
+    if like is not None and like.level == "mha":
+        prepared = problem_of(target, _Call("mha", case, None))
+        return (None, None) if prepared is None else (prepared[0], prepared[2])
     if like is not None and like.level in V.FLASH_FAMILY:
         problem, _, allowed = problem_of(target, _Call(like.level, case, None, extra={"paged": like.extra.get("paged")}))
         return problem, allowed
