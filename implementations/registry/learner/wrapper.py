@@ -103,7 +103,11 @@ def _make_learner_mha(plan: LearnerPlan):
                 mask = _causal_rest(plan, mask, L, S)
             if mask is not None and plan.mask_arg is None:
                 raise _Unsupported(f"{plan.cls.__name__}.forward takes no mask")
-            rendered = None if mask is None else _render_mask(plan, mask, (B, self.num_heads, L, S))
+            # an attn_mask keeps its L axis where the module takes one, even where its rows
+            # are alike (L = 1, or key padding blocking every row): a (B, 1, 1, S) mask
+            # means key padding alone, as a user would pass it
+            rendered = None if mask is None else _render_mask(plan, mask, (B, self.num_heads, L, S),
+                                                              with_rows=attn_mask is not None)
             if plan.inputs == "self":
                 if not (key is query or torch.equal(k, q)) or not (value is query or torch.equal(v, q)):
                     raise _Unsupported(f"{plan.cls.__name__} is self-attention only: forward takes one input")
@@ -205,15 +209,19 @@ def _merged_mask(key_padding_mask, attn_mask, B, H, L, S, dtype):
     return total
 
 
-def _render_mask(plan: LearnerPlan, additive, sizes_bhls):
+def _render_mask(plan: LearnerPlan, additive, sizes_bhls, with_rows: bool = False):
     """The merged additive (B|1, H|1, L|1, S) mask in the module's convention and in the
-    smallest accepted shape that holds it (``sizes_bhls``: the call's B, H, L, S)."""
+    smallest accepted shape that holds it (``sizes_bhls``: the call's B, H, L, S);
+    ``with_rows``: a shape with the L axis where the module takes one (the mask has an
+    attn_mask part)."""
+    if with_rows and not any("L" in shape for shape in plan.mask_shapes):
+        with_rows = False
     import torch
 
     B, H, L, S = sizes_bhls
     varies = {"B": B > 1 and not bool((additive == additive[:1]).all()),
               "H": H > 1 and not bool((additive == additive[:, :1]).all()),
-              "L": L > 1 and not bool((additive == additive[:, :, :1]).all())}
+              "L": with_rows or (L > 1 and not bool((additive == additive[:, :, :1]).all()))}
     if plan.mask != "additive" and not bool((torch.isneginf(additive) | (additive == 0)).all()):
         raise _Unsupported(f"{plan.cls.__name__}'s mask is {plan.mask}: a float bias has no such form")
     # The smallest shape that holds the mask: key padding goes as (B, 1, 1, S) where the
