@@ -6,7 +6,7 @@ softmax, ...), each computed in float64 on the case's own inputs. On a failure t
 runner calls :func:`annotate`, which adds one line to the failure message::
 
     probable cause: causal_lower_right — the causal flag applies the lower-right triangle ...
-    probable cause: unknown — no variant of spec.variants matches the output on the shrunk case
+    probable cause: unknown — no variant of spec.variants matches the output on the reported case
 
 and records the matches on the property's ``registry.Record`` (``causes``), from which the
 certificate groups the failures of a run by cause (:func:`cause_groups`).
@@ -185,13 +185,13 @@ def _verdict(target: Any, calls: list[_Call]) -> Verdict:
             return found
         wrong = wrong or found
     if wrong:
-        return _unknown("no variant of spec.variants matches the output on the shrunk case")
+        return _unknown("no variant of spec.variants matches the output on the reported case")
     return _unknown(_AGREES + "; the property fails on "
                     "something else (a relation between calls, gradients, an error)")
 
 
 #: The unknown verdict's words when no output read on its own is wrong.
-_AGREES = "every output on the shrunk case agrees with the oracle"
+_AGREES = "every output on the reported case agrees with the oracle"
 
 
 def _mismatch(exc: BaseException | None) -> bool:

@@ -12,7 +12,7 @@ from hypothesis.errors import FlakyFailure
 
 from conformance.core.compare import PropertyFailure
 
-__all__ = ["first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks",
+__all__ = ["case_label", "first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks",
            "cell_disagreements"]
 
 def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
@@ -69,6 +69,13 @@ def group_message(exc: BaseException) -> str:
         lines = str(leaf).strip().splitlines() or [type(leaf).__name__]
         parts.append(("  " if i == 0 else f"  other failure {i}: ") + "\n    ".join(lines[: 12 if i == 0 else 2]))
     return "\n".join(parts)
+
+
+def case_label(record: Any) -> str:
+    """What the report calls the case it shows: "shrunk case", or "failing case" for a
+    directed case reported as written (not shrunk: the label must not say it was)."""
+    origin = getattr(record, "directed_origin", None)
+    return "failing case" if origin and not origin["shrunk"] else "shrunk case"
 
 
 def origin_line(record: Any) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 from conformance.calls.replay import MHACallSpec, SDPACallSpec, first_failing_call
 from conformance.core import levels
 from conformance.core.cases import LAYOUTS, MHACase, SDPACase
-from conformance.reporting.failure_choice import origin_line
+from conformance.reporting.failure_choice import case_label, origin_line
 from conformance.reporting.reproducer import LITERAL_LIMIT, _literal, reproducer  # noqa: F401 - as before the split
 
 __all__ = ["save_case", "load_case", "load_call", "validate_saved", "Replay", "annotate", "reproducer"]
@@ -378,7 +378,7 @@ def annotate(exc: BaseException, property_id: str, target: Any, record: Any, *,
         f"\nproperty {property_id}{f' ({section})' if section else ''} "
         f"{'could not be checked (the suite broke)' if record.outcome == 'error' else 'failed'} for implementation {impl} on "
         f"{target.level}/{target.dtype}/{target.device}\n"
-        f"shrunk case: {case.describe()}\n"
+        f"{case_label(record)}: {case.describe()}\n"
         + origin_line(record)
         + (f"called: {call.describe()}\n" if differs else f"called as drawn: {call.arguments()}\n")
         + _claims(exc, target, call, options)

@@ -194,3 +194,13 @@ def test_mismatched_values_are_shown_with_the_digits_that_tell_them_apart():
         compare_values("output", np.array([float(np.float32(1.304))]), np.array([0.9470809631292422]),
                        allowed=1e-6)
     assert "got 1.304, but should be 0.9471" in str(info.value)
+
+
+def test_a_directed_case_reported_as_written_is_not_called_shrunk():
+    from types import SimpleNamespace
+
+    from conformance.reporting.failure_choice import case_label
+
+    assert case_label(SimpleNamespace(directed_origin=None)) == "shrunk case"
+    assert case_label(SimpleNamespace(directed_origin={"shrunk": True})) == "shrunk case"
+    assert case_label(SimpleNamespace(directed_origin={"shrunk": False})) == "failing case"
