@@ -19,7 +19,9 @@ float ``attn_mask``    ``attn_mask``, else ``bias`` / ``attn_bias`` (added to th
 =====================  ===============================================================
 
 A parameter the function lacks is refused (NotImplementedError, which probing reads
-as "unsupported") unless the call leaves it at its default. A further *required*
+as "unsupported") unless the call leaves it at its default. A scale parameter whose
+default is not None (Pallas' ``sm_scale=1.0``) or that has none is always given: SDPA's
+``scale=None`` means 1/sqrt(E), which the function's own default need not be. A further *required*
 parameter is an error at recognition; further optional ones keep their defaults.
 """
 
@@ -56,10 +58,14 @@ class ArgumentMap:
     scale: str | None = None
     dropout: str | None = None
     gqa: str | None = None
+    #: Whether SDPA's default scale must be passed explicitly (the function's scale
+    #: parameter defaults to something other than None, or is required).
+    explicit_scale: bool = False
 
     def describe(self) -> str:
+        scale = f"{self.scale} (always given: its default is not 1/sqrt(E))" if self.explicit_scale else self.scale
         pairs = [("attn_mask", self.mask), ("bool attn_mask", self.bool_mask), ("float attn_mask", self.bias),
-                 ("is_causal", self.causal), ("scale", self.scale), ("dropout_p", self.dropout),
+                 ("is_causal", self.causal), ("scale", scale), ("dropout_p", self.dropout),
                  ("enable_gqa", self.gqa)]
         return ", ".join(f"{ours} -> {theirs}" for ours, theirs in pairs if theirs) or "none"
 
@@ -88,4 +94,5 @@ def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentM
             f"{origin}: the bridged function also requires {unknown}, which it cannot be given from "
             "scaled_dot_product_attention's arguments; give them defaults"
         )
-    return ArgumentMap(qkv=tuple(p.name for p in positional[:3]), **found)
+    explicit = "scale" in found and names[found["scale"]].default is not None
+    return ArgumentMap(qkv=tuple(p.name for p in positional[:3]), explicit_scale=explicit, **found)

@@ -23,6 +23,7 @@ is not declared rather than certified with another dtype's results.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -98,6 +99,8 @@ class BridgedSDPA:
                 raise NotImplementedError(f"{self.__name__} has no {ours} parameter")
         if scale is not None and args.scale is None:
             raise NotImplementedError(f"{self.__name__} has no scale parameter")
+        if scale is None and args.explicit_scale:
+            scale = 1.0 / math.sqrt(query.shape[-1])   # SDPA's default, not the function's own
         if self.layout == "BLNE":
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         tensors = (q, k, v, *extra.values())

@@ -7,6 +7,7 @@ so the bridge is shown not to hide bugs. Tests of a framework that is not instal
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -57,6 +58,27 @@ def test_numpy_function_is_recognised_from_its_body_and_computes_sdpa():
     got = impl.sdpa(q, k, v, attn_mask=attend, scale=-0.3)
     assert got.dtype == torch.float64 and got.shape == (2, 2, 3, 3) and not got.requires_grad
     np.testing.assert_allclose(got.numpy(), oracle(q, k, v, attend_mask=attend.numpy(), scale=-0.3), atol=1e-12)
+
+
+def test_a_scale_parameter_with_its_own_default_is_always_given_sdpas(tmp_path):
+    """Pallas' flash kernel has ``sm_scale=1.0``: SDPA's ``scale=None`` (1/sqrt(E)) must be
+    passed explicitly, or every property fails as an unscaled kernel."""
+    (tmp_path / "pallas_like.py").write_text(
+        "import numpy as np\n\n\n"
+        "def flash(q, k, v, sm_scale=1.0):\n"
+        "    s = np.einsum('bnle,bnse->bnls', q, k) * sm_scale\n"
+        "    w = np.exp(s - s.max(axis=-1, keepdims=True))\n"
+        "    return np.einsum('bnls,bnse->bnle', w / w.sum(axis=-1, keepdims=True), v)\n")
+    impl = registry.resolve(f"{tmp_path / 'pallas_like.py'}:flash")
+    assert any("sm_scale (always given" in n for n in impl.capabilities.probe_notes)
+    q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=torch.float64)
+    np.testing.assert_allclose(impl.sdpa(q, k, v).numpy(), oracle(q, k, v), atol=1e-12)
+    np.testing.assert_allclose(impl.sdpa(q, k, v, scale=0.3).numpy(), oracle(q, k, v, scale=0.3), atol=1e-12)
+    # a None default is SDPA's own: left to the function
+    P = inspect.Parameter
+    qkv = [P(n, P.POSITIONAL_OR_KEYWORD) for n in ("q", "k", "v")]
+    assert not map_arguments([*qkv, P("scale", P.KEYWORD_ONLY, default=None)], "f").explicit_scale
+    assert map_arguments([*qkv, P("scale", P.KEYWORD_ONLY)], "f").explicit_scale   # required: MLX's
 
 
 def test_torch_functions_are_not_bridged():
