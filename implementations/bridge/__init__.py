@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from implementations.base import Implementation, ImplementationError
 from implementations.bridge.arguments import ArgumentMap, map_arguments
-from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, Framework, framework_named
+from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, UNBRIDGED, Framework, framework_named
 from implementations.bridge.mha import KerasMHAFactory, keras_mha_framework, load_keras_weights
 from implementations.bridge.module_tables import module_table
 from implementations.bridge.modules import ModuleMHAFactory, load_module_weights
@@ -134,6 +134,7 @@ def detect_framework(fn: Any) -> str | None:
     package = _top_package(getattr(fn, "__module__", None))
     if package in PACKAGES:
         return PACKAGES[package]
+    _refuse_unbridged(fn, package)
     if package == "torch" or not inspect.isfunction(fn):
         return None
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
@@ -144,6 +145,9 @@ def detect_framework(fn: Any) -> str | None:
     if "torch" in used:
         return None
     frameworks = {PACKAGES[p] for p in used if p in PACKAGES}
+    if not frameworks:
+        for other in sorted(used & set(UNBRIDGED)):
+            _refuse_unbridged(fn, other)
     if len(frameworks) > 1:
         frameworks.discard("numpy")  # NumPy beside another framework is that framework's helper
     if not frameworks and module is not None:
@@ -155,6 +159,19 @@ def detect_framework(fn: Any) -> str | None:
         if "torch" not in imported:
             frameworks = {PACKAGES[p] for p in imported if p in PACKAGES} - {"numpy"}
     return frameworks.pop() if len(frameworks) == 1 else None
+
+
+def _refuse_unbridged(fn: Any, package: str | None) -> None:
+    """ImplementationError for a function of an array framework the bridge does not run
+    (its first call would get torch tensors and fail with an unrelated message)."""
+    if package not in UNBRIDGED:
+        return
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    raise ImplementationError(
+        f"{name} is a {UNBRIDGED[package]} function (it uses the {package} package), and {UNBRIDGED[package]} "
+        f"is not a bridged framework: the bridge runs {', '.join(sorted(FRAMEWORKS))}. Wrap it in a torch "
+        f"function that converts the tensors (for example through DLPack or NumPy) and calls it, or "
+        f"declare --impl-option framework=NAME if it really runs on one of those")
 
 
 def _how_recognised(fn: Any, framework: str, declared: Mapping[str, str]) -> str:

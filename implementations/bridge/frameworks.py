@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["FRAMEWORKS", "PACKAGES", "Framework", "framework_named", "numpy_to_torch", "torch_to_numpy"]
+__all__ = ["FRAMEWORKS", "PACKAGES", "UNBRIDGED", "Framework", "framework_named", "numpy_to_torch", "torch_to_numpy"]
 
 #: Top-level package of a callable's module -> the framework that runs it.
 PACKAGES = {
@@ -30,6 +30,11 @@ PACKAGES = {
     "tensorflow": "tensorflow", "tf_keras": "tensorflow", "tinygrad": "tinygrad",
     "cupy": "cupy", "cupyx": "cupy", "mlx": "mlx",
 }
+
+#: Top-level packages of array frameworks the bridge does not run (a function of one gets
+#: torch tensors it cannot read): the name each goes by.
+UNBRIDGED = {"paddle": "PaddlePaddle", "mindspore": "MindSpore", "oneflow": "OneFlow", "mxnet": "MXNet",
+             "dpnp": "dpnp"}
 
 
 def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:

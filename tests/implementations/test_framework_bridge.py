@@ -81,6 +81,23 @@ def test_a_scale_parameter_with_its_own_default_is_always_given_sdpas(tmp_path):
     assert map_arguments([*qkv, P("scale", P.KEYWORD_ONLY)], "f").explicit_scale   # required: MLX's
 
 
+def test_a_function_of_a_framework_the_bridge_does_not_run_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """PaddlePaddle's SDPA got torch tensors and failed its first call with a hint about
+    tile declarations; it is refused at recognition, naming the framework."""
+    (tmp_path / "paddle" / "nn").mkdir(parents=True)
+    (tmp_path / "paddle" / "__init__.py").write_text("def matmul(a, b):\n    return a @ b\n")
+    (tmp_path / "paddle" / "nn" / "__init__.py").write_text("")
+    (tmp_path / "paddle" / "nn" / "functional.py").write_text(
+        "def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False):\n"
+        "    raise TypeError('not a paddle Tensor')\n")
+    (tmp_path / "mine.py").write_text("import paddle\n\n\ndef attention(q, k, v):\n"
+                                      "    return paddle.matmul(q, k)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec_ in ("paddle.nn.functional:scaled_dot_product_attention", f"{tmp_path / 'mine.py'}:attention"):
+        with pytest.raises(ImplementationError, match="PaddlePaddle function .* not a bridged framework"):
+            registry.resolve(spec_)
+
+
 def test_torch_functions_are_not_bridged():
     import torch.nn.functional as F
 
