@@ -165,6 +165,13 @@ SOURCE = textwrap.dedent(
         return reference(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
                          k_descale=k_descale, v_descale=v_descale)
 
+    def reshapes(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None):
+        # reads each descale as (B, K): a (1,) one passes only where B = K = 1
+        q_descale, k_descale, v_descale = (None if d is None else d.reshape(q.shape[0], k.shape[2])
+                                           for d in (q_descale, k_descale, v_descale))
+        return reference(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
+                         k_descale=k_descale, v_descale=v_descale)
+
     def swallows(q, k, v, softmax_scale=None, causal=False, **kwargs):
         return reference(q, k, v, softmax_scale=softmax_scale, causal=causal)
     """
@@ -184,6 +191,8 @@ def test_descale_arguments_are_recognised_and_probed(tmp_path):
     assert only.fp8_dtypes == ("float8_e4m3fn",)
     assert any(n.startswith("fp8_dtypes: q, k, v in float8_e5m2") for n in only.probe_notes)
     assert registry.resolve(f"{path}:swallows").caps("flash").fp8_dtypes == ()   # **kwargs claims nothing
+    # the forms are probed where they differ (K = 2 heads): (1,) read as (B, K) is refused there
+    assert registry.resolve(f"{path}:reshapes").caps("flash").fp8_descales == ("none", "per_head")
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
