@@ -25,6 +25,7 @@ from conformance.calls.mha import (
     run_mha,
     upstream_gradient,
 )
+from conformance.calls.sdpa import policy_source
 from conformance.core.cases import MHACase
 from conformance.core.compare import assert_contract, compare_values, fail
 from conformance.core.target import Target
@@ -67,7 +68,7 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
         return check_mha(target, case, call)
     with probe_saw(target, "fully_masked"):
         ratio = check_mha(target, case, call, fully_masked=policy, include_dead=True,
-                          what=f"module output with fully-masked rows (declared policy {policy!r})")
+                          what=f"module output with fully-masked rows ({policy_source(target)} policy {policy!r})")
     if backward:
         check_parameter_grads(call.module, require_all=False)
     return ratio

@@ -20,7 +20,7 @@ import numpy as np
 
 import spec
 from conformance.calls.flash_cases import FlashCase
-from conformance.calls.sdpa import check_dropout_spread, grad_magnitudes
+from conformance.calls.sdpa import check_dropout_spread, grad_magnitudes, policy_source
 from conformance.core import tolerance
 from conformance.core.cases import SDPACase
 from conformance.core.compare import Comparison, compare_values, fail
@@ -193,9 +193,9 @@ def check_output(target: Target, case: FlashCase, actual: np.ndarray, *, what: s
              "(with sinks such a row puts all its weight on the sink, which carries no value)")
     if dead.size and policy == "zero" and not (dead == 0).all():
         fail(f"{what} of rows attending no key (window/causal, L > S) = {dead.ravel()[:4]}, but should be 0 "
-             "(declared fully_masked='zero', FlashAttention's)")
+             f"({policy_source(target)} fully_masked='zero', FlashAttention's)")
     if dead.size and policy == "nan" and not np.isnan(dead).all():
-        fail(f"{what} of rows attending no key should be NaN (declared fully_masked='nan')")
+        fail(f"{what} of rows attending no key should be NaN ({policy_source(target)} fully_masked='nan')")
     return comparison
 
 

@@ -35,6 +35,7 @@ from spec.emulate import round_to
 
 __all__ = [
     "SDPACall",
+    "policy_source",
     "check_dropout_spread",
     "fold_causal",
     "oracle",
@@ -122,6 +123,13 @@ def fully_masked_kind(target: Target, case: SDPACase) -> str:
     if uses_causal_flag(target, case):
         return "causal"
     return "additive" if case.additive_mask is not None else "bool"
+
+
+def policy_source(target: Target) -> str:
+    """How the fully-masked-row policy was set, in a message's words: "declared", "probed"
+    or "the contract's" (a message must not call a probed policy declared)."""
+    source = target.caps.source("fully_masked")
+    return {"contract": "the contract's", "probed": "probed"}.get(source, "declared")
 
 
 def fully_masked_policy(target: Target, case: SDPACase) -> str:
@@ -236,7 +244,7 @@ def check_fully_masked_policy(target: Target, case: SDPACase, output: np.ndarray
     unspecified: anything)."""
     __tracebackhide__ = True
     policy = fully_masked_policy(target, case)
-    declared = f"declared fully_masked={policy!r} for {fully_masked_kind(target, case)} rows"
+    declared = f"{policy_source(target)} fully_masked={policy!r} for {fully_masked_kind(target, case)} rows"
     dead = case.fully_masked_rows()[..., None]  # (B, N, L, 1)
     dead_full = np.broadcast_to(dead, output.shape)
     if policy == "zero":

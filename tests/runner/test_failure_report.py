@@ -204,3 +204,27 @@ def test_a_directed_case_reported_as_written_is_not_called_shrunk():
     assert case_label(SimpleNamespace(directed_origin=None)) == "shrunk case"
     assert case_label(SimpleNamespace(directed_origin={"shrunk": True})) == "shrunk case"
     assert case_label(SimpleNamespace(directed_origin={"shrunk": False})) == "failing case"
+
+
+def test_a_policy_message_says_where_the_policy_came_from():
+    """A fully-masked-row failure says "declared" only for a declared policy (a probed
+    one was called declared)."""
+    import numpy as np
+    import pytest
+
+    from conformance.calls.sdpa import check_fully_masked_policy
+    from conformance.core.cases import SDPACase
+    from conformance.core.compare import PropertyFailure
+    from conformance.core.target import Target
+    from implementations.base import Capabilities, Implementation
+
+    q = k = v = np.ones((1, 1, 1, 2))
+    case = SDPACase(q, k, v, attend_mask=np.zeros((1, 1), dtype=bool))
+    bad = np.ones((1, 1, 1, 2))
+    for sources, words in (({}, "declared fully_masked='zero'"),
+                           ({"fully_masked": "probed"}, "probed fully_masked='zero'"),
+                           ({"fully_masked": "contract"}, "the contract's fully_masked='zero'")):
+        caps = Capabilities(fully_masked="zero", sources=sources)
+        target = Target(Implementation(name="x", capabilities=caps, sdpa=lambda *a, **k: None), "sdpa", "float64", "cpu")
+        with pytest.raises(PropertyFailure, match=words):
+            check_fully_masked_policy(target, case, bad)
