@@ -13,6 +13,7 @@ import numpy as np
 from conformance.calls.declarations import fit_head_dims, fit_lengths
 from conformance.core.cases import MHACase
 from conformance.directed.admission import MAX_DIRECTED, _pick, _seed, admitted
+from conformance.directed.shrink import remember_arguments
 from spec import MHAParams
 from spec.emulate import round_arrays_to, round_to
 
@@ -194,4 +195,4 @@ def mha_directed(target: Any, **arguments: Any) -> list[MHACase]:
         case = _build_mha(example, target, arguments, options)
         if case is not None and admitted(target, case, **arguments):
             cases.append(case)
-    return cases[:MAX_DIRECTED]
+    return remember_arguments(cases[:MAX_DIRECTED], arguments)  # for directed.shrink

@@ -14,8 +14,9 @@ way, in one sweep, or until :data:`BUDGET` examples were checked.
 A proposal is checked only when the property's own strategy could have drawn it
 (``directed.admission.admitted``, with the arguments the property built its directed
 cases with: :func:`remember_arguments`), so a shrunk case is never one the implementation
-does not claim. Only SDPA cases are shrunk; a directed case of another level is reported
-as written.
+does not claim. SDPA and MHA cases are shrunk (an MHA case in its batch and lengths,
+a self-attention one with L = S, and its inputs' values; its module's weights are kept);
+a directed case of another level is reported as written.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.core.cases import SDPACase
+from conformance.core.cases import MHACase, SDPACase
 
 __all__ = ["BUDGET", "remember_arguments", "arguments_of", "passes", "shrink"]
 
@@ -137,16 +138,64 @@ def _value_changes(case: SDPACase) -> Iterator[SDPACase]:
                            regime="normal")
 
 
+def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
+    """``case`` cut to batch ``B`` and lengths ``L``, ``S`` (a self-attention case stays one;
+    masks cut alike: key padding (B, S), attn_mask (L, S) or (B*N, L, S) batch-major)."""
+    self_attention = case.key is case.query and case.value is case.query
+
+    def cut(x: np.ndarray, length: int) -> np.ndarray:
+        if case.unbatched:
+            return np.ascontiguousarray(x[:length])
+        return np.ascontiguousarray(x[:B, :length] if case.batch_first else x[:length, :B])
+
+    query = cut(case.query, L)
+    key = query if self_attention else cut(case.key, S)
+    value = query if self_attention else cut(case.value, S)
+    padding = case.key_padding_mask
+    if padding is not None:
+        padding = np.ascontiguousarray(padding[..., :S] if padding.ndim == 1 else padding[:B, :S])
+    attn = case.attn_mask
+    if attn is not None:
+        attn = np.ascontiguousarray(attn[:L, :S] if attn.ndim == 2 else attn[:B * case.N, :L, :S])
+    return case.replace(query=query, key=key, value=value, key_padding_mask=padding, attn_mask=attn)
+
+
+def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]]:
+    """The size passes of an MHA case: the batch, then the lengths (together for
+    self-attention, whose keys are its queries)."""
+    self_attention = case.key is case.query and case.value is case.query
+    if not case.unbatched:
+        yield lambda c: (_mha_resized(c, b, c.L, c.S) for b in _smaller(c.B))
+    if self_attention:
+        yield lambda c: (_mha_resized(c, c.B, n, n) for n in _smaller(c.L))
+    else:
+        yield lambda c: (_mha_resized(c, c.B, n, c.S) for n in _smaller(c.L))
+        yield lambda c: (_mha_resized(c, c.B, c.L, n) for n in _smaller(c.S))
+
+
+def _mha_values(case: MHACase) -> Iterator[MHACase]:
+    if _simple(case):
+        return
+    self_attention = case.key is case.query and case.value is case.query
+    for steps in (1, 2, 4):
+        query = _quarters(case.query, steps)
+        yield case.replace(query=query, key=query if self_attention else _quarters(case.key, steps),
+                           value=query if self_attention else _quarters(case.value, steps))
+
+
 def passes(case: Any) -> list[Callable[[Any], Iterator[Any]]]:
     """The shrinking passes of ``case``, simplest change first, each a function of the
-    current smallest case giving its proposals (none for a case of a level other than SDPA)."""
+    current smallest case giving its proposals (none for a case of a level other than SDPA
+    and MHA)."""
+    if isinstance(case, MHACase):
+        return [*_mha_sizes(case), _mha_values]
     if not isinstance(case, SDPACase):
         return []
     sizes = [lambda c, p=p: (_resized(c, **change) for change in p(c)) for p in _SIZE_PASSES]
     return [*sizes, lambda c: _value_changes(c) if c.regime != "normal" or not _simple(c) else iter(())]
 
 
-def _simple(case: SDPACase) -> bool:
+def _simple(case: SDPACase | MHACase) -> bool:
     """Whether every value is already a multiple of a quarter within [-2, 2]."""
     arrays = [np.asarray(a, dtype=np.float64) for a in (case.query, case.key, case.value)]
     return all(np.all(np.abs(a) <= 2) and np.all(a * 4 == np.round(a * 4)) for a in arrays)

@@ -108,3 +108,37 @@ def test_a_sweep_failure_keeps_its_ratio_on_the_certificate(tmp_path):
     assert record["outcome"] == "failed", output[-3000:]
     assert record["worst_ratio"] is not None and record["worst_ratio"] > 1, (record, output[-3000:])
     assert "smallest failing size of the sweep: L=7, S=13" in output, output[-3000:]
+
+
+def test_the_mha_shrink_passes_cut_batch_and_lengths_keeping_self_attention_and_masks():
+    import numpy as np
+
+    import spec
+    from conformance.core.cases import MHACase
+    from conformance.directed import shrink
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, 4))
+    causal = np.triu(np.ones((3, 3), dtype=bool), 1)
+    case = MHACase(spec.MHAParams.random(rng, 4, 2), x, x, x, attn_mask=causal, is_causal=True,
+                   key_padding_mask=np.array([[False, False, True], [False, True, True]]))
+    batch, lengths, values = shrink.passes(case)
+    (one,) = list(batch(case))
+    assert one.query.shape == (3, 1, 4) and one.key_padding_mask.tolist() == [[False, False, True]]
+    smaller = list(lengths(case))
+    assert [c.L for c in smaller] == [1, 2] and all(c.key is c.query and c.value is c.query for c in smaller)
+    assert smaller[1].attn_mask.tolist() == np.triu(np.ones((2, 2), dtype=bool), 1).tolist()
+    rounded = next(values(case))
+    assert rounded.key is rounded.query and np.all(rounded.query * 2 == np.round(rounded.query * 2))
+
+
+def test_a_failing_mha_directed_case_is_shrunk(tmp_path):
+    # -x: the run stops at the directed failure (without it the search goes on and may
+    # report a case of its own)
+    report, output = run(tmp_path, "cert", "--impl=mutant:mha_causal_hint_dropped", "--dtype", "float64",
+                         "-k", "test_mha_agreement", "-x")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert (record["counterexample"]["L"], record["counterexample"]["S"]) == (1, 1), output[-3000:]
+    assert 'from the directed example "is_causal with add_zero_attn, need_weights=False"' in output, output[-3000:]
+    assert "failing case:" not in output and "shrunk case: B=1 L=1 S=1" in output, output[-3000:]
