@@ -115,14 +115,27 @@ def test_shipped_expected_failures_files_are_named_by_a_short_form():
 
 def test_torch_bfloat16_batched_matmul_spreads_a_nan_row():
     """The cause of transformers-eager.toml's bfloat16 forward_agreement entry: torch's CPU
-    bfloat16 batched matmul lets one NaN row of the weights reach a neighbouring output row.
-    If torch fixes it, this fails: drop the entry."""
-    torch.manual_seed(0)
-    weights = torch.rand(3, 2, 33, 3).to(torch.bfloat16)
-    weights[:, :, 28] = float("nan")
-    out = weights @ torch.randn(3, 2, 3, 7).to(torch.bfloat16)
-    assert torch.isnan(out[0, 0, 27]).any() and not torch.isnan(out[0, 0, :27]).any()
-    assert not torch.isnan(weights.float() @ torch.randn(3, 2, 3, 7))[0, 0, 27].any()  # float32: one row
+    bfloat16 batched matmul may let one NaN row of the weights reach a neighbouring output
+    row. Whether it does depends on the CPU's matmul kernels (one machine spread row 28's
+    NaN into row 27 at L = 33; another spreads none), so the entry is intermittent and this
+    checks, where some shape of a spread shows it, that float32 never does."""
+    entry = next(e for e in registry.load_expected_failures("transformers-eager", LIBRARY_XFAIL_DIR)
+                 if e.match.get("dtype") == "bfloat16" and e.match.get("fully_masked_rows"))
+    assert entry.intermittent      # its covered cases pass where the kernels keep the NaN row to itself
+    shown = []
+    for L, row in ((33, 28), (17, 12), (65, 60)):
+        torch.manual_seed(0)
+        weights = torch.rand(3, 2, L, 3).to(torch.bfloat16)
+        weights[:, :, row] = float("nan")
+        values = torch.randn(3, 2, 3, 7)
+        spread = torch.isnan(weights @ values.to(torch.bfloat16))[..., [r for r in range(L) if r != row], :].any()
+        if spread:
+            shown.append((L, row))
+            others = torch.isnan(weights.float() @ values)[..., [r for r in range(L) if r != row], :]
+            assert not others.any(), f"float32 spreads the NaN row too at L={L}"  # bfloat16 only
+    if not shown:
+        pytest.skip("this CPU's bfloat16 batched matmul keeps each NaN row to itself (machine-dependent; "
+                    "the transformers-eager entry is intermittent)")
 
 
 # --------------------------------------------------------------------------- transformers itself
