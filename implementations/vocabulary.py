@@ -59,7 +59,7 @@ SOURCES = ("declared", "contract", "probed")
 SEMANTIC_FIELDS = ("causal", "fully_masked", "shared_kv", "flash_features")
 #: The capabilities that may differ per dtype (``Capabilities.by_dtype``).
 PER_DTYPE_FIELDS = ("mask_kinds", "gqa", "different_v_dim", "autograd", "mask_grad", "custom_scale",
-                    "dropout", "non_contiguous", "flash_features")
+                    "dropout", "non_contiguous", "flash_features", "fully_masked")
 #: The per-dtype fields that hold sets (kept in ``by_dtype`` as sorted tuples: plain data).
 _SET_FIELDS = ("mask_kinds", "flash_features", "sharded_layouts")
 #: ``none`` (no mask), ``bool`` (True = may attend), ``additive`` (float, added).

@@ -87,14 +87,32 @@ def provenance(caps: dict[str, Any]) -> str:
                                       for source in ("declared", "contract", "probed") if source in groups)
 
 
-def per_dtype(caps: dict[str, Any]) -> str:
-    """``per dtype: float16: autograd=False`` for the capabilities that differ in a dtype ("" if none)."""
+def per_dtype(caps: dict[str, Any], implementation: dict[str, Any] | None = None) -> str:
+    """``per dtype: float16: autograd=False (probed)`` for the capabilities that differ in a
+    dtype ("" if none); a value is ``declared`` when ``--impl-option DTYPE.FIELD`` or the
+    declaration's ``[DTYPE]`` table (``implementation``: the certificate's entry) gave it."""
     by_dtype = caps.get("by_dtype") or {}
     if not by_dtype:
         return ""
-    return "per dtype (probed): " + "; ".join(
-        f"{dtype}: " + ", ".join(f"{k}={','.join(v) if isinstance(v, (list, tuple)) else v}"
-                                 for k, v in values.items())
+    declared = set((implementation or {}).get("options") or {})
+    text = ((implementation or {}).get("declaration") or {}).get("text")
+    if text:
+        import tomllib
+
+        try:
+            table = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            table = {}
+        declared |= {f"{dtype}.{key}" for dtype, values in table.items() if isinstance(values, dict)
+                     for key in values}
+
+    def item(dtype: str, key: str, value: Any) -> str:
+        shown = _policy_text(value) if isinstance(value, dict) else \
+            ",".join(value) if isinstance(value, (list, tuple)) else value
+        return f"{key}={shown} ({'declared' if f'{dtype}.{key}' in declared else 'probed'})"
+
+    return "per dtype: " + "; ".join(
+        f"{dtype}: " + ", ".join(item(dtype, k, v) for k, v in values.items())
         for dtype, values in by_dtype.items())
 
 
@@ -296,7 +314,7 @@ def details(cert: dict[str, Any]) -> list[str]:
         + _input_declarations(caps)
         + "".join(f"; {key}{note}" for key, note in notes.items())
     )
-    lines += [text for text in (provenance(caps), per_dtype(caps)) if text]
+    lines += [text for text in (provenance(caps), per_dtype(caps, cert["implementation"])) if text]
     declared = cert["implementation"].get("declaration")
     if declared:  # pasteable: a TOML file, or a pyproject.toml table
         lines += [f"declaration used ({declared['source']}):", *("    " + x for x in declared["text"].splitlines())]

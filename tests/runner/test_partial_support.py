@@ -157,3 +157,18 @@ def test_partial_support_fails_without_its_declaration_and_certifies_with_it(nam
     proc = run(f"{IMPLS}:{name}", *options(*declared), *args, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "passed" in results(tmp_path).values()
+
+
+def test_a_fully_masked_policy_may_differ_per_dtype_and_is_shown_as_declared():
+    """Haiku-style: float16's fully-masked rows NaN, the other dtypes' zero (a policy per
+    dtype was refused, and the certificate called every per-dtype value probed)."""
+    from conformance.reporting.certificate import _capabilities, per_dtype
+
+    impl = registry.resolve("handwritten", {"float16.fully_masked": "nan",
+                                            "bfloat16.fully_masked": "bool:uniform,additive:nan,causal:zero"})
+    caps = impl.capabilities
+    assert caps.for_dtype("float16").fully_masked == "nan" and caps.for_dtype("float32").fully_masked == "zero"
+    assert caps.for_dtype("bfloat16").fully_masked_policies == {"bool": "uniform", "additive": "nan", "causal": "zero"}
+    line = per_dtype(_capabilities(caps), {"options": {"float16.fully_masked": "nan"}, "declaration": None})
+    assert "float16: fully_masked=nan (declared)" in line and "bfloat16: fully_masked=" in line, line
+    assert "(probed)" in line      # bfloat16's was not named in these options
