@@ -254,6 +254,11 @@ class MHACase:
     def B(self) -> int:
         return self._len_batch(self.query)[1]
 
+    @property
+    def self_attention(self) -> bool:
+        """Whether key and value are the query itself (one input, as self-attention)."""
+        return self.key is self.query and self.value is self.query
+
     def mha_features(self) -> set[str]:
         p = self.params
         used = set()
@@ -338,7 +343,7 @@ class MHACase:
             "kdim_vdim": p.kdim != p.embed_dim or p.vdim != p.embed_dim,
             "bias": p.in_proj_bias is not None,
             "mha_features": self.mha_features(),
-            "self_attention": self.key is self.query and self.value is self.query,
+            "self_attention": self.self_attention,
             "mask_kind": "none",
         }
         out["fully_masked_rows"] = self.fully_masked_rows()

@@ -27,7 +27,7 @@ def mha_derived_cases(case: Any) -> list[tuple[str, Any]]:
     rng = np.random.default_rng(zlib.crc32(f"diagnosis/mha/{case.dtype}".encode()))
     seq_axis = 0 if case.unbatched or not case.batch_first else 1
     batch_axis = None if case.unbatched else (0 if case.batch_first else 1)
-    self_attention = case.key is case.query and case.value is case.query
+    self_attention = case.self_attention
 
     def grown(x: np.ndarray, axis: int, more: int) -> np.ndarray:
         if more <= 0:

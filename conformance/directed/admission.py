@@ -78,7 +78,7 @@ def _mha_forcing(case: MHACase, arguments: dict[str, Any]) -> dict[str, Any] | N
     """``arguments`` narrowed to exactly ``case`` (None: the arguments rule it out)."""
     narrowed = dict(arguments)
     features = case.mha_features() - {"dropout"}
-    self_attention = case.key is case.query and case.value is case.query
+    self_attention = case.self_attention
     if not self_attention:
         features.add("cross_attention")
     narrowed["required_features"] = features

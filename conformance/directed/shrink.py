@@ -141,7 +141,7 @@ def _value_changes(case: SDPACase) -> Iterator[SDPACase]:
 def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
     """``case`` cut to batch ``B`` and lengths ``L``, ``S`` (a self-attention case stays one;
     masks cut alike: key padding (B, S), attn_mask (L, S) or (B*N, L, S) batch-major)."""
-    self_attention = case.key is case.query and case.value is case.query
+    self_attention = case.self_attention
 
     def cut(x: np.ndarray, length: int) -> np.ndarray:
         if case.unbatched:
@@ -163,7 +163,7 @@ def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
 def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]]:
     """The size passes of an MHA case: the batch, then the lengths (together for
     self-attention, whose keys are its queries)."""
-    self_attention = case.key is case.query and case.value is case.query
+    self_attention = case.self_attention
     if not case.unbatched:
         yield lambda c: (_mha_resized(c, b, c.L, c.S) for b in _smaller(c.B))
     if self_attention:
@@ -176,7 +176,7 @@ def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]
 def _mha_values(case: MHACase) -> Iterator[MHACase]:
     if _simple(case):
         return
-    self_attention = case.key is case.query and case.value is case.query
+    self_attention = case.self_attention
     for steps in (1, 2, 4):
         query = _quarters(case.query, steps)
         yield case.replace(query=query, key=query if self_attention else _quarters(case.key, steps),
