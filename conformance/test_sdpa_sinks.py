@@ -22,6 +22,7 @@ from conformance.core.target import Target
 from conformance.directed.admission import MAX_DIRECTED, producible_regimes
 from conformance.directed.helpers import cases_for, skip_unless
 from conformance.harness.runner import conformance_property
+from implementations.capabilities import length_allowed
 from conformance.strategies._drawing import draw_seed
 from conformance.strategies.flash import exact_sinks, sink_logits
 from conformance.strategies.values import sdpa_values
@@ -61,7 +62,7 @@ def _directed(target: Target) -> list[SDPACase]:
     L, S = (2, 3) if not caps.self_attention_lengths else (3, 3)
     m = caps.seq_multiple or 1
     L, S = L * m, S * m
-    if caps.max_seq_len is not None and max(L, S) > caps.max_seq_len:
+    if not (length_allowed(caps, L) and length_allowed(caps, S)):
         return []
     varied = exact_sinks(np.array([0.5, -1.0]))
     blocked = np.ones((L, S), bool)
@@ -173,7 +174,7 @@ def test_sdpa_sink_equivalence(target: Target, case: SDPACase) -> float:
             or extra.Ev != extra.E and not caps.different_v_dim
             or caps.max_head_dim is not None and extra.E > caps.max_head_dim
             or caps.head_dims is not None and extra.E not in caps.head_dims
-            or caps.max_seq_len is not None and extra.S > caps.max_seq_len or caps.seq_multiple):
+            or not length_allowed(caps, extra.S) or caps.seq_multiple):
         return ratio                                       # the sink key is not expressible here
     other = run_sdpa(target, extra).output[..., :case.Ev]
     where = np.broadcast_to(np.ones((1, 1, case.L, 1), bool), call.output.shape)

@@ -25,6 +25,7 @@ from conformance.calls.sdpa import allowed_error, logit_scale, magnitude, run_sd
 from conformance.core.cases import SDPACase
 from conformance.core.compare import PropertyFailure, compare_values, fail
 from conformance.calls.declarations import fit_head_dims, require_inside
+from implementations.capabilities import length_allowed
 from conformance.directed.helpers import needs_separate_values, skip_unless
 from conformance.core.target import Target, call_guarded
 from conformance.harness.sweep import Sweep, sweep_property
@@ -266,14 +267,14 @@ def _long_lengths_skip(target: Target) -> str | None:
     leaves none of its lengths."""
     if not _long_lengths(target):
         return (f"no length of the long sweep {LONG_LENGTHS} is inside the declarations "
-                f"(max_seq_len={target.caps.max_seq_len}, seq_multiple={target.caps.seq_multiple})")
+                f"(max_seq_len={target.caps.max_seq_len}, seq_multiple={target.caps.seq_multiple}, "
+                f"seq_block={target.caps.seq_block})")
     return None
 
 
 def _long_lengths(target: Target) -> list[int]:
-    """LONG_LENGTHS inside the declared maximum length and block multiple."""
-    top, m = target.caps.max_seq_len, target.caps.seq_multiple or 1
-    return [n for n in LONG_LENGTHS if (top is None or n <= top) and n % m == 0]
+    """LONG_LENGTHS inside the declared length rules (maximum, block multiple, block)."""
+    return [n for n in LONG_LENGTHS if length_allowed(target.caps, n)]
 
 
 @sweep_property(
@@ -310,15 +311,14 @@ def _sweep(target: Target, sweep: Sweep, order: list[tuple[int, int]] | None = N
         length = min(MAX_LENGTH, target.caps.max_seq_len or MAX_LENGTH)
         order = size_order(length)
     pool = _Pool(target, E, {layout.Ev for layout in layouts}, length, name)
-    block = target.caps.seq_multiple or 1
-    top = length // block * block  # the longest length inside the declarations
+    top = max((n for n in range(1, length + 1) if length_allowed(target.caps, n)), default=0)
+    # (the longest length inside the declarations)
     for layout in layouts:  # the pool's calls go to the implementation directly: inside, checked
         require_inside(target, pool.case(target, layout, top or length, top or length), what=name)
     if target.caps.self_attention_lengths:  # L == S only: the diagonal of the square
         order = [(L, S) for L, S in order if L == S]
-    m = target.caps.seq_multiple or 1
-    if m > 1:  # lengths a multiple of a block: those sizes only
-        order = [(L, S) for L, S in order if L % m == 0 and S % m == 0]
+    if target.caps.seq_multiple or target.caps.seq_block:  # lengths of a block rule: those sizes only
+        order = [(L, S) for L, S in order if length_allowed(target.caps, L) and length_allowed(target.caps, S)]
     total, order = len(order), sweep.budget(order)
     smallest: tuple[tuple[int, int], SDPACase, PropertyFailure] | None = None
     chunk, position = 1, 0

@@ -36,7 +36,7 @@ from implementations.vocabulary import (
     check_mha_feature_names,
 )
 
-__all__ = ["Capabilities"]
+__all__ = ["Capabilities", "length_allowed"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,10 @@ class Capabilities:
     head_dims: tuple[int, ...] | None = None
     #: L and S multiples of this (kernels whose tiles are not masked at the edges).
     seq_multiple: int | None = None
+    #: L and S each at most this or a multiple of it (a kernel that takes any length inside
+    #: one block and whole blocks beyond it: "up to 128, or a multiple of 128", JAX's Pallas
+    #: flash attention): random draws stay inside one block, the sweeps visit the multiples.
+    seq_block: int | None = None
     #: Every call is causal (a kernel without a non-causal path): the suite draws causal
     #: cases only (at the SDPA level: the flag, without a mask).
     causal_only: bool = False
@@ -246,7 +250,7 @@ class Capabilities:
 
 
 def _check_size_declarations(caps: Capabilities) -> None:
-    """``head_dims`` (normalized to a sorted tuple), ``seq_multiple`` and ``causal_only``
+    """``head_dims`` (normalized to a sorted tuple), ``seq_multiple``, ``seq_block`` and ``causal_only``
     checked against each other and the other bounds."""
     if caps.head_dims is not None:
         try:
@@ -273,6 +277,14 @@ def _check_size_declarations(caps: Capabilities) -> None:
         if caps.max_seq_len is not None and caps.max_seq_len < caps.seq_multiple:
             raise ImplementationError(f"seq_multiple={caps.seq_multiple} > max_seq_len={caps.max_seq_len} "
                                       "leaves no length; raise max_seq_len or lower seq_multiple")
+    if caps.seq_block is not None:
+        if not isinstance(caps.seq_block, int) or isinstance(caps.seq_block, bool) or caps.seq_block < 2:
+            raise ImplementationError(f"seq_block={caps.seq_block!r} must be an integer >= 2 (L and S at most "
+                                      "it or multiples of it) or None")
+        if caps.seq_multiple is not None and caps.seq_multiple > 1:
+            raise ImplementationError(f"seq_block={caps.seq_block} with seq_multiple={caps.seq_multiple}: declare "
+                                      "one length rule (seq_multiple: every length a multiple; seq_block: "
+                                      "any length up to the block, multiples beyond)")
     if caps.causal_only and caps.causal is None:
         raise ImplementationError("causal_only=True but causal=None (no causal flag): a kernel that runs "
                                   "only causal needs its causal flag declared")
@@ -344,3 +356,14 @@ def _by_dtype_value(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]]
 def _per_dtype_value(name: str, value: Any) -> Any:
     """A ``by_dtype`` value as the field holds it (``mask_kinds``, ``flash_features``: a frozenset)."""
     return frozenset(value) if name in _SET_FIELDS else value
+
+
+def length_allowed(caps: Any, n: int) -> bool:
+    """Whether a sequence length ``n`` is inside the declared length rules of ``caps``
+    (``max_seq_len``, ``seq_multiple``, ``seq_block``)."""
+    if caps.max_seq_len is not None and n > caps.max_seq_len:
+        return False
+    if caps.seq_multiple and n % caps.seq_multiple:
+        return False
+    block = getattr(caps, "seq_block", None)
+    return not (block and n > block and n % block)

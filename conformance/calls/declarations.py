@@ -161,7 +161,8 @@ def fit_lengths(caps: Any, L: int, S: int) -> tuple[int, int] | None:
     """An example's lengths (L, S) inside ``caps.max_seq_len`` keeping how L relates to S
     (L < S, L == S, L > S) where the bound allows; L == S with ``self_attention_lengths``.
     None when the relation cannot be kept. With ``seq_multiple`` m both are m times
-    the example's (the relation kept), within the bound."""
+    the example's (the relation kept), within the bound; with ``seq_block`` both inside
+    one block."""
     if caps.self_attention_lengths:
         L = S = max(L, S)
     m = getattr(caps, "seq_multiple", None) or 1
@@ -176,7 +177,9 @@ def fit_lengths(caps: Any, L: int, S: int) -> tuple[int, int] | None:
         if top < 2 * m:
             return None
         return (top - m, top) if L < S else (top, top - m)
-    bound = caps.max_seq_len
+    # Any length up to a declared block (seq_block): an example stays inside one block.
+    bounds = [b for b in (caps.max_seq_len, getattr(caps, "seq_block", None)) if b]
+    bound = min(bounds) if bounds else None
     if bound is None or max(L, S) <= bound:
         return L, S
     if L == S:

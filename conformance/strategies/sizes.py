@@ -221,9 +221,14 @@ def _cap_bound(value: int | None, default: int, cap: int | None, *, upper: bool)
 
 def _length_bounds(caps: Capabilities | None, min_L: int, max_L: int | None, min_S: int,
                    max_S: int | None, default_max: int) -> tuple[int, int]:
-    """Checked (max_L, max_S): the user's, or the default, tightened by caps.max_seq_len."""
-    seq_cap = caps.max_seq_len if caps else None
-    seq_note = f"caps.max_seq_len={seq_cap}"
+    """Checked (max_L, max_S): the user's, or the default, tightened by caps.max_seq_len
+    and, for ``caps.seq_block`` (any length up to the block, multiples beyond), by the
+    block: random draws stay inside one block (the sweeps visit the multiples)."""
+    caps_bounds = [b for b in ((caps.max_seq_len, getattr(caps, "seq_block", None)) if caps else ()) if b]
+    seq_cap = min(caps_bounds) if caps_bounds else None
+    seq_note = f"caps.max_seq_len={caps.max_seq_len}" if caps else "caps.max_seq_len=None"
+    if caps is not None and getattr(caps, "seq_block", None):
+        seq_note += f", caps.seq_block={caps.seq_block}"
     for name, value in (("min_L", min_L), ("min_S", min_S)):
         check_capped_range(name, 1, name, 1, value, None, seq_note)
     # Lengths a multiple m of a block: at least two blocks' room (L < S and L > S), within

@@ -13,8 +13,8 @@ validated, and a bad key or value raises ImplementationError listing what is val
 the kinds not named, else ``zero``). ``batch_dims=1`` declares exactly 4-D inputs.
 
 New partial-support declarations: ``head_dims=64,96,128`` (E and Ev in the set),
-``seq_multiple=16`` (L and S multiples of it), ``causal_only=true`` (every call causal),
-``positive_scale=true`` (an explicit scale > 0 only). A key may name one level,
+``seq_multiple=16`` (L and S multiples of it), ``seq_block=128`` (L and S up to 128 or
+multiples of it), ``causal_only=true`` (every call causal), ``positive_scale=true`` (an explicit scale > 0 only). A key may name one level,
 ``mha.mask_kinds=none,bool`` (``sdpa.``, ``mha.``, ``flash.``: that level's capabilities
 only), or one dtype, ``float64.mask_kinds=none,bool`` (a per-dtype field of
 :data:`~implementations.base.PER_DTYPE_FIELDS` in that dtype only: a dtype x feature
@@ -192,6 +192,7 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "min_head_dim": _parse_optional_int,
         "head_dims": _parse_head_dims,
         "seq_multiple": _parse_optional_int,
+        "seq_block": _parse_optional_int,
         "rotary_dim_multiple": _parse_optional_int,
     }
     for field in dataclasses.fields(Capabilities):

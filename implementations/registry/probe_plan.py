@@ -33,7 +33,7 @@ _UNPROBED: contextvars.ContextVar[Mapping[str, Mapping[str, Any]] | None] = cont
     "unprobed", default=None)
 
 #: The declarations a probe call is built inside (parsed ``--impl-option`` values).
-PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_multiple", "causal_only",
+PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_multiple", "seq_block", "causal_only",
                 "max_seq_len", "self_attention_lengths")
 
 
@@ -135,6 +135,9 @@ def probe_plan(default_L: int = 2, default_S: int = 3, default_E: int = 4,
         Ev_other = E - 1 if E - 1 >= lo else (E + 1 if hi is None or E + 1 <= hi else None)
     m = declared.get("seq_multiple") or 0
     L, S = (m, 2 * m) if m else (default_L, default_S)
+    block = declared.get("seq_block")
+    if block and not m:  # inside one block (any length up to it is taken)
+        L, S = min(L, block), min(S, block)
     if declared.get("self_attention_lengths"):
         L = S
     return ProbePlan(dtype=dtype, dtypes=dtypes, E=E, Ev_other=Ev_other, L=L, S=S,

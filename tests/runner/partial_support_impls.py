@@ -10,6 +10,10 @@ is right wherever it claims to be (:func:`_attend`).
 * :func:`head_dims_8_16`: raises unless E and Ev are 8 or 16: ``head_dims=8,16``;
 * :func:`causal_only`: raises unless is_causal=True: ``causal_only=true``;
 * :func:`blocks_of_4`: raises unless L and S are multiples of 4: ``seq_multiple=4``;
+* :func:`up_to_8_or_multiples`: raises unless L and S are at most 8 or multiples of 8
+  (JAX's Pallas flash attention with its block of 128): ``seq_block=8``;
+* :func:`one_block_past_8`: the same rule, and past one block it drops the last block of
+  keys (wrong inside the declaration: the sweeps must catch it);
 * :func:`no_bool_masks`: raises on a bool mask (a declaration claiming bool masks is refused).
 """
 
@@ -79,4 +83,32 @@ def no_bool_masks(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   enable_gqa=False):
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         raise TypeError("bool masks are not supported")
+    return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+def _up_to_8_or_multiples(query, key) -> None:
+    for name, n in (("L", query.shape[-2]), ("S", key.shape[-2])):
+        if n > 8 and n % 8:
+            raise ValueError(f"{name}={n}: a length must be at most 8 or a multiple of 8")
+
+
+def up_to_8_or_multiples(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    _up_to_8_or_multiples(query, key)
+    return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+def one_block_past_8(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    _up_to_8_or_multiples(query, key)
+    S = key.shape[-2]
+    if S > 8:  # the last block of keys left out (a loop bound off by one block)
+        key, value = key[..., :S - 8, :], value[..., :S - 8, :]
+        if attn_mask is not None:
+            attn_mask = attn_mask[..., :S - 8]
+        if is_causal:  # the causal rule of the whole S, kept for the keys still there
+            keep = torch.ones(query.shape[-2], S, dtype=torch.bool, device=query.device).tril()[:, :S - 8]
+            attn_mask = keep if attn_mask is None else attn_mask & keep if attn_mask.dtype == torch.bool \
+                else attn_mask.masked_fill(~keep, float("-inf"))
+            is_causal = False
     return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)

@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conformance.strategies import sdpa_cases
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
 
@@ -125,6 +128,14 @@ def test_new_declarations_parse_check_and_narrow_what_is_supported():
             registry.resolve("sdpa", bad)
     with pytest.raises(ImplementationError, match="causal_only=True but causal=None"):
         Capabilities(causal=None, causal_only=True)
+    block = registry.resolve("sdpa", {"seq_block": "128"})
+    assert block.caps("sdpa").seq_block == 128
+    assert block.not_supported_reasons({"level": "sdpa", "L": 100, "S": 256}) == []
+    assert block.not_supported_reasons({"level": "sdpa", "L": 129, "S": 64}) == [
+        "L=129 is above seq_block=128 and not a multiple of it"]
+    for bad in ({"seq_block": 1}, {"seq_block": True}, {"seq_block": 16, "seq_multiple": 4}):
+        with pytest.raises(ImplementationError, match="seq_block"):
+            Capabilities(**bad)
 
 
 # --------------------------------------------------------------------------- SDPA-level partial support
@@ -141,7 +152,29 @@ SDPA_CASES = {
     "causal_only": (("causal_only=true",), "forward_agreement or gradient_agreement", "float64", None),
     "blocks_of_4": (("seq_multiple=4",), "forward_agreement or gradient_agreement or small_sizes_sweep",
                     "float64", None),
+    "up_to_8_or_multiples": (("seq_block=8",), "forward_agreement or small_sizes_sweep or long_sizes_sweep",
+                             "float64", "small_sizes_sweep"),
 }
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_random_draws_under_a_block_declaration_stay_inside_one_block(data):
+    case = data.draw(sdpa_cases(dtype="float64", caps=Capabilities(seq_block=8), max_L=40, max_S=40))
+    assert case.L <= 8 and case.S <= 8
+
+
+def test_a_kernel_wrong_past_its_block_fails_under_its_block_declaration(tmp_path):
+    """seq_block=8 keeps random draws inside one block; the sweeps visit the multiples,
+    where a kernel that drops its last block of keys is wrong."""
+    args = ("-k", "(forward_agreement or small_sizes_sweep or long_sizes_sweep) and not mha and not flash",
+            "--dtype=float64", *options("seq_block=8"))
+    proc = run(f"{IMPLS}:one_block_past_8", *args, tmp_path=tmp_path)
+    outcome = results(tmp_path)
+    assert outcome["forward_agreement[sdpa-float64]"] == "passed", proc.stdout[-3000:]
+    assert outcome["small_sizes_sweep[sdpa-float64]"] == "failed", proc.stdout[-3000:]
+    assert outcome["long_sizes_sweep[sdpa-float64]"] == "failed", proc.stdout[-3000:]
+    assert "L and S <= 8 or multiples of 8" in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("name", list(SDPA_CASES))
