@@ -19,21 +19,19 @@ import fnmatch
 
 import pytest
 
+from tests.quick_tier import SLOW_IN_QUICK_TIER
+
 #: Seconds a test took, by node id pattern (first match wins). Only the order matters.
 MEASURED_SECONDS = {
     "tests/test_mutants.py::test_correct_implementation_passes[jax-float16]": 57,  # 2026-12-04: compiled
     "tests/test_mutants.py::test_correct_implementation_passes[jax-bfloat16]": 53,
     "tests/test_mutants.py::test_correct_implementation_passes[jax-*": 46,
     "tests/test_mutants.py::test_correct_implementation_passes[triton-*": 75,
-    "tests/test_mutants.py::test_every_mutant_is_killed[triton1]": 5,
-    "tests/test_mutants.py::test_every_mutant_is_killed[triton0]": 4,
-    "tests/test_mutants.py::test_every_mutant_is_killed[*": 13,
+    "tests/test_mutants.py::test_every_mutant_is_killed_and_its_bug_named[triton*": 5,
+    "tests/test_mutants.py::test_every_mutant_is_killed_and_its_bug_named[*": 13,
     "tests/test_mutants.py::test_correct_implementation_passes[*": 30,
     "tests/test_mutants.py::test_expected_property_alone_kills_each_mutant[*": 7,
     "tests/runner/test_replay.py::test_every_property_reproducer_shows_the_failure*": 63,
-    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[plain*": 8,
-    "tests/diagnosis/test_diagnosis_mutants.py::test_the_diagnosis_names_the_mutants_bug_first[triton]": 8,
-    "tests/diagnosis/test_diagnosis_mutants.py::*": 13,
     "tests/runner/test_hostile.py::*": 6,
     "tests/runner/test_declarations.py::*": 6,
     "tests/runner/test_multiple_impls.py::*": 7,
@@ -88,7 +86,15 @@ def _seconds(nodeid: str) -> float:
     for pattern, seconds in MEASURED_SECONDS.items():
         if fnmatch.fnmatchcase(nodeid, pattern):
             return seconds
-    return 0.0
+    measured = SLOW_IN_QUICK_TIER.get(nodeid.split("[", 1)[0])
+    return measured[0] / measured[1] if measured else 0.0
+
+
+def pytest_itemcollected(item) -> None:
+    """The tests measured too slow for the quick tier (``tests/quick_tier.py``) are marked
+    ``slow`` as they are collected, before ``-m "not slow"`` deselects."""
+    if item.nodeid.split("[", 1)[0] in SLOW_IN_QUICK_TIER:
+        item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser) -> None:

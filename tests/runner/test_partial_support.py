@@ -164,6 +164,7 @@ def test_random_draws_under_a_block_declaration_stay_inside_one_block(data):
     assert case.L <= 8 and case.S <= 8
 
 
+@pytest.mark.slow
 def test_a_kernel_wrong_past_its_block_fails_under_its_block_declaration(tmp_path):
     """seq_block=8 keeps random draws inside one block; the sweeps visit the multiples,
     where a kernel that drops its last block of keys is wrong."""
