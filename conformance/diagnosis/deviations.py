@@ -39,6 +39,10 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     avoid = ", ".join(f"{k}={v!r}" for k, v in entry.match.items()) or f"every case of {property_id}"
     known = (f"known deviation of the built-in `{name}`: {entry.reason}{reference}. If the implementation "
              f"calls it, excuse the failure with --xfail-file {path} (or avoid {avoid})")
+    if any(str(note).startswith("compiled: ") for note in getattr(target.caps, "probe_notes", ()) or ()):
+        # the bridge compiled the function (JAX by default): the deviation is the compiled program's
+        known += ("; the bridge ran the function compiled (jax.jit), as a jitted caller runs it: "
+                  "--impl-option jit=false certifies it op by op")
     others = sorted({n for n, _, _ in found[1:]} - {name})
     if others:
         known += "; also listed for " + ", ".join(f"`{n}`" for n in others)

@@ -205,14 +205,27 @@ def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = 
                        jit=jit, native_gqa=own)
 
 
+#: Frameworks whose functions the bridge compiles unless ``jit=false`` is declared: a
+#: JAX function run op by op costs seconds a call (Flax's ``dot_product_attention`` about
+#: 20 s a test, over an hour for a four-dtype certificate on two cores).
+COMPILED_BY_DEFAULT = ("jax",)
+
+
 def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str, origin: str,
-                           probe: Callable[..., Any], timeout: float | None) -> Implementation:
+                           probe: Callable[..., Any], timeout: float | None,
+                           jit: bool | None = None) -> Implementation:
     """The Implementation of a framework function: bridged, then probed by ``probe``
-    (:func:`implementations.registry.probing.probe_sdpa`)."""
+    (:func:`implementations.registry.probing.probe_sdpa`). ``jit``: the declared
+    ``--impl-option jit=`` (None: not declared). A function of :data:`COMPILED_BY_DEFAULT`
+    is compiled per configuration unless ``jit=false`` is declared, a configuration that
+    does not trace running eagerly (``BridgedSDPA(jit="fallback")``); its capabilities say
+    ``jit`` (a small budget of shapes, no derived flash level unless asked)."""
     declared = _declared()
     declared["_used"] = "yes"
+    compiled = framework in COMPILED_BY_DEFAULT and jit is not False
     try:
-        bridged = make_bridge(fn, framework, layout=declared.get("layout"), origin=origin)
+        bridged = make_bridge(fn, framework, layout=declared.get("layout"), origin=origin,
+                              jit="fallback" if compiled else False)
     except ImportError as exc:
         return Implementation(name=name, unavailable_reason=(
             f"{origin} is a {framework} function, and {framework} is not importable ({exc}); install it "
@@ -221,6 +234,12 @@ def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str,
     caps = probe(bridged, origin=origin, timeout=timeout)
     notes = [f"bridge: {bridged.framework.version} ({how}), layout {bridged.layout}, "
              f"arguments {bridged.arguments.describe()}"]
+    if compiled:
+        notes.append(f"compiled: {framework}.jit per configuration (a new shape or dtype is a compilation; one "
+                     "that does not trace runs eagerly); --impl-option jit=false runs every call eagerly")
+        caps = caps.replace(jit=True)
+    elif framework in COMPILED_BY_DEFAULT:
+        notes.append("eager: every call runs op by op (jit=false declared)")
     if not bridged.framework.autodiff and not bridged.framework.native_torch:
         notes.append(f"autograd: {bridged.framework.name} has no automatic differentiation; declared off")
         caps = caps.replace(autograd=False, mask_grad=False)

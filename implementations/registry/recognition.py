@@ -56,7 +56,7 @@ from implementations.registry.flash_recognition import (
 )
 from implementations.registry.interface_recognition import is_interface_signature, recognise_interface
 from implementations.registry.learner import is_learner_candidate, recognise_learner
-from implementations.registry.probe_plan import probe_plan
+from implementations.registry.probe_plan import current_declarations, probe_plan
 from implementations.registry.mha_probing import probe_mha
 from implementations.registry.prober import DEFAULT_PROBE_TIMEOUT, _Prober, build_limit
 from implementations.registry.probing import probe_sdpa
@@ -119,7 +119,7 @@ def recognise(obj: Any, *, name: str, origin: str = "",
     framework = detect_framework(obj)
     if framework is not None and (_declared_framework() or _takes_qkv(obj)):
         return bridged_implementation(obj, framework, name=name, origin=origin, probe=probe_sdpa,
-                                      timeout=timeout)
+                                      timeout=timeout, jit=current_declarations().get("jit"))
     parameters = _parameters(obj, origin)
     names = [p.name for p in parameters]
     varlen_level = _varlen_level(names)

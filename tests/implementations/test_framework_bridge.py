@@ -194,6 +194,25 @@ def test_jax_function_of_the_users_module_gets_jax_vjp_gradients():
     np.testing.assert_allclose(q.grad.numpy(), expected, atol=1e-10)
 
 
+@pytest.mark.skipif(not installed("jax"), reason="jax is not installed (pip install 'attention-conformance[jax]')")
+def test_a_jax_function_is_compiled_unless_declared_eager_and_one_that_does_not_trace_runs_eagerly():
+    functions = MODULES / "jax_functions.py"
+    q, k, v = tensors((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 3), dtype=torch.float64)
+    for name, traces in (("attention", True), ("attention_with_a_value_branch", False)):
+        impl = registry.resolve(f"{functions}:{name}")
+        caps = impl.capabilities
+        assert caps.jit and impl.flash is None  # a small budget of shapes; no derived flash level unless asked
+        assert any(n.startswith("compiled: jax.jit per configuration") and "jit=false" in n
+                   for n in caps.probe_notes), caps.probe_notes
+        out = impl.sdpa(q, k, v, is_causal=True)
+        np.testing.assert_allclose(out.numpy(), oracle(q, k, v, causal="upper_left"), atol=1e-12)
+        compiled = [done for function in impl.sdpa.fallbacks for done in function.compiles.values()]
+        assert compiled and set(compiled) == {traces}, (name, compiled)  # compiled, or eager where it cannot
+    eager = registry.resolve(f"{functions}:attention", {"jit": "false"})
+    assert not eager.capabilities.jit and not eager.sdpa.fallbacks and eager.flash is not None
+    assert "eager: every call runs op by op (jit=false declared)" in eager.capabilities.probe_notes
+
+
 # --------------------------------------------------------------------------- certificates
 
 

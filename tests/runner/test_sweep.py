@@ -116,7 +116,8 @@ def test_the_long_sweep_visits_kernel_block_edges_inside_the_declarations():
     from conformance.test_sdpa_sweep import LONG_LENGTHS, LONG_SIZES, _long_lengths, _long_lengths_skip, square_order
 
     def target(**caps):
-        return SimpleNamespace(caps=SimpleNamespace(**{"max_seq_len": None, "seq_multiple": None, **caps}))
+        return SimpleNamespace(caps=SimpleNamespace(**{"max_seq_len": None, "seq_multiple": None, "seq_block": None,
+                                                      **caps}))
 
     order = square_order(list(LONG_LENGTHS))
     assert len(order) == len(set(order)) == len(LONG_LENGTHS) ** 2
@@ -125,6 +126,7 @@ def test_the_long_sweep_visits_kernel_block_edges_inside_the_declarations():
     assert _long_lengths(target()) == list(LONG_LENGTHS)
     assert _long_lengths(target(max_seq_len=200)) == [1, 129, 128, 127, 65, 64]
     assert _long_lengths(target(seq_multiple=64)) == [128, 256, 64]
+    assert _long_lengths(target(seq_block=128)) == [1, 128, 256, 127, 65, 64]  # up to 128, or its multiples
     assert _long_lengths_skip(target()) is None
     assert "max_seq_len=32" in _long_lengths_skip(target(max_seq_len=32, seq_multiple=64))
 
