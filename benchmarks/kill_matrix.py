@@ -67,7 +67,7 @@ FAILED = ("failed", "error")
 #: failure best (the whole output on the failing case, compared with spec.variants).
 #: Measured: with dropout_expectation and fully_masked_rows first (the plain greedy
 #: order, ``--first ""``), the diagnosis named 9 of the 29 mutants of
-#: tests/diagnosis/test_diagnosis_mutants.py wrongly or not at all (6 of them MHA
+#: the zoo's diagnosis runs (then tests/diagnosis/test_diagnosis_mutants.py) wrongly or not at all (6 of them MHA
 #: mutants first failing mha_dropout_expectation: "named nothing"). The same holds at the
 #: FlashAttention and sharded levels: their dropout and FP8 calls are not fitted by the
 #: diagnosis, so a bug first failing there would read "unknown" (flash_dropout_expectation
