@@ -296,10 +296,31 @@ class MLX(Framework):
 
     @property
     def version(self) -> str:
-        return f"mlx {getattr(importlib.import_module('mlx'), '__version__', '?')}"
+        found = getattr(self.module, "__version__", None)  # mlx.core's (the mlx package has none)
+        if found is None:
+            try:
+                found = importlib.metadata.version("mlx")
+            except importlib.metadata.PackageNotFoundError:
+                found = "?"
+        return f"mlx {found}"
 
     def from_numpy(self, array: np.ndarray) -> Any:
-        return self.module.array(array)
+        """An mlx array of ``array``'s dtype: ``mx.array`` of a float64 array gives float32
+        unless told, and reads no ml_dtypes bfloat16 (passed through float32, exactly)."""
+        mx = self.module
+        if array.dtype.name == "bfloat16":
+            return mx.array(np.asarray(array, dtype=np.float32)).astype(mx.bfloat16)
+        if array.dtype == np.float64:
+            return mx.array(array, dtype=mx.float64)
+        return mx.array(array)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        mx = self.module
+        if getattr(array, "dtype", None) == mx.bfloat16:  # no buffer format for it: through float32
+            import ml_dtypes
+
+            return np.array(array.astype(mx.float32)).astype(ml_dtypes.bfloat16)
+        return np.array(array)
 
     def vjp(self, fn, primals, cotangent):
         _, grads = self.module.vjp(fn, list(primals), [cotangent])

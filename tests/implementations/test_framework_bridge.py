@@ -213,6 +213,24 @@ def test_a_jax_function_is_compiled_unless_declared_eager_and_one_that_does_not_
     assert "eager: every call runs op by op (jit=false declared)" in eager.capabilities.probe_notes
 
 
+@pytest.mark.skipif(not installed("mlx"), reason="mlx is not installed (pip install 'attention-conformance[frameworks]')")
+def test_an_mlx_function_gets_every_dtype_exactly():
+    """float64 stays float64 (``mx.array`` of a float64 array is float32 unless told) and
+    bfloat16 comes back (an mlx bfloat16 array has no buffer format NumPy reads)."""
+    from implementations.bridge.frameworks import framework_named
+
+    mlx = framework_named("mlx")
+    assert mlx.version.startswith("mlx ") and mlx.version != "mlx ?"
+    impl = registry.resolve(f"{MODULES / 'mlx_attention.py'}:attention")
+    assert impl.capabilities.dtypes == ("float64", "float32", "float16", "bfloat16")
+    values = torch.tensor([1.0 + 2**-52, 3.140625, -0.0078125], dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        x = values.to(dtype)
+        assert torch.equal(mlx.to_torch(mlx.from_torch(x), x), x)  # the values and the dtype, exactly
+        q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=dtype)
+        assert impl.sdpa(q, k, v).dtype == dtype
+
+
 # --------------------------------------------------------------------------- certificates
 
 
@@ -237,6 +255,18 @@ def certify(impl: str, workdir: Path, *extra: str, env: dict[str, str] | None = 
 def outcomes(report: dict) -> dict[tuple[str, str], str]:
     """(property, dtype) -> outcome."""
     return {(r["property"], r["dtype"]): r["outcome"] for r in report["results"]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("mlx"), reason="mlx is not installed (pip install 'attention-conformance[frameworks]')")
+def test_an_mlx_function_certifies_in_float32_and_its_float64_softmax_is_named(tmp_path):
+    code, report, output = certify(f"{MODULES / 'mlx_attention.py'}:attention", tmp_path, "--dtype=float64,float32",
+                                   "-k", "(forward_agreement or gradient_agreement) and not mha and not flash",
+                                   "--impl-option", "derived_flash=false")
+    got = outcomes(report)
+    assert got[("forward_agreement", "float32")] == got[("gradient_agreement", "float32")] == "passed", output
+    assert got[("forward_agreement", "float64")] == "failed", output      # float32-accurate exp on the CPU
+    assert [c["variant"] for c in report["causes"]] == ["softmax_float32"], report["causes"]
 
 
 @pytest.mark.slow
