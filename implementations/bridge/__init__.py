@@ -30,7 +30,7 @@ import types
 from typing import Any, Callable, Iterator, Mapping
 
 from implementations.base import Implementation, ImplementationError
-from implementations.bridge.arguments import ArgumentMap, map_arguments
+from implementations.bridge.arguments import ArgumentMap, map_arguments, signature_of
 from implementations.bridge.frameworks import FRAMEWORKS, PACKAGES, UNBRIDGED, Framework, framework_named
 from implementations.bridge.mha import KerasMHAFactory, keras_mha_framework, load_keras_weights
 from implementations.bridge.module_tables import module_table
@@ -41,7 +41,7 @@ __all__ = [
     "BRIDGE_OPTIONS", "FRAMEWORKS", "LAYOUTS", "ArgumentMap", "BridgedSDPA", "Framework",
     "bridge_declarations", "bridge_options", "bridged_implementation", "bridged_mha_implementation",
     "bridged_module_implementation", "detect_framework", "keras_mha_framework", "make_bridge", "map_arguments",
-    "module_table", "split_bridge_options",
+    "module_table", "signature_of", "split_bridge_options",
 ]
 
 #: ``--impl-option`` keys the bridge reads (not capabilities).
@@ -182,11 +182,16 @@ def _how_recognised(fn: Any, framework: str, declared: Mapping[str, str]) -> str
     return f"recognised from the {framework} modules the function uses"
 
 
+#: A framework's own attention functions: (framework, name) -> their layout. Each takes
+#: K < N key/value heads (GQA) without an ``enable_gqa`` parameter, as documented.
+_OWN_FUNCTIONS = {("keras", "dot_product_attention"): "BLNE", ("jax", "dot_product_attention"): "BLNE",
+                  ("mlx", "scaled_dot_product_attention"): "BNLE"}
+
+
 def _frameworks_own(fn: Any, framework: str) -> bool:
-    """Whether ``fn`` is a framework's own ``dot_product_attention`` (Keras', JAX's): (B, L,
-    N, E) and GQA by K < N heads, as documented."""
+    """Whether ``fn`` is a framework's own attention function (:data:`_OWN_FUNCTIONS`)."""
     own = _top_package(getattr(fn, "__module__", None)) in PACKAGES
-    return own and framework in ("keras", "jax") and getattr(fn, "__name__", "") == "dot_product_attention"
+    return own and (framework, getattr(fn, "__name__", "")) in _OWN_FUNCTIONS
 
 
 def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = None, origin: str = "",
@@ -195,14 +200,14 @@ def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = 
     ImplementationError: a signature the bridge cannot call)."""
     origin = origin or getattr(fn, "__name__", "the function")
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        parameters = list(signature_of(fn).parameters.values())
     except (TypeError, ValueError) as exc:
         raise ImplementationError(f"{origin}: its signature cannot be read ({exc}); wrap it in a Python "
                                   "function taking query, key, value") from exc
     arguments = map_arguments(parameters, origin)
     own = _frameworks_own(fn, framework)
-    return BridgedSDPA(fn, framework_named(framework), arguments, layout or ("BLNE" if own else "BNLE"),
-                       jit=jit, native_gqa=own)
+    own_layout = _OWN_FUNCTIONS[(framework, fn.__name__)] if own else "BNLE"
+    return BridgedSDPA(fn, framework_named(framework), arguments, layout or own_layout, jit=jit, native_gqa=own)
 
 
 #: Frameworks whose functions the bridge compiles unless ``jit=false`` is declared: a

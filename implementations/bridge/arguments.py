@@ -18,6 +18,11 @@ float ``attn_mask``    ``attn_mask``, else ``bias`` / ``attn_bias`` (added to th
 ``enable_gqa``         ``enable_gqa``; without it K < N heads are passed as they are
 =====================  ===============================================================
 
+A ``mask`` parameter annotated to take a string (MLX's ``mask: None | str | array``) takes
+either kind of mask, and ``is_causal=True`` as ``mask="causal"``. A compiled function
+whose signature Python cannot read (a nanobind function, MLX's) is read from the
+signature text nanobind keeps (:func:`signature_of`).
+
 A parameter the function lacks is refused (NotImplementedError, which probing reads
 as "unsupported") unless the call leaves it at its default. A scale parameter whose
 default is not None (Pallas' ``sm_scale=1.0``) or that has none is always given: SDPA's
@@ -27,12 +32,14 @@ parameter is an error at recognition; further optional ones keep their defaults.
 
 from __future__ import annotations
 
+import ast
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from implementations.base import ImplementationError
 
-__all__ = ["ArgumentMap", "map_arguments"]
+__all__ = ["ArgumentMap", "map_arguments", "signature_of"]
 
 _ALIASES = {
     "mask": ("attn_mask",),
@@ -61,11 +68,15 @@ class ArgumentMap:
     #: Whether SDPA's default scale must be passed explicitly (the function's scale
     #: parameter defaults to something other than None, or is required).
     explicit_scale: bool = False
+    #: The value the mask parameter takes for a causal call without a mask (MLX's
+    #: ``"causal"``), where the function has no causal flag.
+    causal_mask: str | None = None
 
     def describe(self) -> str:
         scale = f"{self.scale} (always given: its default is not 1/sqrt(E))" if self.explicit_scale else self.scale
         pairs = [("attn_mask", self.mask), ("bool attn_mask", self.bool_mask), ("float attn_mask", self.bias),
-                 ("is_causal", self.causal), ("scale", scale), ("dropout_p", self.dropout),
+                 ("is_causal", self.causal or (f"{self.mask}={self.causal_mask!r}" if self.causal_mask else None)),
+                 ("scale", scale), ("dropout_p", self.dropout),
                  ("enable_gqa", self.gqa)]
         return ", ".join(f"{ours} -> {theirs}" for ours, theirs in pairs if theirs) or "none"
 
@@ -95,4 +106,53 @@ def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentM
             "scaled_dot_product_attention's arguments; give them defaults"
         )
     explicit = "scale" in found and names[found["scale"]].default is not None
-    return ArgumentMap(qkv=tuple(p.name for p in positional[:3]), explicit_scale=explicit, **found)
+    causal_mask = None
+    mask = names.get("mask")
+    if mask is not None and "str" in str(mask.annotation) and "causal" not in found:
+        # a mask that is an array of either kind, or the string "causal" (MLX)
+        found.pop("bool_mask", None)
+        found.setdefault("mask", "mask")
+        causal_mask = "causal"
+    return ArgumentMap(qkv=tuple(p.name for p in positional[:3]), explicit_scale=explicit,
+                       causal_mask=causal_mask, **found)
+
+
+def signature_of(fn: Any) -> inspect.Signature:
+    """``inspect.signature(fn)``, or for a nanobind function (MLX's), the signature read
+    from the text nanobind keeps (``__nb_signature__``: names, kinds, literal defaults and
+    annotations as text); ValueError when neither can be read."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        texts = getattr(fn, "__nb_signature__", None)
+        if not texts:
+            raise ValueError(str(exc)) from exc
+    try:
+        tree = ast.parse(texts[0][0].strip() + ": pass").body[0]
+    except (SyntaxError, IndexError, TypeError) as exc:
+        raise ValueError(f"its nanobind signature cannot be parsed ({exc})") from exc
+    args, P = tree.args, inspect.Parameter
+
+    def literal(node: ast.AST | None) -> Any:
+        if node is None:
+            return P.empty
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return ast.unparse(node)  # a default that is not a literal: its text
+
+    def annotation(node: ast.AST | None) -> Any:
+        return P.empty if node is None else ast.unparse(node)
+
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    parameters = [P(a.arg, P.POSITIONAL_ONLY if i < len(args.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                    default=literal(d), annotation=annotation(a.annotation))
+                  for i, (a, d) in enumerate(zip(positional, defaults, strict=True))]
+    if args.vararg is not None:
+        parameters.append(P(args.vararg.arg, P.VAR_POSITIONAL))
+    parameters += [P(a.arg, P.KEYWORD_ONLY, default=literal(d), annotation=annotation(a.annotation))
+                   for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+    if args.kwarg is not None:
+        parameters.append(P(args.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(parameters)

@@ -90,6 +90,12 @@ class BridgedSDPA:
                     f"{self.__name__} has no parameter for a {'bool' if is_bool else 'float'} mask "
                     f"({'attn_mask or mask' if is_bool else 'attn_mask or bias'})")
             extra[target] = mask
+        if is_causal and args.causal is None and args.causal_mask is not None:
+            if attn_mask is not None:  # one parameter for both: the suite folds causal into the mask
+                raise NotImplementedError(f"{self.__name__} takes a mask or {args.mask}={args.causal_mask!r}, "
+                                          "not both")
+            statics[args.mask] = args.causal_mask
+            is_causal = False
         for flag, given, default, ours in ((args.causal, is_causal, False, "is_causal"),
                                            (args.dropout, dropout_p, 0.0, "dropout_p"),
                                            (args.gqa, enable_gqa, False, "enable_gqa")):

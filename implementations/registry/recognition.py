@@ -44,6 +44,7 @@ from implementations.bridge import (
     detect_framework,
     keras_mha_framework,
     module_table,
+    signature_of,
 )
 from implementations.guard import CallRaised, CallTimedOut, guarded_call
 from implementations.registry._errors import summarise
@@ -170,7 +171,7 @@ def _interface_function(obj: Any) -> bool:
 def _takes_qkv(obj: Any) -> bool:
     """Whether ``obj`` takes at least three positional arguments (query, key, value)."""
     try:
-        parameters = inspect.signature(obj).parameters.values()
+        parameters = signature_of(obj).parameters.values()
     except (TypeError, ValueError):
         return False
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 3
@@ -208,7 +209,7 @@ def _parameters(obj: Any, origin: str) -> list[inspect.Parameter]:
     except ImportError:
         pass
     try:
-        return list(inspect.signature(obj).parameters.values())
+        return list(signature_of(obj).parameters.values())
     except (TypeError, ValueError) as exc:
         raise ImplementationError(
             f"{origin} is callable but its signature cannot be read ({exc}); wrap it in a Python "

@@ -231,6 +231,30 @@ def test_an_mlx_function_gets_every_dtype_exactly():
         assert impl.sdpa(q, k, v).dtype == dtype
 
 
+@pytest.mark.skipif(not installed("mlx"), reason="mlx is not installed (pip install 'attention-conformance[frameworks]')")
+def test_mlx_fast_sdpa_is_read_from_its_nanobind_signature_with_no_wrapper():
+    """``mx.fast.scaled_dot_product_attention(q, k, v, *, scale, mask=None)``: a signature
+    Python cannot read (nanobind), scale required, causal as ``mask="causal"`` (lower-right),
+    one mask parameter for both kinds, GQA by K < N heads."""
+    import mlx.core as mx
+
+    from implementations.bridge import signature_of
+
+    parameters = signature_of(mx.fast.scaled_dot_product_attention).parameters
+    assert list(parameters)[:4] == ["q", "k", "v", "scale"] and parameters["scale"].default is inspect.Parameter.empty
+    impl = registry.resolve("mlx.core.fast:scaled_dot_product_attention", {"causal": "lower_right"})
+    caps = impl.capabilities
+    assert caps.gqa and caps.mask_kinds == {"none", "bool", "additive"} and caps.causal == "lower_right"
+    assert caps.dtypes == ("float64", "float32", "float16", "bfloat16")
+    assert any("is_causal -> mask='causal'" in n and "scale -> scale (always given" in n for n in caps.probe_notes)
+    q, k, v = tensors((1, 4, 2, 8), (1, 2, 3, 8), (1, 2, 3, 8))
+    out = impl.sdpa(q, k, v, is_causal=True, enable_gqa=True, scale=0.25)
+    expected = oracle(q, k, v, causal="lower_right", scale=0.25)
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="not both"):
+        impl.sdpa(q, k, v, attn_mask=torch.ones(2, 3, dtype=torch.bool), is_causal=True, enable_gqa=True)
+
+
 # --------------------------------------------------------------------------- certificates
 
 
