@@ -316,6 +316,10 @@ def test_bfloat16_rounding_is_ml_dtypes_bit_for_bit():
     # round_to rounds to bfloat16 in NumPy bit operations (no ml_dtypes import on the
     # runner's start-up path); it must be the very rounding ml_dtypes' cast does.
     x = _bfloat16_edge_values()
+    if tuple(int(p) for p in ml_dtypes.__version__.split(".")[:2]) < (0, 7):
+        # ml_dtypes before 0.7 casts float64 to bfloat16 through float32, rounding twice
+        # (9.75168699e23, just above a tie, goes down): compared where float32 is exact
+        x = x[x.astype(np.float32).astype(np.float64) == x]
     with np.errstate(all="ignore"):
         expected = x.astype(ml_dtypes.bfloat16).astype(np.float64)
     got = round_to(x, "bfloat16")
