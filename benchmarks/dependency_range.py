@@ -5,8 +5,8 @@ pytest, Hypothesis and NumPy into fresh virtual environments and run the quick t
     python benchmarks/dependency_range.py --ends oldest   # one end
     python benchmarks/dependency_range.py --pytest-args "tests/runner -x"
 
-The oldest end pins each package to the lower bound pyproject.toml declares (``pytest>=8.0``
-gives ``pytest==8.0.0``); the newest end pins nothing, so pip takes the newest releases.
+The oldest end pins each package to the lower bound pyproject.toml declares (``pytest>=9.0``
+gives ``pytest==9.0.0``); the newest end pins nothing, so pip takes the newest releases.
 torch is the CPU build the project's CI installs (``torch==2.13.0``); the quick tier
 needs none of the optional frameworks, so only ``.[test]`` is installed. Each run
 prints the versions it tested and pytest's closing line; the exit status is non-zero

@@ -24,8 +24,8 @@ from conformance.core import options
 
 #: The releases on which every pin below was seen to hold.
 CHECKED_ON = {
-    "pytest": ("8.4.0", "9.0.3", "9.2.0"),
-    "hypothesis": ("6.100.0", "6.155.2", "6.170.27"),
+    "pytest": ("9.0.0", "9.0.3", "9.2.0"),
+    "hypothesis": ("6.155.0", "6.155.2", "6.170.27"),
 }
 
 
