@@ -36,7 +36,7 @@ from implementations.vocabulary import (
     check_mha_feature_names,
 )
 
-__all__ = ["Capabilities", "length_allowed"]
+__all__ = ["Capabilities", "draw_length_cap", "length_allowed"]
 
 
 @dataclass(frozen=True)
@@ -367,3 +367,10 @@ def length_allowed(caps: Any, n: int) -> bool:
         return False
     block = getattr(caps, "seq_block", None)
     return not (block and n > block and n % block)
+
+
+def draw_length_cap(caps: Any) -> int | None:
+    """The longest L or S a random draw or a directed example takes: ``max_seq_len``, or
+    one ``seq_block`` where that is smaller (None: no cap)."""
+    caps_bounds = [b for b in (caps.max_seq_len, getattr(caps, "seq_block", None)) if b]
+    return min(caps_bounds) if caps_bounds else None

@@ -30,6 +30,7 @@ import numpy as np
 
 from conformance.calls.call_specs import MHACallSpec, SDPACallSpec, uses_causal_flag
 from conformance.core import levels
+from implementations.capabilities import draw_length_cap
 
 __all__ = ["OutsideDeclarations", "call_of", "call_attrs", "fit_head_dims", "fit_lengths",
            "outside_declarations", "require_inside"]
@@ -177,9 +178,7 @@ def fit_lengths(caps: Any, L: int, S: int) -> tuple[int, int] | None:
         if top < 2 * m:
             return None
         return (top - m, top) if L < S else (top, top - m)
-    # Any length up to a declared block (seq_block): an example stays inside one block.
-    bounds = [b for b in (caps.max_seq_len, getattr(caps, "seq_block", None)) if b]
-    bound = min(bounds) if bounds else None
+    bound = draw_length_cap(caps)  # max_seq_len, or one seq_block: an example stays inside one block
     if bound is None or max(L, S) <= bound:
         return L, S
     if L == S:

@@ -24,6 +24,7 @@ from conformance.strategies._validation import (
     fail,
 )
 from implementations.base import ALL_DTYPES, Capabilities
+from implementations.capabilities import draw_length_cap
 
 __all__ = ["BLOCK_LENGTHS", "LENGTH_RELATIONS", "SeededDraw", "dtypes", "head_configs", "sdpa_shapes"]
 
@@ -224,8 +225,7 @@ def _length_bounds(caps: Capabilities | None, min_L: int, max_L: int | None, min
     """Checked (max_L, max_S): the user's, or the default, tightened by caps.max_seq_len
     and, for ``caps.seq_block`` (any length up to the block, multiples beyond), by the
     block: random draws stay inside one block (the sweeps visit the multiples)."""
-    caps_bounds = [b for b in ((caps.max_seq_len, getattr(caps, "seq_block", None)) if caps else ()) if b]
-    seq_cap = min(caps_bounds) if caps_bounds else None
+    seq_cap = draw_length_cap(caps) if caps else None
     seq_note = f"caps.max_seq_len={caps.max_seq_len}" if caps else "caps.max_seq_len=None"
     if caps is not None and getattr(caps, "seq_block", None):
         seq_note += f", caps.seq_block={caps.seq_block}"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +109,7 @@ def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentM
     explicit = "scale" in found and names[found["scale"]].default is not None
     causal_mask = None
     mask = names.get("mask")
-    if mask is not None and "str" in str(mask.annotation) and "causal" not in found:
+    if mask is not None and re.search(r"\bstr\b", str(mask.annotation)) and "causal" not in found:
         # a mask that is an array of either kind, or the string "causal" (MLX)
         found.pop("bool_mask", None)
         found.setdefault("mask", "mask")

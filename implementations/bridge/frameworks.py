@@ -66,6 +66,9 @@ class Framework:
     autodiff = False
     #: Whether arrays are torch tensors already (no conversion, torch's autograd).
     native_torch = False
+    #: The installed distribution whose version is shown where the module has none
+    #: (None: the package's own name).
+    distribution: str | None = None
 
     def __init__(self) -> None:
         self.module = importlib.import_module(self.package)
@@ -75,7 +78,7 @@ class Framework:
         found = getattr(self.module, "__version__", None)
         if found is None:  # tinygrad has none: the installed distribution's
             try:
-                found = importlib.metadata.version(self.package)
+                found = importlib.metadata.version(self.distribution or self.package)
             except importlib.metadata.PackageNotFoundError:
                 found = "?"
         return f"{self.name} {found}"
@@ -291,18 +294,9 @@ class CuPy(Framework):
 
 class MLX(Framework):
     name = "mlx"
-    package = "mlx.core"
+    package = "mlx.core"  # its __version__ (the mlx package has none)
+    distribution = "mlx"
     autodiff = True
-
-    @property
-    def version(self) -> str:
-        found = getattr(self.module, "__version__", None)  # mlx.core's (the mlx package has none)
-        if found is None:
-            try:
-                found = importlib.metadata.version("mlx")
-            except importlib.metadata.PackageNotFoundError:
-                found = "?"
-        return f"mlx {found}"
 
     def from_numpy(self, array: np.ndarray) -> Any:
         """An mlx array of ``array``'s dtype: ``mx.array`` of a float64 array gives float32
