@@ -46,6 +46,7 @@ from implementations.mutants import MUTANTS
 from implementations.mutants.controls import CONTROLS
 from implementations.mutants.mha.learner_mutants import LEARNER_CONTROLS
 from implementations.mutants.sdpa.contract_mutants import CONTRACT_CONTROLS
+from spec.variants import FLASH_FAMILY
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +61,9 @@ CORRECT = ["spec", "handwritten", "sdpa", "sdpa-math", "torch-mha", "flash-ref",
     f"implementations.mutants.mha.learner_mutants:{name}" for name in LEARNER_CONTROLS
 ]
 TIMEOUT_S = 1800
-#: The FlashAttention levels, whose mutants run with those levels' test files collected.
-FAMILY_LEVELS = ("flash", "varlen", "kvcache")
-
-
 def _family(name: str) -> bool:
-    return MUTANTS[name].level in FAMILY_LEVELS
+    """A mutant of the FlashAttention levels (run with those levels' test files collected)."""
+    return MUTANTS[name].level in FLASH_FAMILY
 
 
 #: The zoo in chunks, one pytest process each (a few, so that ``-n 2`` can share them
@@ -139,13 +137,18 @@ def run_conformance(impls: list[str], workdir: Path, *, stop_at_first_failure: b
     return proc.returncode, json.loads(json_path.read_text()), output
 
 
-def zoo_options(names: list[str]) -> tuple[str, ...]:
-    """The command-line options a run of the mutants ``names`` adds: no derived flash level,
-    and, where none is a mutant of the FlashAttention levels, none of their test files (the
-    module docstring)."""
-    ignored = () if any(_family(n) for n in names) else ("--ignore", str(ROOT / "conformance" / "test_flash.py"),
+def level_options(*, family: bool) -> tuple[str, ...]:
+    """The options of a run whose first failure must be its own level's: no derived flash
+    level, and, unless ``family`` (code of the FlashAttention levels), none of those levels'
+    test files (the module docstring)."""
+    ignored = () if family else ("--ignore", str(ROOT / "conformance" / "test_flash.py"),
                                  "--ignore", str(ROOT / "conformance" / "test_varlen.py"))
     return ("--impl-option", "derived_flash=false", *ignored)
+
+
+def zoo_options(names: list[str]) -> tuple[str, ...]:
+    """:func:`level_options` of a run of the mutants ``names``."""
+    return level_options(family=any(_family(n) for n in names))
 
 
 def certificates_by_mutant(report: dict, names: list[str]) -> dict[str, dict]:
