@@ -76,6 +76,7 @@ ALL_MHA_FEATURES = frozenset(
         "unbatched",         # 2-D inputs (L, D)
         "key_padding_mask",  # key_padding_mask argument, bool and float
         "attn_mask",         # attn_mask argument, bool and float
+        "per_head_attn_mask",  # attn_mask of shape (B*N, L, S), one per head (without: (L, S) only)
         "is_causal",         # is_causal argument (with its attn_mask hint)
         "need_weights",      # returns weights when need_weights=True
         "per_head_weights",  # average_attn_weights=False returns per-head weights

@@ -278,6 +278,8 @@ class MHACase:
             used.add("key_padding_mask")
         if self.attn_mask is not None:
             used.add("attn_mask")
+            if self.attn_mask.ndim == 3:
+                used.add("per_head_attn_mask")
         if self.is_causal:
             used.add("is_causal")
         if self.need_weights:

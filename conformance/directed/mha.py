@@ -64,7 +64,8 @@ MHA_EXAMPLES: tuple[MHAExample, ...] = (
     MHAExample("unbatched (L, D) input without biases", L=3, S=3,
                features=frozenset({"unbatched", "no_bias"})),
     MHAExample("batch_first, per-head weights, a float per-head attn_mask", L=2, S=2, B=2,
-               features=frozenset({"batch_first", "attn_mask", "need_weights", "per_head_weights"}),
+               features=frozenset({"batch_first", "attn_mask", "per_head_attn_mask", "need_weights",
+                                   "per_head_weights"}),
                mask="per_head", need_weights=True, average_attn_weights=False),
     MHAExample("add_bias_kv", L=2, S=2, N=1, E=4, features=frozenset({"bias_kv"})),
     MHAExample("four heads of dim 1 (head split and merge)", L=2, S=2, N=4, E=1),
@@ -115,12 +116,13 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     mask = example.mask
     if fully_masked and mask != "head_row":
         mask = "head_row"
-    if mask == "head_row" and (flags["is_causal"] or "attn_mask" not in options["features"]):
+    if mask == "head_row" and (flags["is_causal"] or "per_head_attn_mask" not in options["features"]
+                               or "attn_mask" not in options["features"]):
         mask = "padding"  # attn_mask is the causal mask (or absent): a dead row from key padding
     if mask in ("head_row", "padding"):
         if fully_masked is False:
             return None
-        features.add("attn_mask" if mask == "head_row" else "key_padding_mask")
+        features |= {"attn_mask", "per_head_attn_mask"} if mask == "head_row" else {"key_padding_mask"}
     kind = _pick(["bool", "float"], options["mask_kinds"])
     if kind is None or mask == "per_head" and "float" not in options["mask_kinds"]:
         return None

@@ -55,6 +55,8 @@ class _MHAPlan:
     is_causal: bool | None
     #: feature in _MHA_TOGGLES -> True (on), False (off) or None (drawn).
     toggles: dict[str, bool | None]
+    #: a non-causal attn_mask per head (B*N, L, S): True, False ((L, S) only) or None (drawn).
+    per_head_mask: bool | None
     fully_masked: bool | None
     self_attention: bool | None
     bounds: SizeBounds
@@ -240,7 +242,7 @@ def _draw_mha_masks(draw: st.DrawFn, rng: np.random.Generator, plan: _MHAPlan,
     if is_causal:
         attn_blocked = np.triu(np.ones((L, S), dtype=bool), k=1)                # upper-left
     elif on["attn_mask"]:
-        per_head = draw(st.booleans())
+        per_head = draw(st.booleans()) if plan.per_head_mask is None else plan.per_head_mask
         shape = (B * N, L, S) if per_head else (L, S)
         attn_blocked = rng.random(shape) < rng.uniform(0.05, 0.6)
     kpm_blocked, attn_blocked = _mha_fully_masked(
@@ -318,7 +320,7 @@ def mha_cases(
     ``mask_kinds`` ⊆ :data:`MHA_MASK_KINDS`: the type of both masks (bool True =
     blocked; float: key_padding_mask 0/-inf, attn_mask 0 or a no-zero bias, -inf
     blocked), shapes key_padding_mask (B, S) ((S,) unbatched), attn_mask (L, S) or
-    (B*N, L, S). ``fully_masked``: True forces a query row with every key blocked
+    (B*N, L, S) (the latter with feature "per_head_attn_mask"). ``fully_masked``: True forces a query row with every key blocked
     (then no bias_kv/zero_attn), False forbids, None allows. ``self_attention``:
     True passes the same array as query, key and value (kdim = vdim = D, S = L;
     the module's fast path needs it), False never, None sometimes.
@@ -351,7 +353,17 @@ def mha_cases(
                    "mask passed along)", "allow 'attn_mask' or pass is_causal=None")
     if causal is None and "attn_mask" not in allowed:
         causal = False
+    per_head_mask = True if "per_head_attn_mask" in required else (
+        None if "per_head_attn_mask" in allowed else False)
+    if per_head_mask and (causal or "attn_mask" not in allowed):
+        raise fail("required_features", sorted(required), "has 'per_head_attn_mask', which needs a non-causal "
+                   "attn_mask (a causal call's is the (L, S) causal mask)",
+                   "allow 'attn_mask' and pass is_causal=False, or drop 'per_head_attn_mask'")
+    if per_head_mask:
+        causal = False
     toggles = _toggles(allowed, required, causal, self_attention, fully_masked)
+    if per_head_mask:
+        toggles["attn_mask"] = True
     check_range("min_batch", min_batch, "max_batch", max_batch)
     check_range("min_heads", min_heads, "max_heads", max_heads)
     bounds = size_bounds(caps, min_batch=min_batch, max_batch=max_batch, min_heads=min_heads,
@@ -360,6 +372,6 @@ def mha_cases(
                          different_v_dim=False, default_max_length=16, default_max_head_dim=8)
     _check_sizes_fit(toggles, bounds, min_batch, self_attention)
     plan = _MHAPlan(dtype=dtype, device=device, mask_kinds=kinds, need_weights=need,
-                    average_attn_weights=average, is_causal=causal, toggles=toggles,
+                    average_attn_weights=average, is_causal=causal, toggles=toggles, per_head_mask=per_head_mask,
                     fully_masked=fully_masked, self_attention=self_attention, bounds=bounds)
     return named_strategy(mha_cases, arguments, lambda draw: _draw_mha_case(draw, plan))

@@ -154,6 +154,7 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
         "unbatched": lambda: call(None, *[x[:, 0]] * 3),
         "key_padding_mask": lambda: call(None, key_padding_mask=kpm),
         "attn_mask": lambda: call(None, attn_mask=causal),
+        "per_head_attn_mask": lambda: call(None, attn_mask=causal.expand(_B * _N, _L, _S)),
         "is_causal": lambda: call(None, attn_mask=causal, is_causal=True),
         "need_weights": lambda: call(None, need_weights=True)[1] is not None,
         "per_head_weights": lambda: call(None, need_weights=True, average_attn_weights=False)[1].dim() == 4,

@@ -265,12 +265,22 @@ def test_rotary_and_hidden_signatures_are_refused_with_the_reason(tmp_path):
     assert "a decorator hides its signature" in message and "learner_init" not in message
 
 
-def test_query_axis_masks_without_heads_say_why_they_skip():
+def test_query_axis_masks_without_heads_carry_attn_mask_and_causal_cases():
     """ESPnet's and OpenNMT-py's masks take (B, L, S) and (B, 1, S), no head axis: attn_mask
-    and causal cases skip, and the note says it is the per-head cases that rule them out."""
+    and causal cases run as one (L, S) mask for every head (the MHA level draws no per-head
+    mask for them), and the note says so; a (B, H, L, S) mask carries per-head ones too."""
     for impl in ("espnet_style.py:MultiHeadedAttention", "opennmt_style.py:MultiHeadedAttention"):
         notes, caps = _notes(f"{MODULES_DIR}/{impl}")
-        assert "attn_mask" not in caps.mha_features and "is_causal" not in caps.mha_features
-        assert "though it takes masks with a query axis ((B, L, S))" in notes and "per-head (B*H, L, S)" in notes
+        assert {"attn_mask", "is_causal"} <= caps.mha_features and "per_head_attn_mask" not in caps.mha_features
+        assert "run as one (L, S) mask for every head" in notes and "per-head (B*H, L, S)" in notes
     notes, caps = _notes(f"{MODULES}:KeepMaskAttention")
-    assert "attn_mask" in caps.mha_features and "attn_mask and causal cases run as one full" in notes
+    assert "per_head_attn_mask" in caps.mha_features and "attn_mask and causal cases run as one full" in notes
+
+
+def test_a_mask_shape_read_against_the_convention_is_kept():
+    """A (B, L, S) mask applied with its query and key axes swapped does not follow the
+    convention its (B, 1, S) masks show: the shape is kept (it runs and changes the output),
+    so the mistake fails instead of leaving the module certified for key padding only."""
+    notes, caps = _notes("mutant:learner_mask_axes_swapped")
+    assert {"attn_mask", "is_causal"} <= caps.mha_features
+    assert "(B, L, S) run and change the output but their rows do not follow" in notes

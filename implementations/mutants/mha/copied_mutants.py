@@ -7,7 +7,9 @@ so is read as non-causal. Each mistake is one the reading must not absorb:
   causal rule anyway: the code's ``triu`` is no evidence where the signature says otherwise;
 * the query projected from the key input and the key from the query (the dataflow binds
   each layer to the input it reads, so the scores come out transposed);
-* the heads of a list of heads concatenated in reverse order.
+* the heads of a list of heads concatenated in reverse order;
+* a (B, L, S) mask applied with its query and key axes swapped where the two agree
+  (L = S), which only a mask with a query axis (a causal one) can show.
 
 The correct modules are learner controls (``COPIED_CONTROLS``): each certifies.
 """
@@ -115,6 +117,15 @@ class HeadsConcatenatedReversed(HeadListAttention):
         return list(self.heads)[::-1]
 
 
+class MaskAxesSwapped(KeyValueQueryAttention):
+    """A square (B, L, S) mask read as (B, S, L): the query and key axes swapped."""
+
+    def forward(self, key, value, query, mask=None):
+        if mask is not None and mask.dim() == 3 and mask.shape[1] == mask.shape[2]:
+            mask = mask.transpose(1, 2)
+        return super().forward(key, value, query, mask)
+
+
 #: The correct modules, by name (learner controls).
 COPIED_CONTROLS = {cls.__name__: cls for cls in (HeadListAttention, KeyValueQueryAttention)}
 
@@ -142,5 +153,11 @@ def copied_mutants(mutant, case) -> list:
                 "projection",
             origin="hand-written pitfall (a ModuleList of heads gathered in the wrong order)",
             smallest_case=case(N=2), expected_property="mha_agreement", safe_case=case(N=1, L=2),
+        ),
+        mutant(
+            "learner_mask_axes_swapped", MaskAxesSwapped,
+            bug="a learner's module applies a square (B, L, S) mask with its query and key axes swapped",
+            origin="hand-written pitfall (a mask built (B, S, L) for scores laid out (B, H, L, S))",
+            smallest_case=case(L=2), expected_property="mha_agreement", safe_case=case(L=1, N=2),
         ),
     ]

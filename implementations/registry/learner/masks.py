@@ -119,7 +119,29 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
     if disagree:
         how += (f"; but shapes {', '.join(_shape_text(s) for s in disagree)} read the other way (inconsistent): "
                 "the suite hands them over in this convention too, so the inconsistency fails")
-    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=tuple(found), mask_how=how)
+    unfollowed = _shapes_that_act(probe, plan, module, x, plain, convention, dtype,
+                                  [s for s in _SHAPES if s not in found])
+    if unfollowed:
+        how += (f"; shapes {', '.join(_shape_text(s) for s in unfollowed)} run and change the output but their "
+                "rows do not follow that convention: the suite hands them over in it too, so a mask read wrongly "
+                "there fails")
+    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=(*found, *unfollowed), mask_how=how)
+
+
+def _shapes_that_act(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, plain: Any, convention: str,
+                     dtype: str, shapes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The ``shapes`` whose masks in ``convention`` run, keep the output's shape and change
+    it. A shape the module takes but reads against its own convention (axes swapped, rows
+    shifted) is not left out for it: the evidence of a shape is that it runs, never that
+    the output looks right, so the mistake shows on the certified cases."""
+    acting = []
+    for shape in shapes:
+        keep = _keep_pattern(shape, per_row=True, causal=plan.causal is not None)
+        tensor = _convention_tensor(keep, convention, dtype)
+        got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
+        if got is not None and tuple(got.shape) == (_B, _L, _D) and not bool(torch_allclose(got, plain)):
+            acting.append(shape)
+    return acting
 
 
 def _shape_convention(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, shape: tuple[str, ...],
@@ -148,14 +170,8 @@ def _assumed_mask(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, options
     convention = options.get("learner_mask", "keep")
     dtype = "float" if convention == "additive" else "bool"
     plain = probe.value("a plain call", lambda: _raw(module, plan, x))
-    shapes = []
-    for shape in _SHAPES:
-        keep = _keep_pattern(shape, per_row=True, causal=plan.causal is not None)
-        tensor = _convention_tensor(keep, convention, dtype)
-        got = probe.value(f"mask {convention} {_shape_text(shape)}", lambda t=tensor: _raw(module, plan, x, t))
-        if got is not None and tuple(got.shape) == (_B, _L, _D) and plain is not None and \
-                not bool(torch_allclose(got, plain)):
-            shapes.append(shape)
+    shapes = [] if plain is None else _shapes_that_act(probe, plan, module, x, plain, convention, dtype,
+                                                       list(_SHAPES))
     tried = "keep, blocked, additive" if "learner_mask" not in options else options["learner_mask"]
     if not shapes:
         return replace(plan, mask=None, mask_how=(

@@ -179,9 +179,13 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
     features = {"batch_first", "unbatched", "no_bias"}
     if plan.mask is not None and any("B" in s for s in plan.mask_shapes):
         features.add("key_padding_mask")
-    full_masks = plan.mask is not None and any("H" in s and "L" in s for s in plan.mask_shapes)
-    if full_masks or plan.causal is not None:
+    # A mask with a query axis carries attn_mask and causal cases: per head where it has a
+    # head axis, else as one (L, S) mask for every head (the MHA level's 2-D attn_mask).
+    query_axis = plan.mask is not None and any("L" in s for s in plan.mask_shapes)
+    if query_axis or plan.causal is not None:
         features |= {"attn_mask", "is_causal"}
+    if plan.mask is not None and any("H" in s and "L" in s for s in plan.mask_shapes):
+        features.add("per_head_attn_mask")
     if plan.weights is not None:
         features.add("need_weights")
     if plan.weights == "per_head":
@@ -274,17 +278,12 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
 
 
 def _query_axis_text(plan: LearnerPlan, features: set[str]) -> str:
-    """What happens to masks with a query axis (attn_mask, causal) and, where they are
-    skipped, why: the MHA level's attn_mask cases include per-head (B·H, L, S) masks, and
-    no feature draws the (L, S) ones alone, so a module whose masks have no head axis
-    cannot be handed any of them."""
-    if "attn_mask" in features:
+    """What happens to masks with a query axis (attn_mask, causal): per head where the
+    module takes a head axis, else one (L, S) mask for every head; none: key padding only."""
+    if "per_head_attn_mask" in features:
         return "attn_mask and causal cases run as one full (B, H, L, S) mask"
-    with_query = [_shape_text(s) for s in plan.mask_shapes if "L" in s]
-    if not with_query:
-        return ("read as key padding only: it takes no mask with a query axis, so attn_mask and causal cases "
-                "are skipped")
-    return (f"read as key padding only: attn_mask and causal cases skipped, though it takes masks with a query "
-            f"axis ({', '.join(with_query)}): the MHA level's attn_mask cases include per-head (B*H, L, S) "
-            "masks, which a mask without a head axis cannot hold, and no feature draws the others alone (a "
-            "mask argument that also takes (B, H, L, S) would enable them)")
+    if "attn_mask" in features:
+        return ("attn_mask and causal cases run as one (L, S) mask for every head (merged with key padding); "
+                "per-head (B*H, L, S) attn_mask cases skipped: no mask shape it takes has a head axis")
+    return ("read as key padding only: it takes no mask with a query axis, so attn_mask and causal cases "
+            "are skipped")
