@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from implementations.registry.learner.options import LENGTH_NAMES, MASK_CONVENTIONS
-from implementations.registry.learner.plan import LearnerPlan, _shape_text
+from implementations.registry.learner.plan import _AXES, LearnerPlan, _shape_text, axis_order
 from implementations.registry.learner.probes import (
     _B,
     _D,
@@ -24,9 +24,10 @@ from implementations.registry.learner.probes import (
 from implementations.registry.learner.reading import forward_of
 
 #: Mask shapes tried, most specific convention first: full (B, 1, L, S) masks decide the
-#: polarity; key-padding shapes after them; the per-head (B, H, L, S) last.
+#: polarity; key-padding shapes after them; the per-head (B, H, L, S); then the
+#: sequence-first ones (labml-nn's (L, S, B) and its key padding (1, S, B)).
 _SHAPES = (("B", "1", "L", "S"), ("B", "L", "S"), ("B", "1", "1", "S"), ("B", "1", "S"), ("B", "S"), ("L", "S"),
-           ("B", "H", "L", "S"))
+           ("B", "H", "L", "S"), ("L", "S", "B"), ("1", "S", "B"))
 
 
 def _keep_pattern(shape: tuple[str, ...], per_row: bool, causal: bool = False) -> np.ndarray:
@@ -46,15 +47,18 @@ def _keep_pattern(shape: tuple[str, ...], per_row: bool, causal: bool = False) -
         if "H" in shape:
             full[b, 1] = False
             full[b, 1, :, key if causal else other] = True
-    index = tuple(slice(None) if d in shape else slice(0, 1) for d in ("B", "H", "L", "S"))
+    index = tuple(slice(None) if d in shape else slice(0, 1) for d in _AXES)
     sizes = {"B": _B, "H": _H, "L": _L, "S": _L, "1": 1}
-    return full[index].reshape(tuple(sizes[d] for d in shape))
+    named = full[index].reshape(tuple(sizes[d] for d in _AXES if d in shape))
+    return np.transpose(named, axis_order(shape)).reshape(tuple(sizes[d] for d in shape))
 
 
 def _as_full(shape: tuple[str, ...], mask: np.ndarray) -> np.ndarray:
     """The (B, H, L, S) keep pattern a mask of ``shape`` means (missing dims broadcast)."""
     sizes = {"B": _B, "H": _H, "L": _L, "S": _L}
-    return np.broadcast_to(mask.reshape(tuple(sizes[d] if d in shape else 1 for d in ("B", "H", "L", "S"))),
+    named = mask.reshape(tuple(sizes[d] for d in shape if d in _AXES))
+    canonical = np.transpose(named, np.argsort(axis_order(shape)))
+    return np.broadcast_to(canonical.reshape(tuple(sizes[d] if d in shape else 1 for d in _AXES)),
                            (_B, _H, _L, _L))
 
 

@@ -67,6 +67,16 @@ def _shape_text(shape: tuple[str, ...]) -> str:
     return "(" + ", ".join(shape) + ")"
 
 
+#: A mask's named axes in the order the suite holds them (a shape may name them in another).
+_AXES = ("B", "H", "L", "S")
+
+
+def axis_order(shape: tuple[str, ...]) -> list[int]:
+    """The permutation taking a mask's named axes from (B, H, L, S) order to ``shape``'s."""
+    canonical = [d for d in _AXES if d in shape]
+    return [canonical.index(d) for d in shape if d in _AXES]
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from implementations.base import ImplementationError
-from implementations.registry.learner.plan import LearnerPlan, _Unsupported, expanded
+from implementations.registry.learner.plan import LearnerPlan, _Unsupported, axis_order, expanded
 from implementations.registry.learner.reading import transposed
 from implementations.registry.learner.terms import layer_at
 
@@ -241,7 +241,7 @@ def _render_mask(plan: LearnerPlan, additive, sizes_bhls, with_rows: bool = Fals
         target = tuple(sizes[d] if d != "1" else 1 for d in shape)
         kept = [d for d in ("B", "H", "L", "S") if d in shape]
         full = full.expand(B if "B" in shape else 1, H if "H" in shape else 1, L if "L" in shape else 1, S)
-        squeezed = full.reshape(tuple(sizes[d] for d in kept))
+        squeezed = full.reshape(tuple(sizes[d] for d in kept)).permute(*axis_order(shape))
         mask = squeezed.reshape(target).contiguous()
         if plan.mask == "additive":
             return mask
