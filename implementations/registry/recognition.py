@@ -31,8 +31,12 @@ while it keeps its default and refuse it otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.metadata
 import inspect
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from implementations.base import Capabilities, Implementation, ImplementationError
@@ -218,8 +222,27 @@ def _parameters(obj: Any, origin: str) -> list[inspect.Parameter]:
 
 
 def _version_of(obj: Any) -> str:
-    module = sys.modules.get(getattr(obj, "__module__", "") or "")
-    return str(getattr(module, "__version__", "0"))
+    """The version of the code ``obj`` comes from: its module's ``__version__``, else its
+    top-level package's or the installed distribution's that holds it, named
+    (``"transformers 5.25.0"``); "0" for a file of the user's own."""
+    name = getattr(obj, "__module__", "") or ""
+    top = name.split(".")[0]
+    version = getattr(sys.modules.get(name), "__version__", None)
+    if version:
+        return str(version)
+    version = getattr(sys.modules.get(top), "__version__", None)
+    if not version and _distributions().get(top):
+        try:
+            version = importlib.metadata.version(_distributions()[top][0])
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    return f"{top} {version}" if version else "0"
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level package -> the installed distributions that hold it (read once)."""
+    return importlib.metadata.packages_distributions()
 
 
 # --------------------------------------------------------------------------- SDPA
@@ -322,7 +345,8 @@ def _recognise_class(cls: type, *, name: str, origin: str, timeout: float | None
     missing_forward = [n for n in MHA_FORWARD_PARAMETERS if n not in forward]
     if missing_init or missing_forward:
         if is_learner_candidate(cls):  # a hand-written module: the learner level reads it
-            return recognise_learner(cls, name=name, origin=origin, timeout=timeout)
+            return dataclasses.replace(recognise_learner(cls, name=name, origin=origin, timeout=timeout),
+                                       version=_version_of(cls))
         raise ImplementationError(
             f"{origin} is the class {cls.__name__}({', '.join(init)}) with forward"
             f"({', '.join(forward) or 'missing'}), which is not a drop-in for "

@@ -42,6 +42,17 @@ def _is_dropout(name: str) -> bool:
     return low in DROPOUT_NAMES or low.endswith(("dropout", "pdrop", "dropout_prob", "dropout_rate"))
 
 
+#: Words of a config's dropout that acts after attention (on the projected output or the
+#: residual), not on the attention weights: minGPT's and GPT-2's ``resid_pdrop``, BERT's
+#: ``hidden_dropout_prob``. Set to 0, so the attention dropout alone is switched.
+_OUTPUT_DROPOUT_WORDS = ("resid", "hidden", "output", "proj", "embd", "embed", "ffn", "mlp")
+
+
+def _is_output_dropout(name: str) -> bool:
+    low = name.lower()
+    return any(word in low for word in _OUTPUT_DROPOUT_WORDS) and "attn" not in low and "attention" not in low
+
+
 def init_parameters(cls: type, origin: str) -> tuple[type, list[inspect.Parameter]]:
     """``(the base whose signature was read through a forwarding ``__init__(*args,
     **kwargs)``, else ``cls``; the parameters after self)``."""
@@ -109,7 +120,10 @@ class Construction:
     def config(self, D: int, H: int, dropout: float = 0.0) -> Any:
         values = dict(self.values)
         values.update({self.dim: D, self.heads: H})
-        values.update({name: float(dropout) for name in self.dropouts})
+        # The attention dropout takes the case's p; one after attention stays 0; a value
+        # --impl-option learner_config sets is kept.
+        values.update({name: 0.0 if _is_output_dropout(name) else float(dropout)
+                       for name in self.dropouts if name not in self.user})
         if self.config_type is None:  # every model-dim and head-count name answers D and H
             return _Namespace({**{n: D for n in DIM_NAMES}, **{n: H for n in HEAD_NAMES}, **values})
         recording = type(self.config_type.__name__, (_Recording, self.config_type), {})
@@ -164,7 +178,7 @@ class Construction:
             return [f"module = {name}({self.dim}={D // H if self.per_head else D}, {self.heads}={H}{drop})"]
         values = dict(self.values)
         values.update({self.dim: D, self.heads: H})
-        values.update({n: 0.0 for n in self.dropouts})
+        values.update({n: 0.0 for n in self.dropouts if n not in self.user})
         fields = ", ".join(f"{k}={v!r}" for k, v in values.items())
         typed = self.config_type
         if typed is not None and not typed.__module__.startswith("_attention_conformance_user_"):
@@ -265,7 +279,8 @@ def _read_config(cls: type, param: inspect.Parameter, origin: str, options: Mapp
     values.update(user)
     if limit_name in user:
         max_len = user[limit_name]
-    return Construction(kind="config", dim=dim, heads=heads, dropout=dropouts[0] if dropouts else None,
+    attention_dropouts = [n for n in dropouts if not _is_output_dropout(n)]
+    return Construction(kind="config", dim=dim, heads=heads, dropout=next(iter(attention_dropouts), None),
                         config_arg=param.name, config_type=config_type, dropouts=dropouts,
                         values=tuple(values.items()), max_len=max_len, limit_name=limit_name,
                         user=tuple(user))
