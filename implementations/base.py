@@ -83,6 +83,7 @@ from implementations.vocabulary import (
     FULLY_MASKED_POLICIES,
     PER_DTYPE_FIELDS,
     RENAMED_MHA_FEATURES,
+    implied_mha_features,
     SEMANTIC_FIELDS,
     SHARDED_LAYOUTS,
     SOURCES,
@@ -118,6 +119,7 @@ __all__ = [
     "Implementation",
     "ImplementationError",
     "check_mha_feature_names",
+    "implied_mha_features",
     "renamed_mha_features",
 ]
 
@@ -279,7 +281,7 @@ class Implementation:
         for feature in ("kv_paged", "kv_append"):
             if case.get(feature) and not getattr(c, feature):
                 reasons.append(f"{feature} not supported")
-        missing = set(case.get("mha_features", ())) - set(c.mha_features)
+        missing = set(case.get("mha_features", ())) - implied_mha_features(c.mha_features)
         if level == "mha" and missing:
             reasons.append(f"MHA features not supported: {sorted(missing)}")
         missing = set(case.get("flash_features", ())) - set(c.flash_features)

@@ -26,6 +26,7 @@ __all__ = [
     "FULLY_MASKED_POLICIES",
     "PER_DTYPE_FIELDS",
     "RENAMED_MHA_FEATURES",
+    "implied_mha_features",
     "SEMANTIC_FIELDS",
     "SHARDED_LAYOUTS",
     "SOURCES",
@@ -82,8 +83,18 @@ ALL_MHA_FEATURES = frozenset(
         "per_head_weights",  # average_attn_weights=False returns per-head weights
         "dropout",           # dropout>0 constructor option, train/eval modes
         "cross_attention",   # query, key, value may differ (without it: self-attention only)
+        "kv_cross_attention",  # cross-attention with one key/value input (value is key); implied by cross_attention
     }
 )
+def implied_mha_features(features: Any) -> set[str]:
+    """``features`` with what they imply: cross-attention with key and value apart covers
+    the case where they are one input (``kv_cross_attention``)."""
+    out = set(features)
+    if "cross_attention" in out:
+        out.add("kv_cross_attention")
+    return out
+
+
 #: Former MHA feature names -> their names now. The old ones read as the opposite of
 #: what they meant ("bias" meant bias=False works), so they are refused, not mapped.
 RENAMED_MHA_FEATURES = {"bias": "no_bias", "average_weights": "per_head_weights"}

@@ -76,7 +76,7 @@ def call_attrs(target: Any, call: Any) -> dict[str, Any]:
     if level == "mha":
         attrs = call.attrs()
         features = set(call.case.mha_features())
-        if not attrs.get("self_attention"):
+        if not attrs.get("self_attention") and call.case.value is not call.case.key:
             features.add("cross_attention")
         if call.dropout:
             features.add("dropout")

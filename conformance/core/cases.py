@@ -282,6 +282,8 @@ class MHACase:
                 used.add("per_head_attn_mask")
         if self.is_causal:
             used.add("is_causal")
+        if not self.self_attention and self.value is self.key:
+            used.add("kv_cross_attention")
         if self.need_weights:
             used.add("need_weights")
         if not self.average_attn_weights:
@@ -370,5 +372,6 @@ class MHACase:
             f"key_padding_mask={None if self.key_padding_mask is None else self.key_padding_mask.dtype} "
             f"attn_mask={None if self.attn_mask is None else (self.attn_mask.dtype, self.attn_mask.shape)} "
             f"is_causal={self.is_causal} need_weights={self.need_weights} "
-            f"average_attn_weights={self.average_attn_weights} dtype={self.dtype} device={self.device}"
+            f"average_attn_weights={self.average_attn_weights} dtype={self.dtype} device={self.device} "
+            f"inputs={'self-attention' if self.self_attention else 'key=value' if self.value is self.key else 'q,k,v'}"
         )

@@ -53,12 +53,13 @@ def mha_derived_cases(case: Any) -> list[tuple[str, Any]]:
         if self_attention and more_l != more_s:
             return None
         query = grown(case.query, seq_axis, more_l)
+        shared = case.value is case.key
         key = query if self_attention else grown(case.key, seq_axis, more_s)
-        value = query if self_attention else grown(case.value, seq_axis, more_s)
+        value = query if self_attention else key if shared else grown(case.value, seq_axis, more_s)
         if more_b:
             query = grown(query, batch_axis, more_b)
             key = query if self_attention else grown(key, batch_axis, more_b)
-            value = query if self_attention else grown(value, batch_axis, more_b)
+            value = query if self_attention else key if shared else grown(value, batch_axis, more_b)
         padding = attending(case.key_padding_mask, -1, more_s)
         if padding is not None and more_b and padding.ndim == 2:
             padding = attending(padding, 0, more_b)

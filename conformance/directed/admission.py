@@ -79,7 +79,7 @@ def _mha_forcing(case: MHACase, arguments: dict[str, Any]) -> dict[str, Any] | N
     narrowed = dict(arguments)
     features = case.mha_features() - {"dropout"}
     self_attention = case.self_attention
-    if not self_attention:
+    if not self_attention and case.value is not case.key:
         features.add("cross_attention")
     narrowed["required_features"] = features
     for name in ("need_weights", "average_attn_weights", "is_causal"):

@@ -46,8 +46,9 @@ def directed_for(target: Target, **kwargs: Any) -> list[SDPACase]:
 
 def _mha_arguments(target: Target, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` for ``mha_cases`` within ``target``'s claims: self-attention only
-    without the ``cross_attention`` feature."""
-    if "cross_attention" not in target.caps.mha_features:
+    without the ``cross_attention`` and ``kv_cross_attention`` features (with the latter
+    alone, cross-attention cases have one key/value input)."""
+    if not {"cross_attention", "kv_cross_attention"} & set(target.caps.mha_features):
         kwargs = dict(kwargs, self_attention=True)
         features = set(kwargs.get("features", target.caps.mha_features))
         kwargs["features"] = features - {"kdim_vdim"}

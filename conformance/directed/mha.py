@@ -32,7 +32,8 @@ class MHAExample:
     "per_head" (a float (B*N, L, S) attn_mask), or None; ``is_causal`` /
     ``need_weights`` / ``average_attn_weights``: required values, or None
     (incidental: what the property allows, simplest first). Cross-attention
-    examples (``cross``) need S != L and the "cross_attention" feature.
+    examples (``cross``) need S != L and the "cross_attention" feature ("kv_cross_attention"
+    where key and value are one input, ``shared_kv``).
     """
 
     name: str
@@ -49,6 +50,7 @@ class MHAExample:
     need_weights: bool | None = None
     average_attn_weights: bool | None = None
     cross: bool = False
+    shared_kv: bool = False  # a cross example whose key and value are one input
 
 
 #: The MHA bug classes, smallest case each, most common first.
@@ -61,6 +63,8 @@ MHA_EXAMPLES: tuple[MHAExample, ...] = (
                need_weights=False),
     MHAExample("cross-attention, L != S, kdim and vdim != D", L=2, S=3, kdim=3, vdim=5,
                features=frozenset({"kdim_vdim", "cross_attention"}), cross=True),
+    MHAExample("cross-attention with one key/value input (key is value), L != S", L=2, S=3,
+               features=frozenset({"kv_cross_attention"}), cross=True, shared_kv=True),
     MHAExample("unbatched (L, D) input without biases", L=3, S=3,
                features=frozenset({"unbatched", "no_bias"})),
     MHAExample("batch_first, per-head weights, a float per-head attn_mask", L=2, S=2, B=2,
@@ -153,6 +157,8 @@ def _build_mha(example: MHAExample, target: Any, arguments: dict[str, Any],
     query = inputs(L, D)
     if self_attention:
         key = value = query
+    elif example.shared_kv:
+        key = value = inputs(S, D)
     else:
         key, value = inputs(S, params.kdim), inputs(S, params.vdim)
     key_padding_mask = attn_mask = None

@@ -150,7 +150,7 @@ def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
 
     query = cut(case.query, L)
     key = query if self_attention else cut(case.key, S)
-    value = query if self_attention else cut(case.value, S)
+    value = query if self_attention else key if case.value is case.key else cut(case.value, S)
     padding = case.key_padding_mask
     if padding is not None:
         padding = np.ascontiguousarray(padding[..., :S] if padding.ndim == 1 else padding[:B, :S])
@@ -179,8 +179,9 @@ def _mha_values(case: MHACase) -> Iterator[MHACase]:
     self_attention = case.self_attention
     for steps in (1, 2, 4):
         query = _quarters(case.query, steps)
-        yield case.replace(query=query, key=query if self_attention else _quarters(case.key, steps),
-                           value=query if self_attention else _quarters(case.value, steps))
+        key = query if self_attention else _quarters(case.key, steps)
+        yield case.replace(query=query, key=key, value=query if self_attention else key if case.value is case.key
+                           else _quarters(case.value, steps))
 
 
 def passes(case: Any) -> list[Callable[[Any], Iterator[Any]]]:

@@ -16,6 +16,7 @@ from implementations.base import (
     ALL_DTYPES,
     ALL_MHA_FEATURES,
     Capabilities,
+    implied_mha_features,
     renamed_mha_features,
 )
 
@@ -92,14 +93,14 @@ def _choose_features(names: set[str]) -> str:
 
 def mha_feature_sets(caps: Capabilities | None, features: Any, required: Any) -> tuple[set[str], set[str]]:
     """(allowed, required) MHA feature sets, checked against each other and ``caps``."""
-    declared = set(caps.mha_features) if caps is not None else set(ALL_MHA_FEATURES)
+    declared = implied_mha_features(caps.mha_features if caps is not None else ALL_MHA_FEATURES)
     if features is None:
         allowed = declared
     else:
         if isinstance(features, str) or not isinstance(features, Collection):
             raise fail("features", features, "must be a collection of MHA feature names",
                        "pass e.g. features={'need_weights'} (or an empty set for none)")
-        allowed = set(features)
+        allowed = implied_mha_features(features)
         if allowed - ALL_MHA_FEATURES:
             raise fail("features", features, f"has unknown {sorted(allowed - ALL_MHA_FEATURES)}",
                        _choose_features(allowed))

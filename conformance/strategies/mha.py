@@ -57,6 +57,8 @@ class _MHAPlan:
     toggles: dict[str, bool | None]
     #: a non-causal attn_mask per head (B*N, L, S): True, False ((L, S) only) or None (drawn).
     per_head_mask: bool | None
+    #: a cross-attention case's key and value one array: True, False (apart) or None (drawn).
+    shared_kv: bool | None
     fully_masked: bool | None
     self_attention: bool | None
     bounds: SizeBounds
@@ -72,6 +74,7 @@ class _MHASizes:
     kdim: int
     vdim: int
     same: bool  # self-attention: query, key and value are one array
+    shared_kv: bool = False  # cross-attention with key and value one array (kdim = vdim)
 
     @property
     def D(self) -> int:
@@ -157,7 +160,12 @@ def _draw_mha_sizes(draw: st.DrawFn, plan: _MHAPlan, on: dict[str, bool]) -> _MH
             same = True if plan.self_attention else draw(st.booleans())
             if same:
                 L = S = min(max(L, lo), hi)
-    return _MHASizes(B=B, N=N, E=E, L=L, S=S, kdim=kdim, vdim=vdim, same=same)
+    shared = not same and (draw(st.booleans()) if plan.shared_kv is None else plan.shared_kv)
+    if shared:
+        if on["kdim_vdim"] and kdim == D:
+            kdim = D + 1
+        vdim = kdim
+    return _MHASizes(B=B, N=N, E=E, L=L, S=S, kdim=kdim, vdim=vdim, same=same, shared_kv=shared)
 
 
 def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
@@ -181,6 +189,9 @@ def _mha_arrays(rng: np.random.Generator, plan: _MHAPlan, on: dict[str, bool],
     query = inputs(dims.L, dims.D)
     if dims.same:
         return params, query, query, query
+    if dims.shared_kv:
+        key = inputs(dims.S, dims.kdim)
+        return params, query, key, key
     return params, query, inputs(dims.S, dims.kdim), inputs(dims.S, dims.vdim)
 
 
@@ -361,6 +372,16 @@ def mha_cases(
                    "allow 'attn_mask' and pass is_causal=False, or drop 'per_head_attn_mask'")
     if per_head_mask:
         causal = False
+    # Cross-attention draws key and value apart with "cross_attention", as one array with
+    # "kv_cross_attention" (implied by the former), either where both are allowed.
+    apart, shared = "cross_attention" in allowed, "kv_cross_attention" in allowed
+    shared_kv = True if "kv_cross_attention" in required and "cross_attention" not in required else (
+        False if "cross_attention" in required or not shared else None if apart else True)
+    if {"cross_attention", "kv_cross_attention"} & required:  # a cross-attention case
+        if self_attention:
+            raise fail("required_features", sorted(required), "asks for cross-attention, but "
+                       "self_attention=True", "drop one of them")
+        self_attention = False
     toggles = _toggles(allowed, required, causal, self_attention, fully_masked)
     if per_head_mask:
         toggles["attn_mask"] = True
@@ -373,5 +394,6 @@ def mha_cases(
     _check_sizes_fit(toggles, bounds, min_batch, self_attention)
     plan = _MHAPlan(dtype=dtype, device=device, mask_kinds=kinds, need_weights=need,
                     average_attn_weights=average, is_causal=causal, toggles=toggles, per_head_mask=per_head_mask,
+                    shared_kv=shared_kv,
                     fully_masked=fully_masked, self_attention=self_attention, bounds=bounds)
     return named_strategy(mha_cases, arguments, lambda draw: _draw_mha_case(draw, plan))

@@ -219,6 +219,8 @@ def mha_call(case: dict, seed: int = 0) -> MHACall:
         if L != S:
             raise ValueError(f"self_attention=True needs L = S, got L={L}, S={S}")
         key = value = query
+    elif case.get("shared_kv"):  # cross-attention with one key/value input
+        value = key
     padding = _mha_mask(case.get("key_padding_mask"), (B, S), g)
     if unbatched and padding is not None:
         padding = padding[0]                                                    # (S,)
@@ -268,5 +270,7 @@ def case_attrs(case: dict, level: str) -> dict[str, Any]:
             features.add("dropout")
         if case.get("unbatched"):
             features.add("unbatched")
+        if not case.get("self_attention"):
+            features.add("kv_cross_attention" if case.get("shared_kv") else "cross_attention")
         attrs["mha_features"] = features
     return attrs

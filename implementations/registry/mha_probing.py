@@ -146,6 +146,7 @@ def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
     causal = torch.ones(_L, _S, dtype=torch.bool).tril().logical_not()
     return {
         "cross_attention": lambda: call(None, x, kv, kv),
+        "kv_cross_attention": lambda: call(None, x, kv, kv),
         "no_bias": lambda: call({"bias": False}),
         "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(_S, _B, 3), torch.randn(_S, _B, 5)),
         "bias_kv": lambda: call({"add_bias_kv": True}),

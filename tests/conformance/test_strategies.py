@@ -233,6 +233,10 @@ MHA_FORCING = [
     (dict(features=set()), lambda c: c.mha_features() == set()),
     (dict(self_attention=True), lambda c: c.key is c.query and c.value is c.query),
     (dict(self_attention=False), lambda c: c.key is not c.query),
+    (dict(required_features=("kv_cross_attention",)), lambda c: c.value is c.key and c.key is not c.query),
+    (dict(features=("kv_cross_attention",), self_attention=False), lambda c: c.value is c.key),
+    (dict(features=("cross_attention",), required_features=("cross_attention",)),
+     lambda c: c.value is not c.key and c.key is not c.query),
 ]
 
 

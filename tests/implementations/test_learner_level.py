@@ -173,7 +173,7 @@ COPIED = [f"{MODULES_DIR}/{m}" for m in (
     "nanogpt_style.py:CausalSelfAttention", "nanogpt_style.py:SlowCausalSelfAttention",
     "nanogpt_style.py:LoggedAttention", "mingpt_style.py:CausalSelfAttention", "build_gpt_style.py:MultiHeadAttention",
     "espnet_style.py:MultiHeadedAttention", "labml_style.py:MultiHeadAttention",
-    "packaged/attention.py:PackagedAttention")]
+    "packaged/attention.py:PackagedAttention", "timm_style.py:Attention")]
 
 
 @pytest.mark.parametrize("impl", COPIED)
@@ -284,3 +284,43 @@ def test_a_mask_shape_read_against_the_convention_is_kept():
     notes, caps = _notes("mutant:learner_mask_axes_swapped")
     assert {"attn_mask", "is_causal"} <= caps.mha_features
     assert "(B, L, S) run and change the output but their rows do not follow" in notes
+
+
+def test_a_file_importing_its_own_package_is_imported_as_its_member():
+    """``path/pkg/module.py:Class`` whose file imports ``pkg`` by name (minGPT's
+    ``from mingpt.utils import ...``) or relatively is imported as a member of its package
+    (the message used to say "fix the error in that file", which was not the error)."""
+    for impl in ("packaged/absolute.py:AbsolutelyImportedAttention", "packaged/attention.py:PackagedAttention"):
+        assert _usage_error_or_none(f"{MODULES_DIR}/{impl}") is None
+    notes, _ = _notes(f"{MODULES_DIR}/packaged/absolute.py:AbsolutelyImportedAttention")
+    assert "learner module: AbsolutelyImportedAttention" in notes
+
+
+def test_attention_dropout_alone_takes_p_and_a_set_value_is_kept():
+    """minGPT's config has attn_pdrop (attention weights) and resid_pdrop (the output):
+    only the first takes the case's p, so dropout is certified; a value given with
+    learner_config is the one the module gets."""
+    impl = f"{MODULES_DIR}/mingpt_style.py:CausalSelfAttention"
+    _, caps = _notes(impl)
+    assert caps.dropout
+    _, caps = _notes(impl, {"learner_config": "resid_pdrop=0.25"})
+    assert not caps.dropout and "resid_pdrop=0.25 (learner_config)" in " ".join(caps.probe_notes)
+
+
+def test_a_mask_handed_to_sdpa_takes_both_kinds():
+    """timm's Attention hands its mask to F.scaled_dot_product_attention as it comes: a bool
+    keep mask and an additive float one both work, so float masks are declared (and
+    mha_mask_conventions runs); a module whose bool convention refuses floats gets none."""
+    notes, caps = _notes(f"{MODULES_DIR}/timm_style.py:Attention")
+    assert "additive" in caps.mask_kinds and "additive float masks (0 = keep, -inf = blocked) followed too" in notes
+    notes, caps = _notes(f"{MODULES}:SDPAAttention")
+    assert "additive" not in caps.mask_kinds and "followed too" not in notes
+
+
+def test_one_key_value_input_is_certified_on_cross_attention_with_key_equal_to_value():
+    """forward(x, memory): cross-attention cases hand it one key/value array (the MHA
+    feature kv_cross_attention), so a module that projects its values from the query input
+    (right on self-attention) fails; key and value apart are not drawn for it."""
+    notes, caps = _notes("implementations.mutants.mha.copied_mutants:MemoryAttention")
+    assert "kv_cross_attention" in caps.mha_features and "cross_attention" not in caps.mha_features
+    assert "cross-attention cases draw it as one array" in notes

@@ -68,13 +68,16 @@ def test_a_mistake_in_a_transformers_class_fails_with_its_cause(cls, tmp_path):
     assert "mha_scale_model_dim" in {c["variant"] for c in cert["causes"]}
 
 
-def test_key_value_states_is_read_and_cross_cases_skip_with_the_reason():
+def test_key_value_states_is_read_as_cross_attention_with_key_equal_to_value():
+    """BART's and Whisper's key_value_states is their cross-attention input: certified on
+    cross-attention calls whose key is their value (kv_cross_attention); calls with key
+    and value apart are what one input cannot take."""
     for impl in (BART, WHISPER):
         caps = registry.resolve(impl).caps("mha")
         notes = " ".join(caps.probe_notes)
         assert "key_value_states read as the key/value input" in notes
-        assert "the MHA level draws key and value apart, which one input cannot take" in notes
-        assert "cross_attention" not in caps.mha_features
+        assert "cross-attention cases draw it as one array (kv_cross_attention)" in notes
+        assert "kv_cross_attention" in caps.mha_features and "cross_attention" not in caps.mha_features
 
 
 def test_gpt2_conv1d_layers_are_read_on_both_paths():

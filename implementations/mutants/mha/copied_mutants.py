@@ -9,7 +9,10 @@ so is read as non-causal. Each mistake is one the reading must not absorb:
   each layer to the input it reads, so the scores come out transposed);
 * the heads of a list of heads concatenated in reverse order;
 * a (B, L, S) mask applied with its query and key axes swapped where the two agree
-  (L = S), which only a mask with a query axis (a causal one) can show.
+  (L = S), which only a mask with a query axis (a causal one) can show;
+* a ``forward(x, memory)`` module (one key/value input, BART's ``key_value_states``) that
+  projects the values from the query input: right on self-attention, where the two are
+  one, wrong on every cross-attention call with key = value.
 
 The correct modules are learner controls (``COPIED_CONTROLS``): each certifies.
 """
@@ -117,6 +120,40 @@ class HeadsConcatenatedReversed(HeadListAttention):
         return list(self.heads)[::-1]
 
 
+class MemoryAttention(nn.Module):
+    """Cross-attention with one key/value input: forward(x, memory=None), memory = x when
+    None; q_proj, k_proj, v_proj, out_proj."""
+
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.h = n_heads
+        self.q_proj, self.k_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.v_proj, self.out_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def heads(self, t):
+        B, T, D = t.shape
+        return t.view(B, T, self.h, D // self.h).transpose(1, 2)
+
+    def values(self, x, memory):
+        return self.v_proj(memory)
+
+    def forward(self, x, memory=None):
+        memory = x if memory is None else memory
+        B, L, D = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(memory)), self.heads(self.values(x, memory))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, D))
+
+
+class ValuesFromQueryInput(MemoryAttention):
+    """The values projected from the query input instead of the memory (the slip
+    ``v_proj(x)`` of a module copied from self-attention; written to run whatever L: its
+    first S positions where L >= S)."""
+
+    def values(self, x, memory):
+        return self.v_proj(x[:, :memory.shape[1]] if x.shape[1] >= memory.shape[1] else memory)
+
+
 class MaskAxesSwapped(KeyValueQueryAttention):
     """A square (B, L, S) mask read as (B, S, L): the query and key axes swapped."""
 
@@ -127,7 +164,7 @@ class MaskAxesSwapped(KeyValueQueryAttention):
 
 
 #: The correct modules, by name (learner controls).
-COPIED_CONTROLS = {cls.__name__: cls for cls in (HeadListAttention, KeyValueQueryAttention)}
+COPIED_CONTROLS = {cls.__name__: cls for cls in (HeadListAttention, KeyValueQueryAttention, MemoryAttention)}
 
 
 def copied_mutants(mutant, case) -> list:
@@ -155,9 +192,17 @@ def copied_mutants(mutant, case) -> list:
             smallest_case=case(N=2), expected_property="mha_agreement", safe_case=case(N=1, L=2),
         ),
         mutant(
+            "learner_values_from_query_input", ValuesFromQueryInput,
+            bug="a learner's forward(x, memory) projects the values from the query input, not the memory",
+            origin="hand-written pitfall (v_proj(x) left in a cross-attention module copied from self-attention)",
+            smallest_case=case(self_attention=False, shared_kv=True), expected_property="mha_agreement",
+            safe_case=case(L=2, N=2),
+        ),
+        mutant(
             "learner_mask_axes_swapped", MaskAxesSwapped,
             bug="a learner's module applies a square (B, L, S) mask with its query and key axes swapped",
             origin="hand-written pitfall (a mask built (B, S, L) for scores laid out (B, H, L, S))",
-            smallest_case=case(L=2), expected_property="mha_agreement", safe_case=case(L=1, N=2),
+            smallest_case=case(L=2, is_causal=True, attn_mask="causal_bool"), expected_property="mha_agreement",
+            safe_case=case(L=1, N=2),
         ),
     ]

@@ -123,13 +123,19 @@ def _probe_mask(probe: _Probe, plan: LearnerPlan, params: Any, x: Any, options: 
     if disagree:
         how += (f"; but shapes {', '.join(_shape_text(s) for s in disagree)} read the other way (inconsistent): "
                 "the suite hands them over in this convention too, so the inconsistency fails")
+    also_additive = convention != "additive" and "learner_mask" not in options and all(
+        _shape_convention(probe, plan, module, x, shape, ["additive"], plan.causal is not None) is not None
+        for shape in found)
+    if also_additive:
+        how += "; additive float masks (0 = keep, -inf = blocked) followed too (probed): float cases go additive"
     unfollowed = _shapes_that_act(probe, plan, module, x, plain, convention, dtype,
                                   [s for s in _SHAPES if s not in found])
     if unfollowed:
         how += (f"; shapes {', '.join(_shape_text(s) for s in unfollowed)} run and change the output but their "
                 "rows do not follow that convention: the suite hands them over in it too, so a mask read wrongly "
                 "there fails")
-    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=(*found, *unfollowed), mask_how=how)
+    return replace(plan, mask=convention, mask_dtype=dtype, mask_shapes=(*found, *unfollowed), mask_how=how,
+                   also_additive=also_additive)
 
 
 def _shapes_that_act(probe: _Probe, plan: LearnerPlan, module: Any, x: Any, plain: Any, convention: str,

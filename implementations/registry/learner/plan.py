@@ -28,6 +28,9 @@ class LearnerPlan:
     mask: str | None = None     # keep / blocked / additive, None: no mask
     mask_dtype: str = "bool"    # bool / long / float (keep and blocked masks)
     mask_how: str = ""
+    #: keep/blocked masks, and additive float ones too (a module handing its mask to SDPA):
+    #: a call with a float mask gets it additive.
+    also_additive: bool = False
     #: accepted mask shapes, each a tuple of "B", "H", "L", "S", "1" (e.g. ("B", "1", "1", "S")).
     mask_shapes: tuple[tuple[str, ...], ...] = ()
     returns: str = "output"     # "output", "pair" (output, weights)

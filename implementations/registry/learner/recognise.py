@@ -194,12 +194,15 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
         features.add("dropout")
     if plan.inputs == "qkv":
         features.add("cross_attention")
+    elif plan.inputs == "kv":
+        features.add("kv_cross_attention")
     notes = list(_notes(plan, fm_text, dropout_on, features))
     caps = Capabilities(
         devices=("cpu",), dtypes=_probe_dtypes(probe, plan, params, notes) or ("float32",), causal="upper_left",
         causal_only=plan.causal is not None, max_seq_len=plan.construction.max_len,
         # a mask the module takes as bool cannot carry the float biases of an additive one
-        mask_kinds=ALL_MASK_KINDS if plan.mask in (None, "additive") else ALL_MASK_KINDS - {"additive"},
+        mask_kinds=ALL_MASK_KINDS if plan.mask in (None, "additive") or plan.also_additive
+        else ALL_MASK_KINDS - {"additive"},
         fully_masked=fully_masked, dropout=dropout_on, autograd=_probe_backward(probe, plan), mask_grad=False,
         gqa=False, different_v_dim=False, mha_features=frozenset(features), probe_notes=tuple(notes),
         # The module's own conventions, as the probes found them (its fully-masked rows
@@ -251,9 +254,8 @@ def _notes(plan: LearnerPlan, fm_text: str, dropout_on: bool, features: set[str]
              "qkv": f" ({plan.bind_how}: {', '.join(f'{r}={n}' for r, n in zip(('query', 'key', 'value'), plan.forward_names, strict=False))})"}[plan.inputs]
     inputs = {"self": "self-attention only (one input; cross-attention cases skipped: forward(query, key, value) "
                       "would enable them)",
-              "kv": "one key/value input (key = value): certified on self-attention calls; cross-attention "
-                    "cases skipped (the MHA level draws key and value apart, which one input cannot take, and "
-                    "has no feature that draws key = value != query)",
+              "kv": "one key/value input (key = value): cross-attention cases draw it as one array "
+                    "(kv_cross_attention); those with key and value apart skipped",
               "qkv": "query, key, value"}[plan.inputs]
     causal = f"; {plan.causal}: certified as causal self-attention (causal calls only)" if plan.causal else ""
     layout = f"; {plan.layout_how}" if plan.seq_first else ""

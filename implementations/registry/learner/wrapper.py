@@ -3,6 +3,7 @@ forward (masks merged and rendered in the module's convention) and the weights."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -106,8 +107,10 @@ def _make_learner_mha(plan: LearnerPlan):
             # an attn_mask keeps its L axis where the module takes one, even where its rows
             # are alike (L = 1, or key padding blocking every row): a (B, 1, 1, S) mask
             # means key padding alone, as a user would pass it
-            rendered = None if mask is None else _render_mask(plan, mask, (B, self.num_heads, L, S),
-                                                              with_rows=attn_mask is not None)
+            floats = any(m is not None and m.is_floating_point() for m in (key_padding_mask, attn_mask))
+            rendered = None if mask is None else _render_mask(
+                replace(plan, mask="additive") if plan.also_additive and floats else plan, mask,
+                (B, self.num_heads, L, S), with_rows=attn_mask is not None)
             if plan.inputs == "self":
                 if not (key is query or torch.equal(k, q)) or not (value is query or torch.equal(v, q)):
                     raise _Unsupported(f"{plan.cls.__name__} is self-attention only: forward takes one input")
