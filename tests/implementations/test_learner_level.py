@@ -169,6 +169,7 @@ def _usage_error_or_none(impl: str) -> str | None:
 
 # --------------------------------------------------------------------------- the modules people copy
 
+COPIED_MISTAKES = f"{MODULES_DIR}/copied_mistakes.py"
 COPIED = [f"{MODULES_DIR}/{m}" for m in (
     "nanogpt_style.py:CausalSelfAttention", "nanogpt_style.py:SlowCausalSelfAttention",
     "nanogpt_style.py:LoggedAttention", "mingpt_style.py:CausalSelfAttention", "build_gpt_style.py:MultiHeadAttention",
@@ -198,7 +199,12 @@ def test_opennmt_style_certifies_in_float32_and_its_float32_softmax_fails_float6
 
 @pytest.mark.parametrize("impl, cause", [(f"{MODULES_DIR}/nanogpt_style.py:ForgotTheCausalScale", "mha_scale_model_dim"),
                                          (f"{MODULES_DIR}/build_gpt_style.py:HeadsConcatenatedReversed", None),
-                                         (f"{MODULES_DIR}/nanogpt_style.py:CausalMaskOffByOne", None)])
+                                         (f"{MODULES_DIR}/nanogpt_style.py:CausalMaskOffByOne", None),
+                                         (f"{COPIED_MISTAKES}:MinGPTScaledByEmbedding", "mha_scale_model_dim"),
+                                         (f"{COPIED_MISTAKES}:ESPnetSoftmaxOverQueries", "mha_softmax_over_queries"),
+                                         (f"{COPIED_MISTAKES}:LabmlScaledByModelDim", "mha_scale_model_dim"),
+                                         (f"{COPIED_MISTAKES}:TimmMergedWithoutTranspose",
+                                          "mha_heads_merged_without_transpose")])
 def test_a_mistake_in_a_copied_module_fails(impl, cause, tmp_path):
     cert = _certify(impl, tmp_path)
     assert any(r["property"] == "mha_agreement" and r["outcome"] == "failed" for r in cert["results"])
