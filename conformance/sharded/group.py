@@ -1,7 +1,8 @@
 """The sharded level's persistent worker group (the pytest side).
 
-A :class:`WorkerGroup` is ``world`` processes (``python -m conformance.sharded.worker``,
-connected back to the supervisor over a local socket) that initialise
+A :class:`WorkerGroup` is ``world`` processes (forked from the run's fork server on the
+CPU, ``conformance.sharded.forkserver``; ``python -m conformance.sharded.worker`` each on
+CUDA; connected back to the supervisor over a local socket) that initialise
 ``torch.distributed`` for exactly ``world`` ranks, gloo on the CPU or NCCL on CUDA with
 one process per GPU (``backends``): **one group per world size**, whose default process
 group is the call's ranks, so code written for its job's world (``dist.get_rank()``,
@@ -43,7 +44,7 @@ import time
 from multiprocessing.connection import Listener, wait
 from typing import Any
 
-from conformance.sharded import backends, stacks
+from conformance.sharded import backends, forkserver, stacks
 
 __all__ = ["DEFAULT_WORLD", "MAX_LIVE_RANKS", "START_TIMEOUT", "GroupCrashed", "GroupError", "GroupHung",
            "GroupRaised", "GroupStartFailed", "WorkerGroup", "close_all", "group_for", "live_processes", "register",
@@ -140,14 +141,20 @@ class WorkerGroup:
                              "backend": self.backend, "device": self.device,
                              "address": address, "impl_spec": self.impl_spec,
                              "options": self.options, "timeout": max(60.0, self.start_timeout)})
-        env = dict(os.environ, OMP_NUM_THREADS="1", CONFORMANCE_SHARDED_AUTHKEY=authkey.hex())
-        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] )
-        for rank in range(self.world):
-            log = open(f"{self.tmp}/rank{rank}.log", "wb")
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-m", "conformance.sharded.worker", str(rank), config],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env))
-            log.close()
+        if forkserver.available(self.device):  # forked from a process that imported torch once
+            server = forkserver.server()
+            for rank in range(self.world):
+                self.processes.append(server.fork(rank, config, f"{self.tmp}/rank{rank}.log",
+                                                  {"CONFORMANCE_SHARDED_AUTHKEY": authkey.hex()}))
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1", CONFORMANCE_SHARDED_AUTHKEY=authkey.hex())
+            env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])
+            for rank in range(self.world):
+                log = open(f"{self.tmp}/rank{rank}.log", "wb")
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "conformance.sharded.worker", str(rank), config],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env))
+                log.close()
         accepted: dict[int, Any] = {}
 
         def accept() -> None:
@@ -436,6 +443,7 @@ def close_all() -> None:
     for group in list(_GROUPS.values()):
         group.close()
     _GROUPS.clear()
+    forkserver.close()
 
 
 def live_processes() -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 
 from conformance.core.compare import PropertyFailure
 from conformance.core.target import ImplementationCrashed, ImplementationHung, ImplementationRaised
+from conformance.sharded import forkserver
 from conformance.sharded import group as groups
 from conformance.sharded.cases import ShardedCallSpec, run_call
 from conformance.sharded.strategies import make_case
@@ -51,10 +52,13 @@ def _request(case):
             "grad_output": None}
 
 
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked", "spawned"])
 @pytest.mark.parametrize("attr, error, timeout", [("hangs", groups.GroupHung, 3.0),
                                                    ("dies", groups.GroupCrashed, 60.0),
                                                    ("raises", groups.GroupRaised, 60.0)])
-def test_broken_rank_fails_the_call_and_restarts(group, attr, error, timeout):
+def test_broken_rank_fails_the_call_and_restarts(group, attr, error, timeout, fork, monkeypatch):
+    """Ranks forked from the fork server (the CPU default) and spawned ones alike."""
+    monkeypatch.setenv("ATTENTION_CONFORMANCE_SHARDED_FORK", fork)
     g = group(attr)
     fine = make_case(world_size=2, layout="contiguous", shard=1, causal=False)
     assert len(g.call(_request(fine), 2, 60.0)) == 2
@@ -69,6 +73,19 @@ def test_broken_rank_fails_the_call_and_restarts(group, attr, error, timeout):
     assert g.pids() == [] and not any(_alive(p) for p in first), "a rank process was left behind"
     assert len(g.call(_request(fine), 2, 60.0)) == 2  # the run goes on, on a restarted group
     assert g.starts == 2
+    assert all(isinstance(p, forkserver.ForkedRank) == (fork == "1") for p in g.processes)
+
+
+def test_the_fork_server_ends_with_its_supervisor_and_takes_its_ranks(group, monkeypatch):
+    """Closing the server (the run's end) leaves no rank behind, even one never stopped."""
+    monkeypatch.setenv("ATTENTION_CONFORMANCE_SHARDED_FORK", "1")
+    g = group("hangs")
+    fine = make_case(world_size=2, layout="contiguous", shard=1, causal=False)
+    assert len(g.call(_request(fine), 2, 60.0)) == 2
+    ranks = g.pids()
+    forkserver.close()
+    assert all(p.wait(10) is not None for p in g.processes)
+    assert not any(_alive(p) for p in ranks), "a forked rank outlived the fork server"
 
 
 def test_group_starts_under_a_temp_folder_too_long_for_a_socket(group, tmp_path, monkeypatch):
