@@ -23,7 +23,9 @@ from torch import nn
 from implementations.base import Implementation
 from implementations.mutants.record import Mutant
 
-__all__ = ["LEARNER_CONTROLS", "LEARNER_MUTANTS", "control_of", "learner_implementation"]
+__all__ = ["LEARNER_CONTROLS", "LEARNER_MUTANTS", "control_of", "learner_implementation",
+           # the copied modules' controls, loaded as learner_mutants:NAME
+           "HeadListAttention", "KeyValueQueryAttention", "MemoryAttention"]
 
 
 # --------------------------------------------------------------------------- correct controls
@@ -285,9 +287,11 @@ from implementations.mutants.mha.copied_mutants import (  # noqa: E402 - after t
     COPIED_CONTROLS,
     HeadListAttention,
     KeyValueQueryAttention,
+    MemoryAttention,
     copied_mutants,
 )
 
 LEARNER_CONTROLS.update(COPIED_CONTROLS)
 LEARNER_MUTANTS += copied_mutants(_mutant, _case)
-assert {HeadListAttention, KeyValueQueryAttention} <= set(LEARNER_CONTROLS.values())
+# Every control is an attribute of this module: the suite loads it as learner_mutants:NAME.
+assert all(globals().get(name) is cls for name, cls in LEARNER_CONTROLS.items())
