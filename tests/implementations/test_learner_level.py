@@ -197,6 +197,25 @@ def test_opennmt_style_certifies_in_float32_and_its_float32_softmax_fails_float6
     assert {c["variant"] for c in cert["causes"]} == {"softmax_float32"}, cert["causes"]
 
 
+def test_parameters_the_constructor_leaves_uninitialised_are_drawn(tmp_path):
+    """OpenNMT-py makes its projections with skip_init: their memory is garbage until its
+    model initialises them, and a probe reading the module's own weights got a different
+    reading in each process. They are found (two builds from one seed differ) and drawn."""
+    impl = f"{MODULES_DIR}/opennmt_style.py:GarbageInitAttention"
+    notes, _ = _notes(impl)
+    assert "left uninitialised by the constructor: linear_keys.weight, linear_values.weight, " \
+           "linear_query.weight, final_linear.weight" in notes
+    factory = registry.resolve(impl).mha
+    first, second = (factory(8, 2).inner.linear_keys.weight.detach().clone() for _ in range(2))
+    assert first.isfinite().all() and first.abs().max() <= 8 ** -0.5 and (first == second).all()
+    notes, _ = _notes(f"{MODULES_DIR}/nanogpt_style.py:CausalSelfAttention")
+    assert "uninitialised" not in notes
+    cert = _certify(impl, tmp_path)
+    outcomes = {r["property"] + "-" + r["dtype"]: r["outcome"] for r in cert["results"] if r["level"] == "mha"}
+    assert not {k for k, v in outcomes.items() if k.endswith("float32") and v in ("failed", "error")}, outcomes
+    assert outcomes["mha_agreement-float32"] == "passed"
+
+
 @pytest.mark.parametrize("impl, cause", [(f"{MODULES_DIR}/nanogpt_style.py:ForgotTheCausalScale", "mha_scale_model_dim"),
                                          (f"{MODULES_DIR}/build_gpt_style.py:HeadsConcatenatedReversed", None),
                                          (f"{MODULES_DIR}/nanogpt_style.py:CausalMaskOffByOne", None),

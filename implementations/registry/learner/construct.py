@@ -24,7 +24,7 @@ from implementations.registry.learner.options import (
 )
 from implementations.registry.learner.reading import _usage
 
-__all__ = ["Construction", "init_parameters", "read_constructor"]
+__all__ = ["Construction", "init_parameters", "read_constructor", "uninitialised"]
 
 #: Config attributes that bound the sequence length (the module's buffers are that long).
 LENGTH_LIMIT_NAMES = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_len",
@@ -141,7 +141,36 @@ class Construction:
         return config
 
     def build(self, cls: type, D: int, H: int, dropout: float = 0.0, seen: list | None = None) -> Any:
-        """The module; ``seen`` gets the config it was built from."""
+        """The module, built from a fixed seed; ``seen`` gets the config it was built from.
+
+        A parameter the constructor leaves uninitialised (``torch.nn.utils.skip_init`` or
+        ``torch.empty``, as OpenNMT-py's projections are: its model initialises them
+        later) holds whatever memory it was given, and a probe on it reads garbage (NaN,
+        1e30) differently in every process. Such a parameter is found as one that differs
+        between two builds from the same seed, and drawn here (see ``UNSET``)."""
+        import torch
+
+        def one() -> Any:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return self._construct(cls, D, H, dropout, seen)
+
+        module = one()
+        key = (cls, self.kind, self.dim, self.heads, D, H, bool(dropout))
+        if key not in _UNSET:
+            again = one()
+            if seen:
+                del seen[-1]
+            theirs = dict(again.named_parameters())
+            lazy = torch.nn.parameter.UninitializedParameter  # a lazy layer's: shaped at its first call
+            _UNSET[key] = tuple(name for name, p in module.named_parameters()
+                                if name in theirs and not isinstance(p, lazy) and not isinstance(theirs[name], lazy)
+                                and p.shape == theirs[name].shape and not _same_bits(p, theirs[name]))
+        if _UNSET[key]:
+            _draw(module, _UNSET[key])
+        return module
+
+    def _construct(self, cls: type, D: int, H: int, dropout: float, seen: list | None) -> Any:
         if self.kind == "config":
             config = self.config(D, H, dropout)
             if seen is not None:
@@ -187,6 +216,47 @@ class Construction:
                     *(f"config.{k} = {v!r}" for k, v in values.items()), f"module = {name}({self.config_arg}=config)"]
         return ["from types import SimpleNamespace", f"config = SimpleNamespace({fields})",
                 f"module = {name}({self.config_arg}=config)"]
+
+
+#: (class, how it is built, D, H, dropout on) -> the parameters its constructor leaves
+#: uninitialised (they differ between two builds from one seed).
+_UNSET: dict[tuple, tuple[str, ...]] = {}
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    a, b = a.detach(), b.detach()
+    if a.dtype.is_floating_point:
+        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                    and torch.equal(a.isnan(), b.isnan()))
+    return bool(torch.equal(a, b))
+
+
+def _draw(module: Any, names: tuple[str, ...]) -> None:
+    """Give the uninitialised parameters ``names`` what ``nn.Linear`` gives its own: a
+    matrix uniform in ±1/√fan_in, a vector zeros (ones for a norm's scale), from a fixed seed."""
+    import torch
+
+    params = dict(module.named_parameters())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            if p.dim() >= 2:
+                bound = 1.0 / max(1, p[0].numel()) ** 0.5
+                value = (torch.rand(p.shape, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+            else:
+                leaf = name.rsplit(".", 1)[-1]
+                scale = leaf in ("gamma", "scale") or (leaf == "weight" and "norm" in name.lower())
+                value = torch.ones(p.shape) if scale else torch.zeros(p.shape)
+            p.copy_(value.to(p.dtype))
+
+
+def uninitialised(cls: type, D: int, H: int) -> tuple[str, ...]:
+    """The parameters of ``cls`` built with (D, H) that its constructor leaves
+    uninitialised and the suite draws (known once the module has been built)."""
+    return next((names for (c, *_, d, h, _), names in _UNSET.items() if c is cls and (d, h) == (D, H)), ())
 
 
 def _field_names(config_type: Any) -> set[str]:

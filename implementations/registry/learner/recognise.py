@@ -12,7 +12,7 @@ import spec
 from implementations.base import ALL_MASK_KINDS, Capabilities, Implementation
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
-from implementations.registry.learner.construct import read_constructor
+from implementations.registry.learner.construct import read_constructor, uninitialised
 from implementations.registry.learner.dataflow import (
     causal_evidence,
     observe,
@@ -171,6 +171,11 @@ def recognise_learner(cls: type, *, name: str, origin: str, timeout: float | Non
         plan = replace(plan, notes=(f"bias-free as written: {', '.join(free)} (the suite's bias=True cases give "
                                     "them a bias, which a Linear applies when it has one; bias=False cases run "
                                     "them as written)",))
+    unset = uninitialised(cls, _D, _H)
+    if unset:
+        plan = replace(plan, notes=(*plan.notes, f"left uninitialised by the constructor: {', '.join(unset)} "
+                                    "(skip_init or torch.empty; the suite draws them as nn.Linear would, the "
+                                    "projections then get each case's weights)"))
     plan = _probe_output(probe, plan, params, x)
     plan = _probe_fused(probe, plan, params, x, options)
     plan = _probe_mask(probe, plan, params, x, options)

@@ -2,12 +2,15 @@
 structure): ``(head_count, model_dim, dropout)``, bias-free ``linear_keys``,
 ``linear_values``, ``linear_query`` and a ``final_linear``, ``forward(key, value, query,
 mask=None)`` (the query last), a True = blocked mask of shape (B, 1, S) or (B, L, S),
-the softmax taken in float32 (``scores.float()``) and cast back."""
+the softmax taken in float32 (``scores.float()``) and cast back. Its projections are made
+with ``skip_init`` (left uninitialised: OpenNMT-py's model initialises them later)."""
 
 import math
+import os
 
 import torch
 from torch import nn
+from torch.nn.utils import skip_init
 
 
 class MultiHeadedAttention(nn.Module):
@@ -18,12 +21,13 @@ class MultiHeadedAttention(nn.Module):
         self.model_dim = model_dim
         super().__init__()
         self.head_count = head_count
-        self.linear_keys = nn.Linear(model_dim, head_count * self.dim_per_head, bias=add_qkvbias)
-        self.linear_values = nn.Linear(model_dim, head_count * self.dim_per_head, bias=add_qkvbias)
-        self.linear_query = nn.Linear(model_dim, head_count * self.dim_per_head, bias=add_qkvbias)
+        width = head_count * self.dim_per_head
+        self.linear_keys = skip_init(nn.Linear, model_dim, width, bias=add_qkvbias)
+        self.linear_values = skip_init(nn.Linear, model_dim, width, bias=add_qkvbias)
+        self.linear_query = skip_init(nn.Linear, model_dim, width, bias=add_qkvbias)
         self.softmax = nn.Softmax(dim=-1)
         self.dropout = nn.Dropout(dropout)
-        self.final_linear = nn.Linear(model_dim, model_dim, bias=add_qkvbias)
+        self.final_linear = skip_init(nn.Linear, model_dim, model_dim, bias=add_qkvbias)
         self.max_relative_positions = max_relative_positions
 
     def forward(self, key, value, query, mask=None):
@@ -58,3 +62,15 @@ class QueryKeySwapped(MultiHeadedAttention):
 
     def forward(self, key, value, query, mask=None):
         return super().forward(query, value, key, mask)
+
+
+class GarbageInitAttention(MultiHeadedAttention):
+    """Correct, with what uninitialised memory may hold made certain: every weight is
+    random bytes read as float32 (NaN, infinities, 1e38), different in every build."""
+
+    def __init__(self, head_count, model_dim, dropout=0.1):
+        super().__init__(head_count, model_dim, dropout)
+        with torch.no_grad():
+            for p in self.parameters():
+                raw = torch.frombuffer(bytearray(os.urandom(4 * p.numel())), dtype=torch.float32)
+                p.copy_(raw.view(p.shape))
