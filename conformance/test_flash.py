@@ -30,6 +30,7 @@ from conformance.calls.flash import (
 from conformance.core.compare import compare_values
 from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.harness.reporting import probe_saw
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import GEMMA_SOFTCAP, exact_sinks, flash_cases
@@ -93,7 +94,9 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
             if "window" not in caps.flash_features and "window" in changes:
                 continue
             out.append(base.replace(**changes))
-    return out
+    # for directed.shrink: the property's strategy arguments (its features, a split case)
+    return remember_arguments(out, {"window": window, "softcap": softcap, "alibi": alibi, "split": split,
+                                    "sinks": sinks})
 
 
 def _grads_too(target: Target) -> bool:

@@ -38,6 +38,7 @@ from conformance.core.tensors import to_numpy
 from conformance.strategies.varlen import varlen_directed, varlen_fp8_cases
 from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
 from spec import fp8 as spec_fp8
@@ -86,7 +87,7 @@ def _directed(target: Target) -> list[FlashCase]:
                 if caps.causal_only:
                     changes = {**changes, "causal": True}
                 out.append(base.replace(**changes))
-    return out
+    return remember_arguments(out, {"fp8": True})  # for directed.shrink
 
 
 @conformance_property(
@@ -133,7 +134,7 @@ def _varlen_directed(target: Target) -> list[VarlenCase]:
                 forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in changes.values()}
                 if forms <= set(caps.fp8_descales):
                     out.append(case.replace(query=q, key=k, value=v, fp8=fmt, **changes))
-    return out
+    return remember_arguments(out, {})  # for directed.shrink (sizes only: FP8 values as written)
 
 
 @conformance_property(

@@ -19,6 +19,7 @@ from conformance.calls.cache_options import (
     rotated_query,
 )
 from conformance.directed.helpers import skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.core.target import Target
 from conformance.harness.runner import conformance_property
 from conformance.strategies.kvcache_features import kvcache_feature_directed, rotary_multiple
@@ -79,11 +80,12 @@ def _with_options(cases: list, features: frozenset[str]) -> list:
         if "alibi" in features:
             variants.append({"alibi_slopes": np.array([0.5, -0.25, 1.0, 0.125] * N)[:N]})
         out += [case.replace(**changes) for changes in variants]
-    return out
+    return remember_arguments(out, {}) if out and isinstance(out[0], VarlenCase) else out
 
 
 def _varlen_directed(target: Target) -> list[VarlenCase]:
-    return varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)
+    # for directed.shrink: the varlen strategy's bounds (batch, lengths)
+    return remember_arguments(varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps), {})
 
 
 def _kvcache_directed(target: Target, paged: bool = False) -> list[KVCacheCase]:

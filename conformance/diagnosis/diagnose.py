@@ -150,7 +150,10 @@ def diagnose(target: Any, record: Any, exc: BaseException | None = None) -> Verd
     if not calls:
         if exc is not None and _implementation_broke(exc):
             return _unknown("the implementation raised, hung or crashed, so there is no output to compare")
-        calls = [_call_once(target, case)]
+        once = _call_once(target, case)
+        if once is None:  # the call is not observed: FP8 inputs or dropout, which no variant models
+            return _unknown("spec.variants has no variants of this call (FP8 inputs or dropout)")
+        calls = [once]
     if derived_from_sdpa(target):  # diagnosed through the derivation by the SDPA level's variants
         base = _through_derivation(target, case)
         if base is not None:
@@ -360,7 +363,7 @@ def _implementation_broke(exc: BaseException) -> bool:
     return isinstance(exc, BaseExceptionGroup) and any(_implementation_broke(e) for e in exc.exceptions)
 
 
-def _call_once(target: Any, case: Any) -> _Call:
+def _call_once(target: Any, case: Any) -> _Call | None:
     """The implementation's plain output on ``case``: one guarded call (it is observed)."""
     example = _EXAMPLE.get()
     if example is None or example.case is not case:
@@ -389,7 +392,8 @@ def _call_once(target: Any, case: Any) -> _Call:
         from conformance.calls.sdpa import run_sdpa
 
         run_sdpa(target, case)
-    return _EXAMPLE.get().calls[-1]
+    calls = _EXAMPLE.get().calls
+    return calls[-1] if calls else None
 
 
 def _diagnose_call(target: Any, call: _Call) -> Verdict | bool:

@@ -17,8 +17,12 @@ from typing import Any
 import numpy as np
 from hypothesis.errors import InvalidArgument
 
+from conformance.calls.declarations import outside_declarations
+from conformance.calls.flash_cases import FlashCase
+from conformance.calls.varlen import VarlenCase
 from conformance.core.cases import MHACase, SDPACase
 from conformance.strategies import REGIMES, mha_cases, sdpa_cases
+from conformance.strategies.sizes import size_bounds
 
 __all__ = ["MAX_DIRECTED", "admitted", "producible_regimes"]
 
@@ -146,10 +150,59 @@ def _accepts(level: str, target: Any, arguments: dict[str, Any]) -> bool:
     return _strategy_accepts(level, target.caps, target.device, target.caps.dtypes[0], frozen)
 
 
-def admitted(target: Any, case: SDPACase | MHACase, **arguments: Any) -> bool:
+def _flash_admitted(target: Any, case: FlashCase, arguments: dict[str, Any]) -> bool:
+    """Whether ``flash_cases`` with the property's ``arguments`` draws ``case``'s sizes (the
+    bounds it tightens by the capabilities: batch, heads, GQA, lengths, head dims, a split
+    case's S >= 2) and the target claims the case (``outside_declarations``: features,
+    dtypes, FP8 forms, lengths). Its features are a directed example's, as written; a JIT
+    target's shapes are budgeted, so its cases are not resized at all."""
+    if target.shape_budget is not None:
+        return False
+    caps, split = target.caps, bool(arguments.get("split"))
+    try:
+        b = size_bounds(caps, min_batch=1, max_batch=2, min_heads=1, max_heads=arguments.get("max_heads", 4),
+                        gqa=arguments.get("gqa"), min_L=1, max_L=arguments.get("max_L", 33),
+                        min_S=max(arguments.get("min_S", 1), 2 * (caps.seq_multiple or 1) if split else 1),
+                        max_S=arguments.get("max_S", 33), min_head_dim=None, max_head_dim=None,
+                        different_v_dim=None, default_max_length=33, default_max_head_dim=16)
+    except InvalidArgument:
+        return False
+    s = case.sizes()
+    dims = (s["E"], s["Ev"])
+    inside = (b.min_batch <= s["B"] <= b.max_batch and b.min_heads <= s["N"] <= b.max_heads
+              and s["N"] % s["K"] == 0 and (b.gqa is not False or s["N"] == s["K"])
+              and b.min_L <= s["L"] <= b.max_L and b.min_S <= s["S"] <= b.max_S
+              and (not b.equal_lengths or s["L"] == s["S"])
+              and all(d % b.seq_multiple == 0 for d in (s["L"], s["S"]) if b.seq_multiple > 1)
+              and all(b.min_head_dim <= d <= b.max_head_dim for d in dims)
+              and (b.head_dims is None or all(d in b.head_dims for d in dims))
+              and (b.different_v_dim is not False or s["E"] == s["Ev"]))
+    return inside and not outside_declarations(target, case)
+
+
+def _varlen_admitted(target: Any, case: VarlenCase, arguments: dict[str, Any]) -> bool:
+    """Whether ``varlen_cases`` with the property's ``arguments`` draws ``case``'s sizes
+    (1..max_batch sequences, each 0..max_len long within the declared max_seq_len, N a
+    multiple of K) and the target claims the case (``outside_declarations``: head dims,
+    GQA, equal lengths, features, FP8 forms)."""
+    caps = target.caps
+    longest = arguments.get("max_len", 7)
+    if caps.max_seq_len is not None:
+        longest = min(longest, caps.max_seq_len)
+    inside = (1 <= case.B <= arguments.get("max_batch", 4) and case.N % case.K == 0
+              and all(L <= longest and S <= longest for L, S in case.lengths()))
+    return inside and not outside_declarations(target, case)
+
+
+def admitted(target: Any, case: SDPACase | MHACase | FlashCase | VarlenCase, **arguments: Any) -> bool:
     """Whether ``cases_for(target, **arguments)`` (``mha_cases_for`` for an MHA
     case) could draw ``case``: the strategy accepts the case's attributes as
-    forcing arguments, so the target claims the case and the property takes it."""
+    forcing arguments, so the target claims the case and the property takes it
+    (a flash case: :func:`_flash_admitted`)."""
+    if isinstance(case, FlashCase):
+        return _flash_admitted(target, case, arguments)
+    if isinstance(case, VarlenCase):
+        return _varlen_admitted(target, case, arguments)
     if isinstance(case, MHACase):
         narrowed = _mha_forcing(case, arguments)
         level = "mha"

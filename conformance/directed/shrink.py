@@ -14,9 +14,14 @@ way, in one sweep, or until :data:`BUDGET` examples were checked.
 A proposal is checked only when the property's own strategy could have drawn it
 (``directed.admission.admitted``, with the arguments the property built its directed
 cases with: :func:`remember_arguments`), so a shrunk case is never one the implementation
-does not claim. SDPA and MHA cases are shrunk (an MHA case in its batch and lengths,
-a self-attention one with L = S, and its inputs' values; its module's weights are kept);
-a directed case of another level is reported as written.
+does not claim. SDPA, flash and MHA cases are shrunk (an MHA case in its batch and
+lengths, a self-attention one with L = S, and its inputs' values; its module's weights are
+kept; a flash case in its sizes and q, k, v values, its features as written: causal, window,
+softcap, ALiBi and sink values cut to the heads kept, FP8 descales to the batch and kv heads
+kept; a varlen case in its sequences (each alone, then each left out), heads, each
+sequence's query and key lengths, head dims and values, per-sequence slopes and descales
+cut alike, FP8 values as written); a directed case of another level (kvcache, sharded,
+the dropout cases) is reported as written.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from conformance.calls.flash_cases import FlashCase
+from conformance.calls.varlen import VarlenCase
 from conformance.core.cases import MHACase, SDPACase
 
 __all__ = ["BUDGET", "remember_arguments", "arguments_of", "passes", "shrink"]
@@ -102,19 +109,24 @@ def _dim(name: str) -> Callable[[SDPACase], Iterator[dict[str, int]]]:
 
 
 def _head_dims(case: SDPACase) -> Iterator[dict[str, int]]:
+    """E (with Ev where they are equal or the value is the key)."""
     s = case.sizes()
-    if case.value is case.key or s["E"] == s["Ev"]:
-        for v in _smaller(s["E"]):
-            yield {"E": v, "Ev": v}
+    together = case.value is case.key or s["E"] == s["Ev"]
+    for v in _smaller(s["E"]):
+        yield {"E": v, "Ev": v} if together else {"E": v}
+
+
+def _value_dims(case: SDPACase) -> Iterator[dict[str, int]]:
+    """Ev, where it differs from E (a pass of its own: E shrinking first must not stop it)."""
+    s = case.sizes()
     if case.value is not case.key and s["E"] != s["Ev"]:
-        for name in ("E", "Ev"):
-            for v in _smaller(s[name]):
-                yield {name: v}
+        for v in _smaller(s["Ev"]):
+            yield {"Ev": v}
 
 
 #: The passes over the sizes, in order: each tries its smaller sizes, smallest first.
 _SIZE_PASSES: tuple[Callable[[SDPACase], Iterator[dict[str, int]]], ...] = (
-    _dim("B"), _heads, _dim("L"), _dim("S"), _head_dims)
+    _dim("B"), _heads, _dim("L"), _dim("S"), _head_dims, _value_dims)
 
 
 def _quarters(a: np.ndarray, steps: int) -> np.ndarray:
@@ -136,6 +148,28 @@ def _value_changes(case: SDPACase) -> Iterator[SDPACase]:
         yield case.replace(query=_quarters(case.query, steps), key=key,
                            value=key if case.value is case.key else _quarters(case.value, steps),
                            regime="normal")
+
+
+def _flash_resized(case: FlashCase, **sizes: int) -> FlashCase:
+    """``case`` cut to smaller sizes, its options cut alike (ALiBi slopes and sinks to the
+    heads kept, per-head FP8 descales to the batch and kv heads kept)."""
+    s = {**case.sizes(), **sizes}
+    B, N, K, L, S, E, Ev = (s[d] for d in ("B", "N", "K", "L", "S", "E", "Ev"))
+    shared = case.value is case.key
+    key = np.ascontiguousarray(case.key[:B, :S, :K, :E])
+    changes: dict[str, Any] = {
+        "query": np.ascontiguousarray(case.query[:B, :L, :N, :E]), "key": key,
+        "value": key if shared else np.ascontiguousarray(case.value[:B, :S, :K, :Ev])}
+    if case.alibi_slopes is not None:
+        slopes = case.alibi_slopes
+        changes["alibi_slopes"] = np.ascontiguousarray(slopes[:N] if slopes.ndim == 1 else slopes[:B, :N])
+    if case.sinks is not None:
+        changes["sinks"] = np.ascontiguousarray(case.sinks[:N])
+    for name in ("q_descale", "k_descale", "v_descale"):
+        d = getattr(case, name)
+        if d is not None and d.shape != (1,):
+            changes[name] = np.ascontiguousarray(d[:B, :K])
+    return case.replace(**changes)
 
 
 def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
@@ -184,15 +218,117 @@ def _mha_values(case: MHACase) -> Iterator[MHACase]:
                            else _quarters(case.value, steps))
 
 
+def _varlen_packed(case: VarlenCase, lengths: list[tuple[int, int]], keep: list[int]) -> VarlenCase:
+    """``case`` with the sequences ``keep`` only, sequence b cut to its first ``lengths[b]``
+    queries and keys (per-sequence ALiBi slopes and FP8 descales cut alike)."""
+    rows, keys = case.sequences(), lengths
+    q_rows = [np.arange(rows[b][0].start, rows[b][0].start + keys[b][0]) for b in keep]
+    k_rows = [np.arange(rows[b][1].start, rows[b][1].start + keys[b][1]) for b in keep]
+    q_index = np.concatenate(q_rows) if q_rows else np.zeros(0, dtype=int)
+    k_index = np.concatenate(k_rows) if k_rows else np.zeros(0, dtype=int)
+    changes: dict[str, Any] = {
+        "query": np.ascontiguousarray(case.query[q_index]), "key": np.ascontiguousarray(case.key[k_index]),
+        "value": np.ascontiguousarray(case.value[k_index]),
+        "cu_seqlens_q": tuple(int(x) for x in np.cumsum([0] + [keys[b][0] for b in keep])),
+        "cu_seqlens_k": tuple(int(x) for x in np.cumsum([0] + [keys[b][1] for b in keep]))}
+    if case.alibi_slopes is not None and np.ndim(case.alibi_slopes) == 2:
+        changes["alibi_slopes"] = np.ascontiguousarray(case.alibi_slopes[keep])
+    for name in ("q_descale", "k_descale", "v_descale"):
+        d = getattr(case, name)
+        if d is not None and np.ndim(d) == 2 and d.shape[0] == case.B:
+            changes[name] = np.ascontiguousarray(d[keep])
+    return case.replace(**changes)
+
+
+def _varlen_sequences(case: VarlenCase) -> Iterator[VarlenCase]:
+    """Fewer sequences: each one alone, then each left out (fewest first)."""
+    lengths, B = case.lengths(), case.B
+    if B == 1:
+        return
+    for b in range(B):
+        yield _varlen_packed(case, lengths, [b])
+    if B > 2:
+        for b in range(B):
+            yield _varlen_packed(case, lengths, [i for i in range(B) if i != b])
+
+
+def _varlen_lengths(axis: int) -> Callable[[VarlenCase], Iterator[VarlenCase]]:
+    """Shorter sequences: each sequence's queries (axis 0) or keys (axis 1) cut, smallest
+    first (0 included: the strategy draws empty sequences)."""
+    def changes(case: VarlenCase) -> Iterator[VarlenCase]:
+        lengths = case.lengths()
+        for b, pair in enumerate(lengths):
+            for n in _smaller(pair[axis], low=0 if pair[axis] else 1):
+                cut = list(lengths)
+                cut[b] = (n, pair[1]) if axis == 0 else (pair[0], n)
+                yield _varlen_packed(case, cut, list(range(case.B)))
+    return changes
+
+
+def _varlen_resized(case: VarlenCase, **sizes: int) -> VarlenCase:
+    """``case`` with fewer heads or smaller head dims (slopes and descales cut alike)."""
+    N, K = sizes.get("N", case.N), sizes.get("K", case.K)
+    E, Ev = sizes.get("E", case.E), sizes.get("Ev", case.Ev)
+    changes: dict[str, Any] = {"query": np.ascontiguousarray(case.query[:, :N, :E]),
+                               "key": np.ascontiguousarray(case.key[:, :K, :E]),
+                               "value": np.ascontiguousarray(case.value[:, :K, :Ev])}
+    slopes = case.alibi_slopes
+    if slopes is not None:
+        changes["alibi_slopes"] = np.ascontiguousarray(slopes[:N] if np.ndim(slopes) == 1 else slopes[:, :N])
+    for name in ("q_descale", "k_descale", "v_descale"):
+        d = getattr(case, name)
+        if d is not None and np.ndim(d) == 2:
+            changes[name] = np.ascontiguousarray(d[:, :K])
+    return case.replace(**changes)
+
+
+def _varlen_sizes(case: VarlenCase) -> dict[str, int]:
+    return {"N": case.N, "K": case.K, "E": case.E, "Ev": case.Ev}
+
+
+class _VarlenSized:
+    """A varlen case seen through ``sizes()`` (for the head passes shared with SDPA)."""
+
+    def __init__(self, case: VarlenCase) -> None:
+        self.case, self.value, self.key = case, case.value, case.key
+
+    def sizes(self) -> dict[str, int]:
+        return _varlen_sizes(self.case)
+
+
+def _varlen_values(case: VarlenCase) -> Iterator[VarlenCase]:
+    if case.fp8 is not None or _simple(case):  # FP8 values are the format's own
+        return
+    for steps in (1, 2, 4):
+        yield case.replace(query=_quarters(case.query, steps), key=_quarters(case.key, steps),
+                           value=_quarters(case.value, steps))
+
+
+def _varlen_passes() -> list[Callable[[VarlenCase], Iterator[VarlenCase]]]:
+    def heads(c: VarlenCase) -> Iterator[VarlenCase]:
+        return (_varlen_resized(c, **change) for change in _heads(_VarlenSized(c)))
+
+    def dims(c: VarlenCase) -> Iterator[VarlenCase]:
+        return (_varlen_resized(c, **change) for change in _head_dims(_VarlenSized(c)))
+
+    def value_dims(c: VarlenCase) -> Iterator[VarlenCase]:
+        return (_varlen_resized(c, **change) for change in _value_dims(_VarlenSized(c)))
+
+    return [_varlen_sequences, heads, _varlen_lengths(0), _varlen_lengths(1), dims, value_dims, _varlen_values]
+
+
 def passes(case: Any) -> list[Callable[[Any], Iterator[Any]]]:
     """The shrinking passes of ``case``, simplest change first, each a function of the
-    current smallest case giving its proposals (none for a case of a level other than SDPA
-    and MHA)."""
+    current smallest case giving its proposals (none for a case of a level other than SDPA,
+    MHA, flash and varlen)."""
     if isinstance(case, MHACase):
         return [*_mha_sizes(case), _mha_values]
-    if not isinstance(case, SDPACase):
+    if isinstance(case, VarlenCase):
+        return _varlen_passes()
+    if not isinstance(case, (SDPACase, FlashCase)):
         return []
-    sizes = [lambda c, p=p: (_resized(c, **change) for change in p(c)) for p in _SIZE_PASSES]
+    resized = _flash_resized if isinstance(case, FlashCase) else _resized
+    sizes = [lambda c, p=p: (resized(c, **change) for change in p(c)) for p in _SIZE_PASSES]
     return [*sizes, lambda c: _value_changes(c) if c.regime != "normal" or not _simple(c) else iter(())]
 
 

@@ -9,6 +9,14 @@ proposal that hangs or crashes the implementation ends the shrinking (each would
 timeout). The record (failing case, its calls, its ratio) and the diagnosis' view of the
 current example are those of the smallest failing case at the end, so the message, the
 certificate's cell, the saved case and the reproducer all come from one example.
+
+A smaller case can lose what names the bug: a sliding window's left edge one key short
+fails a one-key case as surely as a three-key one, but on one key the window's every
+variant gives the same empty row, so no case tells the cause apart. Where the diagnosis
+confirms a cause on the case as written, a smaller case is kept only if it confirms one
+too (the diagnosis runs on each smaller failing case, in this process: not for an
+isolated implementation, whose worker alone may call it), and the report counts the
+smaller failing cases passed over for that.
 """
 
 from __future__ import annotations
@@ -32,11 +40,27 @@ def _name(case: Any) -> str:
     return "?"
 
 
+def _names_a_cause(target: Any, record: Any, state: list[Any]) -> bool:
+    """Whether the diagnosis confirms a cause of the failure ``state`` (the failure, its
+    case, calls, ratio and observed example), as it would be reported."""
+    from conformance.diagnosis.causes import named_cause
+    from conformance.diagnosis.diagnose import diagnose
+
+    exc, record.failing_case, record.failing_calls, _, example = state
+    observe._EXAMPLE.set(example)
+    try:
+        return named_cause(diagnose(target, record, exc).causes) is not None
+    except Exception:  # noqa: BLE001 - a diagnosis that breaks names nothing
+        return False
+
+
 def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any,
                    one_example: Callable[[Any], None], failing_ratio: list[Any],
-                   stop: type[BaseException]) -> PropertyFailure:
+                   stop: type[BaseException], *, diagnosed: bool = True) -> PropertyFailure:
     """The failure of the smallest failing case found from directed ``case`` (``failure``
-    itself when none is smaller); ``record.directed_origin`` says where it started."""
+    itself when none is smaller); ``record.directed_origin`` says where it started.
+    ``diagnosed``: the diagnosis runs in this process (not in an isolated worker), so a
+    smaller case that loses the cause the case as written names is not kept (module doc)."""
     arguments = proposals.arguments_of(case)
     record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False,
                               "why": None}
@@ -48,6 +72,9 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
         return failure
     best = [failure, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
     stopped = [False]
+    # whether the case as written names a cause (asked at the first smaller failing case)
+    named: list[bool] = []
+    passed_over = [0]
 
     def fails(candidate: Any) -> bool:
         if stopped[0]:
@@ -57,9 +84,14 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
             one_example(candidate)
         except PropertyFailure as found:
             if type(found) is type(failure):
-                best[:] = [found, record.failing_case, record.failing_calls, failing_ratio[0],
-                           observe._EXAMPLE.get()]
-                return True
+                state = [found, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
+                if diagnosed and not named:
+                    named.append(_names_a_cause(target, record, list(best)))
+                if diagnosed and named[0] and not _names_a_cause(target, record, list(state)):
+                    passed_over[0] += 1
+                else:
+                    best[:] = state
+                    return True
         except stop:  # it hung or crashed: no more proposals (each would cost as much)
             stopped[0] = True
         except Exception:  # noqa: BLE001 - a proposal the suite cannot check is not a smaller failure
@@ -74,6 +106,9 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
             return False
 
     smallest, checked = proposals.shrink(case, fails, admit=admit)
+    record.directed_origin["passed_over"] = passed_over[0]
+    if smallest is case and passed_over[0]:
+        record.directed_origin["why"] = "its smaller failing cases lose the evidence that names its cause"
     exc, record.failing_case, record.failing_calls, failing_ratio[0], example = best
     observe._EXAMPLE.set(example)
     record.directed_origin.update(checked=checked, shrunk=smallest is not case)

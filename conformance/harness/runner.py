@@ -199,7 +199,8 @@ def conformance_property(
                             one_example(case, passed)
                         except PropertyFailure as failed:  # shrunk, then (unless -x) the search
                             exc = directed_shrink.shrink_failure(failed, case, target, record, one_example,
-                                                                 failing_ratio, _StopSearch)
+                                                                 failing_ratio, _StopSearch,
+                                                                 diagnosed=owner.isolation is None)
                             if conformance_session.stops_early:  # (-x: the first failure, at once)
                                 raise exc from None
                             directed_failure = (exc, (record.failing_case, record.failing_calls,

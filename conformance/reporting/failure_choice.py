@@ -83,10 +83,12 @@ def origin_line(record: Any) -> str:
     origin = getattr(record, "directed_origin", None)
     if not origin:
         return ""
-    if origin["shrunk"]:
-        return (f"  (shrunk in {origin['checked']} examples from the directed example "
-                f"\"{origin['example']}\": {origin['case']})\n")
     example = f"the directed example \"{origin['example']}\"" if origin["example"] != "?" else "a directed case"
+    if origin["shrunk"]:
+        lost = origin.get("passed_over") or 0
+        lost_text = (f"; {lost} smaller failing case{'s' if lost > 1 else ''} passed over: "
+                     "they lose the evidence that names its cause") if lost else ""
+        return f"  (shrunk in {origin['checked']} examples from {example}: {origin['case']}{lost_text})\n"
     if origin.get("why"):
         return f"  ({example} as written: {origin['why']})\n"
     return (f"  ({example} as written: no smaller case in {origin['checked']} examples "

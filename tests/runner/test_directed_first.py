@@ -142,3 +142,95 @@ def test_a_failing_mha_directed_case_is_shrunk(tmp_path):
     assert (record["counterexample"]["L"], record["counterexample"]["S"]) == (1, 1), output[-3000:]
     assert 'from the directed example "is_causal with add_zero_attn, need_weights=False"' in output, output[-3000:]
     assert "failing case:" not in output and "shrunk case: B=1 L=1 S=1" in output, output[-3000:]
+
+
+def test_flash_passes_cut_the_options_with_the_sizes():
+    """A flash case's size passes cut ALiBi slopes and sinks to the heads kept and per-head
+    FP8 descales to the batch and kv heads kept; its features stay as written."""
+    import numpy as np
+
+    from conformance.calls.flash_cases import FlashCase
+    from conformance.directed import shrink
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 3, 4, 2), (2, 5, 2, 2), (2, 5, 2, 2)))
+    case = FlashCase(q, k, v, causal=True, window=(1, 0), alibi_slopes=np.ones((2, 4)), sinks=np.arange(4.0),
+                     fp8="float8_e4m3fn", q_descale=np.ones((2, 2)), k_descale=np.array([0.5]),
+                     v_descale=np.ones((2, 2)))
+    batch, heads, *_ = shrink.passes(case)
+    (one,) = list(batch(case))
+    assert one.B == 1 and one.alibi_slopes.shape == (1, 4) and one.q_descale.shape == (1, 2)
+    fewer = list(heads(case))
+    assert all(c.N % c.K == 0 and c.sinks.shape == (c.N,) and c.alibi_slopes.shape == (2, c.N)
+               and c.v_descale.shape == (2, c.K) and c.k_descale.shape == (1,) for c in fewer)
+    assert all(c.causal and c.window == (1, 0) and c.fp8 == "float8_e4m3fn" for c in fewer)
+
+
+def test_a_failing_flash_directed_case_is_shrunk(tmp_path):
+    """The flash level's directed cases are shrunk too, each proposal admitted by the
+    property's bounds and the target's claims: the top-left causal mutant from its
+    directed example (N = K = 2, S = 3, E = 2) to the plain search's smallest case."""
+    report, output = run(tmp_path, "cert", "--impl=mutant:flash_causal_top_left", "--dtype", "float64",
+                         "-k", "test_flash_agreement", "-x")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    got = {d: record["counterexample"][d] for d in ("B", "N", "K", "L", "S", "E", "Ev")}
+    assert got == {"B": 1, "N": 1, "K": 1, "L": 1, "S": 2, "E": 1, "Ev": 1}, output[-3000:]
+    assert "failing case:" not in output and "from a directed case" in output, output[-3000:]
+
+
+def test_a_smaller_case_that_loses_the_cause_is_not_kept(tmp_path):
+    """A window's left edge one key short fails a one-key case too, but there every
+    window variant gives the same empty row and nothing names the bug: the smallest
+    failing case on the way that still confirms the cause is reported, and says so."""
+    report, output = run(tmp_path, "cert", "--impl=mutant:flash_window_left_off_by_one", "--dtype", "float64",
+                         "-k", "test_window_equivalence", "-x")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert record["counterexample"]["S"] > 1, output[-3000:]
+    assert [c["variant"] for c in record["causes"]][:1] == ["flash_window_left_off_by_one"], record["causes"]
+    assert record["causes"][0].get("confirmed", True) is not False, record["causes"]
+    assert "probable cause: flash_window_left_off_by_one — " in output, output[-3000:]
+    assert "passed over: they lose the evidence that names its cause" in output, output[-3000:]
+
+
+def test_varlen_passes_keep_each_sequence_with_its_own_rows():
+    """A varlen case's passes: each sequence alone first (its own query and key rows, its
+    row of per-sequence ALiBi slopes and descales), then each left out; lengths cut per
+    sequence, to 0 first; E and Ev each shrink (Ev in a pass of its own)."""
+    import numpy as np
+
+    from conformance.calls.varlen import VarlenCase
+    from conformance.directed import shrink
+
+    q, k, v = np.arange(6 * 2 * 2.0).reshape(6, 2, 2), np.arange(5 * 1 * 2.0).reshape(5, 1, 2), np.ones((5, 1, 3))
+    case = VarlenCase(q, k, v, cu_seqlens_q=(0, 1, 3, 6), cu_seqlens_k=(0, 2, 2, 5), alibi_slopes=np.ones((3, 2)))
+    sequences, heads, queries, keys, dims, value_dims, values = shrink.passes(case)
+    alone = list(sequences(case))
+    assert [c.lengths() for c in alone[:3]] == [[(1, 2)], [(2, 0)], [(3, 3)]]
+    assert np.array_equal(alone[2].query, q[3:6]) and np.array_equal(alone[2].key, k[2:5])
+    assert alone[2].alibi_slopes.shape == (1, 2) and [c.B for c in alone[3:]] == [2, 2, 2]
+    assert [c.lengths()[0] for c in queries(case)][:1] == [(0, 2)]
+    cut = next(keys(case))
+    assert cut.lengths() == [(1, 0), (2, 0), (3, 3)] and cut.cu_seqlens_k == (0, 0, 0, 3)
+    assert [c.E for c in dims(case)] == [1] and [c.Ev for c in value_dims(case)] == [1, 2]
+    assert {(c.N, c.K) for c in heads(case)} == {(1, 1)}
+
+    def fails(c: VarlenCase) -> bool:  # a bug seen whenever some sequence has queries and no keys
+        return any(L > 0 and S == 0 for L, S in c.lengths())
+
+    smallest, _ = shrink.shrink(case, fails)
+    assert smallest.lengths() == [(1, 0)] and (smallest.N, smallest.E, smallest.Ev) == (1, 1, 1)
+
+
+def test_a_failing_varlen_directed_case_is_shrunk(tmp_path):
+    """The varlen level's directed cases are shrunk: the neighbour-key mutant (a sequence's
+    key slice runs one row into the next) from four heads' worth of sizes to one query
+    with no keys beside one empty-query sequence with one key."""
+    report, output = run(tmp_path, "cert", "--impl=mutant:varlen_neighbour_key", "--dtype", "float64",
+                         "-k", "test_varlen_equivalence", "-x")
+    (record,) = [r for r in report["results"] if r["outcome"] != "skipped"]
+    assert record["outcome"] == "failed", output[-3000:]
+    assert "shrunk case: varlen B=2 N=1 K=1 E=1 Ev=1 cu_seqlens_q=[0, 1, 1] cu_seqlens_k=[0, 0, 1]" in output, \
+        output[-3000:]
+    assert "from a directed case" in output and "probable cause: varlen_neighbour_key — " in output, output[-3000:]
