@@ -9,14 +9,16 @@ the grouped-query example (``B=1 N=4 K=2 L=2 S=3 E=4``, values near 1e-31) as su
 simplest change first (each size towards 1, smallest first, then the values set to the
 normal regime and rounded to halves or quarters, exact in every dtype and printed in a
 few digits), and :func:`shrink` keeps each pass's first proposal that still fails the same
-way, in one sweep, or until :data:`BUDGET` examples were checked.
+way, sweeping the passes again while one of them found a smaller case (a shorter key
+axis can let the queries shrink), until a sweep finds none or :data:`BUDGET` examples
+were checked.
 
 A proposal is checked only when the property's own strategy could have drawn it
 (``directed.admission.admitted``, with the arguments the property built its directed
 cases with: :func:`remember_arguments`), so a shrunk case is never one the implementation
-does not claim. SDPA, flash and MHA cases are shrunk (an MHA case in its batch and
-lengths, a self-attention one with L = S, and its inputs' values; its module's weights are
-kept; a flash case in its sizes and q, k, v values, its features as written: causal, window,
+does not claim. SDPA, flash, varlen and MHA cases are shrunk (an MHA case in its batch,
+heads and head dim, its module's weights cut with them, its lengths, a self-attention one
+with L = S, and its inputs' values; a flash case in its sizes and q, k, v values, its features as written: causal, window,
 softcap, ALiBi and sink values cut to the heads kept, FP8 descales to the batch and kv heads
 kept; a varlen case in its sequences (each alone, then each left out), heads, each
 sequence's query and key lengths, head dims and values, per-sequence slopes and descales
@@ -26,6 +28,7 @@ the dropout cases) is reported as written.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -194,12 +197,54 @@ def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
     return case.replace(query=query, key=key, value=value, key_padding_mask=padding, attn_mask=attn)
 
 
+def _mha_heads(case: MHACase, N: int, E: int) -> MHACase | None:
+    """``case`` with ``N`` heads of head dim ``E`` (embed_dim N·E): the module's weights cut
+    to the first N heads' first E rows of each projection and the first N·E input and
+    output features, inputs of embed_dim wide cut alike (kdim/vdim kept), a per-head
+    attn_mask to the heads kept. None where a kdim/vdim module would become a packed one."""
+    p, D, E0 = case.params, case.D, case.D // case.N
+    D1 = N * E
+    rows = np.array([h * E0 + e for h in range(N) for e in range(E)], dtype=int)
+    packed = p.packed
+    kdim, vdim = (D1, D1) if packed else (p.kdim, p.vdim)
+    if not packed and kdim == D1 and vdim == D1:
+        return None
+
+    def cut(a: np.ndarray | None, index: Any) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[index])
+
+    three = np.concatenate([rows, D + rows, 2 * D + rows])
+    params = dataclasses.replace(
+        p, embed_dim=D1, num_heads=N, kdim=kdim, vdim=vdim,
+        out_proj_weight=cut(p.out_proj_weight, np.ix_(np.arange(D1), rows)),
+        out_proj_bias=cut(p.out_proj_bias, np.arange(D1)),
+        in_proj_weight=cut(p.in_proj_weight, np.ix_(three, np.arange(D1))) if packed else None,
+        in_proj_bias=cut(p.in_proj_bias, three),
+        q_proj_weight=None if packed else cut(p.q_proj_weight, np.ix_(rows, np.arange(D1))),
+        k_proj_weight=None if packed else cut(p.k_proj_weight, rows),
+        v_proj_weight=None if packed else cut(p.v_proj_weight, rows),
+        bias_k=cut(p.bias_k, (..., rows)), bias_v=cut(p.bias_v, (..., rows)))
+    query = np.ascontiguousarray(case.query[..., :D1])
+    if case.self_attention:
+        key = value = query
+    else:
+        key = np.ascontiguousarray(case.key[..., :D1]) if packed else case.key
+        value = key if case.value is case.key else (np.ascontiguousarray(case.value[..., :D1]) if packed
+                                                    else case.value)
+    attn = case.attn_mask
+    if attn is not None and attn.ndim == 3:  # (B*N, L, S), batch-major
+        attn = np.ascontiguousarray(attn[[b * case.N + h for b in range(case.B) for h in range(N)]])
+    return case.replace(params=params, query=query, key=key, value=value, attn_mask=attn)
+
+
 def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]]:
-    """The size passes of an MHA case: the batch, then the lengths (together for
-    self-attention, whose keys are its queries)."""
+    """The size passes of an MHA case: the batch, the heads, the head dim, then the
+    lengths (together for self-attention, whose keys are its queries)."""
     self_attention = case.self_attention
     if not case.unbatched:
         yield lambda c: (_mha_resized(c, b, c.L, c.S) for b in _smaller(c.B))
+    yield lambda c: (x for n in _smaller(c.N) if (x := _mha_heads(c, n, c.D // c.N)) is not None)
+    yield lambda c: (x for e in _smaller(c.D // c.N) if (x := _mha_heads(c, c.N, e)) is not None)
     if self_attention:
         yield lambda c: (_mha_resized(c, c.B, n, n) for n in _smaller(c.L))
     else:
@@ -342,17 +387,27 @@ def shrink(case: Any, fails: Callable[[Any], bool], *, admit: Callable[[Any], bo
            budget: int = BUDGET) -> tuple[Any, int]:
     """The smallest case found from ``case`` on which ``fails(candidate)`` holds, and the
     number of examples checked (at most ``budget``); ``admit(candidate)``: whether a
-    proposal may be checked at all. One sweep of :func:`passes`: each keeps its first
-    (smallest) failing proposal; a size that could not shrink is not tried again."""
+    proposal may be checked at all. Sweeps of :func:`passes`: each keeps its first
+    (smallest) failing proposal; a pass that found nothing is not tried again until
+    another pass finds a smaller case; the sweeps end when one finds none."""
     best, checked = case, 0
-    for proposals in passes(case):
-        for candidate in proposals(best):
-            if checked >= budget:
-                return best, checked
-            if admit is not None and not admit(candidate):
+    tried: set[int] = set()  # passes that found nothing smaller since the last change
+    while True:
+        changed = False
+        for i, proposals in enumerate(passes(case)):
+            if i in tried:
                 continue
-            checked += 1
-            if fails(candidate):
-                best = candidate
-                break
-    return best, checked
+            for candidate in proposals(best):
+                if checked >= budget:
+                    return best, checked
+                if admit is not None and not admit(candidate):
+                    continue
+                checked += 1
+                if fails(candidate):
+                    best, changed = candidate, True
+                    tried.clear()
+                    break
+            else:
+                tried.add(i)
+        if not changed:
+            return best, checked

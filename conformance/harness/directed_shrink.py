@@ -13,8 +13,8 @@ certificate's cell, the saved case and the reproducer all come from one example.
 A smaller case can lose what names the bug: a sliding window's left edge one key short
 fails a one-key case as surely as a three-key one, but on one key the window's every
 variant gives the same empty row, so no case tells the cause apart. Where the diagnosis
-confirms a cause on the case as written, a smaller case is kept only if it confirms one
-too (the diagnosis runs on each smaller failing case, in this process: not for an
+confirms a cause on the case as written, a smaller case is kept only if it confirms the
+same one (a random bug's smaller output can happen to fit another variant) (the diagnosis runs on each smaller failing case, in this process: not for an
 isolated implementation, whose worker alone may call it), and the report counts the
 smaller failing cases passed over for that.
 """
@@ -40,18 +40,19 @@ def _name(case: Any) -> str:
     return "?"
 
 
-def _names_a_cause(target: Any, record: Any, state: list[Any]) -> bool:
-    """Whether the diagnosis confirms a cause of the failure ``state`` (the failure, its
-    case, calls, ratio and observed example), as it would be reported."""
+def _named_cause(target: Any, record: Any, state: list[Any]) -> str | None:
+    """The cause the diagnosis confirms for the failure ``state`` (the failure, its case,
+    calls, ratio and observed example), as it would be reported; None: unknown."""
     from conformance.diagnosis.causes import named_cause
     from conformance.diagnosis.diagnose import diagnose
 
     exc, record.failing_case, record.failing_calls, _, example = state
     observe._EXAMPLE.set(example)
     try:
-        return named_cause(diagnose(target, record, exc).causes) is not None
+        named = named_cause(diagnose(target, record, exc).causes)
     except Exception:  # noqa: BLE001 - a diagnosis that breaks names nothing
-        return False
+        return None
+    return None if named is None else named["variant"]
 
 
 def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any,
@@ -72,8 +73,8 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
         return failure
     best = [failure, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
     stopped = [False]
-    # whether the case as written names a cause (asked at the first smaller failing case)
-    named: list[bool] = []
+    # the cause the case as written names (asked at the first smaller failing case)
+    named: list[str | None] = []
     passed_over = [0]
 
     def fails(candidate: Any) -> bool:
@@ -86,8 +87,8 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
             if type(found) is type(failure):
                 state = [found, record.failing_case, record.failing_calls, failing_ratio[0], observe._EXAMPLE.get()]
                 if diagnosed and not named:
-                    named.append(_names_a_cause(target, record, list(best)))
-                if diagnosed and named[0] and not _names_a_cause(target, record, list(state)):
+                    named.append(_named_cause(target, record, list(best)))
+                if diagnosed and named[0] is not None and _named_cause(target, record, list(state)) != named[0]:
                     passed_over[0] += 1
                 else:
                     best[:] = state

@@ -122,7 +122,8 @@ def test_the_mha_shrink_passes_cut_batch_and_lengths_keeping_self_attention_and_
     causal = np.triu(np.ones((3, 3), dtype=bool), 1)
     case = MHACase(spec.MHAParams.random(rng, 4, 2), x, x, x, attn_mask=causal, is_causal=True,
                    key_padding_mask=np.array([[False, False, True], [False, True, True]]))
-    batch, lengths, values = shrink.passes(case)
+    batch, heads, head_dim, lengths, values = shrink.passes(case)
+    assert [c.N for c in heads(case)] == [1] and [c.D for c in head_dim(case)] == [2]
     (one,) = list(batch(case))
     assert one.query.shape == (3, 1, 4) and one.key_padding_mask.tolist() == [[False, False, True]]
     smaller = list(lengths(case))
@@ -234,3 +235,35 @@ def test_a_failing_varlen_directed_case_is_shrunk(tmp_path):
     assert "shrunk case: varlen B=2 N=1 K=1 E=1 Ev=1 cu_seqlens_q=[0, 1, 1] cu_seqlens_k=[0, 0, 1]" in output, \
         output[-3000:]
     assert "from a directed case" in output and "probable cause: varlen_neighbour_key — " in output, output[-3000:]
+
+
+def test_mha_cases_shrink_in_heads_and_head_dim_with_their_weights():
+    """An MHA case's heads and head dim shrink with the module's weights: the first heads'
+    first rows of each projection, the first input and output features, a per-head mask's
+    rows of the heads kept, kdim/vdim kept (none becomes a packed module). Cut to its own
+    sizes a case is unchanged, and each smaller one runs through the oracle."""
+    import numpy as np
+
+    import spec
+    from conformance.core.cases import MHACase
+    from conformance.directed import shrink
+
+    gen = np.random.default_rng(0)
+    x = gen.standard_normal((4, 2, 6))
+    mask = gen.random((2 * 3, 4, 4)) < 0.3
+    case = MHACase(spec.MHAParams.random(gen, 6, 3), x, x, x, attn_mask=mask)
+    same = shrink._mha_heads(case, 3, 2)
+    args = dict(attn_mask=mask)
+    assert np.array_equal(spec.mha_forward(case.params, x, x, x, **args)[0],
+                          spec.mha_forward(same.params, same.query, same.key, same.value, **args)[0])
+    fewer = shrink._mha_heads(case, 2, 1)
+    assert (fewer.D, fewer.N, fewer.query.shape, fewer.self_attention) == (2, 2, (4, 2, 2), True)
+    assert np.array_equal(fewer.attn_mask, mask[[0, 1, 3, 4]])
+    assert spec.mha_forward(fewer.params, fewer.query, fewer.key, fewer.value,
+                            attn_mask=fewer.attn_mask)[0].shape == (4, 2, 2)
+    q, k, v = gen.standard_normal((2, 1, 4)), gen.standard_normal((3, 1, 3)), gen.standard_normal((3, 1, 5))
+    cross = MHACase(spec.MHAParams.random(gen, 4, 2, kdim=3, vdim=5), q, k, v)
+    one = shrink._mha_heads(cross, 1, 2)
+    assert (one.params.kdim, one.params.vdim, one.key is k, one.query.shape) == (3, 5, True, (2, 1, 2))
+    assert shrink._mha_heads(MHACase(spec.MHAParams.random(gen, 4, 2, kdim=2, vdim=2), q,
+                                     k[..., :2], v[..., :2]), 1, 2) is None
