@@ -21,6 +21,7 @@ from conformance.core.compare import fail
 from conformance.core.target import Target
 from conformance.directed.admission import MAX_DIRECTED, producible_regimes
 from conformance.directed.helpers import cases_for, skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from implementations.capabilities import length_allowed
 from conformance.strategies._drawing import draw_seed
@@ -88,7 +89,7 @@ def _directed(target: Target) -> list[SDPACase]:
         out.append(case.replace(**features[j % len(features)]))
     if caps.causal_only:
         out = [c.replace(causal=caps.causal, attend_mask=None, additive_mask=None) for c in out]
-    return out
+    return remember_arguments(out, {"layouts": ("contiguous",)})  # for directed.shrink
 
 
 def _rows_without_keys_are_zero(case: SDPACase, output: np.ndarray) -> None:

@@ -65,8 +65,11 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
     arguments = proposals.arguments_of(case)
     record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False,
                               "why": None}
-    if arguments is None or not proposals.passes(case):
+    if not proposals.passes(case):
         record.directed_origin["why"] = f"directed cases of the {target.level} level are not shrunk"
+        return failure
+    if arguments is None:  # its builder did not leave the strategy arguments proposals are admitted by
+        record.directed_origin["why"] = "this property's directed cases are not shrunk"
         return failure
     if isinstance(failure, (ImplementationHung, ImplementationCrashed)):
         record.directed_origin["why"] = "a case that hangs or crashes is not shrunk (each try would cost as much)"
