@@ -327,10 +327,6 @@ def _varlen_resized(case: VarlenCase, **sizes: int) -> VarlenCase:
     return case.replace(**changes)
 
 
-def _varlen_sizes(case: VarlenCase) -> dict[str, int]:
-    return {"N": case.N, "K": case.K, "E": case.E, "Ev": case.Ev}
-
-
 class _VarlenSized:
     """A varlen case seen through ``sizes()`` (for the head passes shared with SDPA)."""
 
@@ -338,7 +334,7 @@ class _VarlenSized:
         self.case, self.value, self.key = case, case.value, case.key
 
     def sizes(self) -> dict[str, int]:
-        return _varlen_sizes(self.case)
+        return {"N": self.case.N, "K": self.case.K, "E": self.case.E, "Ev": self.case.Ev}
 
 
 def _varlen_values(case: VarlenCase) -> Iterator[VarlenCase]:

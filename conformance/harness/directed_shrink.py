@@ -14,9 +14,9 @@ A smaller case can lose what names the bug: a sliding window's left edge one key
 fails a one-key case as surely as a three-key one, but on one key the window's every
 variant gives the same empty row, so no case tells the cause apart. Where the diagnosis
 confirms a cause on the case as written, a smaller case is kept only if it confirms the
-same one (a random bug's smaller output can happen to fit another variant) (the diagnosis runs on each smaller failing case, in this process: not for an
-isolated implementation, whose worker alone may call it), and the report counts the
-smaller failing cases passed over for that.
+same one: a random bug's smaller output can happen to fit another variant. The diagnosis
+runs on each smaller failing case in this process, so not for an isolated implementation
+(its worker alone may call it). The report counts the smaller failing cases passed over.
 """
 
 from __future__ import annotations

@@ -147,20 +147,18 @@ class Construction:
         ``torch.empty``, as OpenNMT-py's projections are: its model initialises them
         later) holds whatever memory it was given, and a probe on it reads garbage (NaN,
         1e30) differently in every process. Such a parameter is found as one that differs
-        between two builds from the same seed, and drawn here (see ``UNSET``)."""
+        between two builds from the same seed, and drawn here (``_UNSET`` keeps them per class and sizes)."""
         import torch
 
-        def one() -> Any:
+        def one(seen: list | None) -> Any:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 return self._construct(cls, D, H, dropout, seen)
 
-        module = one()
+        module = one(seen)
         key = (cls, self.kind, self.dim, self.heads, D, H, bool(dropout))
         if key not in _UNSET:
-            again = one()
-            if seen:
-                del seen[-1]
+            again = one(None)
             theirs = dict(again.named_parameters())
             lazy = torch.nn.parameter.UninitializedParameter  # a lazy layer's: shaped at its first call
             _UNSET[key] = tuple(name for name, p in module.named_parameters()
