@@ -191,7 +191,7 @@ def _kvcache_fp8_directed(target: Target) -> list[KVCacheCase]:
     kv heads (a descale applied to the cached keys only, or read by the cache row), and per
     tensor."""
     caps = target.caps
-    out = []
+    out: list[KVCacheCase] = []
     layouts = [False, True] if caps.kv_paged else [False]
     for fmt in caps.fp8_dtypes:
         for case in (c for paged in layouts
@@ -206,6 +206,10 @@ def _kvcache_fp8_directed(target: Target) -> list[KVCacheCase]:
                 forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in descales.values()}
                 if forms <= set(caps.fp8_descales):
                     out.append(case.replace(**changes, fp8=fmt, **descales))
+    # for directed.shrink: the arguments of the _kvcache_cases strategy that draws each layout
+    for case in out:
+        remember_arguments([case], {"fp8": True, "paged": case.paged, "append": None,
+                                    **({} if case.paged else _KVCACHE_DRAWN)})
     return out
 
 

@@ -88,8 +88,10 @@ def _varlen_directed(target: Target) -> list[VarlenCase]:
     return remember_arguments(varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps), {})
 
 
-def _kvcache_directed(target: Target, paged: bool = False) -> list[KVCacheCase]:
-    return kvcache_directed(dtype=target.dtype, device=target.device, caps=target.caps, paged=paged)
+def _kvcache_directed(target: Target, paged: bool = False, **arguments: object) -> list[KVCacheCase]:
+    # for directed.shrink: the property's kvcache_cases arguments (``arguments``, pages or not)
+    return remember_arguments(kvcache_directed(dtype=target.dtype, device=target.device, caps=target.caps,
+                                               paged=paged), {"paged": paged, **arguments})
 
 
 @conformance_property("varlen_agreement", level="varlen", section="spec.varlen_attention",
@@ -132,7 +134,7 @@ def test_kvcache_agreement(target: Target, case: KVCacheCase) -> float:
 
 
 @conformance_property("kvcache_equivalence", level="kvcache", section="spec.kvcache_attention (cache_seqlens)",
-                      cases=lambda t: _kvcache(t, **DRAWN), directed=_kvcache_directed)
+                      cases=lambda t: _kvcache(t, **DRAWN), directed=lambda t: _kvcache_directed(t, **DRAWN))
 def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
     """A cache with cache_seqlens is plain attention over its valid prefix: each
     sequence's output equals the implementation's output for that sequence alone with a
@@ -163,7 +165,7 @@ def test_kvcache_equivalence(target: Target, case: KVCacheCase) -> float:
 
 @conformance_property("paged_equivalence", level="kvcache", section="spec.kvcache_attention (block_table)",
                       cases=lambda t: _kvcache(t, paged=True, **DRAWN),
-                      directed=lambda t: _kvcache_directed(t, paged=True),
+                      directed=lambda t: _kvcache_directed(t, paged=True, **DRAWN),
                       skip_reason=lambda t: skip_unless(t.caps.kv_paged, "paged cache (kv_paged) not declared"))
 def test_paged_equivalence(target: Target, case: KVCacheCase) -> float:
     """A paged cache is the contiguous one re-indexed: for any block table (pages
@@ -211,7 +213,8 @@ def test_varlen_lse_agreement(target: Target, case: VarlenCase) -> float:
 
 @conformance_property("kvcache_feature_agreement", level="kvcache", section="spec.kvcache_attention (options)",
                       cases=lambda t: _kvcache(t, **DRAWN, at_least_one=True),
-                      directed=lambda t: _with_options(_kvcache_directed(t), t.caps.kvcache_features),
+                      directed=lambda t: remember_arguments(_with_options(_kvcache_directed(t), t.caps.kvcache_features),
+                                                            {**DRAWN, "at_least_one": True}),
                       skip_reason=lambda t: _declared_options(t.caps.kvcache_features, "kvcache"))
 def test_kvcache_feature_agreement(target: Target, case: KVCacheCase) -> float:
     """With window_size, softcap or alibi_slopes the decoding output equals
@@ -223,7 +226,7 @@ def test_kvcache_feature_agreement(target: Target, case: KVCacheCase) -> float:
 
 @conformance_property("kvcache_lse_agreement", level="kvcache", section="spec.kvcache_attention (LSE)",
                       cases=lambda t: _kvcache(t, **DRAWN),
-                      directed=_kvcache_directed,
+                      directed=lambda t: _kvcache_directed(t, **DRAWN),
                       skip_reason=lambda t: skip_unless("lse" in t.caps.kvcache_features,
                                                         "LSE output (kvcache_features lse) not declared"))
 def test_kvcache_lse_agreement(target: Target, case: KVCacheCase) -> float:
@@ -247,7 +250,9 @@ def _cache_cases(target: Target, feature: str) -> object:
 
 
 def _cache_directed(target: Target, feature: str) -> list[KVCacheCase]:
-    return kvcache_feature_directed(feature, dtype=target.dtype, device=target.device, caps=target.caps)
+    # for directed.shrink: the arguments of _cache_cases
+    return remember_arguments(kvcache_feature_directed(feature, dtype=target.dtype, device=target.device,
+                                                       caps=target.caps), {**DRAWN, **CACHE_DRAWN, feature: True})
 
 
 def _cache_feature_missing(target: Target, feature: str) -> str | None:

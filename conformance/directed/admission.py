@@ -19,10 +19,14 @@ from hypothesis.errors import InvalidArgument
 
 from conformance.calls.declarations import outside_declarations
 from conformance.calls.flash_cases import FlashCase
+from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.core.cases import MHACase, SDPACase
 from conformance.strategies import REGIMES, mha_cases, sdpa_cases
+from conformance.strategies.kvcache_features import rotary_multiple
 from conformance.strategies.sizes import size_bounds
+from conformance.strategies.varlen import OPTION_FEATURES, kvcache_head_dims
+from conformance.strategies.varlen import _head_dims as value_head_dims
 
 __all__ = ["MAX_DIRECTED", "admitted", "producible_regimes"]
 
@@ -194,15 +198,110 @@ def _varlen_admitted(target: Any, case: VarlenCase, arguments: dict[str, Any]) -
     return inside and not outside_declarations(target, case)
 
 
-def admitted(target: Any, case: SDPACase | MHACase | FlashCase | VarlenCase, **arguments: Any) -> bool:
+def _kvcache_features(case: KVCacheCase) -> dict[str, bool]:
+    """Which of the options ``kvcache_cases`` draws ``case`` uses, by argument name."""
+    return {"window": tuple(case.window) != (-1, -1), "softcap": bool(case.softcap),
+            "alibi": case.alibi_slopes is not None, "rotary": case.rotary_cos is not None,
+            "cache_batch_idx": case.cache_batch_idx is not None, "cache_leftpad": case.cache_leftpad is not None,
+            "num_splits": case.num_splits is not None}
+
+
+def _kvcache_pages_drawn(case: KVCacheCase, need: int, paged: bool) -> bool:
+    """Whether ``kvcache_cases`` draws the case's capacity and pages: ``need`` valid rows
+    (cache_seqlens + S_new) plus 0..3 rows of room, paged in whole pages of 1..4 rows (at
+    least one page per sequence) with a page order that permutes them and 0..2 spare pages."""
+    if case.paged != paged:
+        return False
+    if not paged:
+        return need <= case.S_cache <= need + 3
+    size = case.page_size
+    if not 1 <= size <= 4 or case.S_cache % size:
+        return False
+    pages = case.S_cache // size
+    if not max(1, -(-need // size)) <= pages <= max(1, -(-(need + 3) // size)):
+        return False
+    order = list(case.page_order or ())
+    return sorted(order) == list(range(len(order))) and 0 <= len(order) - case.B * pages <= 2
+
+
+def _kvcache_admitted(target: Any, case: KVCacheCase, arguments: dict[str, Any]) -> bool:
+    """Whether ``kvcache_cases`` (``kvcache_fp8_cases`` with ``fp8``) with the property's
+    ``arguments`` draws ``case``: 1..max_batch sequences of 1..max_query queries, K of 1 or
+    2 and N a multiple of it by 1..3 (1 without GQA), E among the head dims it draws (Ev
+    too, or E), 0..2 new keys (none without an append, some with rotary tables or
+    ``append``), cache_seqlens[b] <= max_cache - S_new, the capacity and pages it draws,
+    the options it draws (each True, False or None; one of window, softcap and ALiBi with
+    ``at_least_one``) in the ranges it draws them (distinct cache rows with 0..2 spare,
+    pads within the valid rows, an even rotary dim within E and tables covering every
+    position, a bounded window side below a rotated cache's capacity, 2..4 splits), and
+    the target claims the case (``outside_declarations``)."""
+    caps = target.caps
+    bound = caps.max_seq_len
+
+    def within(wanted: int) -> int:
+        return wanted if bound is None else min(wanted, bound)
+
+    max_query, max_cache = within(arguments.get("max_query", 3)), within(arguments.get("max_cache", 9))
+    B, L, N, K, E, Ev, new = case.B, case.L, case.N, case.K, case.E, case.Ev, case.S_new
+    seqlens = [int(n) for n in case.cache_seqlens]
+    used = _kvcache_features(case)
+    fp8 = bool(arguments.get("fp8"))
+    if (case.fp8 is not None) != fp8 or fp8 and used["rotary"]:
+        return False
+    for name, present in used.items():
+        wanted = arguments.get(name, False)
+        if wanted is not None and wanted != present:
+            return False
+    if arguments.get("at_least_one") and not any(used[n] for n in OPTION_FEATURES) and any(
+            n in caps.kvcache_features and arguments.get(n, False) is not False for n in OPTION_FEATURES):
+        return False
+    append = arguments.get("append")
+    dims = kvcache_head_dims(caps)
+    if arguments.get("rotary") is True:
+        dims = [d for d in dims if d >= rotary_multiple(caps)] or dims
+    inside = (1 <= B <= arguments.get("max_batch", 3) and 1 <= L <= max_query and len(seqlens) == B
+              and K in (1, 2) and N % K == 0 and 1 <= N // K <= (3 if caps.gqa else 1)
+              and E in dims and (Ev == E or caps.different_v_dim and Ev in value_head_dims(caps, (1, 2, 5)))
+              and 0 <= new <= min(2, max_cache) and all(0 <= n <= max_cache - new for n in seqlens)
+              and (new == 0 or caps.kv_append and append is not False)
+              and (new >= 1 or not (append or used["rotary"]))
+              and _kvcache_pages_drawn(case, max(seqlens) + new, bool(arguments.get("paged", False))))
+    if not inside:
+        return False
+    rows = case.k_cache.shape[0]
+    if case.cache_batch_idx is None:
+        if rows != B:
+            return False
+    elif (len(set(case.cache_batch_idx)) != B or not 0 <= rows - B <= 2
+          or not all(0 <= r < rows for r in case.cache_batch_idx)):
+        return False
+    if case.cache_leftpad is not None and (len(case.cache_leftpad) != B or not all(
+            0 <= a <= n for a, n in zip(case.cache_leftpad, seqlens, strict=True))):
+        return False
+    if case.num_splits is not None and not 2 <= case.num_splits <= 4:
+        return False
+    if used["rotary"]:
+        R = 2 * int(np.shape(case.rotary_cos)[1])
+        if not (R >= 2 and R <= E and R % rotary_multiple(caps) == 0
+                and np.shape(case.rotary_cos)[0] >= max(case.S_cache, max(seqlens) + max(L, new))):
+            return False
+        if used["window"] and not any(0 <= side < case.S_cache for side in case.window):
+            return False
+    return not outside_declarations(target, case)
+
+
+def admitted(target: Any, case: SDPACase | MHACase | FlashCase | VarlenCase | KVCacheCase,
+             **arguments: Any) -> bool:
     """Whether ``cases_for(target, **arguments)`` (``mha_cases_for`` for an MHA
     case) could draw ``case``: the strategy accepts the case's attributes as
     forcing arguments, so the target claims the case and the property takes it
-    (a flash case: :func:`_flash_admitted`)."""
+    (a flash case: :func:`_flash_admitted`; varlen and kvcache cases likewise)."""
     if isinstance(case, FlashCase):
         return _flash_admitted(target, case, arguments)
     if isinstance(case, VarlenCase):
         return _varlen_admitted(target, case, arguments)
+    if isinstance(case, KVCacheCase):
+        return _kvcache_admitted(target, case, arguments)
     if isinstance(case, MHACase):
         narrowed = _mha_forcing(case, arguments)
         level = "mha"
