@@ -22,8 +22,12 @@ with L = S, and its inputs' values; a flash case in its sizes and q, k, v values
 softcap, ALiBi and sink values cut to the heads kept, FP8 descales to the batch and kv heads
 kept; a varlen case in its sequences (each alone, then each left out), heads, each
 sequence's query and key lengths, head dims and values, per-sequence slopes and descales
-cut alike, FP8 values as written); a directed case of another level (kvcache, sharded,
-the dropout cases) is reported as written.
+cut alike, FP8 values as written; a kvcache case in its sequences (every per-sequence
+array cut alike: cache_seqlens, cache_batch_idx, cache_leftpad, new keys, slopes, descales,
+block table), heads, query length, new keys, each sequence's valid cache length, the
+cache's room (whole pages when paged), head dims, page size, spare cache rows and pages,
+and values, FP8 values as written); a directed case of another level (sharded, the
+dropout cases) is reported as written.
 """
 
 from __future__ import annotations
@@ -549,7 +553,7 @@ def _kvcache_passes() -> list[Callable[[KVCacheCase], Iterator[KVCacheCase | Non
 def passes(case: Any) -> list[Callable[[Any], Iterator[Any]]]:
     """The shrinking passes of ``case``, simplest change first, each a function of the
     current smallest case giving its proposals (none for a case of a level other than SDPA,
-    MHA, flash and varlen)."""
+    MHA, flash, varlen and kvcache)."""
     if isinstance(case, MHACase):
         return [*_mha_sizes(case), _mha_values]
     if isinstance(case, VarlenCase):
