@@ -22,6 +22,27 @@ from tests.implementations.test_framework_bridge import installed
 
 needs_flax = pytest.mark.skipif(not installed("flax"), reason="flax is not installed (pip install flax)")
 
+#: (id, package to import, pip name, class path) of every table's layer.
+LAYERS = [
+    ("nnx", "flax", "flax", "flax.nnx:MultiHeadAttention"),
+    ("linen", "flax", "flax", "flax.linen:MultiHeadDotProductAttention"),
+    ("equinox", "equinox", "equinox", "equinox.nn:MultiheadAttention"),
+    ("haiku", "haiku", "dm-haiku", "haiku:MultiHeadAttention"),
+]
+
+
+def layer_params():
+    return [pytest.param(spec_, id=name, marks=pytest.mark.skipif(
+        not installed(package), reason=f"{package} is not installed (pip install {pip})"))
+        for name, package, pip, spec_ in LAYERS]
+
+
+def layer_class(path: str):
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
 D, N, L, S, B = 4, 2, 3, 5, 2
 
 
@@ -41,17 +62,13 @@ def built(cls, params, **options):
     return module
 
 
-def classes():
-    import flax.linen as nn
-    from flax import nnx
-
-    return [nnx.MultiHeadAttention, nn.MultiHeadDotProductAttention]
-
-
-@needs_flax
-@pytest.mark.parametrize("index", [0, 1], ids=["nnx", "linen"])
-def test_flax_layers_compute_nn_multihead_attention(index):
-    cls = classes()[index]
+@pytest.mark.parametrize("path", layer_params())
+def test_layers_compute_nn_multihead_attention(path):
+    """Each table's layer, the drawn weights written into it, is the oracle in float64:
+    padding with a per-head mask, with one mask for every head, with none; the weights
+    shown back under nn.MultiheadAttention's names; the layer's own attention weights
+    where its table reads them (Flax), None where the layer returns none."""
+    cls = layer_class(path)
     params, rng = drawn()
     module = built(cls, params)
     q, k, v = rng.standard_normal((L, B, D)), rng.standard_normal((S, B, D)), rng.standard_normal((S, B, D))
@@ -60,14 +77,21 @@ def test_flax_layers_compute_nn_multihead_attention(index):
     per_head = rng.random((B * N, L, S)) < 0.3
     per_head[..., 0] = False
     t = torch.tensor
-    out, weights = module(t(q), t(k), t(v), key_padding_mask=t(padding), attn_mask=t(per_head),
-                          average_attn_weights=False)
-    want, want_weights = spec.mha_forward(params, q, k, v, key_padding_mask=padding, attn_mask=per_head,
-                                          average_attn_weights=False)
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
-    np.testing.assert_allclose(weights.numpy(), want_weights, atol=1e-12)
+    for attn_mask in (per_head, per_head[0], None):
+        given = None if attn_mask is None else t(attn_mask)
+        out, weights = module(t(q), t(k), t(v), key_padding_mask=t(padding), attn_mask=given,
+                              average_attn_weights=False)
+        want, want_weights = spec.mha_forward(params, q, k, v, key_padding_mask=padding, attn_mask=attn_mask,
+                                              average_attn_weights=False)
+        np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
+        if path.startswith("flax"):
+            np.testing.assert_allclose(weights.numpy(), want_weights, atol=1e-12)
+        else:
+            assert weights is None
     torch.testing.assert_close(module.in_proj_weight, t(params.in_proj_weight))
+    torch.testing.assert_close(module.in_proj_bias, t(params.in_proj_bias))
     torch.testing.assert_close(module.out_proj.weight, t(params.out_proj_weight))
+    torch.testing.assert_close(module.out_proj.bias, t(params.out_proj_bias))
     causal = np.triu(np.ones((L, L), bool), 1)
     out, none = module(t(q), t(q), t(q), attn_mask=t(causal), is_causal=True, need_weights=False)
     want = spec.mha_forward(params, q, q, q, attn_mask=causal, need_weights=False)
@@ -92,3 +116,30 @@ def test_flax_layers_are_recognised_and_refuse_what_they_lack():
     with pytest.raises(ImplementationError, match="MHA level"):
         registry.resolve("flax.nnx:MultiHeadAttention", options={"layout": "BLNE"})
 
+
+
+@pytest.mark.parametrize("path", [p for p in layer_params() if p.id in ("equinox", "haiku")])
+def test_layers_with_separate_key_and_value_widths(path):
+    """Equinox's and Haiku's projections take any input width: kdim and vdim pass through."""
+    cls = layer_class(path)
+    params, rng = drawn()
+    w = rng.standard_normal((3 * D, D))
+    params = spec.MHAParams(embed_dim=D, num_heads=N, in_proj_weight=None, in_proj_bias=params.in_proj_bias,
+                            out_proj_weight=params.out_proj_weight, out_proj_bias=params.out_proj_bias,
+                            q_proj_weight=w[:D], k_proj_weight=rng.standard_normal((D, 3)),
+                            v_proj_weight=rng.standard_normal((D, 5)), kdim=3, vdim=5, add_zero_attn=False)
+    module = built(cls, params)
+    q, k, v = rng.standard_normal((L, B, D)), rng.standard_normal((S, B, 3)), rng.standard_normal((S, B, 5))
+    t = torch.tensor
+    out, _ = module(t(q), t(k), t(v), need_weights=False)
+    want = spec.mha_forward(params, q, k, v, need_weights=False)
+    np.testing.assert_allclose(out.numpy(), want[0] if isinstance(want, tuple) else want, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", [p for p in layer_params() if p.id in ("equinox", "haiku")])
+def test_equinox_and_haiku_layers_are_recognised(path):
+    """``--impl=equinox.nn:MultiheadAttention`` and ``--impl=haiku:MultiHeadAttention`` resolve
+    to the MHA level through their tables, with no adapter."""
+    impl = registry.resolve(path)
+    assert impl.mha is not None and impl.sdpa is None
+    assert module_table(layer_class(path)).framework == "jax"
