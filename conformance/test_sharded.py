@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from conformance.core.target import Target
 from conformance.directed.helpers import skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from conformance.sharded import backends
 from conformance.sharded.cases import ShardedCase, run_sharded
@@ -23,8 +24,12 @@ def _cases(target: Target, **kwargs: object) -> object:
     return sharded_cases(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
 
 
-def _directed(target: Target, **kwargs: object) -> list[ShardedCase]:
-    return sharded_directed(dtype=target.dtype, device=target.device, caps=target.caps, **kwargs)
+def _directed(target: Target, *, causal_only: bool = False, **kwargs: object) -> list[ShardedCase]:
+    """The directed cases of the property whose cases are ``_cases(target, **kwargs)``, each
+    remembering those arguments (a failing one is shrunk within them)."""
+    cases = sharded_directed(dtype=target.dtype, device=target.device, caps=target.caps,
+                             causal_only=causal_only, **kwargs)
+    return remember_arguments(cases, kwargs)
 
 
 def _runs_here(target: Target) -> str | None:

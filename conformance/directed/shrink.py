@@ -26,8 +26,9 @@ cut alike, FP8 values as written; a kvcache case in its sequences (every per-seq
 array cut alike: cache_seqlens, cache_batch_idx, cache_leftpad, new keys, slopes, descales,
 block table), heads, query length, new keys, each sequence's valid cache length, the
 cache's room (whole pages when paged), head dims, page size, spare cache rows and pages,
-and values, FP8 values as written); a directed case of another level (sharded, the
-dropout cases) is reported as written.
+and values, FP8 values as written); a sharded case in its sequence, world size (where a
+group of another size starts cheaply: ranks forked on the CPU; else as written), window
+sides, batch, heads, head dims and values (layout, causal flag and scale as written).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from conformance.calls.flash_cases import FlashCase
 from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.core.cases import MHACase, SDPACase
+from conformance.sharded import forkserver
+from conformance.sharded.cases import ShardedCase
+from spec import sharding
 
 __all__ = ["BUDGET", "remember_arguments", "arguments_of", "passes", "shrink"]
 
@@ -550,16 +554,98 @@ def _kvcache_passes() -> list[Callable[[KVCacheCase], Iterator[KVCacheCase | Non
             _kvcache_capacity, dims, value_dims, _kvcache_page_size, _kvcache_spare, _kvcache_values]
 
 
+#: The lengths a sharded case may have at a world size and layout: 1..3 units of the
+#: layout's divisor (``sharding.divisor``), the strategy's draw (fewer with padding).
+_SHARD_UNITS = 3
+
+
+def _sharded_resized(case: ShardedCase, **sizes: int) -> ShardedCase:
+    """``case`` with a smaller world size, sequence (its first ``L`` positions), batch,
+    heads or head dims; a window side longer than the sequence cut to its length (the
+    same window: a side of L - 1 or more reaches every key)."""
+    s = {"world_size": case.world_size, "B": case.B, "N": case.N, "K": case.K, "L": case.L, "E": case.E,
+         "Ev": case.Ev, **sizes}
+    B, N, K, L, E, Ev = (s[d] for d in ("B", "N", "K", "L", "E", "Ev"))
+    window = tuple(side if side <= L else L for side in case.window)
+    return case.replace(query=np.ascontiguousarray(case.query[:B, :N, :L, :E]),
+                        key=np.ascontiguousarray(case.key[:B, :K, :L, :E]),
+                        value=np.ascontiguousarray(case.value[:B, :K, :L, :Ev]),
+                        world_size=s["world_size"], window=window)
+
+
+def _sharded_world(case: ShardedCase) -> Iterator[ShardedCase]:
+    """Fewer ranks, fewest first, the sequence cut to the most positions the strategy
+    draws at that world size (and to a multiple of its divisor, for a target without
+    padding). Only where a group of another world size starts cheaply: on the CPU its
+    ranks are forked from the run's fork server (``conformance.sharded.forkserver``); a
+    CUDA group spawns a process per rank and initialises NCCL, so there the world size is
+    kept as written."""
+    if not forkserver.available(case.device):
+        return
+    for W in _smaller(case.world_size):
+        d = sharding.divisor(case.layout, W)
+        L = min(case.L, _SHARD_UNITS * d)
+        yield _sharded_resized(case, world_size=W, L=L)
+        if L % d and L > d:
+            yield _sharded_resized(case, world_size=W, L=L - L % d)
+
+
+def _sharded_window(case: ShardedCase) -> Iterator[ShardedCase]:
+    """A narrower window: each bounded side shorter, towards 0 (still a window: the
+    directed case's feature; an unbounded side stays so)."""
+    for i, side in enumerate(case.window):
+        for v in _smaller(side, low=0) if side > 0 else ():
+            window = list(case.window)
+            window[i] = v
+            yield case.replace(window=tuple(window))
+
+
+class _ShardedSized:
+    """A sharded case seen through ``sizes()`` (for the head passes shared with SDPA)."""
+
+    def __init__(self, case: ShardedCase) -> None:
+        self.case, self.value, self.key = case, case.value, case.key
+
+    def sizes(self) -> dict[str, int]:
+        return {"N": self.case.N, "K": self.case.K, "E": self.case.E, "Ev": self.case.Ev}
+
+
+def _sharded_values(case: ShardedCase) -> Iterator[ShardedCase]:
+    if _simple_arrays([case.query, case.key, case.value]):
+        return
+    for steps in (1, 2, 4):
+        yield case.replace(query=_quarters(case.query, steps), key=_quarters(case.key, steps),
+                           value=_quarters(case.value, steps), regime="normal")
+
+
+def _sharded_passes() -> list[Callable[[ShardedCase], Iterator[ShardedCase]]]:
+    def size(name: str) -> Callable[[ShardedCase], Iterator[ShardedCase]]:
+        return lambda c: (_sharded_resized(c, **{name: v}) for v in _smaller(getattr(c, name)))
+
+    def heads(c: ShardedCase) -> Iterator[ShardedCase]:
+        return (_sharded_resized(c, **change) for change in _heads(_ShardedSized(c)))
+
+    def dims(c: ShardedCase) -> Iterator[ShardedCase]:
+        return (_sharded_resized(c, **change) for change in _head_dims(_ShardedSized(c)))
+
+    def value_dims(c: ShardedCase) -> Iterator[ShardedCase]:
+        return (_sharded_resized(c, **change) for change in _value_dims(_ShardedSized(c)))
+
+    return [size("L"), _sharded_world, _sharded_window, size("B"), heads, dims, value_dims, _sharded_values]
+
+
 def passes(case: Any) -> list[Callable[[Any], Iterator[Any]]]:
     """The shrinking passes of ``case``, simplest change first, each a function of the
     current smallest case giving its proposals (none for a case of a level other than SDPA,
-    MHA, flash, varlen and kvcache)."""
+    MHA, flash, varlen, kvcache and sharded)."""
     if isinstance(case, MHACase):
         return [*_mha_sizes(case), _mha_values]
     if isinstance(case, VarlenCase):
         return _varlen_passes()
     if isinstance(case, KVCacheCase):
         return _kvcache_passes()
+    if isinstance(case, ShardedCase):
+        return _sharded_passes()
     if not isinstance(case, (SDPACase, FlashCase)):
         return []
     resized = _flash_resized if isinstance(case, FlashCase) else _resized
