@@ -205,7 +205,9 @@ def _kvcache_fp8_directed(target: Target) -> list[KVCacheCase]:
             for descales in variants:
                 forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in descales.values()}
                 if forms <= set(caps.fp8_descales):
-                    out.append(case.replace(**changes, fp8=fmt, **descales))
+                    per = "per sequence and kv head" if forms == {"per_head"} else "per tensor"
+                    out.append(case.replace(**changes, fp8=fmt, **descales,
+                                            notes=case.named_with(f"{fmt}, descales {per}")))
     # for directed.shrink: the arguments of the _kvcache_cases strategy that draws each layout
     for case in out:
         remember_arguments([case], {"fp8": True, "paged": case.paged, "append": None,

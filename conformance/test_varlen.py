@@ -74,12 +74,14 @@ def _with_options(cases: list, features: frozenset[str]) -> list:
         N = case.N
         variants = []
         if "window" in features:
-            variants += [{"window": (0, 0)}, {"window": (1, 0)}]
+            variants += [({"window": (0, 0)}, "window (0, 0)"), ({"window": (1, 0)}, "window (1, 0)")]
         if "softcap" in features:
-            variants.append({"softcap": 0.125})
+            variants.append(({"softcap": 0.125}, "softcap 0.125"))
         if "alibi" in features:
-            variants.append({"alibi_slopes": np.array([0.5, -0.25, 1.0, 0.125] * N)[:N]})
-        out += [case.replace(**changes) for changes in variants]
+            variants.append(({"alibi_slopes": np.array([0.5, -0.25, 1.0, 0.125] * N)[:N]}, "ALiBi slopes"))
+        for changes, what in variants:  # a kvcache case's name says which option it adds
+            named = {"notes": case.named_with(what)} if isinstance(case, KVCacheCase) else {}
+            out.append(case.replace(**changes, **named))
     return remember_arguments(out, {}) if out and isinstance(out[0], VarlenCase) else out
 
 

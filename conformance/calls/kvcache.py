@@ -126,7 +126,10 @@ class KVCacheCase:
 
     FP8 (FlashAttention-3): ``fp8`` names the format q, the caches and the new keys and
     values hold, with descales None, (1,) or (B, K), row b for sequence b
-    (``spec.kvcache_attention``'s FP8 inputs)."""
+    (``spec.kvcache_attention``'s FP8 inputs).
+
+    ``notes``: labels that change no call (a directed case's ``directed: NAME``, which the
+    report names it by)."""
 
     query: np.ndarray
     k_cache: np.ndarray
@@ -153,6 +156,7 @@ class KVCacheCase:
     q_descale: np.ndarray | None = None
     k_descale: np.ndarray | None = None
     v_descale: np.ndarray | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def level(self) -> str:
@@ -229,6 +233,10 @@ class KVCacheCase:
 
     def replace(self, **changes: Any) -> KVCacheCase:
         return replace(self, **changes)
+
+    def named_with(self, what: str) -> tuple[str, ...]:
+        """``notes`` with ``what`` added to the directed case's name (a variant of it)."""
+        return tuple(f"{note}, {what}" if note.startswith("directed: ") else note for note in self.notes)
 
     def describe(self) -> str:
         pages = (f" page_size={self.page_size} page_order={list(self.page_order or ())}"
@@ -407,7 +415,7 @@ def case_meta(case: KVCacheCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]
             "scale": case.scale, "page_size": None if case.page_size is None else int(case.page_size),
             "page_order": None if case.page_order is None else [int(n) for n in case.page_order],
             "dtype": case.dtype, "device": case.device, "window": [int(x) for x in case.window],
-            "softcap": float(case.softcap)}
+            "softcap": float(case.softcap), "notes": list(case.notes)}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
     options, tables = cache_meta(case)
@@ -421,7 +429,8 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> KVCac
     return KVCacheCase(**{n: arrays.get(n) for n in _ARRAYS},
                        cache_seqlens=tuple(int(n) for n in meta["cache_seqlens"]), page_size=meta["page_size"],
                        page_order=None if order is None else tuple(int(n) for n in order),
-                       **cache_fields_from_meta(meta, arrays), **option_fields_from_meta(meta, arrays))
+                       **cache_fields_from_meta(meta, arrays), **option_fields_from_meta(meta, arrays),
+                       notes=tuple(meta.get("notes", ())))  # absent in older files
 
 
 def validate(case: KVCacheCase) -> None:

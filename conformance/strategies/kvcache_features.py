@@ -116,7 +116,9 @@ def kvcache_feature_directed(feature: str, *, dtype: str = "float64", device: st
     * ``cache_batch_idx``: two sequences naming rows 2 and 0 of a three-row cache;
     * ``cache_leftpad``: pads of 1 and 2, causal with L = 2 (the diagonal must not move);
     * ``num_splits``: 2 splits over logits beyond float64's exp range (a merge without the
-      running max overflows), and 3 splits of a causal step."""
+      running max overflows), and 3 splits of a causal step.
+
+    Each carries its name (``notes``: ``directed: NAME``)."""
     caps = caps or Capabilities(kvcache_features=frozenset(CACHE_FEATURES), causal="lower_right")
     N, K = (2, 1) if caps.gqa else (1, 1)
     dims = fit_head_dims(caps, 4, 4)
@@ -128,15 +130,16 @@ def kvcache_feature_directed(feature: str, *, dtype: str = "float64", device: st
     flags = [True] if caps.causal_only and causal_ok else ([False, True] if causal_ok else [False])
     cases: list[KVCacheCase] = []
 
-    def case(i: int, B: int, L: int, seqlens: tuple[int, ...], new: int, capacity: int, causal: bool,
+    def case(i: int, B: int, L: int, seqlens: tuple[int, ...], new: int, capacity: int, causal: bool, name: str,
              rows: int | None = None, **fields: Any) -> KVCacheCase:
         rows = B if rows is None else rows
+        name += ", causal" if causal else ""
         return KVCacheCase(
             _seeded(11 * i, (B, L, N, E), dtype), _seeded(11 * i + 1, (rows, capacity, K, E), dtype),
             _seeded(11 * i + 2, (rows, capacity, K, Ev), dtype), cache_seqlens=seqlens,
             k_new=_seeded(11 * i + 3, (B, new, K, E), dtype) if new else None,
             v_new=_seeded(11 * i + 4, (B, new, K, Ev), dtype) if new else None,
-            causal=causal, dtype=dtype, device=device, **fields)
+            causal=causal, dtype=dtype, device=device, notes=(f"directed: {name}",), **fields)
 
     if feature == "rotary":
         m = rotary_multiple(caps)
@@ -146,18 +149,24 @@ def kvcache_feature_directed(feature: str, *, dtype: str = "float64", device: st
         for i, (causal, R, interleaved) in enumerate((c, R, inter) for c in flags
                                                      for R, inter in ((widest, True), (widest, False), (m, True))):
             cos, sin = _table(i, 6, R, dtype)
-            cases.append(case(i, 2, 2, (1, 2), 1, 4, causal, rotary_cos=cos, rotary_sin=sin,
-                              rotary_interleaved=interleaved))
+            layout = "interleaved" if interleaved else "halves"
+            cases.append(case(i, 2, 2, (1, 2), 1, 4, causal,
+                              f"rotary dim {R} ({layout}) past caches of 1 and 2 keys, 2 queries",
+                              rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved))
     elif feature == "cache_batch_idx":
         for i, causal in enumerate(flags):
-            cases.append(case(20 + i, 2, 1 + causal, (1, 2), 1 if append else 0, 4, causal, rows=3,
+            cases.append(case(20 + i, 2, 1 + causal, (1, 2), 1 if append else 0, 4, causal,
+                              "two sequences naming rows 2 and 0 of a three-row cache", rows=3,
                               cache_batch_idx=(2, 0)))
     elif feature == "cache_leftpad":
         for i, causal in enumerate(flags):
-            cases.append(case(30 + i, 2, 2, (2, 3), 1 if append else 0, 5, causal, cache_leftpad=(1, 2)))
+            cases.append(case(30 + i, 2, 2, (2, 3), 1 if append else 0, 5, causal,
+                              "left pads of 1 and 2, 2 queries", cache_leftpad=(1, 2)))
     elif feature == "num_splits":
-        huge = case(40, 1, 1, (3,), 0, 4, flags[0], num_splits=2)
+        huge = case(40, 1, 1, (3,), 0, 4, flags[0], "2 splits over logits beyond float64's exp range",
+                    num_splits=2)
         signs = np.where(np.arange(4 * K * E).reshape(1, 4, K, E) % 3 == 1, -30.0, 30.0)
         cases.append(huge.replace(query=np.full(huge.query.shape, 30.0), k_cache=signs))
-        cases.append(case(41, 1, 2, (3,), 1 if append else 0, 5, flags[-1], num_splits=3))
+        cases.append(case(41, 1, 2, (3,), 1 if append else 0, 5, flags[-1], "3 splits of a step of 2 queries",
+                          num_splits=3))
     return cases

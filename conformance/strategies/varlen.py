@@ -341,7 +341,7 @@ def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capab
     """An empty cache with a stale row after it, an append into a cache with room past it
     (where declared), causal decoding of L = 2 against S_b = 3 (where declared); paged:
     page size 2 (not dividing the valid length 3) with the pages in reverse order and a
-    spare page."""
+    spare page. Each carries its name (``notes``: ``directed: NAME``)."""
     N, K, E, Ev = 2, 1, 2, 2
     if caps is not None and not caps.gqa:
         N = 1
@@ -352,20 +352,24 @@ def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capab
         E, Ev = dims
     append = caps is None or caps.kv_append
     causal = caps is None or caps.causal == "lower_right"
-    specs = [((0, 2), 0, 4, 1, False), ((1, 0), 1 if append else 0, 4, 1, False)]
+    specs = [((0, 2), 0, 4, 1, False, "an empty cache beside one of 2 keys, stale rows past both"),
+             ((1, 0), 1 if append else 0, 4, 1, False,
+              "an append of one key into a cache with room past it" if append else "a cache of 1 key beside an empty one")]
     if causal:
-        specs.append(((3, 2), 0, 4, 2, True))
+        specs.append(((3, 2), 0, 4, 2, True, "causal decoding of 2 queries against caches of 3 and 2 keys"))
     cases = []
-    for i, (seqlens, new, capacity, L, is_causal) in enumerate(specs):
+    for i, (seqlens, new, capacity, L, is_causal, name) in enumerate(specs):
         is_causal = is_causal or bool(caps is not None and caps.causal_only and causal)
         B = len(seqlens)
         order = tuple(reversed(range(B * capacity // 2 + 1))) if paged else None
+        name += "; paged: pages of 2 rows in reverse order, one spare" if paged else ""
         cases.append(KVCacheCase(
             _seeded(5 * i, (B, L, N, E), dtype), _seeded(5 * i + 1, (B, capacity, K, E), dtype),
             _seeded(5 * i + 2, (B, capacity, K, Ev), dtype), cache_seqlens=seqlens,
             k_new=_seeded(5 * i + 3, (B, new, K, E), dtype) if new else None,
             v_new=_seeded(5 * i + 4, (B, new, K, Ev), dtype) if new else None,
-            causal=is_causal, page_size=2 if paged else None, page_order=order, dtype=dtype, device=device))
+            causal=is_causal, page_size=2 if paged else None, page_order=order, dtype=dtype, device=device,
+            notes=(f"directed: {name}",)))
     return cases
 
 

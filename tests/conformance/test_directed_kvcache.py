@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance.calls.kvcache import KVCacheCallSpec, KVCacheCase, report_kvcache_call, validate
+from conformance.calls.kvcache import (KVCacheCallSpec, KVCacheCase, case_from_meta, case_meta,
+                                       report_kvcache_call, validate)
 from conformance.calls.sequences.calling import as_pages
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
@@ -166,6 +167,24 @@ def test_a_batch_cut_keeps_the_cache_rows_named_and_the_pages_in_their_order():
     assert shrink._kvcache_resized(paged, [1]).page_order == (2, 1, 0)             # still reversed, one spare
 
 
+def test_every_kvcache_directed_case_is_named_and_keeps_its_name_when_saved(tmp_path):
+    from conformance.harness.directed_shrink import _name
+    from conformance.reporting.failures import load_case, save_case
+
+    names = {(pid, _name(case)) for pid, case in DIRECTED}
+    assert len(names) == len(DIRECTED) and not any(name == "?" for _, name in names)
+    assert ("kvcache_feature_agreement",
+            "an empty cache beside one of 2 keys, stale rows past both, window (1, 0)") in names
+    for pid, case in [DIRECTED[0], *[(p, c) for p, c in DIRECTED if c.paged or c.fp8 or c.rotary_cos is not None]]:
+        loaded, _ = load_case(save_case(case, tmp_path / f"{pid}-{id(case)}.npz"))
+        assert loaded.notes == case.notes and _name(loaded) == _name(case), pid
+        assert loaded.describe() == case.describe(), pid
+    # a case saved before cases carried names loads without one
+    meta, arrays = case_meta(DIRECTED[0][1])
+    del meta["notes"]
+    assert case_from_meta(meta, arrays).notes == ()
+
+
 def _refuses(target: Target, case: KVCacheCase, **arguments: Any) -> bool:
     return not admitted(target, case, **arguments)
 
@@ -250,20 +269,24 @@ def _run(tmp_path: Path, mutant: str, prop: str, test_file: str) -> tuple[dict, 
     return json.loads((tmp_path / "cert.json").read_text()), output
 
 
-@pytest.mark.parametrize("mutant,prop,test_file,directed", [
+@pytest.mark.parametrize("mutant,prop,test_file,name,directed", [
     ("paged_block_table_ignored", "paged_equivalence", "conformance/test_varlen.py",
+     "an append of one key into a cache with room past it; paged: pages of 2 rows in reverse order, one spare",
      "kvcache B=2 L=1 N=2 K=1 E=2 Ev=2 S_cache=4 cache_seqlens=[1, 0] S_new=1 page_size=2 page_order=[4, 3, 2, 1, 0]"),
     ("kvcache_batch_idx_ignored_on_read", "kvcache_batch_idx_agreement", "conformance/test_varlen.py",
+     "two sequences naming rows 2 and 0 of a three-row cache",
      "kvcache B=2 L=1 N=2 K=1 E=4 Ev=4 S_cache=4 cache_seqlens=[1, 2]"),
     ("kvcache_fp8_new_keys_undescaled", "kvcache_fp8_agreement", "conformance/test_flash_fp8.py",
+     "an append of one key into a cache with room past it, float8_e4m3fn, descales per sequence and kv head",
      "kvcache B=2 L=1 N=2 K=1 E=2 Ev=2 S_cache=4 cache_seqlens=[1, 0] S_new=1"),
 ])
-def test_a_kvcache_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, test_file, directed):
+def test_a_kvcache_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, test_file, name, directed):
     report, output = _run(tmp_path, mutant, prop, test_file)
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
-    # where it started, as written (a kvcache directed case carries no name: its description)
-    assert re.search(rf"\(shrunk in \d+ examples from a directed case: {re.escape(directed)}", output), output[-3000:]
+    # where it started: the directed example's name and the case as written
+    assert re.search(rf'\(shrunk in \d+ examples from the directed example "{re.escape(name)}": '
+                     rf"{re.escape(directed)}", output), output[-3000:]
     assert "shrunk case: kvcache B=1 L=1 N=1 K=1 E=1 Ev=1" in output, output[-3000:]
     ce = r["counterexample"]
     assert (ce["B"], ce["N"], ce["K"], ce["L"], ce["E"], ce["Ev"]) == (1, 1, 1, 1, 1, 1), ce
