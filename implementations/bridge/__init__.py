@@ -320,8 +320,28 @@ def bridged_module_implementation(cls: type, *, name: str, origin: str, probe: C
     caps = caps.replace(autograd=False, mask_grad=False, by_dtype={
         d: {k: v for k, v in values if k not in ("autograd", "mask_grad")} for d, values in caps.by_dtype},
         probe_notes=(*notes, *caps.probe_notes))
+    deviations, note = _module_deviations(cls, table)
     return Implementation(
-        name=name, capabilities=caps, mha=factory, load_weights=load_module_weights, version=version,
+        name=name, capabilities=caps.replace(probe_notes=(*caps.probe_notes, *note)), mha=factory,
+        load_weights=load_module_weights, version=version, expected_failures=deviations,
         description=f"{table.name} ({origin}) through the module bridge; capabilities probed, semantics "
                     "nn.MultiheadAttention's",
     )
+
+
+def _module_deviations(cls: type, table: Any) -> tuple[tuple, list[str]]:
+    """The measured deviations of the library's layer (its table's file), attached to the
+    library's class itself; a subclass is told the file's short name instead (its own code
+    may differ from what was measured)."""
+    from implementations.registry.expected_failures import LIBRARY_XFAIL_DIR, load_expected_failures
+
+    if table.deviations is None:
+        return (), []
+    if cls.__qualname__ == table.name.rpartition(".")[2] and (cls.__module__ or "").startswith(
+            table.name.partition(".")[0]):
+        return load_expected_failures(table.deviations, LIBRARY_XFAIL_DIR), [
+            f"expected failures: the deviations measured on {table.name} "
+            f"(implementations/xfail/libraries/{table.deviations}.toml), attached to the library's own class"]
+    return (), [f"expected failures: {cls.__qualname__} subclasses {table.name}, whose measured deviations are "
+                f"not attached (a subclass may compute otherwise); if its attention is the library's, pass "
+                f"--xfail-file={table.deviations}"]

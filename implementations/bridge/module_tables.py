@@ -324,7 +324,7 @@ MODULE_TABLES = (
                 get=_nnx_get, put=_nnx_put, kdim_vdim=False),
     ModuleTable(name="flax.linen.MultiHeadDotProductAttention", framework="jax",
                 matches=_subclass_of("flax.linen", "MultiHeadDotProductAttention"), build=_linen_build,
-                call=_linen_call, get=_linen_get, put=_linen_put, causal_flag=False),
+                call=_linen_call, get=_linen_get, put=_linen_put, causal_flag=False, deviations="flax-linen-mha"),
     ModuleTable(name="equinox.nn.MultiheadAttention", framework="jax",
                 matches=_subclass_of("equinox.nn", "MultiheadAttention"), build=_eqx_build, call=_eqx_call,
                 get=_eqx_get, put=_eqx_put, causal_flag=False),

@@ -51,7 +51,10 @@ class ModuleTable:
     weights or None), arrays of the framework, ``attend`` bool (B, 1|N, L, S) True = attend or
     None; ``get(layer, role)`` -> that parameter as a NumPy array in the canonical layout,
     ``put(layer, role, array)`` writes one. ``kdim_vdim``: whether key and value may have
-    different widths (else ``kdim != vdim`` is refused)."""
+    different widths (else ``kdim != vdim`` is refused). ``deviations``: the short name of
+    the layer's measured expected-failures file (``implementations/xfail/libraries/``),
+    attached when the library's class itself is certified (not a subclass, which may compute
+    otherwise)."""
 
     name: str
     framework: str
@@ -62,6 +65,7 @@ class ModuleTable:
     put: Callable[[Any, str, np.ndarray], None]
     kdim_vdim: bool = True
     causal_flag: bool = True
+    deviations: str | None = None
 
 
 class ModuleMHAFactory:

@@ -143,3 +143,26 @@ def test_equinox_and_haiku_layers_are_recognised(path):
     impl = registry.resolve(path)
     assert impl.mha is not None and impl.sdpa is None
     assert module_table(layer_class(path)).framework == "jax"
+
+
+@needs_flax
+def test_measured_deviations_attach_to_the_library_class_only():
+    """Linen's measured file is attached to ``flax.linen.MultiHeadDotProductAttention``
+    itself; a subclass (which may compute otherwise) is told the file's short name instead."""
+    import flax.linen as nn
+
+    from implementations.bridge import _module_deviations
+    from implementations.registry.expected_failures import LIBRARY_XFAIL_DIR
+
+    cls = nn.MultiHeadDotProductAttention
+    entries, notes = _module_deviations(cls, module_table(cls))
+    assert entries == registry.load_expected_failures("flax-linen-mha", LIBRARY_XFAIL_DIR)
+    assert {e.property for e in entries} == {"mha_fully_masked_rows", "mha_dropout_expectation"}
+    assert "attached to the library's own class" in notes[0]
+
+    class Mine(nn.MultiHeadDotProductAttention):
+        pass
+
+    entries, notes = _module_deviations(Mine, module_table(Mine))
+    assert entries == ()
+    assert "--xfail-file=flax-linen-mha" in notes[0] and "not attached" in notes[0]
