@@ -60,6 +60,7 @@ from conformance.core.compare import compare_values, fail
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
 from conformance.directed.helpers import skip_unless
+from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
 from conformance.strategies.varlen import varlen_cases, varlen_directed
@@ -72,9 +73,14 @@ DROPOUT_SAMPLES = 1024
 DROPOUT_P = 0.5
 
 
+#: The flash dropout properties' bounds on the lengths (their strategy's, and their directed
+#: cases' when shrunk).
+_LENGTHS = {"max_L": 4, "max_S": 8}
+
+
 def _cases(target: Target, **kwargs: Any) -> Any:
     return flash_cases(dtype=target.dtype, device=target.device, caps=target.caps, shape_budget=target.shape_budget,
-                       window=None, softcap=None, alibi=None, sinks=None, max_L=4, max_S=8, regimes=("normal",),
+                       window=None, softcap=None, alibi=None, sinks=None, regimes=("normal",), **_LENGTHS,
                        **kwargs)
 
 
@@ -97,7 +103,7 @@ def _directed(target: Target) -> list[FlashCase]:
         q, k, v = (round_to(rng.standard_normal(s), target.dtype) for s in ((B, L, N, E), (B, S, K, E), (B, S, K, Ev)))
         causal = caps.causal_only or (L > S and caps.causal == "lower_right")
         out.append(FlashCase(q, k, v, causal=causal, dtype=target.dtype, device=target.device, notes=("directed",)))
-    return out
+    return remember_arguments(out, _LENGTHS)  # for directed.shrink: the strategy's bounds
 
 
 @conformance_property(
@@ -258,15 +264,22 @@ def _positive(case: VarlenCase) -> VarlenCase:
     return case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
 
 
+#: The varlen dropout properties' bounds on the sequences (their strategy's, and their
+#: directed cases' when shrunk).
+_SEQUENCES = {"max_batch": 3, "max_len": 4}
+
+
 def _varlen_cases(target: Target) -> Any:
-    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, max_batch=3, max_len=4,
+    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, **_SEQUENCES,
                         window=None, softcap=None, alibi=None).map(_positive)
 
 
 def _varlen_directed(target: Target) -> list[VarlenCase]:
     """The varlen level's directed layouts (a one-key sequence next to its neighbour, empty
-    and one-token sequences side by side, causal with L > S and L < S), V positive."""
-    return [_positive(case) for case in varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)]
+    and one-token sequences side by side, causal with L > S and L < S), V positive (a
+    shrunk one too: ``positive_values``, as the strategy draws them)."""
+    cases = [_positive(case) for case in varlen_directed(dtype=target.dtype, device=target.device, caps=target.caps)]
+    return remember_arguments(cases, {**_SEQUENCES, "positive_values": True})
 
 
 @conformance_property(
@@ -343,14 +356,14 @@ def _pattern_bounds(target: Target, case: VarlenCase, keeps: list[np.ndarray],
 
 
 def _pattern_cases(target: Target) -> Any:
-    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, max_batch=3, max_len=4,
+    return varlen_cases(dtype=target.dtype, device=target.device, caps=target.caps, **_SEQUENCES,
                         window=None, softcap=None, alibi=None)
 
 
 @conformance_property(
     "varlen_dropout_pattern_agreement", level="varlen", section="spec.varlen_attention (dropout with a pattern)",
     cases=_pattern_cases,
-    directed=lambda t: varlen_directed(dtype=t.dtype, device=t.device, caps=t.caps),
+    directed=lambda t: remember_arguments(varlen_directed(dtype=t.dtype, device=t.device, caps=t.caps), _SEQUENCES),
     skip_reason=lambda t: skip_unless("dropout" in t.caps.varlen_features,
                                       "dropout not declared at the varlen level (varlen_features; a dropout_p "
                                       "parameter of flash_attn_varlen_func's signature claims it)")

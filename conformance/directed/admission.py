@@ -189,14 +189,17 @@ def _flash_admitted(target: Any, case: FlashCase, arguments: dict[str, Any]) -> 
 def _varlen_admitted(target: Any, case: VarlenCase, arguments: dict[str, Any]) -> bool:
     """Whether ``varlen_cases`` with the property's ``arguments`` draws ``case``'s sizes
     (1..max_batch sequences, each 0..max_len long within the declared max_seq_len, N a
-    multiple of K) and the target claims the case (``outside_declarations``: head dims,
-    GQA, equal lengths, features, FP8 forms)."""
+    multiple of K), its values positive where the property's strategy makes them so
+    (``positive_values``: a dropout expectation's bound holds for samples in [0, c] only),
+    and the target claims the case (``outside_declarations``: head dims, GQA, equal
+    lengths, features, FP8 forms)."""
     caps = target.caps
     longest = arguments.get("max_len", 7)
     if caps.max_seq_len is not None:
         longest = min(longest, caps.max_seq_len)
     inside = (1 <= case.B <= arguments.get("max_batch", 4) and case.N % case.K == 0
-              and all(L <= longest and S <= longest for L, S in case.lengths()))
+              and all(L <= longest and S <= longest for L, S in case.lengths())
+              and (not arguments.get("positive_values") or bool(np.all(np.asarray(case.value) > 0))))
     return inside and not outside_declarations(target, case)
 
 

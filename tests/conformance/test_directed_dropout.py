@@ -1,0 +1,105 @@
+"""Shrinking a failing directed case of the flash and varlen dropout properties
+(``conformance.directed.shrink``, admitted by ``conformance.directed.admission``): their
+directed cases remember the strategy's bounds and are admitted, no proposal leaves them,
+a varlen expectation case keeps its values positive (the Hoeffding bound's premise, as
+its strategy draws them), and dropout mutants are reported on cases shrunk from the
+directed case they failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance.core.registry import registered_properties
+from conformance.core.target import Target
+from conformance.directed import shrink
+from conformance.directed.admission import admitted
+from implementations import registry
+from implementations.mutants import controls
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Each property, the level, and a correct implementation that declares its dropout.
+PROPERTIES = {"flash_dropout_expectation": ("flash", controls.flash),
+              "varlen_dropout_expectation": ("varlen", registry.resolve("varlen-reference")),
+              "varlen_dropout_pattern_agreement": ("varlen", registry.resolve("varlen-reference"))}
+
+
+def _cases(pid: str) -> tuple[Target, list]:
+    level, impl = PROPERTIES[pid]
+    target = Target(impl, level, "float64", "cpu")
+    info = registered_properties()[pid]
+    assert info.skip_reason is None or not info.skip_reason(target)
+    return target, info.directed(target)
+
+
+@pytest.mark.parametrize("pid", sorted(PROPERTIES))
+def test_dropout_directed_cases_remember_their_bounds_and_are_admitted(pid):
+    target, cases = _cases(pid)
+    assert len(cases) >= 3
+    for case in cases:
+        arguments = shrink.arguments_of(case)
+        assert arguments is not None and arguments.get("max_len", arguments.get("max_S")) in (4, 8), arguments
+        # as written (the varlen level's own directed layouts go to 4 sequences, one more
+        # than these properties draw: only their proposals are held to 3)
+        wider = {"max_batch": case.B} if pid.startswith("varlen") and case.B > 3 else {}
+        assert admitted(target, case, **{**arguments, **wider}), case.describe()
+        proposals = [c for p in shrink.passes(case) for c in p(case) if c is not None]
+        assert any(admitted(target, c, **arguments) for c in proposals), case.describe()
+        for c in proposals:
+            if admitted(target, c, **arguments):  # inside the strategy's bounds
+                assert max(max(pair) for pair in c.lengths()) <= 4 if pid.startswith("varlen") else \
+                    (c.L <= 4 and c.S <= 8), c.describe()
+
+
+def test_a_varlen_expectation_case_keeps_its_values_positive():
+    target, cases = _cases("varlen_dropout_expectation")
+    refused = kept = 0
+    for case in cases:
+        arguments = shrink.arguments_of(case)
+        assert arguments["positive_values"] is True and np.all(case.value > 0)
+        for c in (c for p in shrink.passes(case) for c in p(case) if c is not None):
+            if admitted(target, c, **arguments):
+                assert np.all(c.value > 0), c.describe()
+                kept += 1
+            elif np.any(c.value <= 0):
+                # the same proposal with V positive would be admitted: refused for its values alone
+                assert admitted(target, c.replace(value=np.abs(c.value) + 0.5), **arguments), c.describe()
+                refused += 1
+    assert kept > 20 and refused > 0
+    # the pattern property draws values of any sign
+    _, pattern = _cases("varlen_dropout_pattern_agreement")
+    assert "positive_values" not in shrink.arguments_of(pattern[0])
+
+
+def _run(tmp_path: Path, mutant: str, prop: str) -> tuple[dict, str]:
+    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
+               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
+    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance/test_flash_dropout.py", "-p", "no:cacheprovider", "-q",
+         "--hypothesis-profile=ci", f"--impl=mutant:{mutant}", "--dtype=float64", "-k", f"test_{prop}[", "-x",
+         f"--conformance-report={tmp_path}/cert"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
+    output = proc.stdout + proc.stderr
+    assert (tmp_path / "cert.json").exists(), output[-3000:]
+    return json.loads((tmp_path / "cert.json").read_text()), output
+
+
+@pytest.mark.parametrize("mutant,prop,directed", [
+    ("flash_dropout_without_rescale", "flash_dropout_expectation", "B=1 N=1 K=1 L=1 S=2 E=2 Ev=2"),
+    ("varlen_dropout_no_rescale", "varlen_dropout_expectation", "varlen B=2 N=2 K=1 E=2 Ev=3"),
+])
+def test_a_dropout_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, directed):
+    report, output = _run(tmp_path, mutant, prop)
+    [r] = [r for r in report["results"] if r["property"] == prop]
+    assert r["outcome"] == "failed", output[-3000:]
+    assert re.search(rf"\(shrunk in \d+ examples from a directed case: {re.escape(directed)}", output), output[-3000:]
+    ce = r["counterexample"]
+    assert (ce["B"], ce["N"], ce["K"], ce["L"], ce["S"], ce["E"], ce["Ev"]) == (1, 1, 1, 1, 1, 1, 1), ce
