@@ -55,6 +55,7 @@ from conformance.harness.checking import check_example as _check_example
 from conformance.harness.session import Session
 from conformance.harness.suite_errors import SuiteError, suite_error
 from conformance.reporting.failure_choice import (
+    beside_directed,
     drop_hypothesis_notes,
     first_failure,
     group_message,
@@ -215,16 +216,18 @@ def conformance_property(
 
                     search._hypothesis_internal_database_key = _database_key(  # type: ignore[attr-defined]
                         conformance_session, property_id, target)
+                    searched: BaseException | None = None
                     try:
                         search()
                     except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup) as found:
                         if directed_failure is None or not larger(first_failure(found)[1], directed_failure[0]):
                             record.directed_origin = None  # the search's own case is reported
                             raise
+                        searched = found
                     if directed_failure is not None:  # the search found none smaller: report it
                         exc, (record.failing_case, record.failing_calls, failing_ratio[0],
                               record.first_failure_seconds) = directed_failure
-                        raise exc
+                        raise beside_directed(exc, searched)
             except (PropertyFailure, FlakyFailure, FlakyReplay, ExceptionGroup, _StopSearch, Exception) as caught:
                 exc = caught.failure if isinstance(caught, _StopSearch) else caught
                 if not isinstance(exc, (PropertyFailure, BaseExceptionGroup)):  # escaped the check (a draw)

@@ -1,7 +1,8 @@
 """Which failure a property test reports: the first one inside an exception group or a
 flaky failure (with its case), what a group says, and whether the search's shrunk case
-is larger than a failing directed case (``conformance.harness.runner``: a directed case is not
-shrunk, so the search goes on after it, and the smaller of the two is reported)."""
+is larger than a failing directed case (``conformance.harness.runner``: a failing directed
+case is shrunk on a budget of examples, the search goes on after it, and the smaller of the
+two is reported, with the search's failures of other kinds beside it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis.errors import FlakyFailure
 
 from conformance.core.compare import PropertyFailure
 
-__all__ = ["case_label", "first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks",
+__all__ = ["beside_directed", "case_label", "first_failure", "group_message", "larger", "origin_line", "drop_hypothesis_notes", "long_tracebacks",
            "cell_disagreements"]
 
 def first_failure(exc: BaseException) -> tuple[BaseException, Any]:
@@ -44,6 +45,16 @@ def larger(case: Any, failure: PropertyFailure) -> bool:
         return size(case) > size(getattr(failure, "conformance_case", case))
     except Exception:  # noqa: BLE001 - a case without sizes: keep the shrunk one
         return False
+
+
+def beside_directed(directed: BaseException, searched: BaseException | None) -> BaseException:
+    """The report of a directed failure smaller than the search's: the directed failure,
+    then each failure of another kind the search found (several distinct failures stay
+    several; the search's failures of the directed one's kind are larger cases of it)."""
+    if not isinstance(searched, BaseExceptionGroup) or isinstance(searched, FlakyFailure):
+        return directed
+    others = [sub for sub in searched.exceptions if type(first_failure(sub)[0]) is not type(directed)]
+    return ExceptionGroup(searched.message, [directed, *others]) if others else directed
 
 
 def group_message(exc: BaseException) -> str:

@@ -228,3 +228,22 @@ def test_a_policy_message_says_where_the_policy_came_from():
         target = Target(Implementation(name="x", capabilities=caps, sdpa=lambda *a, **k: None), "sdpa", "float64", "cpu")
         with pytest.raises(PropertyFailure, match=words):
             check_fully_masked_policy(target, case, bad)
+
+
+def test_a_smaller_directed_failure_keeps_the_search_failures_of_other_kinds():
+    """A directed failure smaller than the search's is reported first; the search's failures
+    of another kind stay beside it (two stories stay two), those of its kind are dropped
+    (larger cases of the same failure); a single search failure leaves the directed alone."""
+    from conformance.core.compare import PropertyFailure
+    from conformance.core.target import ImplementationRaised
+    from conformance.reporting.failure_choice import beside_directed, first_failure
+
+    directed, mismatch, raised = PropertyFailure("directed"), PropertyFailure("mismatch"), ImplementationRaised("x")
+    for failure, case in ((directed, "small"), (mismatch, "large"), (raised, "one rank")):
+        failure.conformance_case = case
+    both = beside_directed(directed, ExceptionGroup("2 distinct failures", [mismatch, raised]))
+    assert isinstance(both, ExceptionGroup) and list(both.exceptions) == [directed, raised]
+    assert first_failure(both) == (directed, "small")
+    assert beside_directed(directed, ExceptionGroup("2 distinct failures", [mismatch, mismatch])) is directed
+    assert beside_directed(directed, mismatch) is directed
+    assert beside_directed(directed, None) is directed
