@@ -126,10 +126,8 @@ class KVCacheCase:
 
     FP8 (FlashAttention-3): ``fp8`` names the format q, the caches and the new keys and
     values hold, with descales None, (1,) or (B, K), row b for sequence b
-    (``spec.kvcache_attention``'s FP8 inputs).
-
-    ``notes``: labels that change no call (a directed case's ``directed: NAME``, which the
-    report names it by)."""
+    (``spec.kvcache_attention``'s FP8 inputs). ``notes``: labels that change no call (a
+    directed case's ``directed: NAME``, which the report names it by)."""
 
     query: np.ndarray
     k_cache: np.ndarray

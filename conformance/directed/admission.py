@@ -22,13 +22,11 @@ from conformance.calls.flash_cases import FlashCase
 from conformance.calls.kvcache import KVCacheCase
 from conformance.calls.varlen import VarlenCase
 from conformance.core.cases import MHACase, SDPACase
-from conformance.sharded.cases import ShardedCase
 from conformance.strategies import REGIMES, mha_cases, sdpa_cases
 from conformance.strategies.kvcache_features import rotary_multiple
 from conformance.strategies.sizes import size_bounds
 from conformance.strategies.varlen import OPTION_FEATURES, kvcache_head_dims
 from conformance.strategies.varlen import _head_dims as value_head_dims
-from spec import sharding
 
 __all__ = ["MAX_DIRECTED", "admitted", "producible_regimes"]
 
@@ -295,55 +293,19 @@ def _kvcache_admitted(target: Any, case: KVCacheCase, arguments: dict[str, Any])
     return not outside_declarations(target, case)
 
 
-#: What ``sharded_cases`` draws: E, Ev besides E, and a custom scale.
-_SHARDED_E, _SHARDED_EV, _SHARDED_SCALES = (1, 2, 3, 4, 8), (1, 3, 5), (0.5, 2.0, 0.125, -1.0)
-
-
-def _sharded_admitted(target: Any, case: ShardedCase, arguments: dict[str, Any]) -> bool:
-    """Whether ``sharded_cases`` with the property's ``arguments`` (``min_world``,
-    ``layouts``, ``causal``) draws ``case``'s sizes and options: a world size from
-    ``min_world`` (or the largest, if smaller) to the largest the target runs here, a
-    declared layout among ``layouts``, 1..3 units of the layout's divisor less up to one
-    unit where ``padding`` is declared, B of 1 or 2, K of 1 or 2 per unit (W ranks under
-    ``sharded_heads_divisible``), N a multiple of K by 1 or 2 (1 without GQA), E and Ev
-    among those it draws, causal only where declared, a custom scale among those it draws,
-    window sides in -1..L where ``window`` is declared; and the target claims the case
-    (``outside_declarations``). The values are not the strategy's business: a directed
-    case's ``huge`` logits are no draw of it, and its quarters neither."""
-    from conformance.sharded.strategies import top_world
-
-    caps = target.caps
-    top = top_world(caps, target.device)
-    W, L, d = case.world_size, case.L, sharding.divisor(case.layout, case.world_size)
-    unit = W if caps.sharded_heads_divisible else 1
-    features = caps.sharded_features
-    causal = arguments.get("causal")
-    inside = (min(arguments.get("min_world", 1), top) <= W <= top
-              and case.layout in (arguments.get("layouts") or caps.sharded_layouts)
-              and 1 <= L <= 3 * d and (L % d == 0 or "padding" in features)
-              and 1 <= case.B <= 2 and case.K % unit == 0 and 1 <= case.K // unit <= 2
-              and case.N % case.K == 0 and 1 <= case.N // case.K <= (2 if caps.gqa else 1)
-              and case.E in _SHARDED_E and (case.Ev == case.E or caps.different_v_dim and case.Ev in _SHARDED_EV)
-              and (causal is None or causal == case.causal) and (caps.causal is not None or not case.causal)
-              and (case.scale is None or caps.custom_scale and case.scale in _SHARDED_SCALES)
-              and (case.window == (-1, -1) or "window" in features and all(-1 <= s <= L for s in case.window)))
-    return inside and not outside_declarations(target, case)
-
-
-def admitted(target: Any, case: SDPACase | MHACase | FlashCase | VarlenCase | KVCacheCase | ShardedCase,
+def admitted(target: Any, case: SDPACase | MHACase | FlashCase | VarlenCase | KVCacheCase,
              **arguments: Any) -> bool:
     """Whether ``cases_for(target, **arguments)`` (``mha_cases_for`` for an MHA
     case) could draw ``case``: the strategy accepts the case's attributes as
     forcing arguments, so the target claims the case and the property takes it
-    (a flash case: :func:`_flash_admitted`; varlen, kvcache and sharded cases likewise)."""
+    (a flash case: :func:`_flash_admitted`; varlen and kvcache cases likewise; a sharded
+    case: ``conformance.sharded.shrinking.admitted``)."""
     if isinstance(case, FlashCase):
         return _flash_admitted(target, case, arguments)
     if isinstance(case, VarlenCase):
         return _varlen_admitted(target, case, arguments)
     if isinstance(case, KVCacheCase):
         return _kvcache_admitted(target, case, arguments)
-    if isinstance(case, ShardedCase):
-        return _sharded_admitted(target, case, arguments)
     if isinstance(case, MHACase):
         narrowed = _mha_forcing(case, arguments)
         level = "mha"

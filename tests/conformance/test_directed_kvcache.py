@@ -23,7 +23,7 @@ from conformance.calls.kvcache import (KVCacheCallSpec, KVCacheCase, case_from_m
 from conformance.calls.sequences.calling import as_pages
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
-from conformance.directed import shrink
+from conformance.directed import shrink, shrink_sequences
 from conformance.directed.admission import admitted
 from implementations import registry
 from implementations.base import Capabilities, Implementation
@@ -124,7 +124,7 @@ def test_a_sequence_alone_is_the_same_problem_as_in_the_batch():
         if case.B < 2:
             continue
         for b in range(case.B):
-            alone = shrink._kvcache_resized(case, [b])
+            alone = shrink_sequences._kvcache_resized(case, [b])
             assert alone is not None and alone.B == 1, pid
             assert alone.cache_seqlens == (case.cache_seqlens[b],)
             np.testing.assert_array_equal(_oracle(alone)[0], _oracle(case)[b], err_msg=f"{pid} {case.describe()}")
@@ -136,7 +136,7 @@ def test_room_pages_and_spare_rows_change_no_output():
     # less room past the valid rows, smaller pages, fewer spare pages or cache rows: the
     # same problem (the oracle's output, and a paged call's through its block table)
     changed = 0
-    passes = (shrink._kvcache_capacity, shrink._kvcache_page_size, shrink._kvcache_spare)
+    passes = (shrink_sequences._kvcache_capacity, shrink_sequences._kvcache_page_size, shrink_sequences._kvcache_spare)
     for pid, case in DIRECTED:
         for proposals in passes:
             for smaller in proposals(case):
@@ -148,7 +148,7 @@ def test_room_pages_and_spare_rows_change_no_output():
                     np.testing.assert_array_equal(pages[table].reshape(smaller.k_cache.shape), smaller.k_cache)
                     assert sorted(smaller.page_order) == list(range(len(smaller.page_order)))
                     assert len(smaller.page_order) - smaller.B * (smaller.S_cache // smaller.page_size) == \
-                        len(shrink._kvcache_pages(smaller)[1])
+                        len(shrink_sequences._kvcache_pages(smaller)[1])
                 changed += 1
     assert changed > 50
 
@@ -156,15 +156,15 @@ def test_room_pages_and_spare_rows_change_no_output():
 def test_a_batch_cut_keeps_the_cache_rows_named_and_the_pages_in_their_order():
     [case] = [c for pid, c in DIRECTED if pid == "kvcache_batch_idx_agreement" and not c.causal]
     assert case.cache_batch_idx == (2, 0) and case.k_cache.shape[0] == 3
-    first = shrink._kvcache_resized(case, [0])
+    first = shrink_sequences._kvcache_resized(case, [0])
     assert first.cache_batch_idx == (2,) and first.k_cache.shape[0] == 3           # two rows besides it
     np.testing.assert_array_equal(first.k_cache[2], case.k_cache[2, :first.S_cache])
-    fewer = shrink._kvcache_resized(first, rows=[1, 2])                            # a spare row left out
+    fewer = shrink_sequences._kvcache_resized(first, rows=[1, 2])                            # a spare row left out
     assert fewer.cache_batch_idx == (1,) and fewer.k_cache.shape[0] == 2
     np.testing.assert_array_equal(fewer.k_cache[1], case.k_cache[2, :fewer.S_cache])
     [paged] = [c for pid, c in DIRECTED if pid == "paged_equivalence" and c.B == 2 and not c.causal][:1]
     assert paged.page_order == (4, 3, 2, 1, 0)
-    assert shrink._kvcache_resized(paged, [1]).page_order == (2, 1, 0)             # still reversed, one spare
+    assert shrink_sequences._kvcache_resized(paged, [1]).page_order == (2, 1, 0)             # still reversed, one spare
 
 
 def test_every_kvcache_directed_case_is_named_and_keeps_its_name_when_saved(tmp_path):

@@ -246,24 +246,24 @@ def test_mha_cases_shrink_in_heads_and_head_dim_with_their_weights():
 
     import spec
     from conformance.core.cases import MHACase
-    from conformance.directed import shrink
+    from conformance.directed import shrink_sizes
 
     gen = np.random.default_rng(0)
     x = gen.standard_normal((4, 2, 6))
     mask = gen.random((2 * 3, 4, 4)) < 0.3
     case = MHACase(spec.MHAParams.random(gen, 6, 3), x, x, x, attn_mask=mask)
-    same = shrink._mha_heads(case, 3, 2)
+    same = shrink_sizes._mha_heads(case, 3, 2)
     args = dict(attn_mask=mask)
     assert np.array_equal(spec.mha_forward(case.params, x, x, x, **args)[0],
                           spec.mha_forward(same.params, same.query, same.key, same.value, **args)[0])
-    fewer = shrink._mha_heads(case, 2, 1)
+    fewer = shrink_sizes._mha_heads(case, 2, 1)
     assert (fewer.D, fewer.N, fewer.query.shape, fewer.self_attention) == (2, 2, (4, 2, 2), True)
     assert np.array_equal(fewer.attn_mask, mask[[0, 1, 3, 4]])
     assert spec.mha_forward(fewer.params, fewer.query, fewer.key, fewer.value,
                             attn_mask=fewer.attn_mask)[0].shape == (4, 2, 2)
     q, k, v = gen.standard_normal((2, 1, 4)), gen.standard_normal((3, 1, 3)), gen.standard_normal((3, 1, 5))
     cross = MHACase(spec.MHAParams.random(gen, 4, 2, kdim=3, vdim=5), q, k, v)
-    one = shrink._mha_heads(cross, 1, 2)
+    one = shrink_sizes._mha_heads(cross, 1, 2)
     assert (one.params.kdim, one.params.vdim, one.key is k, one.query.shape) == (3, 5, True, (2, 1, 2))
-    assert shrink._mha_heads(MHACase(spec.MHAParams.random(gen, 4, 2, kdim=2, vdim=2), q,
+    assert shrink_sizes._mha_heads(MHACase(spec.MHAParams.random(gen, 4, 2, kdim=2, vdim=2), q,
                                      k[..., :2], v[..., :2]), 1, 2) is None

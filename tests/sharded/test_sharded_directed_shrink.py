@@ -1,5 +1,5 @@
 """Shrinking a failing directed case of the sharded level (``conformance.directed.shrink``,
-admitted by ``conformance.directed.admission``): every sharded directed case remembers the
+admitted by ``conformance.sharded.shrinking``): every sharded directed case remembers the
 property's strategy arguments and is admitted; each pass proposes a smaller well-formed
 case (fewer ranks, a shorter sequence, a narrower window, fewer heads, smaller head dims,
 or quarter values) that a correct implementation agrees with; the world size is kept as
@@ -22,7 +22,8 @@ import pytest
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.directed import shrink
-from conformance.directed.admission import admitted
+from conformance.sharded import shrinking
+from conformance.sharded.shrinking import admitted
 from conformance.sharded.cases import ShardedCallSpec, ShardedCase, validate
 from conformance.sharded.level import report_sharded_call
 from implementations import registry
@@ -62,7 +63,7 @@ def _sizes(case: ShardedCase) -> tuple[int, ...]:
 def _proposals(impl: str, case: ShardedCase) -> list[tuple[int, ShardedCase]]:
     """(pass index, admitted proposal) of every pass on ``case``."""
     target, arguments = _target(IMPLS[impl]), shrink.arguments_of(case)
-    return [(i, c) for i, p in enumerate(shrink.passes(case)) for c in p(case)
+    return [(i, c) for i, p in enumerate(shrinking.passes(case)) for c in p(case)
             if admitted(target, c, **arguments)]
 
 
@@ -74,7 +75,7 @@ def test_every_sharded_directed_case_remembers_its_arguments_and_is_admitted(imp
         arguments = shrink.arguments_of(case)
         assert arguments is not None, (pid, case.describe())
         assert admitted(target, case, **arguments), (pid, case.describe())
-        assert shrink.passes(case), pid
+        assert shrinking.passes(case), pid
 
 
 @pytest.mark.parametrize("impl", sorted(DIRECTED))
@@ -122,23 +123,23 @@ def test_a_window_cut_with_the_sequence_is_the_same_window():
     [case] = [c for p, c in DIRECTED["ring"] if p == "sharded_forward" and c.window == (1, 1) and not c.causal
               and c.layout == "contiguous"]
     wide = case.replace(window=(7, 7))
-    cut = shrink._sharded_resized(wide, L=3)
+    cut = shrinking._sharded_resized(wide, L=3)
     assert cut.window == (3, 3)
     from conformance.sharded.checks import bounds
 
     expected, _ = bounds(_target(), cut)
-    whole, _ = bounds(_target(), shrink._sharded_resized(wide.replace(window=(-1, -1)), L=3))
+    whole, _ = bounds(_target(), shrinking._sharded_resized(wide.replace(window=(-1, -1)), L=3))
     np.testing.assert_array_equal(expected, whole)
 
 
 def test_the_world_size_is_kept_where_groups_spawn(monkeypatch):
     [case] = [c for p, c in DIRECTED["ring"] if p == "sharded_forward" and c.regime == "huge"]
     assert case.world_size == 2
-    fewer = list(shrink._sharded_world(case))
+    fewer = list(shrinking._sharded_world(case))
     assert [c.world_size for c in fewer] == [1] and fewer[0].L == 3                # 4 positions, 3 at most on one rank
     monkeypatch.setenv("ATTENTION_CONFORMANCE_SHARDED_FORK", "0")                  # ranks spawned: no other size
-    assert list(shrink._sharded_world(case)) == []
-    assert list(shrink._sharded_world(case.replace(device="cuda"))) == []
+    assert list(shrinking._sharded_world(case)) == []
+    assert list(shrinking._sharded_world(case.replace(device="cuda"))) == []
 
 
 def _refuses(target: Target, case: ShardedCase, **arguments: object) -> bool:
@@ -175,7 +176,7 @@ def test_admission_refuses_a_case_outside_the_declarations():
 
     assert admitted(narrow(), case, **arguments)
     assert _refuses(narrow(sharded_features=frozenset({"padding"})), case, **arguments)   # a window
-    unpadded = shrink._sharded_resized(case, L=case.L - 1)
+    unpadded = shrinking._sharded_resized(case, L=case.L - 1)
     assert admitted(narrow(), unpadded, **arguments)
     assert _refuses(narrow(sharded_features=frozenset({"window"})), unpadded, **arguments)  # padding
     assert _refuses(narrow(max_world_size=2), case, **arguments)                   # 4 ranks
@@ -185,7 +186,7 @@ def test_admission_refuses_a_case_outside_the_declarations():
     # all-to-all: every rank holds whole heads, so N and K stay multiples of W
     [heads] = [c for p, c in DIRECTED["ulysses"] if p == "sharded_forward" and c.world_size == 2][:1]
     assert heads.N == 2 and admitted(_target(ULYSSES), heads, **shrink.arguments_of(heads))
-    assert _refuses(_target(ULYSSES), shrink._sharded_resized(heads, N=1, K=1), **shrink.arguments_of(heads))
+    assert _refuses(_target(ULYSSES), shrinking._sharded_resized(heads, N=1, K=1), **shrink.arguments_of(heads))
 
 
 def test_shrink_finds_the_smallest_case_a_failure_needs():
@@ -198,7 +199,8 @@ def test_shrink_finds_the_smallest_case_a_failure_needs():
     def fails(c: ShardedCase) -> bool:
         return c.world_size >= 2 and c.L >= 2
 
-    smallest, checked = shrink.shrink(case, fails, admit=lambda c: admitted(target, c, **arguments), budget=200)
+    smallest, checked = shrink.shrink(case, fails, admit=lambda c: admitted(target, c, **arguments), budget=200,
+                                      passes_of=shrinking.passes)
     assert (smallest.world_size, smallest.B, smallest.N, smallest.L, smallest.E, smallest.Ev) == (2, 1, 1, 2, 1, 1)
     assert smallest.window == (0, 0) and smallest.causal and smallest.layout == "contiguous"
     assert 0 < checked <= 200
