@@ -148,7 +148,7 @@ SHARDED_MUTANTS = [
     _mutant("sharded_merge_no_max", MergeWithoutMax.__doc__.split(":")[0],
             "hand-written pitfall: the LSE merge written from the formula without the running max "
             "(spec.merge_partials subtracts it first)",
-            {"world_size": 1, "layout": "contiguous", "L": 2, "N": 1, "E": 4, "values": "huge"},
+            {"world_size": 1, "layout": "contiguous", "L": 1, "N": 1, "E": 1, "values": "huge"},
             "sharded_forward", _ring("sharded_merge_no_max", MergeWithoutMax(), "merge without the running max")),
     _mutant("sharded_zigzag_swapped", ZigzagChunksSwapped.__doc__.split(":")[0],
             "hand-written pitfall: the zigzag shard built as chunks (2W-1-r, r) on one side and read as "
