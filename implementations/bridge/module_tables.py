@@ -321,7 +321,7 @@ def _hk_put(held, role, array):
 MODULE_TABLES = (
     ModuleTable(name="flax.nnx.MultiHeadAttention", framework="jax",
                 matches=_subclass_of("flax.nnx", "MultiHeadAttention"), build=_nnx_build, call=_nnx_call,
-                get=_nnx_get, put=_nnx_put, kdim_vdim=False),
+                get=_nnx_get, put=_nnx_put, kdim_vdim=False, deviations="flax-nnx-mha"),
     ModuleTable(name="flax.linen.MultiHeadDotProductAttention", framework="jax",
                 matches=_subclass_of("flax.linen", "MultiHeadDotProductAttention"), build=_linen_build,
                 call=_linen_call, get=_linen_get, put=_linen_put, causal_flag=False, deviations="flax-linen-mha"),
@@ -330,7 +330,7 @@ MODULE_TABLES = (
                 get=_eqx_get, put=_eqx_put, causal_flag=False),
     ModuleTable(name="haiku.MultiHeadAttention", framework="jax",
                 matches=_subclass_of("haiku", "MultiHeadAttention"), build=_hk_build, call=_hk_call,
-                get=_hk_get, put=_hk_put, causal_flag=False),
+                get=_hk_get, put=_hk_put, causal_flag=False, deviations="haiku-mha"),
 )
 
 

@@ -166,3 +166,28 @@ def test_measured_deviations_attach_to_the_library_class_only():
     entries, notes = _module_deviations(Mine, module_table(Mine))
     assert entries == ()
     assert "--xfail-file=flax-linen-mha" in notes[0] and "not attached" in notes[0]
+
+
+@pytest.mark.parametrize("path", [p for p in layer_params() if p.id == "haiku"])
+def test_haiku_fully_masked_rows_are_uniform_but_nan_in_float16(path):
+    """haiku-mha.toml's two entries, re-measured (a fix upstream fails here): Haiku fills
+    blocked scores with -1e30, so a row whose keys are all blocked attends every key
+    uniformly where -1e30 is finite, and is NaN in float16, where it overflows to -inf."""
+    cls = layer_class(path)
+    params, rng = drawn()
+    x = rng.standard_normal((L, B, D))
+    padding = np.zeros((B, L), bool)
+    padding[0] = True  # batch row 0: every key blocked
+    for dtype in (torch.float32, torch.float16):
+        factory = ModuleMHAFactory(cls, module_table(cls))
+        module = factory(D, N, dtype=dtype)
+        load_module_weights(module, params)
+        t = torch.tensor(x, dtype=dtype)
+        out, _ = module(t, t, t, key_padding_mask=torch.tensor(padding), need_weights=False)
+        if dtype == torch.float16:
+            assert torch.isnan(out[:, 0]).all()
+        else:
+            w_v, b_v = params.in_proj_weight[2 * D:], params.in_proj_bias[2 * D:]
+            # the output of a row attending every key equally: out_proj(mean of the projected values)
+            want = (x[:, 0] @ w_v.T + b_v).mean(axis=0) @ params.out_proj_weight.T + params.out_proj_bias
+            np.testing.assert_allclose(out[:, 0].double().numpy(), np.broadcast_to(want, (L, D)), atol=1e-5)
