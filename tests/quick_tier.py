@@ -15,6 +15,8 @@ Re-measure after adding a test that runs the suite in a subprocess, or mark it
 
 #: ``path::test_function`` -> (seconds of all its cases together, number of cases).
 SLOW_IN_QUICK_TIER: dict[str, tuple[float, int]] = {
+    "tests/conformance/test_directed_dropout.py::test_a_dropout_mutant_is_reported_on_a_shrunk_case": (10.6, 2),
+    "tests/conformance/test_directed_kvcache.py::test_a_kvcache_mutant_is_reported_on_a_shrunk_case": (11.0, 3),
     "tests/implementations/test_builtins_agreement.py::test_mha_level_agrees_with_the_oracle": (6.1, 2),
     "tests/implementations/test_builtins_agreement.py::test_sdpa_level_agrees_with_the_oracle": (14.9, 5),
     "tests/implementations/test_builtins_agreement.py::test_sdpa_level_fully_masked_rows_follow_the_declared_policy": (8.1, 3),
@@ -29,6 +31,8 @@ SLOW_IN_QUICK_TIER: dict[str, tuple[float, int]] = {
     "tests/implementations/test_learner_level.py::test_copied_module_certifies_with_no_adapter": (62.0, 10),
     "tests/implementations/test_learner_level.py::test_opennmt_style_certifies_in_float32_and_its_float32_softmax_fails_float64": (11.2, 1),
     "tests/implementations/test_learner_level.py::test_tutorial_module_certifies_with_no_adapter": (66.2, 11),
+    "tests/implementations/test_module_bridge.py::test_equinox_and_haiku_layers_are_recognised": (21.9, 2),
+    "tests/implementations/test_module_bridge.py::test_layers_compute_nn_multihead_attention": (14.7, 4),
     "tests/mutants/test_mutant_records.py::test_smallest_case_exposes_the_bug": (15.7, 39),
     "tests/runner/test_compile_budget.py::test_a_jit_implementation_sees_a_bounded_number_of_configurations": (8.8, 1),
     "tests/runner/test_compile_budget.py::test_a_wrong_jit_implementation_is_caught_with_the_budget_on": (6.3, 2),
@@ -92,6 +96,8 @@ SLOW_IN_QUICK_TIER: dict[str, tuple[float, int]] = {
     "tests/sharded/test_group.py::test_certificate_fails_saves_the_case_and_leaves_no_process": (35.8, 2),
     "tests/sharded/test_group.py::test_ranks_that_all_raise_at_different_times_keep_the_group": (9.3, 2),
     "tests/sharded/test_one_story.py::test_two_failures_are_reported_each_with_its_own_call": (25.9, 1),
+    "tests/sharded/test_sharded_directed_shrink.py::test_a_correct_implementation_agrees_with_the_first_proposal_of_each_pass": (6.8, 1),
+    "tests/sharded/test_sharded_directed_shrink.py::test_a_sharded_mutant_is_reported_on_a_shrunk_case": (22.7, 3),
     "tests/sharded/test_sharded_mutants.py::test_smallest_case_exposes_the_bug_and_the_diagnosis_names_it": (43.4, 10),
     "tests/sharded/test_sharded_overrides.py::test_dtypes_override_chooses_the_targets_pytest_runs": (7.6, 2),
     "tests/sharded/test_sharded_shrinking.py::test_a_failing_sharded_case_shrinks_to_a_small_world_and_sequence": (54.0, 1),

@@ -327,7 +327,7 @@ MODULE_TABLES = (
                 call=_linen_call, get=_linen_get, put=_linen_put, causal_flag=False, deviations="flax-linen-mha"),
     ModuleTable(name="equinox.nn.MultiheadAttention", framework="jax",
                 matches=_subclass_of("equinox.nn", "MultiheadAttention"), build=_eqx_build, call=_eqx_call,
-                get=_eqx_get, put=_eqx_put, causal_flag=False),
+                get=_eqx_get, put=_eqx_put, causal_flag=False, deviations="equinox-mha"),
     ModuleTable(name="haiku.MultiHeadAttention", framework="jax",
                 matches=_subclass_of("haiku", "MultiHeadAttention"), build=_hk_build, call=_hk_call,
                 get=_hk_get, put=_hk_put, causal_flag=False, deviations="haiku-mha"),
