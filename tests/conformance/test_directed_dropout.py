@@ -7,11 +7,7 @@ directed case they failed."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +19,7 @@ from conformance.directed import shrink
 from conformance.directed.admission import admitted
 from implementations import registry
 from implementations.mutants import controls
+from tests.mutant_runs import certify_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Each property, the level, and a correct implementation that declares its dropout.
@@ -78,26 +75,13 @@ def test_a_varlen_expectation_case_keeps_its_values_positive():
     assert "positive_values" not in shrink.arguments_of(pattern[0])
 
 
-def _run(tmp_path: Path, mutant: str, prop: str) -> tuple[dict, str]:
-    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
-               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
-    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "conformance/test_flash_dropout.py", "-p", "no:cacheprovider", "-q",
-         "--hypothesis-profile=ci", f"--impl=mutant:{mutant}", "--dtype=float64", "-k", f"test_{prop}[", "-x",
-         f"--conformance-report={tmp_path}/cert"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
-    output = proc.stdout + proc.stderr
-    assert (tmp_path / "cert.json").exists(), output[-3000:]
-    return json.loads((tmp_path / "cert.json").read_text()), output
-
 
 @pytest.mark.parametrize("mutant,prop,directed", [
     ("flash_dropout_without_rescale", "flash_dropout_expectation", "B=1 N=1 K=1 L=1 S=2 E=2 Ev=2"),
     ("varlen_dropout_no_rescale", "varlen_dropout_expectation", "varlen B=2 N=2 K=1 E=2 Ev=3"),
 ])
 def test_a_dropout_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, directed):
-    report, output = _run(tmp_path, mutant, prop)
+    report, output = certify_mutant(tmp_path, mutant, "conformance/test_flash_dropout.py", f"test_{prop}[")
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
     assert re.search(rf"\(shrunk in \d+ examples from a directed case: {re.escape(directed)}", output), output[-3000:]

@@ -7,19 +7,21 @@ than the directed one it failed first, the report naming where it started."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from conformance.calls.kvcache import (KVCacheCallSpec, KVCacheCase, case_from_meta, case_meta,
-                                       report_kvcache_call, validate)
+from conformance.calls.kvcache import (
+    KVCacheCallSpec,
+    KVCacheCase,
+    case_from_meta,
+    case_meta,
+    report_kvcache_call,
+    validate,
+)
 from conformance.calls.sequences.calling import as_pages
 from conformance.core.registry import registered_properties
 from conformance.core.target import Target
@@ -27,6 +29,7 @@ from conformance.directed import shrink, shrink_sequences
 from conformance.directed.admission import admitted
 from implementations import registry
 from implementations.base import Capabilities, Implementation
+from tests.mutant_runs import certify_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The kvcache properties' directed builders, each run on a correct implementation.
@@ -256,18 +259,6 @@ def test_shrink_finds_the_smallest_case_a_failure_needs():
     assert 0 < checked <= 200
 
 
-def _run(tmp_path: Path, mutant: str, prop: str, test_file: str) -> tuple[dict, str]:
-    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
-               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
-    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-p", "no:cacheprovider", "-q", "--hypothesis-profile=ci",
-         f"--impl=mutant:{mutant}", "--dtype=float64", "-k", prop, "-x", f"--conformance-report={tmp_path}/cert"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
-    output = proc.stdout + proc.stderr
-    assert (tmp_path / "cert.json").exists(), output[-3000:]
-    return json.loads((tmp_path / "cert.json").read_text()), output
-
 
 @pytest.mark.parametrize("mutant,prop,test_file,name,directed", [
     ("paged_block_table_ignored", "paged_equivalence", "conformance/test_varlen.py",
@@ -281,7 +272,7 @@ def _run(tmp_path: Path, mutant: str, prop: str, test_file: str) -> tuple[dict, 
      "kvcache B=2 L=1 N=2 K=1 E=2 Ev=2 S_cache=4 cache_seqlens=[1, 0] S_new=1"),
 ])
 def test_a_kvcache_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, test_file, name, directed):
-    report, output = _run(tmp_path, mutant, prop, test_file)
+    report, output = certify_mutant(tmp_path, mutant, test_file, prop)
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
     # where it started: the directed example's name and the case as written

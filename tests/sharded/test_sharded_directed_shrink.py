@@ -9,11 +9,7 @@ shrunk from the directed case they failed, the report naming where it started.""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +19,12 @@ from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.directed import shrink
 from conformance.sharded import shrinking
-from conformance.sharded.shrinking import admitted
 from conformance.sharded.cases import ShardedCallSpec, ShardedCase, validate
 from conformance.sharded.level import report_sharded_call
+from conformance.sharded.shrinking import admitted
 from implementations import registry
 from implementations.base import Implementation
+from tests.mutant_runs import certify_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 RING, ULYSSES = registry.resolve("ring"), registry.resolve("ulysses")
@@ -206,19 +203,6 @@ def test_shrink_finds_the_smallest_case_a_failure_needs():
     assert 0 < checked <= 200
 
 
-def _run(tmp_path: Path, mutant: str, prop: str) -> tuple[dict, str]:
-    env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
-               ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
-    env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "conformance/test_sharded.py", "-p", "no:cacheprovider", "-q",
-         "--hypothesis-profile=ci", f"--impl=mutant:{mutant}", "--dtype=float64", "-k", prop, "-x",
-         f"--conformance-report={tmp_path}/cert"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
-    output = proc.stdout + proc.stderr
-    assert (tmp_path / "cert.json").exists(), output[-3000:]
-    return json.loads((tmp_path / "cert.json").read_text()), output
-
 
 @pytest.mark.parametrize("mutant,prop,shrunk", [
     # at world size 1 the ring loop runs no step at all
@@ -229,7 +213,7 @@ def _run(tmp_path: Path, mutant: str, prop: str) -> tuple[dict, str]:
     ("sharded_zigzag_swapped", "sharded_layout_invariance", (1, 1, (-1, -1))),
 ])
 def test_a_sharded_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, shrunk):
-    report, output = _run(tmp_path, mutant, prop)
+    report, output = certify_mutant(tmp_path, mutant, "conformance/test_sharded.py", prop)
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
     assert re.search(r"\(shrunk in \d+ examples from .*: sharded world_size=\d", output), output[-3000:]
