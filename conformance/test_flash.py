@@ -29,7 +29,7 @@ from conformance.calls.flash import (
 )
 from conformance.core.compare import compare_values
 from conformance.core.target import Target
-from conformance.directed.helpers import skip_unless
+from conformance.directed.helpers import flash_named, skip_unless
 from conformance.directed.shrink import remember_arguments
 from conformance.harness.reporting import probe_saw
 from conformance.harness.runner import conformance_property
@@ -93,7 +93,7 @@ def _directed(target: Target, *, window: bool | None = False, softcap: bool | No
                 changes = {**changes, "causal": True}
             if "window" not in caps.flash_features and "window" in changes:
                 continue
-            out.append(base.replace(**changes))
+            out.append(flash_named(base, changes))
     # for directed.shrink: the property's strategy arguments (its features, a split case)
     return remember_arguments(out, {"window": window, "softcap": softcap, "alibi": alibi, "split": split,
                                     "sinks": sinks})

@@ -59,7 +59,7 @@ from conformance.core import tolerance
 from conformance.core.compare import compare_values, fail
 from conformance.core.target import Target, call_guarded
 from conformance.core.tensors import to_numpy
-from conformance.directed.helpers import skip_unless
+from conformance.directed.helpers import flash_named, skip_unless
 from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
@@ -102,7 +102,7 @@ def _directed(target: Target) -> list[FlashCase]:
         (L, S), (E, Ev) = lengths, dims
         q, k, v = (round_to(rng.standard_normal(s), target.dtype) for s in ((B, L, N, E), (B, S, K, E), (B, S, K, Ev)))
         causal = caps.causal_only or (L > S and caps.causal == "lower_right")
-        out.append(FlashCase(q, k, v, causal=causal, dtype=target.dtype, device=target.device, notes=("directed",)))
+        out.append(flash_named(FlashCase(q, k, v, dtype=target.dtype, device=target.device), {"causal": causal}))
     return remember_arguments(out, _LENGTHS)  # for directed.shrink: the strategy's bounds
 
 

@@ -37,7 +37,7 @@ from conformance.core.target import call_guarded
 from conformance.core.tensors import to_numpy
 from conformance.strategies.varlen import varlen_directed, varlen_fp8_cases
 from conformance.core.target import Target
-from conformance.directed.helpers import skip_unless
+from conformance.directed.helpers import flash_named, skip_unless
 from conformance.directed.shrink import remember_arguments
 from conformance.harness.runner import conformance_property
 from conformance.strategies.flash import flash_cases
@@ -86,7 +86,7 @@ def _directed(target: Target) -> list[FlashCase]:
                     continue
                 if caps.causal_only:
                     changes = {**changes, "causal": True}
-                out.append(base.replace(**changes))
+                out.append(flash_named(base, changes))
     return remember_arguments(out, {"fp8": True})  # for directed.shrink
 
 

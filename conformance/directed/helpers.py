@@ -25,6 +25,7 @@ __all__ = [
     "attend_matrix",
     "skip_unless",
     "needs_separate_values",
+    "flash_named",
 ]
 
 
@@ -103,3 +104,30 @@ def needs_separate_values(target: Target) -> str | None:
     reason when the target declares ``shared_kv`` (key is value), else None."""
     return skip_unless(not target.caps.shared_kv, "calls with value != key, but shared_kv "
                        "declares key is value (one memory tensor)")
+
+
+def flash_named(case: Any, changes: dict[str, Any]) -> Any:
+    """``case`` (a flash-level directed case) with ``changes`` and a name saying what it is
+    (``notes``: ``directed: NAME``, which a report names a shrunk case's start by): its
+    lengths, GQA and value width, then each feature the variant sets."""
+    s = case.sizes()
+    L, S = s["L"], s["S"]
+    parts = [f"L={L} {'<' if L < S else '>' if L > S else '='} S={S}"]
+    if s["N"] != s["K"]:
+        parts.append(f"{s['N']} query heads on {s['K']} kv heads")
+    if s["Ev"] != s["E"]:
+        parts.append(f"Ev={s['Ev']}, E={s['E']}")
+    if case.fp8 is not None:
+        parts.append(case.fp8)
+    for key, value in changes.items():
+        if key == "causal":
+            parts += ["causal"] if value else []
+        elif key.endswith("_descale"):
+            if key == "q_descale":
+                parts.append("per-tensor descales" if np.shape(value) == (1,) else "(B, K) descales")
+        elif isinstance(value, np.ndarray):
+            parts.append(key.replace("_", " "))
+        else:
+            parts.append(f"{key} {value}")
+    return case.replace(notes=(f"directed: {', '.join(parts)}",), **changes)
+

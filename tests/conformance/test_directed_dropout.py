@@ -84,6 +84,28 @@ def test_a_dropout_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, d
     report, output = certify_mutant(tmp_path, mutant, "conformance/test_flash_dropout.py", f"test_{prop}[")
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
-    assert re.search(rf"\(shrunk in \d+ examples from a directed case: {re.escape(directed)}", output), output[-3000:]
+    start = 'the directed example "L=[^"]+"' if prop.startswith("flash") else "a directed case"  # varlen: unnamed
+    assert re.search(rf"\(shrunk in \d+ examples from {start}: {re.escape(directed)}", output), output[-3000:]
     ce = r["counterexample"]
     assert (ce["B"], ce["N"], ce["K"], ce["L"], ce["S"], ce["E"], ce["Ev"]) == (1, 1, 1, 1, 1, 1, 1), ce
+
+
+def test_every_flash_level_directed_case_is_named():
+    """Each directed case of the flash level (its properties, FP8 and dropout included) says
+    what it is, so a report names the example a shrunk case started from: its lengths, then
+    what its variant sets (a window, causal, ALiBi slopes, sinks, descales)."""
+    names = []
+    for pid, info in registered_properties().items():
+        if info.level != "flash" or info.directed is None:
+            continue
+        for dtype in ("float64", "float32"):
+            target = Target(controls.flash, "flash", dtype, "cpu")
+            if info.skip_reason is not None and info.skip_reason(target):
+                continue
+            for case in info.directed(target):
+                [note] = [n for n in case.notes if n.startswith("directed: ")]
+                names.append((pid, note.removeprefix("directed: ")))
+    assert len(names) >= 20, names
+    assert all(name.split(",")[0].startswith("L=") for _, name in names), names
+    assert any("window (0, 0)" in name for _, name in names), names
+    assert any("causal" in name for _, name in names), names

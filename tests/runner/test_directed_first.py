@@ -177,7 +177,7 @@ def test_a_failing_flash_directed_case_is_shrunk(tmp_path):
     assert record["outcome"] == "failed", output[-3000:]
     got = {d: record["counterexample"][d] for d in ("B", "N", "K", "L", "S", "E", "Ev")}
     assert got == {"B": 1, "N": 1, "K": 1, "L": 1, "S": 2, "E": 1, "Ev": 1}, output[-3000:]
-    assert "failing case:" not in output and "from a directed case" in output, output[-3000:]
+    assert "failing case:" not in output and 'from the directed example "L=1 < S=3' in output, output[-3000:]
 
 
 def test_a_smaller_case_that_loses_the_cause_is_not_kept(tmp_path):
