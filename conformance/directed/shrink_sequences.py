@@ -20,8 +20,8 @@ from conformance.directed.shrink_sizes import (
     _quarters,
     _simple,
     _simple_arrays,
-    _Sized,
     _smaller,
+    _through,
     _value_dims,
 )
 
@@ -98,16 +98,11 @@ def _varlen_values(case: VarlenCase) -> Iterator[VarlenCase]:
 
 
 def varlen_passes() -> list[Callable[[VarlenCase], Iterator[VarlenCase]]]:
-    def heads(c: VarlenCase) -> Iterator[VarlenCase]:
-        return (_varlen_resized(c, **change) for change in _heads(_Sized(c, c.key, c.value)))
+    def by(changes: Callable[[Any], Iterator[dict[str, int]]]) -> Callable[[VarlenCase], Iterator[VarlenCase]]:
+        return _through(_varlen_resized, changes, lambda c: (c.key, c.value))
 
-    def dims(c: VarlenCase) -> Iterator[VarlenCase]:
-        return (_varlen_resized(c, **change) for change in _head_dims(_Sized(c, c.key, c.value)))
-
-    def value_dims(c: VarlenCase) -> Iterator[VarlenCase]:
-        return (_varlen_resized(c, **change) for change in _value_dims(_Sized(c, c.key, c.value)))
-
-    return [_varlen_sequences, heads, _varlen_lengths(0), _varlen_lengths(1), dims, value_dims, _varlen_values]
+    return [_varlen_sequences, by(_heads), _varlen_lengths(0), _varlen_lengths(1), by(_head_dims), by(_value_dims),
+            _varlen_values]
 
 
 def _kvcache_pages(case: KVCacheCase) -> tuple[list[list[int]], list[int]]:
@@ -273,11 +268,10 @@ def _kvcache_values(case: KVCacheCase) -> Iterator[KVCacheCase]:
 
 
 def kvcache_passes() -> list[Callable[[KVCacheCase], Iterator[KVCacheCase | None]]]:
-    def heads(c: KVCacheCase) -> Iterator[KVCacheCase | None]:
-        return (_kvcache_resized(c, **change) for change in _heads(_Sized(c, c.k_cache, c.v_cache)))
+    def by(changes: Callable[[Any], Iterator[dict[str, int]]]) -> Callable[[KVCacheCase], Iterator[KVCacheCase | None]]:
+        return _through(_kvcache_resized, changes, lambda c: (c.k_cache, c.v_cache))
 
-    def dims(c: KVCacheCase) -> Iterator[KVCacheCase | None]:
-        return (_kvcache_resized(c, **change) for change in _head_dims(_Sized(c, c.k_cache, c.v_cache)))
+    heads, dims = by(_heads), by(_head_dims)
 
     def value_dims(c: KVCacheCase) -> Iterator[KVCacheCase | None]:
         # Ev alone, equal to E or not (a rotary bug holds E where the values need not)

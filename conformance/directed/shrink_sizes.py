@@ -233,10 +233,21 @@ def _simple_arrays(arrays: list[np.ndarray]) -> bool:
     return all(np.all(np.abs(a) <= 2) and np.all(a * 4 == np.round(a * 4)) for a in arrays)
 
 
+def _through(resized: Callable[..., Any], changes: Callable[[Any], Iterator[dict[str, int]]],
+             arrays: Callable[[Any], tuple[Any, Any]] | None = None) -> Callable[[Any], Iterator[Any]]:
+    """A pass: ``resized(case, **change)`` for each size change ``changes`` proposes, the case
+    seen through its sizes (a case of another level through ``_Sized``, with the key and
+    value arrays ``arrays(case)`` gives)."""
+    def proposals(case: Any) -> Iterator[Any]:
+        seen = case if arrays is None else _Sized(case, *arrays(case))
+        return (resized(case, **change) for change in changes(seen))
+    return proposals
+
+
 def sdpa_passes(case: SDPACase | FlashCase) -> list[Callable[[Any], Iterator[Any]]]:
     """The passes of an SDPA or flash case: its sizes, then its values."""
     resized = _flash_resized if isinstance(case, FlashCase) else _resized
-    sizes = [lambda c, p=p: (resized(c, **change) for change in p(c)) for p in _SIZE_PASSES]
+    sizes = [_through(resized, p) for p in _SIZE_PASSES]
     return [*sizes, lambda c: _value_changes(c) if c.regime != "normal" or not _simple(c) else iter(())]
 
 

@@ -67,7 +67,9 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
     arguments = proposals.arguments_of(case)
     record.directed_origin = {"example": _name(case), "case": case.describe(), "checked": 0, "shrunk": False,
                               "why": None}
-    if not (sharded_shrinking.passes(case) if isinstance(case, ShardedCase) else proposals.passes(case)):
+    sharded = isinstance(case, ShardedCase)  # the sharded level brings its own passes and admission
+    passes_of = sharded_shrinking.passes if sharded else proposals.passes
+    if not passes_of(case):
         record.directed_origin["why"] = f"directed cases of the {target.level} level are not shrunk"
         return failure
     if arguments is None:  # its builder did not leave the strategy arguments proposals are admitted by
@@ -105,7 +107,6 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
         record.failing_case, record.failing_calls, failing_ratio[0] = saved
         return False
 
-    sharded = isinstance(case, ShardedCase)  # the sharded level brings its own passes and admission
     admission = sharded_shrinking.admitted if sharded else admitted
 
     def admit(candidate: Any) -> bool:
@@ -114,8 +115,7 @@ def shrink_failure(failure: PropertyFailure, case: Any, target: Any, record: Any
         except Exception:  # noqa: BLE001 - not admitted: never checked
             return False
 
-    smallest, checked = proposals.shrink(case, fails, admit=admit,
-                                         passes_of=sharded_shrinking.passes if sharded else None)
+    smallest, checked = proposals.shrink(case, fails, admit=admit, passes_of=passes_of)
     record.directed_origin["passed_over"] = passed_over[0]
     if smallest is case and passed_over[0]:
         record.directed_origin["why"] = "its smaller failing cases lose the evidence that names its cause"

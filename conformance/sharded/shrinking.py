@@ -18,8 +18,8 @@ from conformance.directed.shrink_sizes import (
     _heads,
     _quarters,
     _simple_arrays,
-    _Sized,
     _smaller,
+    _through,
     _value_dims,
 )
 from conformance.sharded import forkserver
@@ -87,16 +87,11 @@ def passes(case: ShardedCase) -> list[Callable[[ShardedCase], Iterator[ShardedCa
     def size(name: str) -> Callable[[ShardedCase], Iterator[ShardedCase]]:
         return lambda c: (_sharded_resized(c, **{name: v}) for v in _smaller(getattr(c, name)))
 
-    def heads(c: ShardedCase) -> Iterator[ShardedCase]:
-        return (_sharded_resized(c, **change) for change in _heads(_Sized(c, c.key, c.value)))
+    def by(changes: Callable[[Any], Iterator[dict[str, int]]]) -> Callable[[ShardedCase], Iterator[ShardedCase]]:
+        return _through(_sharded_resized, changes, lambda c: (c.key, c.value))
 
-    def dims(c: ShardedCase) -> Iterator[ShardedCase]:
-        return (_sharded_resized(c, **change) for change in _head_dims(_Sized(c, c.key, c.value)))
-
-    def value_dims(c: ShardedCase) -> Iterator[ShardedCase]:
-        return (_sharded_resized(c, **change) for change in _value_dims(_Sized(c, c.key, c.value)))
-
-    return [size("L"), _sharded_world, _sharded_window, size("B"), heads, dims, value_dims, _sharded_values]
+    return [size("L"), _sharded_world, _sharded_window, size("B"), by(_heads), by(_head_dims), by(_value_dims),
+            _sharded_values]
 
 
 #: What ``sharded_cases`` draws: E, Ev besides E, and a custom scale.

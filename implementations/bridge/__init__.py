@@ -317,13 +317,13 @@ def bridged_module_implementation(cls: type, *, name: str, origin: str, probe: C
              f"is_causal {'as the causal flag' if table.causal_flag else 'through attn_mask'}; weights written "
              "into the layer's (D, N, hd) and (N, hd, D) kernels)",
              f"autograd: {factory.framework.name} arrays pass through NumPy; declared off"]
+    deviations, note = _module_deviations(cls, table)
     caps = caps.replace(autograd=False, mask_grad=False, by_dtype={
         d: {k: v for k, v in values if k not in ("autograd", "mask_grad")} for d, values in caps.by_dtype},
-        probe_notes=(*notes, *caps.probe_notes))
-    deviations, note = _module_deviations(cls, table)
+        probe_notes=(*notes, *caps.probe_notes, *note))
     return Implementation(
-        name=name, capabilities=caps.replace(probe_notes=(*caps.probe_notes, *note)), mha=factory,
-        load_weights=load_module_weights, version=version, expected_failures=deviations,
+        name=name, capabilities=caps, mha=factory, load_weights=load_module_weights, version=version,
+        expected_failures=deviations,
         description=f"{table.name} ({origin}) through the module bridge; capabilities probed, semantics "
                     "nn.MultiheadAttention's",
     )
