@@ -1,5 +1,6 @@
 """The framework bridge: an SDPA-level function of another array framework (NumPy,
-JAX, Keras 3 on any backend, TensorFlow, tinygrad, CuPy, MLX) certified with no adapter.
+JAX, Keras 3 on any backend, TensorFlow, tinygrad, CuPy, MLX, PaddlePaddle) certified with
+no adapter.
 
 ``--impl=module:function`` finds the function; the framework is
 
@@ -12,7 +13,8 @@ JAX, Keras 3 on any backend, TensorFlow, tinygrad, CuPy, MLX) certified with no 
   framework other than NumPy that its module imports (``from tinygrad import Tensor``).
 
 Its layout is declared with ``--impl-option layout=BNLE|BLNE``; without it, a framework's
-own ``dot_product_attention`` (Keras, JAX: documented as ``(B, L, N, E)``) is ``BLNE`` and
+own ``dot_product_attention`` (Keras, JAX: documented as ``(B, L, N, E)``) and Paddle's
+``scaled_dot_product_attention`` (its ``paddle.compat`` twin is torch's) are ``BLNE``, and
 every other function torch's ``BNLE``. Its arguments are mapped from its signature
 (:mod:`.arguments`), arrays converted and gradients taken by the framework
 (:mod:`.frameworks`), and the call made by :class:`~.sdpa.BridgedSDPA`. Capabilities are
@@ -183,15 +185,36 @@ def _how_recognised(fn: Any, framework: str, declared: Mapping[str, str]) -> str
 
 
 #: A framework's own attention functions: (framework, name) -> their layout. Each takes
-#: K < N key/value heads (GQA) without an ``enable_gqa`` parameter, as documented.
+#: K < N key/value heads (GQA) without an ``enable_gqa`` parameter, or with one that
+#: defaults to True (Paddle's), as documented.
 _OWN_FUNCTIONS = {("keras", "dot_product_attention"): "BLNE", ("jax", "dot_product_attention"): "BLNE",
-                  ("mlx", "scaled_dot_product_attention"): "BNLE"}
+                  ("mlx", "scaled_dot_product_attention"): "BNLE",
+                  ("paddle", "scaled_dot_product_attention"): "BLNE"}
+
+#: The measured deviations of those functions: (framework, name) -> the short name of their
+#: expected-failures file (``implementations/xfail/libraries/``), attached when the
+#: function itself is certified.
+_OWN_DEVIATIONS = {("paddle", "scaled_dot_product_attention"): "paddle-sdpa"}
+
+#: Modules of torch-compatible twins of those functions (torch's BNLE layout and
+#: ``enable_gqa=False``): ``paddle.compat.nn.functional.scaled_dot_product_attention``.
+_TORCH_COMPATIBLE = ("paddle.compat",)
 
 
 def _frameworks_own(fn: Any, framework: str) -> bool:
-    """Whether ``fn`` is a framework's own attention function (:data:`_OWN_FUNCTIONS`)."""
-    own = _top_package(getattr(fn, "__module__", None)) in PACKAGES
+    """Whether ``fn`` is a framework's own attention function (:data:`_OWN_FUNCTIONS`),
+    not its torch-compatible twin."""
+    module = getattr(fn, "__module__", None) or ""
+    own = _top_package(module) in PACKAGES and not module.startswith(_TORCH_COMPATIBLE)
     return own and (framework, getattr(fn, "__name__", "")) in _OWN_FUNCTIONS
+
+
+def _own_deviations(fn: Any, framework: str) -> str | None:
+    """The short name of the measured deviations of a framework's own function or of its
+    torch-compatible twin (the same code behind another layout), or None."""
+    if _top_package(getattr(fn, "__module__", None)) not in PACKAGES:
+        return None
+    return _OWN_DEVIATIONS.get((framework, getattr(fn, "__name__", "")))
 
 
 def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = None, origin: str = "",
@@ -248,9 +271,16 @@ def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str,
     if not bridged.framework.autodiff and not bridged.framework.native_torch:
         notes.append(f"autograd: {bridged.framework.name} has no automatic differentiation; declared off")
         caps = caps.replace(autograd=False, mask_grad=False)
+    deviations, short = (), _own_deviations(fn, framework)
+    if short is not None:
+        from implementations.registry.expected_failures import LIBRARY_XFAIL_DIR, load_expected_failures
+
+        deviations = load_expected_failures(short, LIBRARY_XFAIL_DIR)
+        notes.append(f"expected failures: the deviations measured on {origin} "
+                     f"(implementations/xfail/libraries/{short}.toml), attached to the library's own function")
     caps = caps.replace(probe_notes=(*notes, *caps.probe_notes))
     return Implementation(
-        name=name, capabilities=caps, sdpa=bridged, version=bridged.framework.version,
+        name=name, capabilities=caps, sdpa=bridged, version=bridged.framework.version, expected_failures=deviations,
         description=f"{bridged.framework.name} function {origin} through the framework bridge "
                     f"(layout {bridged.layout}); capabilities probed, semantics scaled_dot_product_attention's",
     )

@@ -6,7 +6,7 @@ where the framework has it) or DLPack (CuPy, whose arrays live on the GPU), exce
 on its torch backend, whose tensors are torch tensors: nothing is converted and torch's
 autograd differentiates it. Gradients use the framework's own autodiff: ``jax.vjp``
 (JAX, Keras on JAX), ``tf.GradientTape`` (TensorFlow, Keras on TensorFlow), tinygrad's
-``backward``, ``mlx.core.vjp``; NumPy and CuPy have none (``autodiff`` is False, the
+``backward``, ``mlx.core.vjp``, ``paddle.grad``; NumPy and CuPy have none (``autodiff`` is False, the
 bridge declares autograd off).
 
 A framework is recognised by the top-level package of a callable's ``__module__``
@@ -28,12 +28,12 @@ __all__ = ["FRAMEWORKS", "PACKAGES", "UNBRIDGED", "Framework", "framework_named"
 PACKAGES = {
     "numpy": "numpy", "jax": "jax", "jaxlib": "jax", "flax": "jax", "keras": "keras",
     "tensorflow": "tensorflow", "tf_keras": "tensorflow", "tinygrad": "tinygrad",
-    "cupy": "cupy", "cupyx": "cupy", "mlx": "mlx",
+    "cupy": "cupy", "cupyx": "cupy", "mlx": "mlx", "paddle": "paddle",
 }
 
 #: Top-level packages of array frameworks the bridge does not run (a function of one gets
 #: torch tensors it cannot read): the name each goes by.
-UNBRIDGED = {"paddle": "PaddlePaddle", "mindspore": "MindSpore", "oneflow": "OneFlow", "mxnet": "MXNet",
+UNBRIDGED = {"mindspore": "MindSpore", "oneflow": "OneFlow", "mxnet": "MXNet",
              "dpnp": "dpnp"}
 
 
@@ -321,10 +321,50 @@ class MLX(Framework):
         return list(grads)
 
 
+class Paddle(Framework):
+    """PaddlePaddle's dygraph tensors on the CPU, through NumPy; gradients by ``paddle.grad``.
+    bfloat16 crosses through float32 (exactly): Paddle reads no ml_dtypes array and shows
+    its own bfloat16 as uint16."""
+
+    name = package = "paddle"
+    distribution = "paddlepaddle"
+    autodiff = True
+
+    def __init__(self) -> None:
+        import warnings
+
+        with warnings.catch_warnings():  # paddle 3.3 warns at import that no ccache is installed
+            warnings.filterwarnings("ignore", "No ccache found", UserWarning)
+            super().__init__()
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        paddle = self.module
+        if array.dtype.name == "bfloat16":
+            return paddle.to_tensor(np.asarray(array, dtype=np.float32)).astype("bfloat16")
+        return paddle.to_tensor(np.ascontiguousarray(array))
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        if getattr(array, "dtype", None) == self.module.bfloat16:
+            import ml_dtypes
+
+            return array.astype("float32").numpy().astype(ml_dtypes.bfloat16)
+        return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
+
+    def vjp(self, fn, primals, cotangent):
+        leaves = []
+        for primal in primals:
+            leaf = primal.detach()
+            leaf.stop_gradient = False
+            leaves.append(leaf)
+        out = fn(*leaves)
+        grads = self.module.grad([out], leaves, grad_outputs=[cotangent], allow_unused=True)
+        return [None if g is None else g.detach() for g in grads]
+
+
 #: Framework name -> its class (``--impl-option framework=NAME``).
 FRAMEWORKS: dict[str, type[Framework]] = {
     "numpy": NumPy, "jax": Jax, "keras": Keras, "tensorflow": TensorFlow,
-    "tinygrad": Tinygrad, "cupy": CuPy, "mlx": MLX,
+    "tinygrad": Tinygrad, "cupy": CuPy, "mlx": MLX, "paddle": Paddle,
 }
 
 

@@ -12,12 +12,19 @@ Flax Linen             ``flax.linen.                     a pure module: paramete
                        MultiHeadDotProductAttention``    (``params['query']['kernel']``...); no
                                                          causal flag (the mask carries it);
                                                          weights sown into ``intermediates``
+Equinox                ``equinox.nn.MultiheadAttention`` unbatched (vmapped); ``nn.Linear``
+                                                         weights (out, in); one (L, S) mask for
+                                                         every head
+Haiku                  ``haiku.MultiHeadAttention``      pure (``hk.transform``); no dropout
+PaddlePaddle           ``paddle.nn.MultiHeadAttention``  a stateful layer built in the default
+                                                         dtype; ``Linear`` weights (in, out);
+                                                         weights returned (``need_weights=True``)
 =====================  ================================  ==========================================
 
-Both take a bool mask True = attend broadcastable to (B, N, L, S), their kernels are
+Each takes a bool mask True = attend broadcastable to (B, N, L, S); Flax's kernels are
 ``LinearGeneral``/``DenseGeneral`` (D_in, N, hd) and (N, hd, D): the canonical layout as is.
-Dropout is on the attention weights with ``deterministic=False``, seeded from torch's global
-generator when the layer is built (:func:`_seed`).
+Dropout is on the attention weights in training (Flax: ``deterministic=False``), seeded from
+torch's global generator when the layer is built (:func:`_seed`).
 """
 
 from __future__ import annotations
@@ -317,6 +324,64 @@ def _hk_put(held, role, array):
     held.layer = {**held.layer, part: {**held.layer[part], leaf: new}}
 
 
+# --------------------------------------------------------------------------- PaddlePaddle
+
+
+@contextlib.contextmanager
+def _paddle_dtype(dtype: str) -> Iterator[None]:
+    """Paddle builds a layer's parameters in its default dtype: ``dtype`` while open."""
+    import paddle
+
+    before = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        paddle.set_default_dtype(before)
+
+
+def _pd_build(cls, embed_dim, num_heads, kdim, vdim, bias, dropout, dtype):
+    import paddle
+
+    paddle.seed(_seed())  # dropout patterns drawn from the suite's seed
+    with _paddle_dtype(dtype):
+        return cls(embed_dim, num_heads, dropout=dropout, kdim=kdim, vdim=vdim, need_weights=True,
+                   bias_attr=None if bias else False)
+
+
+def _pd_call(layer, query, key, value, mask, causal, training, need_weights):
+    layer.train() if training else layer.eval()
+    out, weights = layer(query, key, value, attn_mask=mask)
+    return out, (weights if need_weights else None)
+
+
+def _pd_linear(layer, role):
+    """The ``paddle.nn.Linear`` of ``role`` (weight (in, out), bias (out,)) and its leaf."""
+    part = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}[role[0]]
+    return getattr(layer, part), ("bias" if role.endswith("bias") else "weight")
+
+
+def _pd_get(layer, role):
+    linear, leaf = _pd_linear(layer, role)
+    array = getattr(linear, leaf).astype("float64").numpy()
+    if role == "o_bias":
+        return array
+    if leaf == "bias":
+        return array.reshape(layer.num_heads, -1)
+    if role == "o_kernel":
+        return array.reshape(layer.num_heads, -1, array.shape[1])
+    return array.reshape(array.shape[0], layer.num_heads, -1)
+
+
+def _pd_put(layer, role, array):
+    import paddle
+
+    linear, leaf = _pd_linear(layer, role)
+    param = getattr(linear, leaf)
+    value = np.asarray(array, dtype=np.float64).reshape(param.shape)
+    param.set_value(paddle.to_tensor(value).astype(param.dtype))
+
+
 #: The tables, tried in order by :func:`module_table`.
 MODULE_TABLES = (
     ModuleTable(name="flax.nnx.MultiHeadAttention", framework="jax",
@@ -331,6 +396,9 @@ MODULE_TABLES = (
     ModuleTable(name="haiku.MultiHeadAttention", framework="jax",
                 matches=_subclass_of("haiku", "MultiHeadAttention"), build=_hk_build, call=_hk_call,
                 get=_hk_get, put=_hk_put, causal_flag=False, deviations="haiku-mha"),
+    ModuleTable(name="paddle.nn.MultiHeadAttention", framework="paddle",
+                matches=_subclass_of("paddle.nn", "MultiHeadAttention"), build=_pd_build, call=_pd_call,
+                get=_pd_get, put=_pd_put, causal_flag=False, deviations="paddle-mha"),
 )
 
 

@@ -19,7 +19,7 @@ __all__ = ["KERNEL_BLOCK", "softmax_float32", "products_in_dtype", "float16_over
            "bfloat16_accumulator", "visited_keys", "online_softmax_no_rescale", "no_rescale_applies",
            "FINITE_FILLS", "input_round_trip", "input_round_trip_applies", "finite_fill_added",
            "finite_fill_applies", "fill_cancels", "fill_cancels_applies", "first_block_nan", "first_block_nan_applies", "causal_before_scale",
-           "causal_before_scale_applies"]
+           "causal_before_scale_applies", "SOFTMAX_CLAMP", "softmax_clamped", "softmax_clamped_applies"]
 
 #: Key block of the tiled-kernel variants (the bug zoo's tiled and Triton kernels use 16).
 KERNEL_BLOCK = 16
@@ -97,6 +97,33 @@ def global_max(p: SDPAProblem) -> VariantResult:
 def global_max_applies(p: SDPAProblem) -> bool:
     shifted, per_row, allowed, _ = _exps_global_shift(p)
     return bool((allowed & (shifted == 0) & (per_row > 0)).any())
+
+
+#: The shifted score below which :func:`softmax_clamped` clamps: exp(-64) ~ 1.6e-28.
+SOFTMAX_CLAMP = -64.0
+
+
+def _clamped_exps(p: SDPAProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(exp(max(s - row max, -64)), s - row max, valid rows, value)``, blocked keys at -inf
+    before the clamp, in the compute dtype."""
+    _, scores, allowed, value = A.scores_of(p)
+    valid = allowed.any(axis=-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        masked = np.where(allowed, scores, -np.inf).astype(A.compute_dtype(p))
+        shifted = masked - np.where(valid, masked.max(axis=-1, keepdims=True), 0).astype(masked.dtype)
+        return np.exp(np.maximum(shifted, SOFTMAX_CLAMP)), shifted, valid, value
+
+
+def softmax_clamped(p: SDPAProblem) -> VariantResult:
+    exps, _, valid, value = _clamped_exps(p)
+    with np.errstate(all="ignore"):
+        weights = (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float64)
+    return A.finish(A.apply_policy(weights, ~valid, A.declared_policy(p)), value)
+
+
+def softmax_clamped_applies(p: SDPAProblem) -> bool:
+    _, shifted, valid, _ = _clamped_exps(p)
+    return bool(((shifted < SOFTMAX_CLAMP) & valid).any())
 
 
 def _rounded_matmul(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:

@@ -326,6 +326,13 @@ def _table() -> list[Variant]:
                      "underflows (zero rows) at large logits",
              models="exp(s) / sum(exp(s)) in a hand-written softmax (bug zoo: no_max_subtraction)",
              applies=numerics.no_max_subtraction_applies, compute=numerics.no_max_subtraction),
+        dict(id="softmax_clamped",
+             summary="the softmax clamps each shifted score s - max at -64 before exp, so blocked keys and "
+                     "keys more than 64 below the row max keep weight exp(-64) ~ 1.6e-28 instead of 0 (seen "
+                     "where their values are large)",
+             models="PaddlePaddle 3.3's CPU softmax (paddle.nn.functional.softmax, and its "
+                    "scaled_dot_product_attention's math path)",
+             applies=numerics.softmax_clamped_applies, compute=numerics.softmax_clamped),
         dict(id="global_max",
              summary="the softmax shift is the max over all rows (and heads and batch items), so a row "
                      "far below it underflows to 0",

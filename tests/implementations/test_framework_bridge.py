@@ -82,19 +82,19 @@ def test_a_scale_parameter_with_its_own_default_is_always_given_sdpas(tmp_path):
 
 
 def test_a_function_of_a_framework_the_bridge_does_not_run_is_refused_with_the_reason(tmp_path, monkeypatch):
-    """PaddlePaddle's SDPA got torch tensors and failed its first call with a hint about
-    tile declarations; it is refused at recognition, naming the framework."""
-    (tmp_path / "paddle" / "nn").mkdir(parents=True)
-    (tmp_path / "paddle" / "__init__.py").write_text("def matmul(a, b):\n    return a @ b\n")
-    (tmp_path / "paddle" / "nn" / "__init__.py").write_text("")
-    (tmp_path / "paddle" / "nn" / "functional.py").write_text(
+    """A function of an array framework the bridge does not run (PaddlePaddle's SDPA, before
+    Paddle was bridged, got torch tensors and failed its first call with a hint about tile
+    declarations) is refused at recognition, naming the framework and the bridged ones."""
+    (tmp_path / "mindspore" / "ops").mkdir(parents=True)
+    (tmp_path / "mindspore" / "__init__.py").write_text("def matmul(a, b):\n    return a @ b\n")
+    (tmp_path / "mindspore" / "ops" / "__init__.py").write_text(
         "def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False):\n"
-        "    raise TypeError('not a paddle Tensor')\n")
-    (tmp_path / "mine.py").write_text("import paddle\n\n\ndef attention(q, k, v):\n"
-                                      "    return paddle.matmul(q, k)\n")
+        "    raise TypeError('not a mindspore Tensor')\n")
+    (tmp_path / "mine.py").write_text("import mindspore\n\n\ndef attention(q, k, v):\n"
+                                      "    return mindspore.matmul(q, k)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for spec_ in ("paddle.nn.functional:scaled_dot_product_attention", f"{tmp_path / 'mine.py'}:attention"):
-        with pytest.raises(ImplementationError, match="PaddlePaddle function .* not a bridged framework"):
+    for spec_ in ("mindspore.ops:scaled_dot_product_attention", f"{tmp_path / 'mine.py'}:attention"):
+        with pytest.raises(ImplementationError, match="MindSpore function .* not a bridged framework.*paddle"):
             registry.resolve(spec_)
 
 

@@ -3,7 +3,8 @@
 
 In process: each table's layer, built by the factory with the drawn weights written into it,
 agrees with the float64 oracle ``spec.mha_forward`` (masks, per-head masks, the causal flag,
-need_weights), and shows the weights back under nn.MultiheadAttention's names. (Their ``ci``
+need_weights), and shows the weights back under nn.MultiheadAttention's names. Paddle's
+layer: tests/implementations/test_paddle_bridge.py too. (Their ``ci``
 certificates are not pinned here yet: docs/FRAMEWORKS.md.) Tests of a framework that is not
 installed skip."""
 
@@ -28,6 +29,7 @@ LAYERS = [
     ("linen", "flax", "flax", "flax.linen:MultiHeadDotProductAttention"),
     ("equinox", "equinox", "equinox", "equinox.nn:MultiheadAttention"),
     ("haiku", "haiku", "dm-haiku", "haiku:MultiHeadAttention"),
+    ("paddle", "paddle", "paddlepaddle", "paddle.nn:MultiHeadAttention"),
 ]
 
 
@@ -84,7 +86,7 @@ def test_layers_compute_nn_multihead_attention(path):
         want, want_weights = spec.mha_forward(params, q, k, v, key_padding_mask=padding, attn_mask=attn_mask,
                                               average_attn_weights=False)
         np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
-        if path.startswith("flax"):
+        if path.startswith(("flax", "paddle")):
             np.testing.assert_allclose(weights.numpy(), want_weights, atol=1e-12)
         else:
             assert weights is None
@@ -118,9 +120,10 @@ def test_flax_layers_are_recognised_and_refuse_what_they_lack():
 
 
 
-@pytest.mark.parametrize("path", [p for p in layer_params() if p.id in ("equinox", "haiku")])
+@pytest.mark.parametrize("path", [p for p in layer_params() if p.id in ("equinox", "haiku", "paddle")])
 def test_layers_with_separate_key_and_value_widths(path):
-    """Equinox's and Haiku's projections take any input width: kdim and vdim pass through."""
+    """Equinox's, Haiku's and Paddle's projections take any input width: kdim and vdim pass
+    through."""
     cls = layer_class(path)
     params, rng = drawn()
     w = rng.standard_normal((3 * D, D))

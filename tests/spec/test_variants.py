@@ -67,6 +67,13 @@ def wide_rows(dtype: str = "float32", size: float = 10.0) -> V.SDPAProblem:
     return V.SDPAProblem(query, key, value, scale=1.0, dtype=dtype)
 
 
+def blocked_large_value() -> V.SDPAProblem:
+    # key 1 blocked and its value 1e30: a weight of exp(-64) on it is 1.6e2 in the output
+    value = np.array([1.0, 1e30]).reshape(1, 1, 2, 1)
+    mask = np.array([[True, False]])
+    return V.SDPAProblem(np.ones((1, 1, 1, 1)), np.zeros((1, 1, 2, 1)), value, attend_mask=mask)
+
+
 def float16_cancellation() -> V.SDPAProblem:
     # equal logits, weights 1/3; values 2048, 1, -2048 sum to 1 only in float32 accumulation
     value = np.array([2048.0, 1.0, -2048.0]).reshape(1, 1, 3, 1)
@@ -118,6 +125,7 @@ SDPA_CASES: dict[str, Callable[[], V.SDPAProblem]] = {
     "float16_overflow": float16_huge,
     "no_max_subtraction": lambda: wide_rows("float32"),
     "global_max": lambda: wide_rows("float32"),
+    "softmax_clamped": blocked_large_value,
     "low_precision_accumulation": float16_cancellation,
     "bfloat16_accumulator": lambda: sdpa_problem(5, S=20, dtype="float32"),
     "ragged_tail_dropped": lambda: sdpa_problem(6, S=20),
