@@ -15,7 +15,8 @@ float ``attn_mask``    ``attn_mask``, else ``bias`` / ``attn_bias`` (added to th
 ``is_causal``          ``is_causal`` or ``causal``
 ``scale``              ``scale``, ``softmax_scale`` or ``sm_scale``
 ``dropout_p``          ``dropout_p``
-``enable_gqa``         ``enable_gqa``; without it K < N heads are passed as they are
+``enable_gqa``         ``enable_gqa``; without it K < N heads are passed as they are (the
+                       probe reads whether the function takes them)
 =====================  ===============================================================
 
 A ``mask`` parameter annotated to take a string (MLX's ``mask: None | str | array``) takes

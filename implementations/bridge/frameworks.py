@@ -15,6 +15,7 @@ A framework is recognised by the top-level package of a callable's ``__module__`
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 from typing import Any, Callable, Sequence
@@ -107,6 +108,11 @@ class Framework:
         """``fn`` computing refused matmul precisions at the default one (JAX only)."""
         raise NotImplementedError(f"{self.name} has no rewrite of refused matmul precisions")
 
+    def dtype_scope(self, dtype: Any) -> contextlib.AbstractContextManager:
+        """What a call in ``dtype`` (a torch dtype or its name) runs inside: JAX's float64
+        switch for a float64 call; nothing otherwise."""
+        return contextlib.nullcontext()
+
 
 class NumPy(Framework):
     name = package = "numpy"
@@ -118,10 +124,26 @@ class Jax(Framework):
 
     def __init__(self) -> None:
         super().__init__()
-        # float64 arrays stay float64 (a process-wide JAX setting, switched on before use)
-        self.module.config.update("jax_enable_x64", True)
+        # float64 arrays stay float64 inside dtype_scope(float64) only: JAX's thread-local
+        # switch around each float64 call, so that every other call runs as JAX runs by
+        # default (a process-wide jax_enable_x64 changes the code under test: integer and
+        # index dtypes, what some kernels accept). A JAX without the switch gets it process-wide.
+        self._x64 = getattr(self.module, "enable_x64", None)
+        if self._x64 is None:
+            try:
+                from jax.experimental import enable_x64 as switch
+            except ImportError:
+                switch = None
+            self._x64 = switch
+        if self._x64 is None:
+            self.module.config.update("jax_enable_x64", True)
         #: (precision, dtypes) -> whether the backend refuses it, shared by every rewrite
         self.refusals: dict[tuple, bool] = {}
+
+    def dtype_scope(self, dtype: Any) -> contextlib.AbstractContextManager:
+        if self._x64 is not None and str(dtype).removeprefix("torch.") == "float64":
+            return self._x64(True)
+        return contextlib.nullcontext()
 
     def from_numpy(self, array: np.ndarray) -> Any:
         # device_put of an owned copy: jnp.asarray compiles a copy program ("jit(stage)",
@@ -256,6 +278,9 @@ class Keras(Framework):
 
     def vjp(self, fn, primals, cotangent):
         return self.inner.vjp(fn, primals, cotangent)
+
+    def dtype_scope(self, dtype):
+        return self.inner.dtype_scope(dtype) if self.inner is not None else contextlib.nullcontext()
 
 
 class Tinygrad(Framework):

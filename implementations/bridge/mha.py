@@ -101,10 +101,11 @@ class KerasMHAFactory:
         dtype = torch.get_default_dtype() if dtype is None else dtype
         name = str(dtype).removeprefix("torch.")
         head = embed_dim // num_heads
-        layer = self.cls(num_heads=num_heads, key_dim=head, value_dim=head, dropout=dropout, use_bias=bias,
-                         dtype=name)
         kdim, vdim = kdim or embed_dim, vdim or embed_dim
-        layer.build((1, 1, embed_dim), (1, 1, vdim), (1, 1, kdim))
+        with self.framework.dtype_scope(dtype):
+            layer = self.cls(num_heads=num_heads, key_dim=head, value_dim=head, dropout=dropout, use_bias=bias,
+                             dtype=name)
+            layer.build((1, 1, embed_dim), (1, 1, vdim), (1, 1, kdim))
         return KerasMHA(layer, self, embed_dim=embed_dim, num_heads=num_heads, kdim=kdim, vdim=vdim,
                         batch_first=batch_first, dtype=dtype)
 
@@ -186,13 +187,14 @@ class KerasMHA(torch.nn.Module):
         framework = self.factory.framework
         if self.factory.native_torch:
             return self.layer(query, value, key=key, **kwargs)
-        arrays = [framework.from_torch(t.detach()) for t in (query, value, key)]
-        if "attention_mask" in kwargs:
-            kwargs = dict(kwargs, attention_mask=framework.from_torch(kwargs["attention_mask"]))
-        out = self.layer(arrays[0], arrays[1], key=arrays[2], **kwargs)
-        if isinstance(out, tuple):  # in the dtype the layer returned: output_contract checks it
-            return tuple(framework.to_torch(o, query) for o in out)
-        return framework.to_torch(out, query)
+        with framework.dtype_scope(self.dtype):
+            arrays = [framework.from_torch(t.detach()) for t in (query, value, key)]
+            if "attention_mask" in kwargs:
+                kwargs = dict(kwargs, attention_mask=framework.from_torch(kwargs["attention_mask"]))
+            out = self.layer(arrays[0], arrays[1], key=arrays[2], **kwargs)
+            if isinstance(out, tuple):  # in the dtype the layer returned: output_contract checks it
+                return tuple(framework.to_torch(o, query) for o in out)
+            return framework.to_torch(out, query)
 
     # ------------------------------------------------- nn.MultiheadAttention's names
 
@@ -236,7 +238,8 @@ def load_keras_weights(module: KerasMHA, params: Any) -> None:
 
     def put(variable: Any, array: np.ndarray) -> None:
         value = torch.as_tensor(np.asarray(array, dtype=np.float64)).to(dtype)
-        variable.assign(value if module.factory.native_torch else _to_numpy(value))
+        with module.factory.framework.dtype_scope(dtype):
+            variable.assign(value if module.factory.native_torch else _to_numpy(value))
 
     for dense, weight, bias in ((dense_q, wq, bq), (dense_k, wk, bk), (dense_v, wv, bv)):
         put(dense.kernel, weight.T.reshape(weight.shape[1], N, head))

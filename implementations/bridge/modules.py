@@ -91,8 +91,9 @@ class ModuleMHAFactory:
             raise NotImplementedError(f"{self.table.name} takes one width for key and value (kdim={kdim}, "
                                       f"vdim={vdim})")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        layer = self.table.build(self.cls, embed_dim, num_heads, kdim, vdim, bias, dropout,
-                                 str(dtype).removeprefix("torch."))
+        with self.framework.dtype_scope(dtype):
+            layer = self.table.build(self.cls, embed_dim, num_heads, kdim, vdim, bias, dropout,
+                                     str(dtype).removeprefix("torch."))
         return ModuleMHA(layer, self, embed_dim=embed_dim, num_heads=num_heads, kdim=kdim, vdim=vdim,
                          bias=bias, batch_first=batch_first, dtype=dtype)
 
@@ -121,12 +122,14 @@ class ModuleMHA(torch.nn.Module):
         causal = bool(is_causal) and self.table.causal_flag
         attend = self._attend(key_padding_mask, None if causal else attn_mask, B, L, S)
         framework = self.factory.framework
-        arrays = [framework.from_torch(t.detach()) for t in (query, key, value)]
-        mask = None if attend is None else framework.from_torch(attend)
-        out, weights = self.table.call(self.layer, *arrays, mask, causal, self.training, need_weights)
-        out = framework.to_torch(out, query)
+        with framework.dtype_scope(self.dtype):
+            arrays = [framework.from_torch(t.detach()) for t in (query, key, value)]
+            mask = None if attend is None else framework.from_torch(attend)
+            out, weights = self.table.call(self.layer, *arrays, mask, causal, self.training, need_weights)
+            out = framework.to_torch(out, query)
+            if need_weights and weights is not None:
+                weights = framework.to_torch(weights, query)
         if need_weights and weights is not None:
-            weights = framework.to_torch(weights, query)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
             if unbatched:
@@ -189,7 +192,8 @@ def load_module_weights(module: ModuleMHA, params: Any) -> None:
 
     def put(role: str, array: np.ndarray) -> None:
         value = torch.as_tensor(np.asarray(array, dtype=np.float64)).to(module.dtype)
-        module.table.put(module.layer, role, torch_to_numpy(value))
+        with module.factory.framework.dtype_scope(module.dtype):
+            module.table.put(module.layer, role, torch_to_numpy(value))
 
     weights, biases = params.projection_weights(), params.projection_biases()
     for index, (weight, bias) in enumerate(zip(weights, biases, strict=True)):

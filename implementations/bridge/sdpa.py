@@ -48,10 +48,11 @@ class BridgedSDPA:
     compiler refuses. ``"default-precision"``: as ``"fallback"``, compiled with each matmul
     precision the backend refuses computed at the default precision
     (``Framework.with_default_precision``), for a function whose eager code itself retries
-    that way (JAX's ``dot_product_attention`` in float16 on a CPU). ``native_gqa``: the function takes
-    K < N key/value heads without an ``enable_gqa`` parameter (JAX's and Keras' own
-    ``dot_product_attention``: query head h reads key/value head h // (N / K)); any other
-    function without ``enable_gqa`` refuses ``enable_gqa=True``."""
+    that way (JAX's ``dot_product_attention`` in float16 on a CPU). ``native_gqa``: the function is
+    documented to take K < N key/value heads without an ``enable_gqa`` parameter (JAX's and
+    Keras' own ``dot_product_attention``: query head h reads key/value head h // (N / K)). Any
+    function without ``enable_gqa`` gets K < N heads as they are: whether it takes them is read
+    from what it does (the probe's call with N = 4, K = 2), not from a parameter's name."""
 
     def __init__(self, fn: Callable[..., Any], framework: Framework, arguments: ArgumentMap,
                  layout: str = "BNLE", jit: bool | str | Callable[[torch.dtype], bool | str] = False,
@@ -101,8 +102,10 @@ class BridgedSDPA:
                                            (args.gqa, enable_gqa, False, "enable_gqa")):
             if flag is not None:
                 statics[flag] = type(default)(given)
-            elif given != default and not (ours == "enable_gqa" and self.native_gqa):
+            elif given != default and ours != "enable_gqa":
                 raise NotImplementedError(f"{self.__name__} has no {ours} parameter")
+            # without an enable_gqa parameter, K < N heads go as they are: whether the function
+            # takes them is read from what it does (the probe's GQA call, gqa_equivalence)
         if scale is not None and args.scale is None:
             raise NotImplementedError(f"{self.__name__} has no scale parameter")
         if scale is None and args.explicit_scale:
@@ -119,6 +122,11 @@ class BridgedSDPA:
             out = _Bridged.apply(self, config, None if scale is None else float(scale), *tensors)
         if self.layout == "BLNE":
             out = out.transpose(1, 2)
+        if args.gqa is None and key.shape[-3] != query.shape[-3] and out.shape[-3] != query.shape[-3]:
+            # K != N heads passed as they are (no enable_gqa parameter) and broadcast by the
+            # function into an output that is not the query's heads: not an SDPA result
+            raise ValueError(f"{self.__name__} returned {out.shape[-3]} heads for a query of "
+                             f"{query.shape[-3]} heads and {key.shape[-3]} key/value heads")
         return out.reshape(*lead, *out.shape[-3:])
 
     def _call(self, arrays, config, scale):
@@ -167,8 +175,9 @@ class BridgedSDPA:
 
 class _JitOrEager:
     """A compiled function with an eager fallback per shape: a shape (with its dtypes) whose
-    first compiled call raises runs ``eager`` from then on (an error of the eager call is
-    the call's error); a shape that compiled once stays compiled."""
+    first compiled call raises and whose eager call runs is eager from then on (an error of
+    the eager call is the call's error, and nothing is recorded); a shape that compiled once
+    stays compiled."""
 
     def __init__(self, jitted: Callable[..., Any], eager: Callable[..., Any]) -> None:
         self.jitted, self.eager = jitted, eager
@@ -184,8 +193,9 @@ class _JitOrEager:
         try:
             out = self.jitted(*arrays, **kwargs)
         except Exception:  # the compiler refused this shape: what the eager call does instead
+            out = self.eager(*arrays, **kwargs)  # raising too: the call's own error, nothing recorded
             self.compiles[key] = False
-            return self.eager(*arrays, **kwargs)
+            return out
         self.compiles[key] = True
         return out
 
@@ -205,9 +215,10 @@ class _Bridged(torch.autograd.Function):
     def forward(ctx, bridge: BridgedSDPA, config, scale, *tensors):
         framework = bridge.framework
         query = tensors[0]
-        arrays = [framework.from_torch(t) for t in tensors]
-        forward, _ = bridge.functions(config, query.dtype)
-        out = framework.to_torch(forward(*arrays, scale=scale), query)
+        with framework.dtype_scope(query.dtype):
+            arrays = [framework.from_torch(t) for t in tensors]
+            forward, _ = bridge.functions(config, query.dtype)
+            out = framework.to_torch(forward(*arrays, scale=scale), query)
         _check_dtype(bridge, out, query)
         ctx.bridge, ctx.config, ctx.scale, ctx.arrays = bridge, config, scale, arrays
         ctx.likes = tensors
@@ -220,10 +231,11 @@ class _Bridged(torch.autograd.Function):
         bridge, likes = ctx.bridge, ctx.likes
         framework = bridge.framework
         _, backward = bridge.functions(ctx.config, likes[0].dtype)
-        cotangent = framework.from_torch(grad_output.to(likes[0].dtype).contiguous())
-        grads = backward(*ctx.arrays, cotangent=cotangent, scale=ctx.scale)
         out: list[torch.Tensor | None] = [None] * len(likes)
-        for index, grad in zip(ctx.config[2], grads, strict=True):
-            if grad is not None:
-                out[index] = framework.to_torch(grad, likes[index]).to(likes[index].dtype)
+        with framework.dtype_scope(likes[0].dtype):
+            cotangent = framework.from_torch(grad_output.to(likes[0].dtype).contiguous())
+            grads = backward(*ctx.arrays, cotangent=cotangent, scale=ctx.scale)
+            for index, grad in zip(ctx.config[2], grads, strict=True):
+                if grad is not None:
+                    out[index] = framework.to_torch(grad, likes[index]).to(likes[index].dtype)
         return (None, None, None, *out)

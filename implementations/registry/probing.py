@@ -167,7 +167,9 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
         probes = {
             "mask_kinds:bool": ("a bool mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(bool_mask))),
             "mask_kinds:additive": ("a float mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(float_mask.to(t)))),
-            "gqa": ("GQA (N=2, K=1, enable_gqa=True)", lambda: fn(*qkv_for(N=2, K=1, dtype=t), enable_gqa=True)),
+            # K = 2: a call that only broadcasts one key/value head over the query heads
+            # raises here, where K = 1 would pass it as GQA
+            "gqa": ("GQA (N=4, K=2, enable_gqa=True)", lambda: fn(*qkv_for(N=4, K=2, dtype=t), enable_gqa=True)),
             "different_v_dim": (f"Ev={plan.Ev_other} != E={E0}", lambda: fn(*qkv_for(Ev=plan.Ev_other, dtype=t))),
             # backward makes its own guarded calls: it returns None or what happened.
             "autograd": ("backward through query, key, value", lambda: backward(qd, kd, vd), "direct"),

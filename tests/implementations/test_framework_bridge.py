@@ -142,8 +142,41 @@ def test_blne_layout_transposes_and_the_signature_maps_mask_and_bias():
                                oracle(q, k, v, attend_mask=attend.numpy(), scale=0.7), atol=1e-12)
     np.testing.assert_allclose(bridged(q, k, v, attn_mask=bias).numpy(),
                                oracle(q, k, v, additive_mask=bias.numpy()), atol=1e-12)
-    with pytest.raises(NotImplementedError, match="has no enable_gqa parameter"):
-        bridged(q, k[:, :1], v[:, :1], enable_gqa=True)
+    # no enable_gqa parameter: K < N heads go as they are; einsum broadcasts one head (GQA at K = 1)
+    np.testing.assert_allclose(bridged(q, k[:, :1], v[:, :1], enable_gqa=True).numpy(),
+                               oracle(q, k[:, :1], v[:, :1]), atol=1e-12)
+
+
+def _numpy_attention(q, k, v):
+    w = np.exp(q @ np.swapaxes(k, -1, -2) * q.dtype.type(1 / np.sqrt(q.shape[-1])))
+    return (w / w.sum(-1, keepdims=True)) @ v
+
+
+def repeats_heads(q, k, v):
+    """GQA without an enable_gqa parameter: key/value heads repeated to the query's."""
+    groups = q.shape[1] // k.shape[1]
+    return _numpy_attention(q, np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1))
+
+
+def broadcasts_heads(q, k, v):
+    """No GQA: NumPy's broadcasting takes one key/value head (K = 1), no other K < N."""
+    return _numpy_attention(q, k, v)
+
+
+def test_gqa_is_read_from_what_the_function_does_not_from_a_parameter_name():
+    """A bridged function without ``enable_gqa`` gets K < N heads as they are; the probe's
+    call (N = 4, K = 2) decides: one that repeats the heads itself takes GQA (and computes
+    it), one that merely broadcasts a single head (right at K = 1 only) does not."""
+    from implementations.registry.probing import probe_sdpa
+
+    q, k, v = tensors((1, 4, 3, 2), (1, 2, 5, 2), (1, 2, 5, 2), dtype=torch.float64)
+    for fn, takes_gqa in ((repeats_heads, True), (broadcasts_heads, False)):
+        bridged = make_bridge(fn, "numpy")
+        caps = probe_sdpa(bridged, origin=fn.__name__, timeout=None)
+        assert caps.gqa is takes_gqa, (fn.__name__, caps.probe_notes)
+    bridged = make_bridge(repeats_heads, "numpy")
+    np.testing.assert_allclose(bridged(q, k, v, enable_gqa=True).numpy(),
+                               oracle(q, k, v), atol=1e-12)
 
 
 def test_a_framework_that_changes_the_dtype_is_refused():
@@ -387,3 +420,30 @@ def test_tinygrad_function_certifies_and_its_single_key_softmax_is_caught(tmp_pa
     assert code == 1 and got[("fully_masked_rows", "float32")] == "failed", output
     failed = next(r for r in report["results"] if r["property"] == "fully_masked_rows")
     assert "'S': 1" in json.dumps(failed) or '"S": 1' in json.dumps(failed), output
+
+
+@pytest.mark.skipif(not installed("jax"), reason="jax is not installed (pip install 'attention-conformance[jax]')")
+def test_jax_float64_is_switched_on_for_the_float64_call_only():
+    """The bridge does not turn on ``jax_enable_x64`` for the process (it changes the code
+    under test: index dtypes, what some kernels accept): a float64 call runs inside JAX's
+    thread-local switch and keeps float64's precision, a float32 call runs as JAX runs by
+    default, and the process setting is left as it was."""
+    import jax
+    import jax.numpy as jnp
+
+    seen = []
+
+    def attention(query, key, value):
+        seen.append(jnp.arange(2).dtype.name)  # int64 only with x64 on
+        w = jax.nn.softmax(jnp.einsum("bnle,bnse->bnls", query, key) / jnp.sqrt(query.shape[-1]), -1)
+        return jnp.einsum("bnls,bnse->bnle", w, value)
+
+    before = jax.config.jax_enable_x64
+    bridged = make_bridge(attention, "jax")
+    for dtype, index in ((torch.float64, "int64"), (torch.float32, "int32")):
+        q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=dtype)
+        out = bridged(q, k, v)
+        assert out.dtype == dtype and seen[-1] == index, (dtype, seen)
+        atol = 1e-13 if dtype == torch.float64 else 1e-6
+        np.testing.assert_allclose(out.double().numpy(), oracle(q, k, v), atol=atol)
+    assert jax.config.jax_enable_x64 == before

@@ -26,9 +26,9 @@ is -inf everywhere comes out NaN. The measured deviation (``implementations/xfai
 re-measured by ``tests/implementations/test_jax_deviations.py``): JAX computes the
 softmax in float32 whatever the input dtype.
 
-Enabling float64 needs ``jax_enable_x64``, a process-wide JAX setting: the bridge's JAX
-framework switches it on when this implementation is built (before JAX's first use in a
-certification run).
+float64 needs JAX's ``jax_enable_x64``: the bridge's JAX framework switches it on around
+each float64 call only (``jax.enable_x64``, thread-local), so the other dtypes run as JAX
+runs by default.
 
 Each dtype runs as one jitted function: every new (shape, dtype, mask kind, causal)
 combination costs one XLA compilation (0.1-0.5 s on a CPU). float16 is compiled with its
