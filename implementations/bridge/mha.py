@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from implementations.bridge.frameworks import framework_named
+from implementations.bridge.frameworks import framework_named, numpy_to_torch
 
 __all__ = ["KERAS_PACKAGES", "KerasMHA", "KerasMHAFactory", "keras_mha_framework", "load_keras_weights"]
 
@@ -199,7 +199,13 @@ class KerasMHA(torch.nn.Module):
     # ------------------------------------------------- nn.MultiheadAttention's names
 
     def _as_torch(self, variable: Any) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(variable.numpy() if hasattr(variable, "numpy") else variable))
+        """A variable's values as a torch tensor of its dtype (bfloat16 through ml_dtypes')."""
+        if isinstance(variable, torch.Tensor):
+            return variable
+        value = variable.numpy() if hasattr(variable, "numpy") else variable
+        if isinstance(value, torch.Tensor):  # a Keras variable on the torch backend
+            return value
+        return numpy_to_torch(np.asarray(value), torch.device("cpu"))
 
     @property
     def in_proj_weight(self) -> torch.Tensor | None:

@@ -101,10 +101,8 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     if declared["fully_masked"] is not NOT_DECLARED:
         fully_masked, source = declared["fully_masked"], "declared"
     elif "key_padding_mask" in mha_features:
-        observed = _probe_mha_fully_masked(probe, factory, x, kinds=mask_kinds)
-        fully_masked, source = _fully_masked_declaration(
-            observed, notes, level="MHA",
-            blocked_by={"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"})
+        fully_masked, source, masked_by_dtype = _fully_masked_per_dtype(probe, factory, x, mask_kinds, dtypes,
+                                                                        notes)
     else:
         fully_masked, source = "zero", "contract"
 
@@ -122,6 +120,9 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     found, by_dtype = _per_dtype_capabilities(
         probe, lambda d: {"autograd": ("backward through query, key, value", lambda: backward(d), "direct")},
         dtypes, notes)
+    if declared["fully_masked"] is NOT_DECLARED and "key_padding_mask" in mha_features:
+        for d, policy in masked_by_dtype.items():
+            by_dtype.setdefault(d, {})["fully_masked"] = policy
     return Capabilities(
         devices=("cpu",),
         dtypes=dtypes or ("float32",),
@@ -174,22 +175,61 @@ def _mha_float_mask_probes(call, x) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS) -> dict[str, str]:
+_MASKED_BLOCKED_BY = {"bool": "a bool key_padding_mask", "additive": "a -inf float key_padding_mask"}
+
+
+def _fully_masked_per_dtype(probe: _Prober, factory, x, kinds, dtypes, notes: list[str]
+                            ) -> tuple[Any, str, dict[str, Any]]:
+    """``(policy, source, {dtype: policy where it differs})``: the fully-masked rows probed in
+    every dtype that runs (a fill that is finite in one dtype and -inf in another makes the
+    rows uniform in one and NaN in the other), float32's (else the first dtype's) as the
+    policy, each other dtype's by :func:`_fully_masked_declaration` where it differs. Where
+    the dtypes disagree, each note's hint is a per-dtype declaration (``float16.fully_masked=``):
+    a global one would break the other dtypes."""
+    dtypes = tuple(dtypes or ("float32",))
+    order = [d for d in ("float32", *dtypes) if d in dtypes]
+    order = list(dict.fromkeys(order))
+    observed = {d: _probe_mha_fully_masked(probe, factory, x, kinds=kinds, dtype=d) for d in order}
+    main = order[0]
+    differ = any(seen != observed[main] for seen in observed.values())
+    policy, source = _fully_masked_declaration(observed[main], notes, level="MHA", blocked_by=_MASKED_BLOCKED_BY,
+                                               dtype=main if differ else None)
+    others: dict[str, Any] = {}
+    for d in order[1:]:
+        if observed[d] == observed[main]:
+            continue
+        d_policy, _ = _fully_masked_declaration(observed[d], notes, level="MHA", blocked_by=_MASKED_BLOCKED_BY,
+                                                dtype=d)
+        if d_policy != policy:
+            others[d] = d_policy
+    return policy, source, others
+
+
+def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS, dtype: str = "float32"
+                            ) -> dict[str, str]:
     """Kind -> policy of a query row whose keys a key_padding_mask blocks all of, bool
-    (``bool``) and -inf float (``additive``): ``nan``, ``zero`` (module output =
-    out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
-    nn.MultiheadAttention's parameter names) or ``unspecified`` (anything else, or the
-    call raised)."""
+    (``bool``) and -inf float (``additive``), in ``dtype``: ``nan``, ``zero`` (module output
+    = out_proj.bias), ``uniform`` (out_proj of the mean value projection, read through
+    nn.MultiheadAttention's parameter names) or ``unspecified`` (anything else, or the call
+    raised). Compared within the dtype's rounding (1e-5 in float32 and float64, 2e-2 in the
+    16-bit dtypes, relative to the row's size)."""
     import torch
 
+    t = getattr(torch, dtype)
+    xd = x.to(t)
     blocked = torch.tensor([[True, True, True], [False, False, False]])
-    masks = {"bool": blocked, "additive": torch.zeros(2, 3).masked_fill(blocked, float("-inf"))}
+    masks = {"bool": blocked, "additive": torch.zeros(2, 3, dtype=t).masked_fill(blocked, float("-inf"))}
+    tol = 1e-5 if dtype in ("float32", "float64") else 2e-2
+
+    def close(out: Any, want: Any) -> bool:
+        want = want.expand_as(out)
+        return bool(((out - want).abs() <= tol * (1 + want.abs())).all())
 
     def policy(mask: Any) -> str:
         def run() -> tuple[Any, Any]:
-            m = factory(_D, _N)
+            m = factory(_D, _N, dtype=t) if dtype != "float32" else factory(_D, _N)
             m.eval()
-            out = m(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+            out = m(xd, xd, xd, key_padding_mask=mask, need_weights=False)[0]
             return out, m
 
         try:
@@ -198,15 +238,17 @@ def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS) ->
             return "unspecified"
         if not _is_output(out, (_L, _B, _D)):
             return "unspecified"
-        out = out.detach()[:, 0]  # (L, D), batch 0
+        out = out.detach()[:, 0].double()  # (L, D), batch 0
         if torch.isnan(out).all():
             return "nan"
-        out_proj = getattr(module, "out_proj", None)
-        bias = getattr(out_proj, "bias", None)
-        if isinstance(bias, torch.Tensor) and torch.allclose(out, bias.detach().expand_as(out)):
+        try:  # the module's own parameter names; a module that cannot show them is not classified
+            bias = getattr(getattr(module, "out_proj", None), "bias", None)
+        except Exception:  # noqa: BLE001 - the implementation's code, whatever it raises
+            bias = None
+        if isinstance(bias, torch.Tensor) and close(out, bias.detach().double()):
             return "zero"  # attention output 0, so the module output is out_proj.bias
-        uniform = _mha_uniform_row(module, x[:, 0])
-        if uniform is not None and torch.allclose(out, uniform.expand_as(out), atol=1e-5):
+        uniform = _mha_uniform_row(module, xd[:, 0])
+        if uniform is not None and close(out, uniform):
             return "uniform"
         return "unspecified"
 
@@ -215,7 +257,8 @@ def _probe_mha_fully_masked(probe: _Prober, factory, x, kinds=ALL_MASK_KINDS) ->
 
 def _mha_uniform_row(module: Any, keys: Any) -> Any:
     """out_proj(mean over keys of the value projection), the output of a row attending
-    every key equally, from nn.MultiheadAttention's parameter names; None without them."""
+    every key equally, in float64 from nn.MultiheadAttention's parameter names; None
+    without them."""
     import torch
 
     try:
@@ -223,10 +266,10 @@ def _mha_uniform_row(module: Any, keys: Any) -> Any:
             weight, bias = module.in_proj_weight, module.in_proj_bias
             if not isinstance(weight, torch.Tensor):
                 return None
-            w_v = weight[2 * _D:]
-            b_v = bias[2 * _D:] if isinstance(bias, torch.Tensor) else 0.0
-            mean_v = (keys @ w_v.T + b_v).mean(dim=0)
-            out_bias = module.out_proj.bias if module.out_proj.bias is not None else 0.0
-            return mean_v @ module.out_proj.weight.T + out_bias
-    except (AttributeError, RuntimeError, TypeError, IndexError):
+            w_v = weight[2 * _D:].double()
+            b_v = bias[2 * _D:].double() if isinstance(bias, torch.Tensor) else 0.0
+            mean_v = (keys.double() @ w_v.T + b_v).mean(dim=0)
+            out_bias = module.out_proj.bias.double() if module.out_proj.bias is not None else 0.0
+            return mean_v @ module.out_proj.weight.double().T + out_bias
+    except Exception:  # noqa: BLE001 - the implementation's code, whatever it raises
         return None

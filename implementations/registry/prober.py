@@ -189,7 +189,8 @@ _BLOCKED_BY = {"bool": "a bool mask", "additive": "a -inf additive mask",
 
 
 def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level: str = "",
-                              blocked_by: dict[str, str] | None = None) -> tuple[str, str]:
+                              blocked_by: dict[str, str] | None = None,
+                              dtype: str | None = None) -> tuple[str, str]:
     """The declared fully-masked policy and its source, from the policies ``observed`` per
     kind of blocking. The contract leaves the value open, so a probed policy is adopted
     (source ``probed``) when every probed kind gives the same non-attending one (zero or
@@ -197,8 +198,10 @@ def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level:
     not be classified (``unspecified``) is not: the declaration stays at the agreeing
     kinds' zero or nan, else the contract default zero (source ``contract``), so the
     fully-masked property fails on the offending rows; the note names what was seen and
-    the ``--impl-option`` that would declare it."""
-    where = f" at the {level} level" if level else ""
+    the ``--impl-option`` that would declare it (``DTYPE.fully_masked=`` when ``dtype`` is
+    given: the rows were probed in that dtype and another dtype's differ)."""
+    where = (f" at the {level} level" if level else "") + (f" in {dtype}" if dtype else "")
+    key = f"{dtype}.fully_masked" if dtype else "fully_masked"
     if not observed:
         return "zero", "contract"
     seen = set(observed.values())
@@ -223,5 +226,5 @@ def _fully_masked_declaration(observed: dict[str, str], notes: list[str], level:
     hint = text if len(seen) > 1 else seen.pop()
     notes.append(f"fully_masked: probed {text}{where} ({said}); not adopted: {'; '.join(why)}; declared "
                  f"{fallback}, so the fully-masked property tests it and fails on those rows; if the "
-                 f"probed behaviour is intended, declare --impl-option fully_masked={hint}")
+                 f"probed behaviour is intended, declare --impl-option {key}={hint}")
     return fallback, "contract"

@@ -248,6 +248,40 @@ def test_mha_uniform_rows_are_recognised_and_not_adopted():
     assert caps.fully_masked == "zero" and caps.source("fully_masked") == "contract"
     note = caps.probe_note("fully_masked")
     assert "uniform rows attend the keys" in note
-    assert note.endswith("declare --impl-option fully_masked=bool:uniform,additive:zero"), note
+    # float16's rows differ (its -1e30 fill raises there), so the hint is float32's own
+    assert "declare --impl-option float32.fully_masked=bool:uniform,additive:zero" in note, note
     plain = recognise(torch.nn.MultiheadAttention, name="torch").capabilities
     assert plain.source("fully_masked") == "probed" and plain.source("causal") == "contract"
+    assert "in float32" not in plain.probe_note("fully_masked")  # every dtype alike: one policy, one note
+
+
+class NanInFloat16(torch.nn.MultiheadAttention):
+    """Haiku-like: blocked keys get a -1e30 fill, finite in float32, float64 and bfloat16
+    (a row with every key blocked is uniform) and -inf in float16 (the row is NaN)."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        blocked = None
+        if key_padding_mask is not None:
+            blocked = key_padding_mask if key_padding_mask.dtype == torch.bool else torch.isinf(key_padding_mask)
+            key_padding_mask = torch.zeros(blocked.shape).masked_fill(blocked, -1e30).to(query.dtype)
+        out, weights = super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                       need_weights=need_weights, attn_mask=attn_mask,
+                                       average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if blocked is not None and query.dtype == torch.float16 and query.dim() == 3:
+            rows = blocked.all(-1).view(-1, 1, 1) if self.batch_first else blocked.all(-1).view(1, -1, 1)
+            out = out.masked_fill(rows, float("nan"))  # a softmax over -inf everywhere
+        return out, weights
+
+
+def test_the_mha_probe_reads_fully_masked_rows_in_every_dtype():
+    """The MHA probe ran in float32 only, so Haiku's float16 NaN rows (uniform elsewhere) went
+    unseen and its hint, a global declaration, would have broken the other dtypes."""
+    caps = recognise(NanInFloat16, name="nan16").capabilities
+    assert caps.fully_masked == "zero" and caps.source("fully_masked") == "contract"
+    assert caps.for_dtype("float16").fully_masked == "nan"
+    assert caps.for_dtype("bfloat16").fully_masked == caps.for_dtype("float64").fully_masked == "zero"
+    notes = [n for n in caps.probe_notes if n.startswith("fully_masked")]
+    assert any("in float32" in n and n.endswith("declare --impl-option float32.fully_masked=uniform")
+               for n in notes), notes
+    assert any("in float16" in n and "this probed policy is adopted" in n for n in notes), notes
