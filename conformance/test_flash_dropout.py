@@ -260,8 +260,9 @@ def check_varlen_dropout(target: Target, case: VarlenCase, samples: np.ndarray, 
 
 
 def _positive(case: VarlenCase) -> VarlenCase:
-    """V made positive (|v| + 0.5): each sample then lies in [0, c] (Hoeffding's bound)."""
-    return case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype))
+    """V made positive (|v| + 0.5): each sample then lies in [0, c] (Hoeffding's bound); a
+    directed case's name says so."""
+    return case.replace(value=round_to(np.abs(case.value) + 0.5, case.dtype), notes=case.named_with("V positive"))
 
 
 #: The varlen dropout properties' bounds on the sequences (their strategy's, and their

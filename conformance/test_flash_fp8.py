@@ -133,7 +133,9 @@ def _varlen_directed(target: Target) -> list[VarlenCase]:
             for changes in variants:
                 forms = {"per_head" if d.shape != (1,) else "per_tensor" for d in changes.values()}
                 if forms <= set(caps.fp8_descales):
-                    out.append(case.replace(query=q, key=k, value=v, fp8=fmt, **changes))
+                    per = "per sequence and kv head" if forms == {"per_head"} else "per tensor"
+                    out.append(case.replace(query=q, key=k, value=v, fp8=fmt, **changes,
+                                            notes=case.named_with(f"{fmt}, descales {per}")))
     return remember_arguments(out, {})  # for directed.shrink (sizes only: FP8 values as written)
 
 

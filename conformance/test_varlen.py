@@ -79,9 +79,8 @@ def _with_options(cases: list, features: frozenset[str]) -> list:
             variants.append(({"softcap": 0.125}, "softcap 0.125"))
         if "alibi" in features:
             variants.append(({"alibi_slopes": np.array([0.5, -0.25, 1.0, 0.125] * N)[:N]}, "ALiBi slopes"))
-        for changes, what in variants:  # a kvcache case's name says which option it adds
-            named = {"notes": case.named_with(what)} if isinstance(case, KVCacheCase) else {}
-            out.append(case.replace(**changes, **named))
+        for changes, what in variants:  # a case's name says which option it adds
+            out.append(case.replace(**changes, notes=case.named_with(what)))
     return remember_arguments(out, {}) if out and isinstance(out[0], VarlenCase) else out
 
 

@@ -113,7 +113,8 @@ class VarlenCase:
     """B sequences packed along one axis: query (T_q, N, E), key (T_k, K, E), value
     (T_k, K, Ev); sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
     rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (an empty sequence is allowed). ``causal``:
-    FlashAttention's flag (bottom-right per sequence)."""
+    FlashAttention's flag (bottom-right per sequence). ``notes``: labels that change no call
+    (a directed case's ``directed: NAME``, which the report names it by)."""
 
     query: np.ndarray
     key: np.ndarray
@@ -133,6 +134,7 @@ class VarlenCase:
     q_descale: np.ndarray | None = None
     k_descale: np.ndarray | None = None
     v_descale: np.ndarray | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def level(self) -> str:
@@ -193,6 +195,10 @@ class VarlenCase:
 
     def replace(self, **changes: Any) -> VarlenCase:
         return replace(self, **changes)
+
+    def named_with(self, what: str) -> tuple[str, ...]:
+        """``notes`` with ``what`` added to the directed case's name (a variant of it)."""
+        return tuple(f"{note}, {what}" if note.startswith("directed: ") else note for note in self.notes)
 
     def describe(self) -> str:
         return (f"varlen B={self.B} N={self.N} K={self.K} E={self.E} Ev={self.Ev} "
@@ -363,7 +369,7 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     meta = {"kind": "varlen", "cu_seqlens_q": [int(n) for n in case.cu_seqlens_q],
             "cu_seqlens_k": [int(n) for n in case.cu_seqlens_k], "causal": bool(case.causal),
             "scale": case.scale, "dtype": case.dtype, "device": case.device,
-            "window": [int(x) for x in case.window], "softcap": float(case.softcap)}
+            "window": [int(x) for x in case.window], "softcap": float(case.softcap), "notes": list(case.notes)}
     arrays = {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
     if case.alibi_slopes is not None:
         arrays["alibi_slopes"] = np.asarray(case.alibi_slopes)
@@ -372,7 +378,8 @@ def case_meta(case: VarlenCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> VarlenCase:
     return VarlenCase(**{n: arrays[n] for n in _ARRAYS}, cu_seqlens_q=tuple(int(n) for n in meta["cu_seqlens_q"]),
-                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), **option_fields_from_meta(meta, arrays))
+                      cu_seqlens_k=tuple(int(n) for n in meta["cu_seqlens_k"]), **option_fields_from_meta(meta, arrays),
+                      notes=tuple(meta.get("notes", ())))  # absent in older files
 
 
 def validate(case: VarlenCase) -> None:

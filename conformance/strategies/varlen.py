@@ -310,7 +310,8 @@ def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
                     caps: Capabilities | None = None) -> list[VarlenCase]:
     """A query whose neighbour's first key sits right after its own (B = 2, the second
     sequence with no query), empty and one-token sequences side by side, and (where
-    declared) causal with L > S and with L < S in one packed batch."""
+    declared) causal with L > S and with L < S in one packed batch. Each carries its name
+    (``notes``: ``directed: NAME``), true of its lengths as fitted to the declarations."""
     N, K, E = (2, 1, 2) if caps is None or caps.gqa else (1, 1, 2)
     Ev = 3 if caps is None or caps.different_v_dim else E
     causal_ok = caps is None or caps.causal == "lower_right"
@@ -332,8 +333,23 @@ def varlen_directed(*, dtype: str = "float64", device: str = "cpu",
             _seeded(3 * i + 2, (T_k, K, Ev), dtype),
             cu_seqlens_q=tuple(int(x) for x in np.cumsum([0] + [L for L, _ in lengths])),
             cu_seqlens_k=tuple(int(x) for x in np.cumsum([0] + [S for _, S in lengths])),
-            causal=causal, dtype=dtype, device=device))
+            causal=causal, dtype=dtype, device=device, notes=(f"directed: {_layout_name(i, lengths, causal)}",)))
     return cases
+
+
+def _layout_name(i: int, lengths: list[tuple[int, int]], causal: bool) -> str:
+    """What ``varlen_directed``'s layout ``i`` is, with its (L, S) as fitted: a name true of
+    the case (a declaration can make L == S or cap the lengths)."""
+    if i == 0:
+        name = "a query whose neighbour's first key sits right after its own"
+    elif i == 1:
+        empty = any(0 in pair for pair in lengths)
+        name = "empty and one-token sequences side by side" if empty else "one-token sequences beside longer ones"
+    elif any(L > S for L, S in lengths) and any(L < S for L, S in lengths):
+        return "causal with L > S and L < S in one packed batch"
+    else:
+        return f"causal sequences of (L, S) = {', '.join(f'({L}, {S})' for L, S in lengths)} in one packed batch"
+    return f"{name}{', causal' if causal else ''}"
 
 
 def kvcache_directed(*, dtype: str = "float64", device: str = "cpu", caps: Capabilities | None = None,

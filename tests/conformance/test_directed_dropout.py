@@ -76,16 +76,19 @@ def test_a_varlen_expectation_case_keeps_its_values_positive():
 
 
 
-@pytest.mark.parametrize("mutant,prop,directed", [
-    ("flash_dropout_without_rescale", "flash_dropout_expectation", "B=1 N=1 K=1 L=1 S=2 E=2 Ev=2"),
-    ("varlen_dropout_no_rescale", "varlen_dropout_expectation", "varlen B=2 N=2 K=1 E=2 Ev=3"),
+@pytest.mark.parametrize("mutant,prop,name,directed", [
+    ("flash_dropout_without_rescale", "flash_dropout_expectation", "L=[^\"]+", "B=1 N=1 K=1 L=1 S=2 E=2 Ev=2"),
+    ("varlen_dropout_no_rescale", "varlen_dropout_expectation",
+     re.escape("a query whose neighbour's first key sits right after its own, V positive"),
+     "varlen B=2 N=2 K=1 E=2 Ev=3"),
 ])
-def test_a_dropout_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, directed):
+def test_a_dropout_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, name, directed):
     report, output = certify_mutant(tmp_path, mutant, "conformance/test_flash_dropout.py", f"test_{prop}[")
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
-    start = 'the directed example "L=[^"]+"' if prop.startswith("flash") else "a directed case"  # varlen: unnamed
-    assert re.search(rf"\(shrunk in \d+ examples from {start}: {re.escape(directed)}", output), output[-3000:]
+    # where it started: the directed example's name and the case as written
+    assert re.search(rf'\(shrunk in \d+ examples from the directed example "{name}": {re.escape(directed)}', output), \
+        output[-3000:]
     ce = r["counterexample"]
     assert (ce["B"], ce["N"], ce["K"], ce["L"], ce["S"], ce["E"], ce["Ev"]) == (1, 1, 1, 1, 1, 1, 1), ce
 
