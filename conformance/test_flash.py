@@ -29,7 +29,7 @@ from conformance.calls.flash import (
 )
 from conformance.core.compare import compare_values
 from conformance.core.target import Target
-from conformance.directed.helpers import flash_named, skip_unless
+from conformance.directed.helpers import backward_target, flash_named, skip_unless
 from conformance.directed.shrink import remember_arguments
 from conformance.harness.reporting import probe_saw
 from conformance.harness.runner import conformance_property
@@ -123,8 +123,8 @@ def test_flash_agreement(target: Target, case: FlashCase) -> float:
 
 @conformance_property(
     "flash_gradients", level="flash", section="spec.flash_attention_vjp",
-    cases=lambda t: _cases(t),
-    directed=lambda t: _directed(t),
+    cases=lambda t: _cases(backward_target(t)),
+    directed=lambda t: _directed(backward_target(t)),
     skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )

@@ -18,6 +18,7 @@ from conformance.calls.sdpa import (
 from conformance.core.cases import SDPACase
 from conformance.core.compare import fail
 from conformance.directed.helpers import (
+    backward_target,
     case_rng,
     cases_for,
     directed_for,
@@ -51,8 +52,8 @@ def test_forward_agreement(target: Target, case: SDPACase) -> float:
 
 @conformance_property(
     "gradient_agreement", level="sdpa", section="spec.sdpa_vjp",
-    cases=lambda t: cases_for(t, layouts=("contiguous",), fully_masked=False),
-    directed=lambda t: directed_for(t, layouts=("contiguous",), fully_masked=False),
+    cases=lambda t: cases_for(backward_target(t), layouts=("contiguous",), fully_masked=False),
+    directed=lambda t: directed_for(backward_target(t), layouts=("contiguous",), fully_masked=False),
     skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
     examples_factor=0.5,
 )

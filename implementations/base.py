@@ -275,6 +275,9 @@ class Implementation:
                 reasons.append(f"{dim}={v} is not a multiple of seq_multiple={c.seq_multiple}")
             if v is not None and c.seq_block and v > c.seq_block and v % c.seq_block and level in ("sdpa", "mha", "flash"):
                 reasons.append(f"{dim}={v} is above seq_block={c.seq_block} and not a multiple of it")
+            multiple = c.backward_seq_multiple
+            if v is not None and case.get("grad") and multiple and v % multiple and level in ("sdpa", "flash"):
+                reasons.append(f"gradients with {dim}={v}, not a multiple of backward_seq_multiple={multiple}")
         rotary_dim = case.get("rotary_dim")
         if rotary_dim and c.rotary_dim_multiple and rotary_dim % c.rotary_dim_multiple:
             reasons.append(f"rotary_dim={rotary_dim} is not a multiple of rotary_dim_multiple={c.rotary_dim_multiple}")

@@ -36,7 +36,7 @@ from implementations.vocabulary import (
     check_mha_feature_names,
 )
 
-__all__ = ["Capabilities", "draw_length_cap", "length_allowed"]
+__all__ = ["Capabilities", "backward_allowed", "backward_lengths", "draw_length_cap", "length_allowed"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ class Capabilities:
     #: one block and whole blocks beyond it: "up to 128, or a multiple of 128", JAX's Pallas
     #: flash attention): random draws stay inside one block, the sweeps visit the multiples.
     seq_block: int | None = None
+    #: The backward alone takes L and S multiples of this (a kernel whose forward takes any
+    #: length and whose backward tiles need whole blocks): gradients are taken only where
+    #: it holds (autograd off for the other cases, not for all); the gradient properties
+    #: (gradient_agreement, flash_gradients) draw such lengths. SDPA and flash levels.
+    backward_seq_multiple: int | None = None
     #: Every call is causal (a kernel without a non-causal path): the suite draws causal
     #: cases only (at the SDPA level: the flag, without a mask).
     causal_only: bool = False
@@ -285,6 +290,15 @@ def _check_size_declarations(caps: Capabilities) -> None:
             raise ImplementationError(f"seq_block={caps.seq_block} with seq_multiple={caps.seq_multiple}: declare "
                                       "one length rule (seq_multiple: every length a multiple; seq_block: "
                                       "any length up to the block, multiples beyond)")
+    multiple = caps.backward_seq_multiple
+    if multiple is not None:
+        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 2:
+            raise ImplementationError(f"backward_seq_multiple={multiple!r} must be an integer >= 2 (gradients "
+                                      "where L and S are multiples of it) or None")
+        if not length_allowed(caps, multiple):
+            raise ImplementationError(f"backward_seq_multiple={multiple} is not a length the forward takes "
+                                      f"(max_seq_len={caps.max_seq_len}, seq_multiple={caps.seq_multiple}, "
+                                      f"seq_block={caps.seq_block}): no case could take gradients")
     if caps.causal_only and caps.causal is None:
         raise ImplementationError("causal_only=True but causal=None (no causal flag): a kernel that runs "
                                   "only causal needs its causal flag declared")
@@ -367,6 +381,27 @@ def length_allowed(caps: Any, n: int) -> bool:
         return False
     block = getattr(caps, "seq_block", None)
     return not (block and n > block and n % block)
+
+
+def backward_allowed(caps: Any, *lengths: int) -> bool:
+    """Whether the backward takes these lengths (``backward_seq_multiple``)."""
+    multiple = getattr(caps, "backward_seq_multiple", None)
+    return not multiple or all(n % multiple == 0 for n in lengths)
+
+
+def backward_lengths(caps: Any) -> Any:
+    """``caps`` whose length rules are the backward's (``backward_seq_multiple``) inside the
+    forward's: what a gradient property draws from; ``caps`` itself without the rule."""
+    multiple = getattr(caps, "backward_seq_multiple", None)
+    if not multiple:
+        return caps
+    import math
+
+    block, bound = caps.seq_block, caps.max_seq_len
+    if block and multiple <= block:  # inside one block every length runs; beyond it, whole blocks
+        bound = min(block, bound or block)
+    return caps.replace(seq_multiple=math.lcm(caps.seq_multiple or 1, multiple), seq_block=None,
+                        max_seq_len=bound)
 
 
 def draw_length_cap(caps: Any) -> int | None:

@@ -60,6 +60,7 @@ from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core import observe
 from conformance.core.compare import PropertyFailure, assert_contract, fail
 from conformance.core.target import ImplementationRaised, Target, call_guarded
+from implementations.capabilities import backward_allowed
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
 
@@ -321,6 +322,8 @@ def check_gradients(target: Target, case: FlashCase) -> float:
     ``tolerance.grad_allowed`` (magnitudes of ``calls.sdpa.grad_magnitudes`` on the heads-first
     problem; soft-capping's derivative is at most 1); the worst error/allowed ratio."""
     __tracebackhide__ = True
+    if not backward_allowed(target.caps, case.L, case.S):
+        return 0.0  # outside the declared backward rule (backward_seq_multiple): no gradient taken
     rng = case_rng(case, "grad")
     grad_out = round_to(rng.standard_normal((case.B, case.L, case.N, case.Ev)), case.dtype)
     call = run_flash(target, case, grad_output=grad_out)

@@ -4,6 +4,7 @@ that must raise: ``calls.sdpa.expect_sdpa_raises``.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,10 @@ from conformance.core.cases import MHACase, SDPACase
 from conformance.core.target import Target
 from conformance.directed import examples as directed
 from conformance.strategies import mha_cases, sdpa_cases
+from implementations.capabilities import backward_lengths
 
 __all__ = [
+    "backward_target",
     "cases_for",
     "mha_cases_for",
     "directed_for",
@@ -27,6 +30,18 @@ __all__ = [
     "needs_separate_values",
     "flash_named",
 ]
+
+
+def backward_target(target: Target) -> Target:
+    """``target`` whose length rules are its backward's (``backward_seq_multiple`` inside the
+    forward's rules): what a property that takes gradients of every case draws from;
+    ``target`` itself without the rule."""
+    caps = target.impl.caps(target.level)
+    if not caps.backward_seq_multiple:
+        return target
+    impl = dataclasses.replace(target.impl, **{f"{target.level}_capabilities" if getattr(
+        target.impl, f"{target.level}_capabilities", None) is not None else "capabilities": backward_lengths(caps)})
+    return dataclasses.replace(target, impl=impl)
 
 
 def cases_for(target: Target, **kwargs: Any) -> Any:

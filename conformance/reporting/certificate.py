@@ -133,7 +133,8 @@ def _input_declarations(caps: dict[str, Any]) -> str:
     # Partial support, each narrowing what is drawn.
     for key, text in (("head_dims", "head dims in {}"), ("min_head_dim", "head dims >= {}"),
                       ("max_head_dim", "head dims <= {}"), ("seq_multiple", "L and S multiples of {}"),
-                      ("seq_block", "L and S <= {0} or multiples of {0}"), ("max_seq_len", "L and S <= {}")):
+                      ("seq_block", "L and S <= {0} or multiples of {0}"), ("max_seq_len", "L and S <= {}"),
+                      ("backward_seq_multiple", "gradients where L and S are multiples of {}")):
         if caps.get(key) is not None:
             value = caps[key]
             parts.append(text.format(list(value) if isinstance(value, (list, tuple)) else value))

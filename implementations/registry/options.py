@@ -14,7 +14,8 @@ the kinds not named, else ``zero``). ``batch_dims=1`` declares exactly 4-D input
 
 New partial-support declarations: ``head_dims=64,96,128`` (E and Ev in the set),
 ``seq_multiple=16`` (L and S multiples of it), ``seq_block=128`` (L and S up to 128 or
-multiples of it), ``causal_only=true`` (every call causal), ``positive_scale=true`` (an explicit scale > 0 only). A key may name one level,
+multiples of it), ``backward_seq_multiple=32`` (gradients only where L and S are multiples
+of it: a limit of the backward alone), ``causal_only=true (every call causal), ``positive_scale=true`` (an explicit scale > 0 only). A key may name one level,
 ``mha.mask_kinds=none,bool`` (``sdpa.``, ``mha.``, ``flash.``: that level's capabilities
 only), or one dtype, ``float64.mask_kinds=none,bool`` (a per-dtype field of
 :data:`~implementations.base.PER_DTYPE_FIELDS` in that dtype only: a dtype x feature
@@ -193,6 +194,7 @@ def _option_parsers() -> dict[str, Callable[[str], Any]]:
         "head_dims": _parse_head_dims,
         "seq_multiple": _parse_optional_int,
         "seq_block": _parse_optional_int,
+        "backward_seq_multiple": _parse_optional_int,
         "rotary_dim_multiple": _parse_optional_int,
     }
     for field in dataclasses.fields(Capabilities):

@@ -34,7 +34,7 @@ _UNPROBED: contextvars.ContextVar[Mapping[str, Mapping[str, Any]] | None] = cont
 
 #: The declarations a probe call is built inside (parsed ``--impl-option`` values).
 PROBE_FIELDS = ("dtypes", "min_head_dim", "max_head_dim", "head_dims", "seq_multiple", "seq_block", "causal_only",
-                "max_seq_len", "self_attention_lengths", "jit")
+                "max_seq_len", "self_attention_lengths", "jit", "backward_seq_multiple")
 
 
 @contextlib.contextmanager

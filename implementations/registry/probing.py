@@ -38,7 +38,7 @@ from implementations.base import Capabilities, ImplementationError
 from implementations.guard import CallRaised
 from implementations.registry._errors import summarise
 from implementations.registry.mha_probing import probe_mha
-from implementations.registry.probe_plan import NOT_DECLARED, first_call_hint, probe_plan
+from implementations.registry.probe_plan import NOT_DECLARED, current_declarations, first_call_hint, probe_plan
 from implementations.registry.prober import (
     BUILD_TIMEOUT,
     DEFAULT_PROBE_TIMEOUT,
@@ -160,6 +160,10 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             return "left query without a gradient"
         return "left the mask without a gradient" if mask is not None and mask.grad is None else None
 
+    # A declared limit of the backward alone (backward_seq_multiple): gradients are probed
+    # at lengths it takes, not at the forward's.
+    grad_len = current_declarations("sdpa").get("backward_seq_multiple")
+
     def capability_probes(dtype: str) -> dict[str, tuple[str, Callable[[], Any]]]:
         """Capability -> (what is tried, the call) of the probes that may differ per dtype."""
         t = getattr(torch, dtype)
@@ -172,7 +176,9 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             "gqa": ("GQA (N=4, K=2, enable_gqa=True)", lambda: fn(*qkv_for(N=4, K=2, dtype=t), enable_gqa=True)),
             "different_v_dim": (f"Ev={plan.Ev_other} != E={E0}", lambda: fn(*qkv_for(Ev=plan.Ev_other, dtype=t))),
             # backward makes its own guarded calls: it returns None or what happened.
-            "autograd": ("backward through query, key, value", lambda: backward(qd, kd, vd), "direct"),
+            "autograd": ("backward through query, key, value" + (f" (L = S = {grad_len})" if grad_len else ""),
+                         lambda: backward(*(qkv_for(L=grad_len, S=grad_len, dtype=t) if grad_len else (qd, kd, vd))),
+                         "direct"),
         }
         if plan.causal_only:  # the suite folds a causal constraint into a mask: no mask is passed
             probes = {key: value for key, value in probes.items() if not key.startswith("mask_kinds")}
@@ -200,7 +206,11 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
     elif "additive" not in mask_kinds or not found["autograd"]:
         mask_grad = False
     else:
-        said = backward(q, k, v, mask=torch.randn(L, S0, generator=gen))
+        if grad_len:
+            qg, kg, vg = qkv_for(L=grad_len, S=grad_len)
+            said = backward(qg, kg, vg, mask=torch.randn(qg.shape[-2], grad_len, generator=gen))
+        else:
+            said = backward(q, k, v, mask=torch.randn(L, S0, generator=gen))
         mask_grad = said is None
         if said:
             notes.append(f"mask_grad: a gradient w.r.t. a float mask in {plan.dtype} {said}; declared unsupported")

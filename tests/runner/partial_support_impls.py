@@ -14,7 +14,11 @@ is right wherever it claims to be (:func:`_attend`).
   (JAX's Pallas flash attention with its block of 128): ``seq_block=8``;
 * :func:`one_block_past_8`: the same rule, and past one block it drops the last block of
   keys (wrong inside the declaration: the sweeps must catch it);
-* :func:`no_bool_masks`: raises on a bool mask (a declaration claiming bool masks is refused).
+* :func:`no_bool_masks`: raises on a bool mask (a declaration claiming bool masks is refused);
+* :func:`backward_blocks_of_4`: any length forward, but its backward raises unless L and S are
+  multiples of 4 (a kernel whose backward tiles need whole blocks): ``backward_seq_multiple=4``;
+* :func:`backward_blocks_of_4_doubled`: the same rule, and gradients twice too large (wrong
+  inside the declaration).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) @ value
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows attending no key: 0, gradients too
+    return torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0) @ value
 
 
 def positive_scale_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -112,3 +117,31 @@ def one_block_past_8(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                 else attn_mask.masked_fill(~keep, float("-inf"))
             is_causal = False
     return _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+class _BackwardBlocks(torch.autograd.Function):
+    """The identity on the output, whose backward raises unless L and S are multiples of 4
+    (and scales the gradient by ``factor``)."""
+
+    @staticmethod
+    def forward(ctx, out, L, S, factor):
+        ctx.L, ctx.S, ctx.factor = L, S, factor
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.L % 4 or ctx.S % 4:
+            raise ValueError(f"backward: L={ctx.L}, S={ctx.S}: lengths must be multiples of 4")
+        return grad * ctx.factor, None, None, None
+
+
+def backward_blocks_of_4(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    out = _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return _BackwardBlocks.apply(out, query.shape[-2], key.shape[-2], 1.0)
+
+
+def backward_blocks_of_4_doubled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    out = _attend(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return _BackwardBlocks.apply(out, query.shape[-2], key.shape[-2], 2.0)

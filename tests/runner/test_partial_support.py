@@ -206,3 +206,61 @@ def test_a_fully_masked_policy_may_differ_per_dtype_and_is_shown_as_declared():
     line = per_dtype(_capabilities(caps), {"options": {"float16.fully_masked": "nan"}, "declaration": None})
     assert "float16: fully_masked=nan (declared)" in line and "bfloat16: fully_masked=" in line, line
     assert "(probed)" in line      # bfloat16's was not named in these options
+
+
+# --------------------------------------------------------------------------- limits of the backward alone
+
+
+def test_a_backward_limit_parses_checks_and_narrows_gradients_only():
+    """``backward_seq_multiple=4``: any length forward, gradients only at multiples of 4;
+    the gradient properties draw such lengths (inside one block under seq_block)."""
+    from conformance.core.registry import registered_properties
+    from conformance.core.target import Target
+    from conformance.directed.helpers import backward_target
+    from implementations.capabilities import backward_allowed, backward_lengths
+
+    impl = registry.resolve("sdpa", {"backward_seq_multiple": "4"})
+    caps = impl.caps("sdpa")
+    assert caps.backward_seq_multiple == 4 and impl.caps("flash").backward_seq_multiple == 4
+    assert impl.not_supported_reasons({"level": "sdpa", "L": 6, "S": 8}) == []          # forward: any length
+    assert impl.not_supported_reasons({"level": "sdpa", "L": 6, "S": 8, "grad": True}) == [
+        "gradients with L=6, not a multiple of backward_seq_multiple=4"]
+    assert backward_allowed(caps, 4, 8) and not backward_allowed(caps, 4, 6) and backward_allowed(Capabilities(), 3)
+    assert backward_lengths(Capabilities(seq_block=16, backward_seq_multiple=4)).max_seq_len == 16
+    assert backward_lengths(Capabilities()) == Capabilities()
+    for bad in ({"backward_seq_multiple": 1}, {"backward_seq_multiple": True},
+                {"backward_seq_multiple": 8, "max_seq_len": 4}):
+        with pytest.raises(ImplementationError, match="backward_seq_multiple"):
+            Capabilities(**bad)
+    target = Target(impl, "sdpa", "float64", "cpu")
+    assert backward_target(Target(registry.resolve("sdpa"), "sdpa", "float64", "cpu")).impl.capabilities.seq_multiple is None
+    info = registered_properties()["gradient_agreement"]
+    cases = [c for c in info.directed(target)]
+    assert cases and all(c.L % 4 == 0 and c.S % 4 == 0 for c in cases)
+
+    @settings(max_examples=30, deadline=None)
+    @given(data=st.data())
+    def drawn(data):
+        case = data.draw(info.cases(target))
+        assert case.L % 4 == 0 and case.S % 4 == 0
+
+    drawn()
+
+
+@pytest.mark.slow
+def test_a_backward_only_limit_turns_autograd_off_only_where_it_applies(tmp_path):
+    """A kernel whose forward takes any length and whose backward raises unless L and S are
+    multiples of 4: undeclared, its backward fails the probe and every gradient property is
+    skipped; declared, gradients are checked at the multiples (and a kernel with gradients
+    twice too large there fails, shrunk to L = S = 4)."""
+    args = ("-k", "(gradient_agreement or fully_masked_rows or flash_gradients) and not mha", "--dtype=float64")
+    run(f"{IMPLS}:backward_blocks_of_4", *args, tmp_path=tmp_path)
+    assert results(tmp_path)["gradient_agreement[sdpa-float64]"] == "skipped"
+    proc = run(f"{IMPLS}:backward_blocks_of_4", *args, *options("backward_seq_multiple=4"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    got = results(tmp_path)
+    assert got["gradient_agreement[sdpa-float64]"] == got["flash_gradients[flash-float64]"] == "passed"
+    assert "gradients where L and S are multiples of 4" in proc.stdout, proc.stdout[-3000:]
+    proc = run(f"{IMPLS}:backward_blocks_of_4_doubled", *args, *options("backward_seq_multiple=4"), tmp_path=tmp_path)
+    assert results(tmp_path)["gradient_agreement[sdpa-float64]"] == "failed"
+    assert "'L': 4, 'S': 4" in proc.stdout, proc.stdout[-3000:]
