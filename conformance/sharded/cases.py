@@ -45,7 +45,8 @@ ATTRIBUTES = frozenset({"level", "device", "dtype", "world_size", "sharding", "s
 
 @dataclass(frozen=True, eq=False, repr=False)
 class ShardedCase:
-    """One sequence to shard over ``world_size`` ranks (module docstring)."""
+    """One sequence to shard over ``world_size`` ranks (module docstring). ``notes``: labels
+    that change no call (a directed case's ``directed: NAME``, which the report names it by)."""
 
     query: np.ndarray
     key: np.ndarray
@@ -58,6 +59,7 @@ class ShardedCase:
     device: str = "cpu"
     regime: str = "normal"
     window: tuple[int, int] = (-1, -1)
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
@@ -274,7 +276,7 @@ _ARRAYS = ("query", "key", "value")
 def case_meta(case: ShardedCase) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     meta = {"kind": "sharded", "world_size": int(case.world_size), "layout": case.layout,
             "causal": bool(case.causal), "scale": case.scale, "dtype": case.dtype, "device": case.device,
-            "regime": case.regime, "window": [int(x) for x in case.window]}
+            "regime": case.regime, "window": [int(x) for x in case.window], "notes": list(case.notes)}
     return meta, {n: np.asarray(getattr(case, n)) for n in _ARRAYS}
 
 
@@ -282,4 +284,5 @@ def case_from_meta(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Shard
     return ShardedCase(**{n: arrays[n] for n in _ARRAYS}, world_size=int(meta["world_size"]),
                        layout=meta["layout"], causal=bool(meta["causal"]), scale=meta["scale"],
                        dtype=meta["dtype"], device=meta["device"], regime=meta.get("regime", "normal"),
-                       window=tuple(meta.get("window", (-1, -1))))
+                       window=tuple(meta.get("window", (-1, -1))),
+                       notes=tuple(meta.get("notes", ())))  # absent in older files

@@ -95,6 +95,16 @@ def sharded_cases(draw: Any, *, dtype: str, device: str, caps: Any, min_world: i
                      pad=pad, window=window)
 
 
+def _where(layout: str, W: int, shard: int) -> str:
+    """Part of a directed case's name: the layout, the ranks and the positions on each."""
+    per = {1: "one position", 2: "two positions"}[shard]
+    return f"{layout} over {W} rank{'s' * (W != 1)}, {per} per {'rank' if layout == 'contiguous' else 'chunk'}"
+
+
+def _named(case: ShardedCase, name: str) -> ShardedCase:
+    return case.replace(notes=(f"directed: {name}",))
+
+
 def sharded_directed(*, dtype: str, device: str, caps: Any, min_world: int = 1,
                      layouts: tuple[str, ...] | None = None, causal_only: bool = False) -> list[ShardedCase]:
     """Directed cases: causal masks whose diagonal crosses every shard boundary (one
@@ -102,34 +112,43 @@ def sharded_directed(*, dtype: str, device: str, caps: Any, min_world: int = 1,
     ``huge`` regime (logits above 709: a merge that exponentiates an LSE without the
     running max overflows in every dtype), and where declared windows whose edges fall
     inside a shard and across its boundaries (two positions per rank and chunk, one
-    key back and one forward), and a padded sequence whose last rank holds padding only."""
+    key back and one forward), and a padded sequence. Each carries its name (``notes``:
+    ``directed: NAME``)."""
     top = top_world(caps, device)
     out = []
     for layout in sorted(layouts or caps.sharded_layouts):
         for W in range(max(2, min_world), top + 1):
             heads = W if caps.sharded_heads_divisible else 1
             for causal in ((True,) if causal_only or caps.causal is not None else ()) + (() if causal_only else (False,)):
-                out.append(make_case(world_size=W, layout=layout, N=heads, shard=1, E=2, causal=causal,
-                                     dtype=dtype, device=device, seed=W))
+                out.append(_named(make_case(world_size=W, layout=layout, N=heads, shard=1, E=2, causal=causal,
+                                            dtype=dtype, device=device, seed=W),
+                                  _where(layout, W, 1) + (", causal: the diagonal crosses every shard boundary"
+                                                          if causal else "")))
     if not causal_only and out:
         W = 2 if top >= 2 else 1
         heads = W if caps.sharded_heads_divisible else 1
         layout = sorted(layouts or caps.sharded_layouts)[0]
-        out.append(make_case(world_size=W, layout=layout, N=heads, shard=2, E=4, dtype=dtype, device=device,
-                             seed=7, regime="huge"))
+        out.append(_named(make_case(world_size=W, layout=layout, N=heads, shard=2, E=4, dtype=dtype, device=device,
+                                    seed=7, regime="huge"), f"every logit above 709, {_where(layout, W, 2)}"))
         if caps.gqa:
-            out.append(make_case(world_size=W, layout=layout, N=2 * heads, K=heads, shard=1, E=2,
-                                 causal=caps.causal is not None, dtype=dtype, device=device, seed=3))
+            out.append(_named(make_case(world_size=W, layout=layout, N=2 * heads, K=heads, shard=1, E=2,
+                                        causal=caps.causal is not None, dtype=dtype, device=device, seed=3),
+                              f"{2 * heads} query heads on {heads} kv head{'s' * (heads != 1)}, {_where(layout, W, 1)}"
+                              + (", causal" if caps.causal is not None else "")))
     features = caps.sharded_features
     for layout in sorted(layouts or caps.sharded_layouts) if "window" in features else ():
         heads = top if caps.sharded_heads_divisible else 1
         for causal in ((True,) if causal_only or caps.causal is not None else ()) + (() if causal_only else (False,)):
-            out.append(make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, causal=causal,
-                                 window=(1, 1), dtype=dtype, device=device, seed=11))
+            out.append(_named(make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, causal=causal,
+                                        window=(1, 1), dtype=dtype, device=device, seed=11),
+                              f"window (1, 1), {_where(layout, top, 2)}{', causal' if causal else ''}"))
     if "padding" in features and not causal_only and top >= 2:
         layout = "contiguous" if "contiguous" in (layouts or caps.sharded_layouts) else "zigzag"
         heads = top if caps.sharded_heads_divisible else 1
         d = sharding.divisor(layout, top)
-        out.append(make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, pad=d - 1,
-                             dtype=dtype, device=device, seed=13))
+        case = make_case(world_size=top, layout=layout, N=heads, shard=2, E=2, pad=d - 1,
+                         dtype=dtype, device=device, seed=13)
+        last_padding = sharding.positions(case.padded_length, top, top - 1, layout).min() >= case.L
+        out.append(_named(case, f"{case.L} positions padded to {case.padded_length}, {layout} over {top} ranks"
+                                + (", the last rank holding padding only" if last_padding else "")))
     return out

@@ -4,8 +4,9 @@ property's strategy arguments and is admitted; each pass proposes a smaller well
 case (fewer ranks, a shorter sequence, a narrower window, fewer heads, smaller head dims,
 or quarter values) that a correct implementation agrees with; the world size is kept as
 written where a group of another size does not start cheaply; proposals outside the
-strategy or the declarations are refused; and sharded mutants are reported on cases
-shrunk from the directed case they failed, the report naming where it started."""
+strategy or the declarations are refused; every directed case is named (the name kept
+through shrinking, saving and loading); and sharded mutants are reported on cases shrunk
+from the directed case they failed, the report naming where it started."""
 
 from __future__ import annotations
 
@@ -73,6 +74,35 @@ def test_every_sharded_directed_case_remembers_its_arguments_and_is_admitted(imp
         assert arguments is not None, (pid, case.describe())
         assert admitted(target, case, **arguments), (pid, case.describe())
         assert shrinking.passes(case), pid
+
+
+@pytest.mark.parametrize("impl", sorted(DIRECTED))
+def test_every_sharded_directed_case_is_named_and_keeps_its_name_when_saved(impl, tmp_path):
+    from conformance.harness.directed_shrink import _name
+    from conformance.reporting.failures import load_case, save_case
+    from conformance.sharded.cases import case_from_meta, case_meta
+
+    names = {(pid, _name(case)) for pid, case in DIRECTED[impl]}
+    assert len(names) == len(DIRECTED[impl]) and not any(name == "?" for _, name in names), names
+    ring = [("sharded_forward", "zigzag over 3 ranks, one position per chunk, causal: "
+                                "the diagonal crosses every shard boundary"),
+            ("sharded_backward", "every logit above 709, contiguous over 2 ranks, two positions per rank"),
+            ("sharded_world_one", "window (1, 1), zigzag over 4 ranks, two positions per chunk"),
+            ("sharded_layout_invariance", "window (1, 1), zigzag over 4 ranks, two positions per chunk, causal"),
+            ("sharded_forward", "5 positions padded to 8, contiguous over 4 ranks, the last rank holding padding only")]
+    for named in ring if impl == "ring" else ():
+        assert named in names, named
+    # a shrunk case keeps the name of the directed case it started from
+    for pid, case in DIRECTED[impl][:3]:
+        assert all(c.notes == case.notes for _, c in _proposals(impl, case)), pid
+    for pid, case in [DIRECTED[impl][0], *[(p, c) for p, c in DIRECTED[impl] if c.padded or c.regime == "huge"]]:
+        loaded, _ = load_case(save_case(case, tmp_path / f"{pid}-{id(case)}.npz"))
+        assert loaded.notes == case.notes and _name(loaded) == _name(case), pid
+        assert loaded.describe() == case.describe(), pid
+    # a case saved before cases carried names loads without one
+    meta, arrays = case_meta(DIRECTED[impl][0][1])
+    del meta["notes"]
+    assert case_from_meta(meta, arrays).notes == ()
 
 
 @pytest.mark.parametrize("impl", sorted(DIRECTED))
@@ -216,7 +246,9 @@ def test_a_sharded_mutant_is_reported_on_a_shrunk_case(tmp_path, mutant, prop, s
     report, output = certify_mutant(tmp_path, mutant, "conformance/test_sharded.py", prop)
     [r] = [r for r in report["results"] if r["property"] == prop]
     assert r["outcome"] == "failed", output[-3000:]
-    assert re.search(r"\(shrunk in \d+ examples from .*: sharded world_size=\d", output), output[-3000:]
+    # where it started: the directed example's name and the case as written
+    assert re.search(r'\(shrunk in \d+ examples from the directed example "[^"]+": sharded world_size=\d', output), \
+        output[-3000:]
     ce = r["counterexample"]
     assert (ce["world_size"], ce["L"], (ce["window_left"], ce["window_right"])) == shrunk, ce
     assert (ce["B"], ce["E"], ce["Ev"]) == (1, 1, 1), ce
