@@ -234,7 +234,8 @@ def test_a_failing_varlen_directed_case_is_shrunk(tmp_path):
     assert record["outcome"] == "failed", output[-3000:]
     assert "shrunk case: varlen B=2 N=1 K=1 E=1 Ev=1 cu_seqlens_q=[0, 1, 1] cu_seqlens_k=[0, 0, 1]" in output, \
         output[-3000:]
-    assert "from a directed case" in output and "probable cause: varlen_neighbour_key — " in output, output[-3000:]
+    assert 'from the directed example "a query whose neighbour\'s first key sits right after its own"' in output \
+        and "probable cause: varlen_neighbour_key — " in output, output[-3000:]
 
 
 def test_mha_cases_shrink_in_heads_and_head_dim_with_their_weights():
