@@ -129,11 +129,28 @@ def render_property_ids(props: Mapping[str, Any]) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
+def render_requirements(props: Mapping[str, Any]) -> str:
+    """Each capability field a property ``requires`` and the properties it gates (skipped
+    where the implementation's capabilities do not meet it), from the registry."""
+    from conformance.core.requirements import REQUIREMENTS, gated_by
+
+    order = {p.id: i for i, p in enumerate(_ordered(props))}
+    lines = ["| field | requirement: skipped with | properties it gates |", "|---|---|---|"]
+    gates = gated_by(props)
+    for field in sorted(gates):
+        named = [f"`{name}`: {req.missing}" for name, req in REQUIREMENTS.items() if req.field == field
+                 and any(name in getattr(props[pid], "requires", ()) for pid in gates[field])]
+        ids = ", ".join(f"`{pid}`" for pid in sorted(gates[field], key=lambda pid: order.get(pid, 0)))
+        lines.append(f"| `{field}` | {_cell('; '.join(named))} | {ids} |")
+    return "\n".join(lines)
+
+
 #: Region name -> its renderer (given the registry).
 GENERATORS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "properties": render_properties,
     "checklist": render_checklist,
     "property-ids": render_property_ids,
+    "requirements": render_requirements,
 }
 
 

@@ -125,7 +125,7 @@ def test_flash_agreement(target: Target, case: FlashCase) -> float:
     "flash_gradients", level="flash", section="spec.flash_attention_vjp",
     cases=lambda t: _cases(backward_target(t)),
     directed=lambda t: _directed(backward_target(t)),
-    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
+    requires=("autograd",),
     examples_factor=0.5,
 )
 def test_flash_gradients(target: Target, case: FlashCase) -> float:
@@ -138,7 +138,7 @@ def test_flash_gradients(target: Target, case: FlashCase) -> float:
     "window_equivalence", level="flash", section="spec.flash (window_mask)",
     cases=lambda t: _cases(t, window=True),
     directed=lambda t: _directed(t, window=True),
-    skip_reason=lambda t: skip_unless("window" in t.caps.flash_features, "window not declared"),
+    requires=("flash:window",),
 )
 def test_window_equivalence(target: Target, case: FlashCase) -> float:
     """window_size=(left, right) (causal: right = 0) equals spec.sdpa with the explicit band
@@ -179,7 +179,7 @@ def _window_equivalence(target: Target, case: FlashCase) -> float:
     "softcap_agreement", level="flash", section="spec.flash (softcap)",
     cases=lambda t: _cases(t, softcap=True),
     directed=lambda t: _directed(t, softcap=True),
-    skip_reason=lambda t: skip_unless("softcap" in t.caps.flash_features, "softcap not declared"),
+    requires=("flash:softcap",),
 )
 def test_softcap_agreement(target: Target, case: FlashCase) -> float:
     """With softcap=c the scaled logits s become c·tanh(s / c) before bias and masks: the
@@ -201,7 +201,7 @@ def _softcap_agreement(target: Target, case: FlashCase) -> float:
     "alibi_equivalence", level="flash", section="spec.flash (alibi_bias)",
     cases=lambda t: _cases(t, alibi=True),
     directed=lambda t: _directed(t, alibi=True),
-    skip_reason=lambda t: skip_unless("alibi" in t.caps.flash_features, "alibi not declared"),
+    requires=("flash:alibi",),
 )
 def test_alibi_equivalence(target: Target, case: FlashCase) -> float:
     """alibi_slopes (N,) or (B, N) equal their additive bias -slope_h·|p_i - j| (p_i = i + S - L)
@@ -229,7 +229,7 @@ def _alibi_equivalence(target: Target, case: FlashCase) -> float:
     "lse_agreement", level="flash", section="spec.flash (LSE)",
     cases=lambda t: _cases(t, window=None, softcap=None, alibi=None),
     directed=lambda t: _directed(t),
-    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared"),
+    requires=("flash:lse",),
 )
 def test_lse_agreement(target: Target, case: FlashCase) -> float:
     """return_attn_probs=True returns (output, softmax_lse (B, N, L), ...): the LSE equals the
@@ -246,8 +246,8 @@ rounding of the dtype it is returned in: FlashAttention-2's is float32); -inf
     "split_merge", level="flash", section="spec.merge_partials",
     cases=lambda t: _cases(t, causal=False, softcap=None, split=True),
     directed=lambda t: _directed(t, split=True),
-    skip_reason=lambda t: skip_unless("lse" in t.caps.flash_features, "LSE output not declared")
-    or skip_unless(not t.caps.self_attention_lengths, "self_attention_lengths declares L == S only, and "
+    requires=("flash:lse",),
+    skip_reason=lambda t: skip_unless(not t.caps.self_attention_lengths, "self_attention_lengths declares L == S only, and "
                    "each key split has fewer keys than queries")
     or skip_unless(not t.caps.causal_only, "causal_only declares causal calls only, and the merge of key "
                    "splits is checked without causal"),
@@ -288,7 +288,7 @@ def _with_sinks(target: Target, **kwargs: Any) -> Any:
     "sink_agreement", level="flash", section="spec.flash (sinks)",
     cases=lambda t: _with_sinks(t, window=None, softcap=None, alibi=None),
     directed=lambda t: _directed(t, sinks=True),
-    skip_reason=lambda t: skip_unless("sinks" in t.caps.flash_features, "sinks not declared"),
+    requires=("flash:sinks",),
 )
 def test_sink_agreement(target: Target, case: FlashCase) -> float:
     """sinks (N,), one learned logit per query head, join every row's softmax denominator
@@ -326,8 +326,8 @@ def _sink_as_key(case: FlashCase, scale: float) -> FlashCase:
     "sink_equivalence", level="flash", section="spec.flash (sinks)",
     cases=lambda t: _with_sinks(t),
     directed=lambda t: _directed(t, sinks=True),
-    skip_reason=lambda t: skip_unless("sinks" in t.caps.flash_features, "sinks not declared")
-    or skip_unless(t.caps.custom_scale, "the sink key's logit needs an explicit softmax_scale"),
+    requires=("flash:sinks",),
+    skip_reason=lambda t: skip_unless(t.caps.custom_scale, "the sink key's logit needs an explicit softmax_scale"),
 )
 def test_sink_equivalence(target: Target, case: FlashCase) -> float:
     """A sink is an extra key with a zero value and a fixed logit: the output with sinks

@@ -78,8 +78,8 @@ def test_mha_fully_masked_rows(target: Target, case: MHACase) -> float:
     "mha_gradients", level="mha", section="spec.mha_forward (derivative)",
     cases=lambda t: mha_cases_for(t, fully_masked=False),
     directed=lambda t: mha_directed_for(t, fully_masked=False),
-    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared")
-    or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (finite differences)"),
+    requires=("autograd",),
+    skip_reason=lambda t: skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (finite differences)"),
     examples_factor=0.5,
 )
 def test_mha_gradients(target: Target, case: MHACase) -> float:
@@ -96,7 +96,7 @@ def test_mha_gradients(target: Target, case: MHACase) -> float:
     "mha_need_weights_equivalence", level="mha", section="spec.mha_forward (need_weights)",
     cases=lambda t: mha_cases_for(t),
     directed=lambda t: mha_directed_for(t),
-    skip_reason=lambda t: skip_unless(has_feature(t, "need_weights"), "need_weights not declared"),
+    requires=("mha:need_weights",),
 )
 def test_mha_need_weights_equivalence(target: Target, case: MHACase) -> float:
     """need_weights=True and need_weights=False give the same output (different
@@ -175,8 +175,8 @@ def test_mha_eval_determinism(target: Target, case: MHACase) -> float:
                                   features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
     directed=lambda t: mha_directed_for(t, max_L=3, max_S=4, max_batch=1, need_weights=False,
                                      features=set(t.caps.mha_features) - {"unbatched", "batch_first"}),
-    skip_reason=lambda t: skip_unless(has_feature(t, "dropout"), "dropout not declared")
-    or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
+    requires=("mha:dropout",),
+    skip_reason=lambda t: skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)"),
     examples_factor=0.2,
 )
 def test_mha_dropout_expectation(target: Target, case: MHACase) -> float:

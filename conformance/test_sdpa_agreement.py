@@ -54,7 +54,7 @@ def test_forward_agreement(target: Target, case: SDPACase) -> float:
     "gradient_agreement", level="sdpa", section="spec.sdpa_vjp",
     cases=lambda t: cases_for(backward_target(t), layouts=("contiguous",), fully_masked=False),
     directed=lambda t: directed_for(backward_target(t), layouts=("contiguous",), fully_masked=False),
-    skip_reason=lambda t: skip_unless(t.caps.autograd, "autograd not declared"),
+    requires=("autograd",),
     examples_factor=0.5,
 )
 def test_gradient_agreement(target: Target, case: SDPACase) -> float:

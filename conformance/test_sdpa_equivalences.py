@@ -93,7 +93,7 @@ def _causal_flag_equivalence(target: Target, case: SDPACase) -> float:
     "gqa_equivalence", level="sdpa", section="spec.sdpa (GQA, repeat_interleave)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), gqa=True),
     directed=lambda t: directed_for(t, layouts=("contiguous",), gqa=True),
-    skip_reason=lambda t: skip_unless(t.caps.gqa, "GQA not declared"),
+    requires=("gqa",),
 )
 def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     """K < N kv heads with enable_gqa equals repeating each kv head N/K times in
@@ -117,7 +117,7 @@ def test_gqa_equivalence(target: Target, case: SDPACase) -> float:
     "layout_independence", level="sdpa", section="docs/DESIGN.md#memory-layout",
     cases=lambda t: cases_for(t, layouts=("transposed", "stride0", "poisoned")),
     directed=lambda t: directed_for(t, layouts=("transposed", "stride0", "poisoned")),
-    skip_reason=lambda t: skip_unless(t.caps.non_contiguous, "only contiguous inputs declared"),
+    requires=("non_contiguous",),
 )
 def test_layout_independence(target: Target, case: SDPACase) -> float:
     """Non-contiguous, stride-0 and transposed inputs, and slices of buffers
@@ -143,8 +143,8 @@ DROPOUT_SAMPLES = 1024
     "dropout_expectation", level="sdpa", section="docs/KNOWN_BUGS.md#7-dropout-in-eval (dropout keeps the expectation)",
     cases=lambda t: cases_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
     directed=lambda t: directed_for(t, layouts=("contiguous",), max_L=4, max_S=8, regimes=("normal",)),
-    skip_reason=lambda t: skip_unless(t.caps.dropout, "dropout not declared")
-    or skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)")
+    requires=("dropout",),
+    skip_reason=lambda t: skip_unless(t.dtype in ("float32", "float64"), "checked in float32/float64 (a statistical bound)")
     or needs_separate_values(t),
     examples_factor=0.2,
 )

@@ -216,7 +216,7 @@ def test_shift_invariance(target: Target, case: SDPACase) -> float:
                               scale_kinds=("positive", "tiny", "negative", "zero")),
     directed=lambda t: directed_for(t, layouts=("contiguous",), regimes=("normal", "near_ties", "wide_range"),
                                  scale_kinds=("positive", "tiny", "negative", "zero")),
-    skip_reason=lambda t: skip_unless(t.caps.custom_scale, "custom scale not declared"),
+    requires=("custom_scale",),
 )
 def test_temperature(target: Target, case: SDPACase) -> float:
     """c·q with scale s gives the same output as q with scale c·s (c a power of

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from conformance.core.target import Target
+from conformance.core.requirements import unmet
 
 __all__ = ["PropertyInfo", "Record", "registered_properties", "registered_checks", "skip_reasons"]
 
@@ -36,6 +37,9 @@ class PropertyInfo:
     cases: Callable[[Target], Any] | None = field(default=None, compare=False, repr=False)
     directed: Callable[[Target], list[Any]] | None = field(default=None, compare=False, repr=False)
     skip_reason: Callable[[Target], str | None] | None = field(default=None, compare=False, repr=False)
+    #: What the property requires of the target's capabilities, as data
+    #: (:data:`conformance.core.requirements.REQUIREMENTS` names), checked before ``skip_reason``.
+    requires: tuple[str, ...] = ()
     #: A sweep's whole run (``conformance.harness.sweep``): ``sweep(target, session, record)`` -> its Sweep.
     sweep: Callable[[Target, Any, Record], Any] | None = field(default=None, compare=False, repr=False)
 
@@ -122,8 +126,11 @@ class Record:
 
 def skip_reasons(info: PropertyInfo, target: Target) -> list[str]:
     """Why ``target`` (at the property's level) cannot have property ``info`` checked:
-    what the implementation does not support, then the property's own ``skip_reason``."""
+    what the implementation does not support, what the property ``requires``, then its own
+    ``skip_reason``."""
     reasons = _target_skip_reasons(target, info.level)
+    if info.requires and not reasons:
+        reasons = unmet(info.requires, target.caps)
     if info.skip_reason is not None and not reasons:
         reason = info.skip_reason(target)
         reasons = [reason] if reason else []

@@ -86,6 +86,17 @@ def _examples_setting(factor: float) -> settings:
     )
 
 
+def _known(property_id: str, requires: tuple[str, ...]) -> tuple[str, ...]:
+    from conformance.core.requirements import REQUIREMENTS
+
+    unknown = [name for name in requires if name not in REQUIREMENTS]
+    if unknown:
+        raise ValueError(f"@conformance_property({property_id!r}, requires={requires!r}): {unknown} are not "
+                         f"requirements; use names of conformance.core.requirements.REQUIREMENTS: "
+                         f"{', '.join(REQUIREMENTS)}")
+    return tuple(requires)
+
+
 def conformance_property(
     property_id: str,
     *,
@@ -95,12 +106,15 @@ def conformance_property(
     skip_reason: Callable[[Target], str | None] | None = None,
     examples_factor: float = 1.0,
     directed: Callable[[Target], list[Any]] | None = None,
+    requires: tuple[str, ...] = (),
 ) -> Callable[[Callable[[Target, Any], float | None]], Callable[..., None]]:
     """Register ``check`` as property ``property_id`` and return its pytest test.
 
     ``section`` names what the property checks as ``spec.<name> (detail)``;
-    ``skip_reason(target)`` returns a skip reason when the target cannot have the
-    property checked (e.g. no autograd declared, see ``helpers.skip_unless``);
+    ``requires`` names what the property needs of the target's capabilities
+    (``conformance.core.requirements.REQUIREMENTS``: ``("autograd",)``, ``("flash:window",)``),
+    so the registry knows which properties each field gates; ``skip_reason(target)`` returns
+    a skip reason for a condition that is more than a field's value (see ``helpers.skip_unless``);
     ``examples_factor`` scales the profile's ``max_examples``; ``cases(target)`` returns the
     Hypothesis strategy of cases; ``directed(target)`` returns explicit cases
     run in order before the search, through the same check, expected failures and record
@@ -110,10 +124,12 @@ def conformance_property(
     error ratio (None if the property is exact or not ratio-based).
     """
 
+    requires = _known(property_id, requires)
+
     def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
         _PROPERTIES[property_id] = PropertyInfo(
             property_id, level, section, (check.__doc__ or "").strip(), examples_factor,
-            cases=cases, directed=directed, skip_reason=skip_reason,
+            cases=cases, directed=directed, skip_reason=skip_reason, requires=requires,
         )
         _CHECKS[property_id] = check
 

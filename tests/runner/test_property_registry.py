@@ -172,3 +172,34 @@ def test_property_names_its_spec_section_and_says_what_it_checks(pid):
         f"section={info.section!r}, but should start with spec.<name> of a public spec function or "
         "module, or name a docs/<FILE>.md#anchor")
     assert info.level in docgen.LEVELS and info.doc and info.examples_factor > 0
+
+
+def test_requirements_are_data_the_registry_reads():
+    """``requires=`` names what a property needs of the capabilities: each requirement reads
+    a Capabilities field, an unknown name is refused at registration, an unmet one skips
+    the property with its reason, and the registry knows which properties each field gates
+    (docs/OPTIONS.md's generated table)."""
+    import dataclasses
+
+    from conformance.core.registry import registered_properties, skip_reasons
+    from conformance.core.requirements import REQUIREMENTS, gated_by
+    from conformance.core.target import Target
+    from conformance.harness.runner import conformance_property
+    from implementations import registry as impl_registry
+    from implementations.base import Capabilities
+
+    fields = {f.name for f in dataclasses.fields(Capabilities)}
+    assert {r.field for r in REQUIREMENTS.values()} <= fields
+    props = registered_properties()
+    used = {name for info in props.values() for name in info.requires}
+    assert used == set(REQUIREMENTS), set(REQUIREMENTS) - used        # no requirement left unused
+    gates = gated_by(props)
+    assert "gradient_agreement" in gates["autograd"] and gates["gqa"] == ["gqa_equivalence"]
+    with pytest.raises(ValueError, match="not requirements.*autograd"):
+        conformance_property("no_such_property", level="sdpa", section="spec.sdpa", cases=lambda t: None,
+                             requires=("autograd_typo",))
+    impl = impl_registry.resolve("handwritten", {"gqa": "false", "autograd": "false"})
+    target = Target(impl, "sdpa", "float64", "cpu")
+    assert skip_reasons(props["gqa_equivalence"], target) == ["GQA not declared"]
+    assert skip_reasons(props["gradient_agreement"], target) == ["autograd not declared"]
+    assert skip_reasons(props["forward_agreement"], target) == []
