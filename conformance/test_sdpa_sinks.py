@@ -68,13 +68,18 @@ def _directed(target: Target) -> list[SDPACase]:
     varied = exact_sinks(np.array([0.5, -1.0]))
     blocked = np.ones((L, S), bool)
     blocked[0] = False
-    features: list[dict[str, Any]] = [{"sinks": varied}, {"sinks": exact_sinks(np.full(N, 1000.0))}]
+    # (name, changes): each feature's case carries its name
+    features: list[tuple[str, dict[str, Any]]] = [
+        ("sinks that differ per head", {"sinks": varied}),
+        ("a sink far above every score", {"sinks": exact_sinks(np.full(N, 1000.0))})]
     if "bool" in caps.mask_kinds:
-        features.append({"sinks": varied, "attend_mask": blocked})
+        features.append(("a bool mask blocking a whole row: all its weight on the sink",
+                         {"sinks": varied, "attend_mask": blocked}))
     if "additive" in caps.mask_kinds:
-        features.append({"sinks": varied, "additive_mask": round_to(rng.standard_normal((L, S)), target.dtype)})
+        features.append(("sinks with an additive mask",
+                         {"sinks": varied, "additive_mask": round_to(rng.standard_normal((L, S)), target.dtype)}))
     if caps.causal is not None:
-        features.append({"sinks": varied, "causal": caps.causal})
+        features.append(("sinks with the causal flag", {"sinks": varied, "causal": caps.causal}))
     regimes = [r for r in producible_regimes(target, layouts=("contiguous",)) if r != "normal"]
     regimes = ["normal", *regimes]
     sizes = {"B": 1, "N": N, "K": K, "L": L, "S": S, "E": E, "Ev": E}
@@ -84,9 +89,10 @@ def _directed(target: Target) -> list[SDPACase]:
         q, k, v = sdpa_values(np.random.default_rng(29 + j), sizes, regime, target.dtype, None, [])
         if caps.shared_kv:
             v = k
+        name, changes = features[j % len(features)]
         case = SDPACase(q, k, v, dtype=target.dtype, device=target.device, regime=regime,
-                        notes=("directed", f"value regime {regime}"))
-        out.append(case.replace(**features[j % len(features)]))
+                        notes=(f"directed: {name}, values {regime}",))
+        out.append(case.replace(**changes))
     if caps.causal_only:
         out = [c.replace(causal=caps.causal, attend_mask=None, additive_mask=None) for c in out]
     return remember_arguments(out, {"layouts": ("contiguous",)})  # for directed.shrink
