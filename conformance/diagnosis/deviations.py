@@ -32,6 +32,11 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     found = [(name, path, entry) for name, path, entry in builtin_deviations(property_id, attrs)
              if entry not in own and _specific(entry)]
     found = _offered(found, target, BUILTIN_LIBRARIES)
+    if found and any(name in COMPILED_DEVIATIONS for name, _, _ in found) and _fails_eagerly(target, calls):
+        # the deviation is the compiled program's (an eager call is finite): a function
+        # whose eager call fails the same way has a bug of its own (a kernel that computes
+        # its own softmax), and the deviation's file would hide it
+        found = [item for item in found if item[0] not in COMPILED_DEVIATIONS]
     if not found:
         return verdict
     name, path, entry = found[0]
@@ -59,6 +64,32 @@ def _with_known_deviations(target: Any, record: Any, verdict: Verdict) -> Verdic
     line = f"probable cause: {known}" + (f" [{verdict.line.removeprefix('probable cause: ')}]"
                                           if verdict.line else "")
     return Verdict([pseudo, *verdict.causes], line, verdict.call)
+
+
+#: Built-ins whose known deviations are their compiled program's (XLA's fused softmax under
+#: ``jax.jit``), offered to a compiled bridged function only where its eager call passes.
+COMPILED_DEVIATIONS = frozenset({"jax"})
+
+
+def _fails_eagerly(target: Any, calls: Any) -> bool:
+    """Whether a compiled bridged SDPA function's failing call fails when made eagerly too
+    (the bridge's same function with ``jit=False``); False where that cannot be asked."""
+    import dataclasses
+
+    from conformance.calls.call_specs import SDPACallSpec
+    from conformance.calls.replay import report_sdpa_call
+
+    bridged = getattr(target.impl, "sdpa", None)
+    if not getattr(bridged, "fallbacks", None) or not hasattr(bridged, "eager"):
+        return False
+    specs = [c for c in calls or () if isinstance(c, SDPACallSpec)]
+    if not specs:
+        return False
+    eager = dataclasses.replace(target.impl, sdpa=bridged.eager())
+    try:
+        return any(report_sdpa_call(eager, spec).shows_failure for spec in specs[:2])
+    except Exception:  # noqa: BLE001 - a diagnosis that cannot replay offers as before
+        return False
 
 
 #: Built-ins that are a library's layer, not a kernel: their deviations are in that layer's

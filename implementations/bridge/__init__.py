@@ -51,6 +51,9 @@ BRIDGE_OPTIONS = {
     "framework": f"the array framework of the function: one of {sorted(FRAMEWORKS)}",
     "layout": f"the layout of query, key, value and output: one of {list(LAYOUTS)} (default BNLE, "
               "BLNE for Keras' and JAX's own dot_product_attention)",
+    "call_kwargs": "keyword arguments given to every call of the function, NAME=VALUE with Python literal values, "
+                   "comma-separated (interpret=True,segment_ids=None): parameters SDPA's arguments do not fill "
+                   "(a required one, a mode switch)",
     "interface_mask": "the attention_mask form of a transformers attention-interface function: additive or bool "
                       "(default: bool for sdpa_attention_forward, additive otherwise)",
 }
@@ -71,10 +74,37 @@ def split_bridge_options(options: Mapping[str, str] | None) -> tuple[dict[str, s
                                   f"expected {BRIDGE_OPTIONS['layout']}")
     if "layout" in bridge:
         bridge["layout"] = bridge["layout"].upper()
+    if "call_kwargs" in bridge:
+        parse_call_kwargs(bridge["call_kwargs"])  # checked here: a usage error before anything runs
     if bridge.get("interface_mask", "additive") not in ("additive", "bool"):
         raise ImplementationError(f"--impl-option interface_mask={bridge['interface_mask']}: unknown mask form; "
                                   f"expected {BRIDGE_OPTIONS['interface_mask']}")
     return bridge, rest
+
+
+def parse_call_kwargs(text: str) -> dict[str, Any]:
+    """``interpret=True,segment_ids=None`` -> ``{"interpret": True, "segment_ids": None}``
+    (``--impl-option call_kwargs=``); ImplementationError naming the rule and the fix."""
+    import ast
+    import re
+
+    found: dict[str, Any] = {}
+    for item in (p for p in re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", text) if p.strip()):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        try:
+            if not eq or not name.isidentifier():
+                raise ValueError("not NAME=VALUE")
+            found[name] = ast.literal_eval(value.strip())
+            hash(found[name])
+        except (ValueError, SyntaxError, TypeError) as exc:
+            raise ImplementationError(
+                f"--impl-option call_kwargs={text}: {item.strip()!r} is not NAME=VALUE with a hashable Python "
+                f"literal value ({exc}); write e.g. call_kwargs=interpret=True,segment_ids=None") from exc
+    if not found:
+        raise ImplementationError(f"--impl-option call_kwargs={text!r}: no NAME=VALUE given; write e.g. "
+                                  "call_kwargs=interpret=True")
+    return found
 
 
 @contextlib.contextmanager
@@ -218,19 +248,22 @@ def _own_deviations(fn: Any, framework: str) -> str | None:
 
 
 def make_bridge(fn: Callable[..., Any], framework: str, *, layout: str | None = None, origin: str = "",
-                jit: bool | str | Callable[[Any], bool | str] = False) -> BridgedSDPA:
+                jit: bool | str | Callable[[Any], bool | str] = False,
+                call_kwargs: Mapping[str, Any] | None = None) -> BridgedSDPA:
     """A :class:`BridgedSDPA` of ``fn`` run by ``framework`` (ImportError: not installed;
-    ImplementationError: a signature the bridge cannot call)."""
+    ImplementationError: a signature the bridge cannot call). ``call_kwargs``: keyword
+    arguments given to every call (``--impl-option call_kwargs=``)."""
     origin = origin or getattr(fn, "__name__", "the function")
     try:
         parameters = list(signature_of(fn).parameters.values())
     except (TypeError, ValueError) as exc:
         raise ImplementationError(f"{origin}: its signature cannot be read ({exc}); wrap it in a Python "
                                   "function taking query, key, value") from exc
-    arguments = map_arguments(parameters, origin)
+    arguments = map_arguments(parameters, origin, given=tuple(call_kwargs or ()))
     own = _frameworks_own(fn, framework)
     own_layout = _OWN_FUNCTIONS[(framework, fn.__name__)] if own else "BNLE"
-    return BridgedSDPA(fn, framework_named(framework), arguments, layout or own_layout, jit=jit, native_gqa=own)
+    return BridgedSDPA(fn, framework_named(framework), arguments, layout or own_layout, jit=jit, native_gqa=own,
+                       call_kwargs=call_kwargs)
 
 
 #: Frameworks whose functions the bridge compiles unless ``jit=false`` is declared: a
@@ -253,6 +286,8 @@ def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str,
     compiled = framework in COMPILED_BY_DEFAULT and jit is not False
     try:
         bridged = make_bridge(fn, framework, layout=declared.get("layout"), origin=origin,
+                              call_kwargs=parse_call_kwargs(declared["call_kwargs"]) if "call_kwargs" in declared
+                              else None,
                               jit="fallback" if compiled else False)
     except ImportError as exc:
         return Implementation(name=name, unavailable_reason=(
@@ -260,8 +295,12 @@ def bridged_implementation(fn: Callable[..., Any], framework: str, *, name: str,
             "(pip install 'attention-conformance[frameworks]' has NumPy, Keras and tinygrad)"))
     how = _how_recognised(fn, framework, declared)
     caps = probe(bridged, origin=origin, timeout=timeout)
+    if bridged.gqa_by_behaviour:  # from now on, K < N heads only where the probe saw GQA computed
+        bridged.gqa_taken = bool(caps.gqa) or any(dict(values).get("gqa") for _, values in caps.by_dtype)
+    given = ", ".join(f"{k}={v!r}" for k, v in bridged.call_kwargs.items())
     notes = [f"bridge: {bridged.framework.version} ({how}), layout {bridged.layout}, "
-             f"arguments {bridged.arguments.describe()}"]
+             f"arguments {bridged.arguments.describe()}" + (f"; every call also gets {given} (declared)"
+                                                           if given else "")]
     if compiled:
         notes.append(f"compiled: {framework}.jit per configuration (a new shape or dtype is a compilation; one "
                      "that does not trace runs eagerly); --impl-option jit=false runs every call eagerly")

@@ -83,9 +83,11 @@ class ArgumentMap:
         return ", ".join(f"{ours} -> {theirs}" for ours, theirs in pairs if theirs) or "none"
 
 
-def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentMap:
+def map_arguments(parameters: list[inspect.Parameter], origin: str, given: tuple[str, ...] = ()) -> ArgumentMap:
     """The :class:`ArgumentMap` of a signature; ImplementationError for one that cannot
-    take SDPA's calls (fewer than three leading parameters, or an unknown required one)."""
+    take SDPA's calls (fewer than three leading parameters, or an unknown required one).
+    ``given``: parameters a declaration fills in every call (``call_kwargs``): each must
+    be a parameter SDPA's arguments do not map (or go to ``**kwargs``)."""
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 3:
         raise ImplementationError(
@@ -100,12 +102,22 @@ def map_arguments(parameters: list[inspect.Parameter], origin: str) -> ArgumentM
                 found[field] = alias
                 break
     used = set(found.values())
-    unknown = [p.name for p in parameters[3:] if p.name not in used and p.default is p.empty
-               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    every = {p.name for p in parameters}
+    var_keyword = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    for name in given:
+        if name in used or name in [p.name for p in positional[:3]]:
+            raise ImplementationError(f"{origin}: call_kwargs gives {name}, which the bridge fills from "
+                                      "scaled_dot_product_attention's arguments; leave it out of call_kwargs")
+        if name not in every and not var_keyword:
+            raise ImplementationError(f"{origin}: call_kwargs gives {name}, which is not a parameter of the "
+                                      f"function (its parameters: {sorted(every)})")
+    unknown = [p.name for p in parameters[3:] if p.name not in used and p.name not in given
+               and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if unknown:
         raise ImplementationError(
             f"{origin}: the bridged function also requires {unknown}, which it cannot be given from "
-            "scaled_dot_product_attention's arguments; give them defaults"
+            "scaled_dot_product_attention's arguments; give them defaults, or declare their values with "
+            f"--impl-option call_kwargs={unknown[0]}=VALUE"
         )
     explicit = "scale" in found and names[found["scale"]].default is not None
     causal_mask = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -56,15 +56,29 @@ class BridgedSDPA:
 
     def __init__(self, fn: Callable[..., Any], framework: Framework, arguments: ArgumentMap,
                  layout: str = "BNLE", jit: bool | str | Callable[[torch.dtype], bool | str] = False,
-                 native_gqa: bool = False) -> None:
+                 native_gqa: bool = False, call_kwargs: Mapping[str, Any] | None = None) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
         self.fn, self.framework, self.arguments, self.layout, self.jit = fn, framework, arguments, layout, jit
         self.native_gqa = native_gqa
+        #: Keyword arguments given to every call (``--impl-option call_kwargs=``).
+        self.call_kwargs = dict(call_kwargs or {})
+        #: Whether K < N heads go to the function as they are (no ``enable_gqa`` parameter,
+        #: not documented GQA): the probe then reads GQA from what it computes, and once
+        #: it has (``gqa_taken``) a function that does not compute GQA gets no K < N heads.
+        self.gqa_by_behaviour = arguments.gqa is None and not native_gqa
+        self.gqa_taken: bool | None = None
         self.__name__ = getattr(fn, "__name__", "sdpa")
         self._functions = functools.lru_cache(maxsize=256)(self._build)
         #: The compiled functions with an eager fallback made so far (``jit="fallback"``).
         self.fallbacks: list[_JitOrEager] = []
+
+    def eager(self) -> BridgedSDPA:
+        """The same function bridged alike, every call made eagerly (``jit=False``)."""
+        copy = BridgedSDPA(self.fn, self.framework, self.arguments, self.layout, jit=False,
+                           native_gqa=self.native_gqa, call_kwargs=self.call_kwargs)
+        copy.gqa_taken = self.gqa_taken
+        return copy
 
     def __repr__(self) -> str:
         return f"BridgedSDPA({self.__name__}, framework={self.framework.name}, layout={self.layout})"
@@ -79,7 +93,7 @@ class BridgedSDPA:
                              f"{key.dim()}, {value.dim()}")
         lead = query.shape[:-3]
         q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
-        statics: dict[str, Any] = {}
+        statics: dict[str, Any] = dict(self.call_kwargs)
         extra: dict[str, torch.Tensor] = {}
         if attn_mask is not None:
             full = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
@@ -102,8 +116,9 @@ class BridgedSDPA:
                                            (args.gqa, enable_gqa, False, "enable_gqa")):
             if flag is not None:
                 statics[flag] = type(default)(given)
-            elif given != default and ours != "enable_gqa":
-                raise NotImplementedError(f"{self.__name__} has no {ours} parameter")
+            elif given != default and (ours != "enable_gqa" or self.gqa_taken is False):
+                raise NotImplementedError(f"{self.__name__} has no {ours} parameter" + (
+                    " and does not compute GQA (the probe's call with N = 4, K = 2)" if ours == "enable_gqa" else ""))
             # without an enable_gqa parameter, K < N heads go as they are: whether the function
             # takes them is read from what it does (the probe's GQA call, gqa_equivalence)
         if scale is not None and args.scale is None:

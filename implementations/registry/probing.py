@@ -62,6 +62,32 @@ __all__ = ["BUILD_TIMEOUT", "DEFAULT_PROBE_TIMEOUT", "build_limit", "probe_mha",
 _SDPA_CONTRACT = "scaled_dot_product_attention's"
 
 
+def _gqa_call(fn: Callable[..., Any], qkv: tuple[Any, Any, Any]) -> Any:
+    """The GQA probe's call. A function that takes K < N heads only as they are (a bridged
+    one without an ``enable_gqa`` parameter: ``fn.gqa_by_behaviour``) is read from what it
+    computes: its output must be its own output with the key/value heads repeated, as
+    repeat_interleave or as tile (a tiled grouping is then a failure of gqa_equivalence,
+    not absorbed); anything else is no GQA (a kernel that indexes kv heads by the query
+    head reads past them), raised as NotImplementedError so the probe declares it off."""
+    import torch
+
+    q, k, v = qkv
+    out = fn(q, k, v, enable_gqa=True)
+    if not getattr(fn, "gqa_by_behaviour", False) or not isinstance(out, torch.Tensor):
+        return out
+    group = q.shape[-3] // k.shape[-3]
+    tol = 1e-5 if q.dtype in (torch.float32, torch.float64) else 2e-2
+    for repeated in ((k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)),
+                     (k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1))):
+        same = fn(q, *repeated)
+        if isinstance(same, torch.Tensor) and same.shape == out.shape and torch.allclose(
+                out.double(), same.double(), rtol=tol, atol=tol, equal_nan=True):
+            return out
+    raise NotImplementedError("K < N key/value heads ran but did not compute grouped-query attention (the output "
+                              "is neither the function's own with the heads repeated as repeat_interleave nor as "
+                              "tile); it takes no enable_gqa parameter, so GQA is declared off")
+
+
 def probe_sdpa(fn: Callable[..., Any], *, origin: str,
                timeout: float | None = DEFAULT_PROBE_TIMEOUT) -> Capabilities:
     """Capabilities of an SDPA-signature function, found by tiny calls on CPU
@@ -173,7 +199,7 @@ def probe_sdpa(fn: Callable[..., Any], *, origin: str,
             "mask_kinds:additive": ("a float mask", lambda: fn(qd, kd, vd, attn_mask=as_mask(float_mask.to(t)))),
             # K = 2: a call that only broadcasts one key/value head over the query heads
             # raises here, where K = 1 would pass it as GQA
-            "gqa": ("GQA (N=4, K=2, enable_gqa=True)", lambda: fn(*qkv_for(N=4, K=2, dtype=t), enable_gqa=True)),
+            "gqa": ("GQA (N=4, K=2, enable_gqa=True)", lambda: _gqa_call(fn, qkv_for(N=4, K=2, dtype=t))),
             "different_v_dim": (f"Ev={plan.Ev_other} != E={E0}", lambda: fn(*qkv_for(Ev=plan.Ev_other, dtype=t))),
             # backward makes its own guarded calls: it returns None or what happened.
             "autograd": ("backward through query, key, value" + (f" (L = S = {grad_len})" if grad_len else ""),

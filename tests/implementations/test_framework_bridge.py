@@ -447,3 +447,85 @@ def test_jax_float64_is_switched_on_for_the_float64_call_only():
         atol = 1e-13 if dtype == torch.float64 else 1e-6
         np.testing.assert_allclose(out.double().numpy(), oracle(q, k, v), atol=atol)
     assert jax.config.jax_enable_x64 == before
+
+
+def indexes_kv_by_query_head(q, k, v):
+    """No GQA, and no check either: kv head h for query head h, the heads past K read as
+    the last one (a kernel that indexes past its kv heads reads whatever lies there)."""
+    idx = np.minimum(np.arange(q.shape[1]), k.shape[1] - 1)
+    return _numpy_attention(q, k[:, idx], v[:, idx])
+
+
+def tiles_heads(q, k, v):
+    """GQA with the wrong grouping (query head h reads kv head h % K): the bug gqa_tiled."""
+    groups = q.shape[1] // k.shape[1]
+    return _numpy_attention(q, np.tile(k, (1, groups, 1, 1)), np.tile(v, (1, groups, 1, 1)))
+
+
+def test_gqa_read_from_behaviour_tells_no_gqa_from_a_wrong_grouping():
+    """Without an enable_gqa parameter, a call that runs is not enough: the output must be the
+    function's own with the kv heads repeated (as repeat_interleave or as tile). A function
+    that reads kv heads by the query head index computes no GQA: declared off, and K < N is
+    then refused by the bridge; a tiled grouping is GQA done wrong: declared on, so that
+    gqa_equivalence fails it (not absorbed)."""
+    from implementations.bridge import bridged_implementation
+    from implementations.registry.probing import probe_sdpa
+
+    q, k, v = tensors((1, 4, 3, 2), (1, 2, 5, 2), (1, 2, 5, 2), dtype=torch.float64)
+    expected = {indexes_kv_by_query_head: False, tiles_heads: True, repeats_heads: True}
+    for fn, takes_gqa in expected.items():
+        impl = bridged_implementation(fn, "numpy", name=fn.__name__, origin=fn.__name__, probe=probe_sdpa,
+                                      timeout=None)
+        assert impl.capabilities.gqa is takes_gqa, (fn.__name__, impl.capabilities.probe_notes)
+        if not takes_gqa:
+            assert "did not compute grouped-query attention" in impl.capabilities.probe_note("gqa")
+            with pytest.raises(NotImplementedError, match="does not compute GQA"):
+                impl.sdpa(q, k, v, enable_gqa=True)
+    assert probe_sdpa(make_bridge(tiles_heads, "numpy"), origin="t", timeout=None).gqa
+
+
+def test_call_kwargs_fill_parameters_sdpa_does_not():
+    """``--impl-option call_kwargs=NAME=VALUE,...``: a required parameter SDPA's arguments do
+    not fill (Pallas' segment_ids) or a mode switch (interpret=True) given to every call;
+    a name SDPA fills, a name the function lacks, or a value that is no literal is refused."""
+    from implementations.base import ImplementationError
+
+    def with_extras(q, k, v, segment_ids, interpret=False, scale=None):
+        assert segment_ids is None and interpret is True, (segment_ids, interpret)
+        return _numpy_attention(q, k, v)
+
+    with pytest.raises(ImplementationError, match="requires \\['segment_ids'\\].*call_kwargs=segment_ids=VALUE"):
+        make_bridge(with_extras, "numpy")
+    bridged = make_bridge(with_extras, "numpy", call_kwargs={"segment_ids": None, "interpret": True})
+    q, k, v = tensors((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4), dtype=torch.float64)
+    np.testing.assert_allclose(bridged(q, k, v).numpy(), oracle(q, k, v), atol=1e-12)
+    for given, match in (({"scale": 1.0}, "fills from scaled_dot_product_attention"),
+                         ({"nope": 1}, "not a parameter")):
+        with pytest.raises(ImplementationError, match=match):
+            make_bridge(with_extras, "numpy", call_kwargs={"segment_ids": None, **given})
+    from implementations.bridge import parse_call_kwargs
+
+    assert parse_call_kwargs("interpret=True, segment_ids=None,block=(64, 64)") == {
+        "interpret": True, "segment_ids": None, "block": (64, 64)}
+    for bad in ("interpret", "x=[1]", "x=os.getcwd()", ""):
+        with pytest.raises(ImplementationError, match="call_kwargs"):
+            parse_call_kwargs(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("jax"), reason="jax is not installed (pip install 'attention-conformance[jax]')")
+def test_pallas_flash_attention_certifies_with_declarations_only(tmp_path):
+    """JAX's Pallas flash-attention kernel (its GPU kernel in interpret mode on the CPU), with
+    declarations only: its own failures are reported, not excused as the jax built-in's
+    (causal with more queries than keys: every row NaN; logits near 1e9: -inf rows, its
+    eager call too); GQA declared off (it reads kv heads by the query head's index)."""
+    code, report, output = certify(
+        "jax.experimental.pallas.ops.gpu.attention:mha", tmp_path, "--dtype=float32",
+        "-k", "(forward_agreement or convex_hull or output_contract) and not mha and not flash",
+        "--impl-option", "call_kwargs=segment_ids=None,interpret=True", "--impl-option", "layout=BLNE",
+        "--impl-option", "seq_block=128", "--impl-option", "derived_flash=false")
+    got = outcomes(report)
+    assert got[("output_contract", "float32")] == "passed", output
+    assert got[("forward_agreement", "float32")] == "failed", output
+    assert "known deviation of the built-in `jax`" not in output, output
+    assert report["implementation"]["capabilities"]["gqa"] is False
