@@ -303,16 +303,21 @@ def _hk_part(held, role):
     return next(name for name in held.layer if name.split("/")[-1] == part), ("b" if role.endswith("bias") else "w")
 
 
-def _hk_get(held, role):
-    part, leaf = _hk_part(held, role)
-    array = np.asarray(held.layer[part][leaf])  # w (in, out), b (out,)
+def _from_in_out(array: np.ndarray, role: str, num_heads: int) -> np.ndarray:
+    """A dense layer's weight (in, out) or bias (out,) -- Haiku's and Paddle's layout -- in
+    the canonical per-head layout of ``role`` (:data:`.modules.ROLES`)."""
     if role == "o_bias":
         return array
-    if leaf == "b":
-        return array.reshape(held.num_heads, -1)
+    if role.endswith("bias"):
+        return array.reshape(num_heads, -1)
     if role == "o_kernel":
-        return array.reshape(held.num_heads, -1, array.shape[1])
-    return array.reshape(array.shape[0], held.num_heads, -1)
+        return array.reshape(num_heads, -1, array.shape[1])
+    return array.reshape(array.shape[0], num_heads, -1)
+
+
+def _hk_get(held, role):
+    part, leaf = _hk_part(held, role)
+    return _from_in_out(np.asarray(held.layer[part][leaf]), role, held.num_heads)  # w (in, out), b (out,)
 
 
 def _hk_put(held, role, array):
@@ -363,14 +368,7 @@ def _pd_linear(layer, role):
 
 def _pd_get(layer, role):
     linear, leaf = _pd_linear(layer, role)
-    array = getattr(linear, leaf).astype("float64").numpy()
-    if role == "o_bias":
-        return array
-    if leaf == "bias":
-        return array.reshape(layer.num_heads, -1)
-    if role == "o_kernel":
-        return array.reshape(layer.num_heads, -1, array.shape[1])
-    return array.reshape(array.shape[0], layer.num_heads, -1)
+    return _from_in_out(getattr(linear, leaf).astype("float64").numpy(), role, layer.num_heads)
 
 
 def _pd_put(layer, role, array):
