@@ -90,7 +90,8 @@ class Declaration:
 def option_text(key: str, value: Any, where: str = "the declaration") -> str:
     """A TOML value of ``key`` as its ``--impl-option`` text: a list is comma-separated, a
     boolean ``true``/``false``, an inline table ``KIND:POLICY`` (``fully_masked``) or
-    ``NAME=VALUE`` (``learner_config``) pairs; a string stays as written."""
+    ``NAME=VALUE`` (``learner_config``, ``call_kwargs``: a TOML boolean as Python's) pairs; a
+    string stays as written."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -101,11 +102,14 @@ def option_text(key: str, value: Any, where: str = "the declaration") -> str:
                                                for v in value):
         return ",".join(str(v) for v in value) if value else "none"
     if isinstance(value, Mapping) and all(isinstance(v, (str, int)) for v in value.values()):
-        sep = "=" if key.rpartition(".")[2] == "learner_config" else ":"
+        name = key.rpartition(".")[2]
+        if name == "call_kwargs":  # Python literals: a TOML true is True
+            return ",".join(f"{k}={v!r}" if isinstance(v, bool) else f"{k}={v}" for k, v in value.items())
+        sep = "=" if name == "learner_config" else ":"
         return ",".join(f"{k}{sep}{v}" for k, v in value.items())
     raise ImplementationError(
         f"{where}: {key} = {value!r} is a {type(value).__name__}; a value is a string, an integer, "
-        f"a boolean, a list of strings or integers, or (fully_masked, learner_config) an inline table; "
+        f"a boolean, a list of strings or integers, or (fully_masked, learner_config, call_kwargs) an inline table; "
         f"write e.g. {key} = \"...\" as you would after --impl-option {key}=")
 
 

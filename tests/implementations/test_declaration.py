@@ -42,6 +42,7 @@ _CANDIDATES = ("true", "16", "8,16", "float32,float16", "cpu,cuda", "none,bool",
                "none")
 #: The keys read as text by the bridge, the learner and ONNX (not capabilities): a value each.
 _TEXT_SAMPLES = {"derived_flash": "false", "framework": "jax", "layout": "BLNE", "interface_mask": "bool",
+                 "call_kwargs": "interpret=True",
                  "learner_mask": "keep", "learner_fused": "qkv", "learner_projections": "q_proj,k_proj,v_proj,o",
                  "learner_init": "d_model,n_heads", "learner_config": "dropout=0,bias=1",
                  "learner_layout": "seq_first", "onnx_exporter": "dynamo", "onnx_opset": "18",
