@@ -23,13 +23,13 @@ from conformance.calls.kvcache import (
     validate,
 )
 from conformance.calls.sequences.calling import as_pages
-from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.directed import shrink, shrink_sequences
 from conformance.directed.admission import admitted
 from implementations import registry
 from implementations.base import Capabilities, Implementation
 from tests.mutant_runs import certify_mutant
+from tests.directed_cases import directed_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The kvcache properties' directed builders, each run on a correct implementation.
@@ -42,15 +42,7 @@ def _target(impl: Implementation = REFERENCE, dtype: str = "float64") -> Target:
 
 def _directed() -> list[tuple[str, KVCacheCase]]:
     """(property, directed case) for every kvcache property the reference runs."""
-    target = _target()
-    out = []
-    for pid, info in registered_properties().items():
-        if info.level != "kvcache" or info.directed is None:
-            continue
-        if info.skip_reason is not None and info.skip_reason(target):
-            continue
-        out += [(pid, case) for case in info.directed(target)]
-    return out
+    return directed_cases(_target())
 
 
 DIRECTED = _directed()

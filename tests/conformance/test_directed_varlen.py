@@ -8,7 +8,6 @@ cases carried names loads with none)."""
 from __future__ import annotations
 
 from conformance.calls.varlen import VarlenCase, case_from_meta, case_meta
-from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.harness.directed_shrink import _name
 from conformance.reporting.failures import load_case, save_case
@@ -16,6 +15,7 @@ from conformance.strategies.varlen import varlen_directed
 from implementations import registry
 from implementations.base import Capabilities
 from implementations.capabilities import ALL_VARLEN_FEATURES
+from tests.directed_cases import directed_cases
 
 #: A correct implementation that declares every varlen feature (options, LSE, FP8, dropout).
 REFERENCE = registry.resolve("varlen-reference")
@@ -25,15 +25,7 @@ PROPERTIES = {"varlen_agreement", "varlen_equivalence", "varlen_feature_agreemen
 
 def _directed(dtype: str) -> list[tuple[str, VarlenCase]]:
     """(property, directed case) for every varlen property the reference runs in ``dtype``."""
-    target = Target(REFERENCE, "varlen", dtype, "cpu")
-    out = []
-    for pid, info in registered_properties().items():
-        if info.level != "varlen" or info.directed is None:
-            continue
-        if info.skip_reason is not None and info.skip_reason(target):
-            continue
-        out += [(pid, case) for case in info.directed(target)]
-    return out
+    return directed_cases(Target(REFERENCE, "varlen", dtype, "cpu"))
 
 
 def test_every_varlen_directed_case_is_named_and_keeps_its_name_when_saved(tmp_path):

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.core.registry import registered_properties
 from conformance.core.target import Target
 from conformance.directed import shrink
 from conformance.sharded import shrinking
@@ -26,6 +25,7 @@ from conformance.sharded.shrinking import admitted
 from implementations import registry
 from implementations.base import Implementation
 from tests.mutant_runs import certify_mutant
+from tests.directed_cases import directed_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 RING, ULYSSES = registry.resolve("ring"), registry.resolve("ulysses")
@@ -37,15 +37,7 @@ def _target(impl: Implementation = RING) -> Target:
 
 def _directed(impl: Implementation = RING) -> list[tuple[str, ShardedCase]]:
     """(property, directed case) for every sharded property ``impl`` runs."""
-    target = _target(impl)
-    out = []
-    for pid, info in registered_properties().items():
-        if info.level != "sharded" or info.directed is None:
-            continue
-        if info.skip_reason is not None and info.skip_reason(target):
-            continue
-        out += [(pid, case) for case in info.directed(target)]
-    return out
+    return directed_cases(_target(impl))
 
 
 DIRECTED = {"ring": _directed(RING), "ulysses": _directed(ULYSSES)}
