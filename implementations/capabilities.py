@@ -10,6 +10,7 @@ frozensets, per-dtype values and sources as sorted tuples).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -395,8 +396,6 @@ def backward_lengths(caps: Any) -> Any:
     multiple = getattr(caps, "backward_seq_multiple", None)
     if not multiple:
         return caps
-    import math
-
     block, bound = caps.seq_block, caps.max_seq_len
     if block and multiple <= block:  # inside one block every length runs; beyond it, whole blocks
         bound = min(block, bound or block)

@@ -60,9 +60,9 @@ from conformance.calls.sdpa import assert_returned_tensor
 from conformance.core import observe
 from conformance.core.compare import PropertyFailure, assert_contract, fail
 from conformance.core.target import ImplementationRaised, Target, call_guarded
-from implementations.capabilities import backward_allowed
 from conformance.core.tensors import dtype_of, to_numpy
 from spec.emulate import round_to
+from implementations.capabilities import backward_allowed
 
 __all__ = [
     "ATTRIBUTES",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REQUIREMENTS", "Requirement", "gated_by", "unmet"]
+__all__ = ["REQUIREMENTS", "Requirement", "gated_by", "known_requirements", "unmet"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,17 @@ REQUIREMENTS: Mapping[str, Requirement] = {
     "mha:need_weights": Requirement("mha_features", _mha_feature("need_weights"), "need_weights not declared"),
     "mha:dropout": Requirement("mha_features", _mha_feature("dropout"), "dropout not declared"),
 }
+
+
+def known_requirements(property_id: str, requires: Sequence[str]) -> tuple[str, ...]:
+    """``requires`` of property ``property_id`` as registered; ValueError naming any name that
+    is not one of :data:`REQUIREMENTS`."""
+    unknown = [name for name in requires if name not in REQUIREMENTS]
+    if unknown:
+        raise ValueError(f"@conformance_property({property_id!r}, requires={tuple(requires)!r}): {unknown} are not "
+                         f"requirements; use names of conformance.core.requirements.REQUIREMENTS: "
+                         f"{', '.join(REQUIREMENTS)}")
+    return tuple(requires)
 
 
 def unmet(requires: Sequence[str], caps: Any) -> list[str]:

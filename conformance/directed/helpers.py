@@ -39,9 +39,10 @@ def backward_target(target: Target) -> Target:
     caps = target.impl.caps(target.level)
     if not caps.backward_seq_multiple:
         return target
-    impl = dataclasses.replace(target.impl, **{f"{target.level}_capabilities" if getattr(
-        target.impl, f"{target.level}_capabilities", None) is not None else "capabilities": backward_lengths(caps)})
-    return dataclasses.replace(target, impl=impl)
+    field = f"{target.level}_capabilities"  # where Implementation.caps read them
+    if getattr(target.impl, field, None) is None:
+        field = "capabilities"
+    return dataclasses.replace(target, impl=dataclasses.replace(target.impl, **{field: backward_lengths(caps)}))
 
 
 def cases_for(target: Target, **kwargs: Any) -> Any:

@@ -44,6 +44,7 @@ from conformance.core.registry import (
     Record,
     skip_reasons,
 )
+from conformance.core.requirements import known_requirements
 from conformance.core.target import (
     ImplementationCrashed,
     ImplementationHung,
@@ -86,17 +87,6 @@ def _examples_setting(factor: float) -> settings:
     )
 
 
-def _known(property_id: str, requires: tuple[str, ...]) -> tuple[str, ...]:
-    from conformance.core.requirements import REQUIREMENTS
-
-    unknown = [name for name in requires if name not in REQUIREMENTS]
-    if unknown:
-        raise ValueError(f"@conformance_property({property_id!r}, requires={requires!r}): {unknown} are not "
-                         f"requirements; use names of conformance.core.requirements.REQUIREMENTS: "
-                         f"{', '.join(REQUIREMENTS)}")
-    return tuple(requires)
-
-
 def conformance_property(
     property_id: str,
     *,
@@ -124,7 +114,7 @@ def conformance_property(
     error ratio (None if the property is exact or not ratio-based).
     """
 
-    requires = _known(property_id, requires)
+    requires = known_requirements(property_id, requires)
 
     def decorate(check: Callable[[Target, Any], float | None]) -> Callable[..., None]:
         _PROPERTIES[property_id] = PropertyInfo(

@@ -186,9 +186,7 @@ def _fully_masked_per_dtype(probe: _Prober, factory, x, kinds, dtypes, notes: li
     policy, each other dtype's by :func:`_fully_masked_declaration` where it differs. Where
     the dtypes disagree, each note's hint is a per-dtype declaration (``float16.fully_masked=``):
     a global one would break the other dtypes."""
-    dtypes = tuple(dtypes or ("float32",))
-    order = [d for d in ("float32", *dtypes) if d in dtypes]
-    order = list(dict.fromkeys(order))
+    order = sorted(dtypes or ("float32",), key=lambda d: d != "float32")  # float32 first, then as run
     observed = {d: _probe_mha_fully_masked(probe, factory, x, kinds=kinds, dtype=d) for d in order}
     main = order[0]
     differ = any(seen != observed[main] for seen in observed.values())
