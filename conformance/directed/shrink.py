@@ -16,9 +16,10 @@ were checked.
 A proposal is checked only when the property's own strategy could have drawn it
 (``directed.admission.admitted``, with the arguments the property built its directed
 cases with: :func:`remember_arguments`), so a shrunk case is never one the implementation
-does not claim. SDPA, flash, varlen and MHA cases are shrunk (an MHA case in its batch,
-heads and head dim, its module's weights cut with them, its lengths, a self-attention one
-with L = S, and its inputs' values; a flash case in its sizes and q, k, v values, its features as written: causal, window,
+does not claim. SDPA, flash, varlen and MHA cases are shrunk (an MHA case in its masks,
+dropped, its batch, heads and head dim, its module's weights cut with them, its lengths, a
+self-attention one with L = S and then in its queries alone over the same keys, its
+inputs' values and its weights' values; a flash case in its sizes and q, k, v values, its features as written: causal, window,
 softcap, ALiBi and sink values cut to the heads kept, FP8 descales to the batch and kv heads
 kept; a varlen case in its sequences (each alone, then each left out), heads, each
 sequence's query and key lengths, head dims and values, per-sequence slopes and descales

@@ -156,6 +156,21 @@ def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
     return case.replace(query=query, key=key, value=value, key_padding_mask=padding, attn_mask=attn)
 
 
+def _mha_queries(case: MHACase, L: int) -> MHACase:
+    """Self-attention ``case`` with its first ``L`` queries over all its keys: a
+    cross-attention case whose key and value are one input (the whole sequence)."""
+    whole = case.query
+    if case.unbatched:
+        query = np.ascontiguousarray(whole[:L])
+    else:
+        query = np.ascontiguousarray(whole[:, :L] if case.batch_first else whole[:L])
+    attn = case.attn_mask
+    if attn is not None:
+        attn = np.ascontiguousarray(attn[..., :L, :])
+    notes = tuple(n for n in case.notes if n != "self_attention")
+    return case.replace(query=query, key=whole, value=whole, attn_mask=attn, notes=notes)
+
+
 def _mha_heads(case: MHACase, N: int, E: int) -> MHACase | None:
     """``case`` with ``N`` heads of head dim ``E`` (embed_dim N·E): the module's weights cut
     to the first N heads' first E rows of each projection and the first N·E input and
@@ -206,9 +221,43 @@ def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]
     yield lambda c: (x for e in _smaller(c.D // c.N) if (x := _mha_heads(c, c.N, e)) is not None)
     if self_attention:
         yield lambda c: (_mha_resized(c, c.B, n, n) for n in _smaller(c.L))
+        # then fewer queries over the same keys: a bug that needs two keys (a scale, a
+        # split of heads) shrinks to one query, as a cross-attention case (key = value)
+        yield lambda c: (_mha_queries(c, n) for n in _smaller(c.L)) if c.self_attention else iter(())
     else:
         yield lambda c: (_mha_resized(c, c.B, n, c.S) for n in _smaller(c.L))
         yield lambda c: (_mha_resized(c, c.B, c.L, n) for n in _smaller(c.S))
+
+
+def _mha_masks(case: MHACase) -> Iterator[MHACase]:
+    """The case without its masks (both, then the key padding alone, then the attn_mask
+    alone): a bug that needs no mask then shrinks to one key, which a row masked in one
+    head cannot. An ``is_causal`` case keeps its attn_mask (the flag is a hint about it)."""
+    notes = tuple(n for n in case.notes if n != "fully_masked:forced")
+    keep_attn = case.is_causal
+    changes = [dict(key_padding_mask=None, attn_mask=None), dict(key_padding_mask=None), dict(attn_mask=None)]
+    seen = set()
+    for change in changes:
+        if keep_attn:
+            change.pop("attn_mask", None)
+        change = {k: v for k, v in change.items() if getattr(case, k) is not None}
+        key = tuple(sorted(change))
+        if not change or key in seen:
+            continue
+        seen.add(key)
+        yield case.replace(**change, notes=notes)
+
+
+def _mha_weights(case: MHACase) -> Iterator[MHACase]:
+    """The module's weights and biases rounded as the inputs are (scaled to at most 2,
+    multiples of 1, 1/2, 1/4): printed in a few digits, exact in every dtype."""
+    p = case.params
+    names = [f.name for f in dataclasses.fields(p)
+             if isinstance(getattr(p, f.name), np.ndarray)]
+    if _simple_arrays([getattr(p, n) for n in names]):
+        return
+    for steps in (1, 2, 4):
+        yield case.replace(params=dataclasses.replace(p, **{n: _quarters(getattr(p, n), steps) for n in names}))
 
 
 def _mha_values(case: MHACase) -> Iterator[MHACase]:
@@ -252,6 +301,7 @@ def sdpa_passes(case: SDPACase | FlashCase) -> list[Callable[[Any], Iterator[Any
 
 
 def mha_passes(case: MHACase) -> list[Callable[[Any], Iterator[Any]]]:
-    """The passes of an MHA case: its sizes, then its inputs' values."""
-    return [*_mha_sizes(case), _mha_values]
+    """The passes of an MHA case: its masks dropped, its sizes, then its inputs' values
+    and its module's weights."""
+    return [_mha_masks, *_mha_sizes(case), _mha_values, _mha_weights]
 

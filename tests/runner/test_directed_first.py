@@ -110,7 +110,7 @@ def test_a_sweep_failure_keeps_its_ratio_on_the_certificate(tmp_path):
     assert "smallest failing size of the sweep: L=7, S=13" in output, output[-3000:]
 
 
-def test_the_mha_shrink_passes_cut_batch_and_lengths_keeping_self_attention_and_masks():
+def test_the_mha_shrink_passes_drop_masks_cut_batch_and_lengths_and_round_weights():
     import numpy as np
 
     import spec
@@ -122,7 +122,21 @@ def test_the_mha_shrink_passes_cut_batch_and_lengths_keeping_self_attention_and_
     causal = np.triu(np.ones((3, 3), dtype=bool), 1)
     case = MHACase(spec.MHAParams.random(rng, 4, 2), x, x, x, attn_mask=causal, is_causal=True,
                    key_padding_mask=np.array([[False, False, True], [False, True, True]]))
-    batch, heads, head_dim, lengths, values = shrink.passes(case)
+    masks, batch, heads, head_dim, lengths, queries, values, weights = shrink.passes(case)
+    fewer = list(queries(case))  # fewer queries over the same keys: cross-attention, key = value
+    assert [c.L for c in fewer] == [1, 2] and all(c.S == 3 and c.key is c.value and not c.self_attention
+                                                 for c in fewer)
+    assert fewer[0].attn_mask.tolist() == [[False, True, True]]
+    # the key padding goes (an is_causal case keeps its attn_mask, which the flag describes)
+    (unpadded,) = list(masks(case))
+    assert unpadded.key_padding_mask is None and unpadded.attn_mask is causal
+    bare, unpadded, unmasked = list(masks(case.replace(is_causal=False, notes=("fully_masked:forced",))))
+    assert bare.key_padding_mask is None and bare.attn_mask is None and bare.notes == ()
+    assert unpadded.attn_mask is causal and unmasked.key_padding_mask is case.key_padding_mask
+    (first_weights, *_) = list(weights(case))
+    w = first_weights.params.in_proj_weight
+    assert np.all(np.abs(w) <= 2) and np.all(w == np.round(w)) and np.abs(w).max() == 2
+    assert list(weights(first_weights)) == []  # already simple: nothing more to propose
     assert [c.N for c in heads(case)] == [1] and [c.D for c in head_dim(case)] == [2]
     (one,) = list(batch(case))
     assert one.query.shape == (3, 1, 4) and one.key_padding_mask.tolist() == [[False, False, True]]
