@@ -27,11 +27,15 @@ CAUSAL = {"causal_only": "true"}
 MISTAKES = "tests/implementations/learner_modules/transformers_mistakes.py"
 
 
-def _certify(impl: str, options: dict[str, str], tmp_path: Path) -> tuple[dict[str, str], dict]:
+def _certify(impl: str, options: dict[str, str], tmp_path: Path, *, keyword: str = "mha") -> tuple[dict[str, str], dict]:
+    """The ``ci`` certificate of the MHA properties ``keyword`` selects (-k), float64 and
+    float32: the outcomes by property-dtype, and the JSON certificate. A test that asserts
+    a failure selects the failing property alone (``mha_agreement``): the rest would only
+    cost time."""
     report = tmp_path / "cert"
     flags = [f"--impl-option={k}={v}" for k, v in options.items()]
     subprocess.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", *flags,
-                    "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", "mha",
+                    "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", keyword,
                     "--dtype", "float64,float32", f"--conformance-report={report}"],
                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                    timeout=900)
@@ -54,7 +58,7 @@ def test_transformers_class_certifies_as_what_it_is(impl, options, tmp_path):
 def test_gpt2_declared_as_what_it_is_not_fails(options, tmp_path):
     """The disagreement of GPT-2's two paths on a call without a mask (docs/FINDINGS.md):
     each fails where it is declared as the other."""
-    outcomes, _ = _certify(GPT2, options, tmp_path)
+    outcomes, _ = _certify(GPT2, options, tmp_path, keyword="mha_agreement")
     assert outcomes["mha_agreement-float64"] == "failed" and outcomes["mha_agreement-float32"] == "failed"
 
 
@@ -63,7 +67,7 @@ def test_gpt2_declared_as_what_it_is_not_fails(options, tmp_path):
 def test_a_mistake_in_a_transformers_class_fails_with_its_cause(cls, tmp_path):
     """A subclass forwarding *args (its config found in its base's module: GPT2Config) that
     scales the scores by 1/sqrt(embed_dim)."""
-    outcomes, cert = _certify(f"{MISTAKES}:{cls}", {}, tmp_path)
+    outcomes, cert = _certify(f"{MISTAKES}:{cls}", {}, tmp_path, keyword="mha_agreement")
     assert outcomes["mha_agreement-float64"] == "failed" and outcomes["mha_agreement-float32"] == "failed"
     assert "mha_scale_model_dim" in {c["variant"] for c in cert["causes"]}
 
