@@ -530,3 +530,40 @@ def test_pallas_flash_attention_certifies_with_declarations_only(tmp_path):
     assert got[("forward_agreement", "float32")] == "failed", output
     assert "known deviation of the built-in `jax`" not in output, output
     assert report["implementation"]["capabilities"]["gqa"] is False
+
+
+# --------------------------------------------------------------------------- Flax's two functions
+
+FLAX_FUNCTIONS = ["flax.linen:dot_product_attention", "flax.nnx:dot_product_attention"]
+
+
+@pytest.mark.skipif(not installed("flax"), reason="flax is not installed (pip install 'attention-conformance[frameworks]')")
+@pytest.mark.parametrize("spec_name", FLAX_FUNCTIONS)
+def test_flax_functions_are_read_as_jax_functions(spec_name):
+    """No adapter: (B, L, N, E), a bool mask as ``mask`` and a float one as ``bias``; no
+    causal flag, dropout probability or scale; fully-masked rows probed per kind and not
+    adopted (uniform for a bool mask, NaN for a -inf bias); GQA only where it runs (NNX's)."""
+    caps = registry.resolve(spec_name).capabilities
+    notes = " ".join(caps.probe_notes)
+    assert "layout BLNE" in notes and "bool attn_mask -> mask" in notes and "float attn_mask -> bias" in notes
+    assert caps.mask_kinds == {"none", "bool", "additive"} and not caps.dropout and not caps.custom_scale
+    assert "probed bool:uniform,additive:nan" in notes and "not adopted" in notes
+    assert caps.gqa is spec_name.startswith("flax.nnx")
+    assert caps.dtypes == ("float64", "float32", "float16", "bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed("flax"), reason="flax is not installed (pip install 'attention-conformance[frameworks]')")
+def test_flax_nnx_function_has_jax_nn_float64_softmax_and_linen_does_not(tmp_path):
+    """Linen's function is Flax's own float64 softmax; NNX's hands the call to
+    ``jax.nn.dot_product_attention``, whose float64 softmax runs in float32: named
+    ``softmax_float32`` (docs/FINDINGS.md, Flax's two dot_product_attention functions)."""
+    chosen = ("--dtype=float64", "-k", "forward_agreement and not flash and not mha",
+              "--impl-option", "fully_masked=bool:uniform,additive:nan")
+    for name in ("linen", "nnx"):
+        (tmp_path / name).mkdir()
+    linen_code, linen, linen_output = certify(FLAX_FUNCTIONS[0], tmp_path / "linen", *chosen)
+    nnx_code, nnx, nnx_output = certify(FLAX_FUNCTIONS[1], tmp_path / "nnx", *chosen)
+    assert linen_code == 0 and outcomes(linen)[("forward_agreement", "float64")] == "passed", linen_output
+    assert nnx_code == 1 and outcomes(nnx)[("forward_agreement", "float64")] == "failed", nnx_output
+    assert [c["variant"] for c in nnx["causes"]] == ["softmax_float32"], nnx["causes"]
