@@ -28,6 +28,10 @@ __all__ = ["probe_mha"]
 # L == S and query = key = value unless a feature needs otherwise, so that a
 # self-attention-only module is probed feature by feature too.
 _D, _N, _L, _S, _B = 4, 2, 3, 3, 2
+#: The key length of the cross-attention probes: not L, so that a module that takes S = L
+#: only is not taken for one that attends over keys of another length (its key and value
+#: apart for ``cross_attention``, one tensor for ``kv_cross_attention``).
+_S_CROSS = 4
 
 
 def probe_mha(factory: Callable[..., Any], *, origin: str,
@@ -39,7 +43,7 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
     probe = _Prober(origin, timeout, "mha")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(_L, _B, _D, generator=gen)
-    kv = torch.randn(_S, _B, _D, generator=gen)
+    kv = (torch.randn(_S_CROSS, _B, _D, generator=gen), torch.randn(_S_CROSS, _B, _D, generator=gen))
 
     def first() -> Any:
         module = factory(_D, _N)
@@ -140,16 +144,20 @@ def probe_mha(factory: Callable[..., Any], *, origin: str,
 
 
 def _mha_feature_probes(factory, call, x, kv) -> dict[str, Callable[[], Any]]:
-    """MHA feature name -> a call that raises (or returns False) when it is unsupported."""
+    """MHA feature name -> a call that raises (or returns False) when it is unsupported.
+    ``kv``: a key and a value of length ``_S_CROSS`` != L, two tensors."""
     import torch
+
+    key, value = kv
 
     kpm = torch.tensor([[False, False, True], [False, True, False]])
     causal = torch.ones(_L, _S, dtype=torch.bool).tril().logical_not()
     return {
-        "cross_attention": lambda: call(None, x, kv, kv),
-        "kv_cross_attention": lambda: call(None, x, kv, kv),
+        "cross_attention": lambda: call(None, x, key, value),
+        "kv_cross_attention": lambda: call(None, x, key, key),
         "no_bias": lambda: call({"bias": False}),
-        "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(_S, _B, 3), torch.randn(_S, _B, 5)),
+        "kdim_vdim": lambda: call({"kdim": 3, "vdim": 5}, x, torch.randn(_S_CROSS, _B, 3),
+                                  torch.randn(_S_CROSS, _B, 5)),
         "bias_kv": lambda: call({"add_bias_kv": True}),
         "zero_attn": lambda: call({"add_zero_attn": True}),
         "batch_first": lambda: call({"batch_first": True}, *[x.transpose(0, 1)] * 3),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from implementations import registry
 from implementations.registry.probe_plan import probe_plan
@@ -66,3 +67,48 @@ def test_the_probe_sizes_are_where_the_alternatives_differ():
     N = 4 (K = 1 passes a kernel that only broadcasts one key/value head)."""
     plan = probe_plan(level="sdpa")
     assert plan.L != plan.S and plan.Ev_other not in (None, plan.E)
+
+
+# --------------------------------------------------------------------------- the MHA level
+
+
+class _KeyIsValueOnly(torch.nn.MultiheadAttention):
+    """An nn.MultiheadAttention drop-in that attends over one memory tensor: key and value
+    must be the same tensor (``kv_cross_attention`` and self-attention, not ``cross_attention``)."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if value is not key:
+            raise ValueError("key and value must be one tensor")
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+
+
+class _SelfLengthsOnly(torch.nn.MultiheadAttention):
+    """Takes keys of the query's length only (a fused self-attention kernel behind it): no
+    cross-attention of another length, whatever tensors it is given."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if key.shape[0 if not self.batch_first else 1] != query.shape[0 if not self.batch_first else 1]:
+            raise ValueError("the key length must equal the query length")
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("module, without, keeps", [
+    (_KeyIsValueOnly, {"cross_attention", "kdim_vdim"}, {"kv_cross_attention"}),
+    (_SelfLengthsOnly, {"cross_attention", "kv_cross_attention", "kdim_vdim"}, set()),
+], ids=["key-is-value-only", "self-lengths-only"])
+def test_the_mha_cross_attention_probes_tell_key_value_apart_and_other_lengths(module, without, keeps):
+    """The cross-attention probes call with keys of length 4 != L = 3 (a module that takes
+    S = L only is not taken for cross-attention), ``cross_attention`` with key and value
+    two tensors, ``kv_cross_attention`` with one: each feature is claimed only where its
+    own call runs."""
+    from implementations.registry.recognition import recognise
+
+    plain = recognise(torch.nn.MultiheadAttention, name="torch").capabilities.mha_features
+    features = recognise(module, name=module.__name__).capabilities.mha_features
+    assert without <= plain and keeps <= plain
+    assert not (without & features) and keeps <= features, sorted(features)
+    assert features == plain - without
