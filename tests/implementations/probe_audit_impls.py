@@ -8,6 +8,12 @@ import torch
 import torch.nn.functional as F
 
 
+def _refuse_if(condition: bool, error: Exception) -> None:
+    """Raise ``error`` where ``condition`` holds: what the one unsupported input does."""
+    if condition:
+        raise error
+
+
 def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -15,28 +21,26 @@ def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 def equal_lengths_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):
-    if query.shape[-2] != key.shape[-2]:
-        raise ValueError("self-attention kernel: the query and key lengths must match")
+    _refuse_if(query.shape[-2] != key.shape[-2],
+               ValueError("self-attention kernel: the query and key lengths must match"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def four_dims_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-    if query.dim() != 4:
-        raise ValueError(f"expected (B, N, L, E) inputs, got {query.dim()} dims")
+    _refuse_if(query.dim() != 4, ValueError(f"expected (B, N, L, E) inputs, got {query.dim()} dims"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def no_float16(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if query.dtype == torch.float16:
-        raise TypeError("float16 is not supported")
+    _refuse_if(query.dtype == torch.float16, TypeError("float16 is not supported"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def bool_masks_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise TypeError("only bool masks are supported")
+    _refuse_if(attn_mask is not None and attn_mask.dtype != torch.bool,
+               TypeError("only bool masks are supported"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -44,8 +48,8 @@ def one_kv_head_broadcast(query, key, value, attn_mask=None, dropout_p=0.0, is_c
                           enable_gqa=False):
     """Broadcasts a single key/value head over the query heads (multi-query attention) and
     nothing else: K = 1 would pass a GQA probe, K = 2 of N = 4 does not."""
-    if key.shape[-3] not in (1, query.shape[-3]):
-        raise ValueError("key/value heads must be 1 or the query's heads")
+    _refuse_if(key.shape[-3] not in (1, query.shape[-3]),
+               ValueError("key/value heads must be 1 or the query's heads"))
     if key.shape[-3] == 1:
         key = key.expand(*query.shape[:-2], *key.shape[-2:])
         value = value.expand(*query.shape[:-2], *value.shape[-2:])
@@ -54,8 +58,7 @@ def one_kv_head_broadcast(query, key, value, attn_mask=None, dropout_p=0.0, is_c
 
 def same_head_dims(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-    if value.shape[-1] != query.shape[-1]:
-        raise ValueError("value's head dim must equal the query's")
+    _refuse_if(value.shape[-1] != query.shape[-1], ValueError("value's head dim must equal the query's"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -72,20 +75,18 @@ def detached_mask(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 
 def no_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p:
-        raise NotImplementedError("dropout is not supported")
+    _refuse_if(dropout_p, NotImplementedError("dropout is not supported"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def default_scale_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):
-    if scale is not None:
-        raise NotImplementedError("only the default 1/sqrt(E) scale")
+    _refuse_if(scale is not None, NotImplementedError("only the default 1/sqrt(E) scale"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def contiguous_only(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
-    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
-        raise ValueError("inputs must be contiguous")
+    _refuse_if(not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()),
+               ValueError("inputs must be contiguous"))
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
