@@ -134,15 +134,21 @@ def _flash_resized(case: FlashCase, **sizes: int) -> FlashCase:
     return case.replace(**changes)
 
 
+def _cut_sequence(case: MHACase, x: np.ndarray, length: int, B: int) -> np.ndarray:
+    """An input ``x`` of ``case`` cut to its first ``length`` positions and ``B`` items, in
+    the case's layout (unbatched (L, D), batch-first (B, L, D), else (L, B, D))."""
+    if case.unbatched:
+        return np.ascontiguousarray(x[:length])
+    return np.ascontiguousarray(x[:B, :length] if case.batch_first else x[:length, :B])
+
+
 def _mha_resized(case: MHACase, B: int, L: int, S: int) -> MHACase:
     """``case`` cut to batch ``B`` and lengths ``L``, ``S`` (a self-attention case stays one;
     masks cut alike: key padding (B, S), attn_mask (L, S) or (B*N, L, S) batch-major)."""
     self_attention = case.self_attention
 
     def cut(x: np.ndarray, length: int) -> np.ndarray:
-        if case.unbatched:
-            return np.ascontiguousarray(x[:length])
-        return np.ascontiguousarray(x[:B, :length] if case.batch_first else x[:length, :B])
+        return _cut_sequence(case, x, length, B)
 
     query = cut(case.query, L)
     key = query if self_attention else cut(case.key, S)
@@ -160,10 +166,7 @@ def _mha_queries(case: MHACase, L: int) -> MHACase:
     """Self-attention ``case`` with its first ``L`` queries over all its keys: a
     cross-attention case whose key and value are one input (the whole sequence)."""
     whole = case.query
-    if case.unbatched:
-        query = np.ascontiguousarray(whole[:L])
-    else:
-        query = np.ascontiguousarray(whole[:, :L] if case.batch_first else whole[:L])
+    query = _cut_sequence(case, whole, L, case.B)
     attn = case.attn_mask
     if attn is not None:
         attn = np.ascontiguousarray(attn[..., :L, :])
@@ -230,22 +233,14 @@ def _mha_sizes(case: MHACase) -> Iterator[Callable[[MHACase], Iterator[MHACase]]
 
 
 def _mha_masks(case: MHACase) -> Iterator[MHACase]:
-    """The case without its masks (both, then the key padding alone, then the attn_mask
-    alone): a bug that needs no mask then shrinks to one key, which a row masked in one
-    head cannot. An ``is_causal`` case keeps its attn_mask (the flag is a hint about it)."""
+    """The case without its masks (both, then each alone: the key padding first): a bug
+    that needs no mask then shrinks to one key, which a row masked in one head cannot. An
+    ``is_causal`` case keeps its attn_mask (the flag is a hint about it)."""
     notes = tuple(n for n in case.notes if n != "fully_masked:forced")
-    keep_attn = case.is_causal
-    changes = [dict(key_padding_mask=None, attn_mask=None), dict(key_padding_mask=None), dict(attn_mask=None)]
-    seen = set()
-    for change in changes:
-        if keep_attn:
-            change.pop("attn_mask", None)
-        change = {k: v for k, v in change.items() if getattr(case, k) is not None}
-        key = tuple(sorted(change))
-        if not change or key in seen:
-            continue
-        seen.add(key)
-        yield case.replace(**change, notes=notes)
+    droppable = [name for name in ("key_padding_mask", "attn_mask")
+                 if getattr(case, name) is not None and not (name == "attn_mask" and case.is_causal)]
+    for dropped in ([droppable] if droppable else []) + ([[n] for n in droppable] if len(droppable) > 1 else []):
+        yield case.replace(**dict.fromkeys(dropped), notes=notes)
 
 
 def _mha_weights(case: MHACase) -> Iterator[MHACase]:
