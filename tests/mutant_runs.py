@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def certify_mutant(tmp_path: Path, mutant: str, test_file: str, selector: str) -
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
     env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", test_file, "-p", "no:cacheprovider", "-q", "--hypothesis-profile=ci",
          f"--impl=mutant:{mutant}", "--dtype=float64", "-k", selector, "-x", f"--conformance-report={tmp_path}/cert"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)

@@ -36,7 +36,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from implementations.mutants.controls import CONTROLS
 from implementations.mutants.mha.learner_mutants import LEARNER_CONTROLS
 from implementations.mutants.sdpa.contract_mutants import CONTRACT_CONTROLS
 from spec.variants import FLASH_FAMILY
+from tests import pytest_process
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def run_conformance(impls: list[str], workdir: Path, *, stop_at_first_failure: b
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env["ATTENTION_CONFORMANCE_FAILURES"] = str(workdir / "failures")
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = pytest_process.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     json_path = report.with_suffix(".json")
     if not json_path.exists():

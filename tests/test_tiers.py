@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _collected(*args: str) -> list[str]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
+    proc = pytest_process.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return [line for line in proc.stdout.splitlines() if "::" in line]
@@ -45,7 +45,7 @@ def test_the_quick_tier_certifies_a_builtin_under_ci(tmp_path):
     report = tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env["ATTENTION_CONFORMANCE_FAILURES"] = str(tmp_path / "failures")
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "--impl=handwritten", "--dtype=float32",
          "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--conformance-report", str(report)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from conformance.directed import examples as directed
 from conformance.reporting.failures import load_case
 from implementations import registry
 from implementations.base import Capabilities, Implementation
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def test_a_failing_directed_case_is_reported_as_it_is(tmp_path):
     # saved unshrunk, with the bug class in its notes (without -x the search goes on and
     # reports a smaller case if it finds one: tests/runner/test_directed_first.py).
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", "--impl=tests/runner/impls_for_tests.py:ignores_scale",
          "--dtype=float64", "-k", "forward_agreement", "-x", f"--conformance-report={tmp_path}/cert"],

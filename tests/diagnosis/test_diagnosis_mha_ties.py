@@ -7,7 +7,6 @@ masked key (S = 1, where attending it and attending every key uniformly agree), 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import spec
 from conformance.core.cases import MHACase
 from conformance.diagnosis.mha_cases import mha_derived_cases
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_a_causal_case_keeps_its_sizes_and_a_per_head_mask_its_batch():
 def test_an_inverted_padding_mask_first_failing_on_one_key_is_named(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env["ATTENTION_CONFORMANCE_FAILURES"] = str(tmp_path / "failures")
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider", "-q",
          "--impl=mutant:learner_padding_mask_inverted", "-k", "mha_fully_masked_rows", "--dtype=float64",
          "--hypothesis-profile=ci"],

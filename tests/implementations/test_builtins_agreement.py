@@ -4,7 +4,6 @@ it exposes, including its declared fully-masked-row policy."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 import spec
 from implementations import registry
+from tests import pytest_process
 
 NAMES = sorted(registry.registered())
 
@@ -23,7 +23,7 @@ def in_fresh_process(request) -> bool:
     ("Cannot call @triton.jit'd outside of the scope of a kernel") in the same process."""
     if os.environ.get("IMPL_TESTS_ISOLATED") == "1":
         return False
-    result = subprocess.run(
+    result = pytest_process.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
         cwd=request.config.rootpath, env={**os.environ, "IMPL_TESTS_ISOLATED": "1"},
         capture_output=True, text=True, timeout=600,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from implementations.base import Capabilities, ImplementationError
 from implementations.mutants._base import NaiveSDPA
 from implementations.registry.probing import _fully_masked_declaration, probe_sdpa
 from implementations.registry.recognition import recognise
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,7 +166,7 @@ def test_a_float64_only_backward_certifies_float64_gradients(tmp_path):
            "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", "test_gradient_agreement and sdpa",
            "--dtype=float64,float32", "--impl-option", "derived_flash=false",
            "--conformance-report", str(tmp_path / "cert")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = pytest_process.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     cert = json.loads((tmp_path / "cert.json").read_text())
     got = {r["dtype"]: r for r in cert["results"] if r["property"] == "gradient_agreement"}
@@ -220,7 +220,7 @@ def test_an_mha_policy_that_differs_per_kind_is_not_adopted_and_fails_with_the_h
         cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--impl={source}:NanForBoolPadding",
                "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", "mha_fully_masked_rows",
                "--dtype=float64", "--conformance-report", str(tmp_path / "cert")]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+        proc = pytest_process.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
         [result] = json.loads((tmp_path / "cert.json").read_text())["results"]
         return proc.returncode, result
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from conformance.reporting.certificate import render_table, summary
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/partial_support_impls.py"
@@ -20,7 +20,7 @@ IMPLS = "tests/runner/partial_support_impls.py"
 
 def certify(impl: str, tmp_path: Path, name: str, *args: str, cwd: Path = ROOT) -> tuple[dict, str]:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"), PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path / name}", f"--impl={impl}", *args],
         cwd=cwd, capture_output=True, text=True, timeout=900, env=env)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import spec
 from implementations import registry
 from implementations.base import ImplementationError
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ def test_contract_deviations_fail_their_properties(user_file, tmp_path):
            f"--impl={user_file}:ignores_softcap,{user_file}:top_left", "--impl-exitfirst",
            "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--dtype=float64",
            "-k", "softcap_agreement or flash_agreement", "--conformance-report", str(report)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = pytest_process.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     certs = {c["implementation"]["spec"].rsplit(":", 1)[1]: c
              for c in json.loads(report.with_suffix(".json").read_text())["certificates"]}
@@ -193,7 +193,7 @@ def test_the_suite_certifies_a_bare_flash_attn_func_file(user_file, tmp_path):
            "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "--dtype=float64",
            "-k", "window_equivalence or lse_agreement or flash_agreement or forward_agreement",
            "--conformance-report", str(report)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = pytest_process.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     results = json.loads(report.with_suffix(".json").read_text())["results"]
     outcomes = {(r["property"], r["outcome"]) for r in results}

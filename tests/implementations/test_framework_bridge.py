@@ -10,7 +10,6 @@ import importlib.util
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import spec
 from implementations import registry
 from implementations.base import ImplementationError
 from implementations.bridge import detect_framework, make_bridge, map_arguments
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "frameworks" / "numpy_attention.py"
@@ -301,7 +301,7 @@ def certify(impl: str, workdir: Path, *extra: str, env: dict[str, str] | None = 
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
     environ["ATTENTION_CONFORMANCE_FAILURES"] = str(workdir / "failures")
     environ.update(env or {})
-    proc = subprocess.run(cmd, cwd=workdir, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = pytest_process.run(cmd, cwd=workdir, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (proc.stdout + proc.stderr)[-4000:]
     path = report.with_suffix(".json")
     if not path.exists():

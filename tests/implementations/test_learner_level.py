@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from implementations import ImplementationError, registry
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES_DIR = "tests/implementations/learner_modules"
@@ -26,7 +27,7 @@ def _certify(impl: str, tmp_path: Path, *, keyword: str = "mha") -> dict:
     alone (``mha_agreement``): the rest would only cost time."""
     report = tmp_path / "cert"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", "--hypothesis-profile=ci",
+    pytest_process.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", "--hypothesis-profile=ci",
                     "-q", "-k", keyword, "--dtype", "float64,float32", f"--conformance-report={report}"],
                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return json.loads(Path(f"{report}.json").read_text())

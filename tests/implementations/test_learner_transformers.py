@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from implementations import registry
+from tests import pytest_process
 
 pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ def _certify(impl: str, options: dict[str, str], tmp_path: Path, *, keyword: str
     cost time."""
     report = tmp_path / "cert"
     flags = [f"--impl-option={k}={v}" for k, v in options.items()]
-    subprocess.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", *flags,
+    pytest_process.run([sys.executable, "-m", "pytest", "conformance", f"--impl={impl}", *flags,
                     "--hypothesis-profile=ci", "-q", "-p", "no:cacheprovider", "-k", keyword,
                     "--dtype", "float64,float32", f"--conformance-report={report}"],
                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,

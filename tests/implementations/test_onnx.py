@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -24,6 +23,7 @@ import spec
 from implementations import onnx as onnx_impl
 from implementations import registry
 from implementations.base import ImplementationError
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = Path(__file__).resolve().parent / "framework_modules"
@@ -194,7 +194,7 @@ def certify(impl: str, workdir: Path, *extra: str) -> tuple[int, dict, str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
     environ["ATTENTION_CONFORMANCE_FAILURES"] = str(workdir / "failures")
-    proc = subprocess.run(cmd, cwd=workdir, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = pytest_process.run(cmd, cwd=workdir, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = (proc.stdout + proc.stderr)[-4000:]
     path = report.with_suffix(".json")
     if not path.exists():

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from conformance.core.target import Target
 from conformance.directed.helpers import cases_for
 from implementations.base import Capabilities, Implementation
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[1].parent
 IMPLS = "tests/runner/jit_impls_for_tests.py"
@@ -30,7 +31,7 @@ def run(tmp_path: Path, name: str, *args: str, configs: Path | None = None) -> t
     env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
     if configs is not None:
         env["CONFORMANCE_TEST_CONFIGS"] = str(configs)
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/{name}", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,

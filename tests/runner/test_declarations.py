@@ -27,6 +27,7 @@ from conformance.calls.call_specs import _call_4d
 from conformance.strategies import sdpa_cases
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_declarations.py"
@@ -35,7 +36,7 @@ IMPLS = "tests/runner/impls_for_declarations.py"
 def run(*args: str, tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                PYTHONPATH=str(ROOT))
-    return subprocess.run(
+    return pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,

@@ -5,7 +5,6 @@ examples per test (what ``certify_speed.py --max-examples`` and ``mutation_score
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from derived_profiles import MODULE, derived_profile, plugin_args  # noqa: E402
+from tests import pytest_process
 
 
 def test_only_derived_names_get_a_plugin(tmp_path):
@@ -32,7 +32,7 @@ def _examples(tmp_path: Path, profile: str) -> int:
     workdir = tmp_path / profile
     workdir.mkdir()
     report = workdir / "report"
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}", "--impl=spec",
          "-k", "test_temperature and float64", f"--hypothesis-profile={profile}", "-q",
          "-p", "no:cacheprovider", "--conformance-report", str(report), *plugin_args(workdir, profile)],

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTING = "tests/runner/impls_for_tests.py:counting_impl"
@@ -24,7 +24,7 @@ def run(tmp_path: Path, name: str, *args: str, calls: Path | None = None) -> tup
     env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
     if calls is not None:
         env["CONFORMANCE_TEST_CALLS"] = str(calls)
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/{name}", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,

@@ -8,7 +8,6 @@ import importlib
 import json
 import os
 import pkgutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from conformance.core.target import Target
 from conformance.reporting import certificate, failures
 from implementations.base import ExpectedFailure, ImplementationError
 from implementations.registry import load_expected_failures_file, resolve
+from tests import pytest_process
 
 pytest_plugins = ["pytester"]
 
@@ -183,7 +183,7 @@ def test_torch_mha_fast_path_entry_is_not_reported_stale_under_dev(tmp_path):
     under torch.no_grad() (call attribute grad=False), so the suite reaches it in
     every dtype, and the entry matches exactly its conditions."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "f"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider",
+    proc = pytest_process.run([sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider",
                            "-q", "--impl=torch-mha", "-k", "mha_fully_masked_rows",
                            f"--conformance-report={tmp_path / 'cert'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)

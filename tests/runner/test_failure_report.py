@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from conformance.harness.session import Session
 from conformance.reporting.failure_choice import cell_disagreements
 from conformance.reporting.reproducer import _literal
 from tests.diagnosis.test_diagnosis_unit import Counted, case_of, target_of
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_reports.py"
@@ -37,7 +37,7 @@ def run(tmp_path: Path, *args: str) -> tuple[list[dict], str]:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
     env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False,

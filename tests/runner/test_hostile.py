@@ -31,6 +31,7 @@ from conformance.reporting import certificate
 from conformance.strategies import mha_cases, sdpa_cases
 from implementations import guard, registry
 from implementations.base import Capabilities, ImplementationError
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = "tests/runner/hostile_impls.py"
@@ -42,7 +43,7 @@ def run(*args: str, tmp_path: Path, timeout: float = 240) -> subprocess.Complete
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def certify(impl: str, mode: str, tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
     report = tmp_path / f"cert-{mode}"
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--impl={impl}", f"--isolate={mode}",
          f"--conformance-report={report}", *args],

@@ -27,6 +27,7 @@ from conformance.plugin import (
 )
 from conformance.reporting import certificate, merge
 from implementations.mutants import MUTANTS
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_tests.py"
@@ -37,7 +38,7 @@ def run(*args: str, tmp_path: Path, timeout: float = 600) -> subprocess.Complete
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
     env = {k: v for k, v in env.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
-    return subprocess.run(
+    return pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,

@@ -8,12 +8,12 @@ those paths (``conformance.core.options.VALUE_OPTIONS``) and picks the rootdir a
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from conformance import activation
 from conformance.core import options
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_option_values_are_read_as_the_suite_reads_them():
 def _collect(cwd: Path, *args: str) -> tuple[str, list[str]]:
     """The rootdir line and the collected test ids of ``pytest --co`` run in ``cwd``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "--pyargs", "conformance.test_sdpa_agreement",
          "-p", "no:cacheprovider", "--co", "-k", "forward_agreement", *args],
         cwd=cwd, capture_output=True, text=True, timeout=240, env=env, check=False)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from conformance.strategies import sdpa_cases
 from implementations import registry
 from implementations.base import Capabilities, ImplementationError
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/partial_support_impls.py"
@@ -29,7 +30,7 @@ KERNELS = "tests/implementations/declared_kernels.py"
 
 def run(impl: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"), PYTHONPATH=str(ROOT))
-    return subprocess.run(
+    return pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--conformance-report={tmp_path}/cert", f"--impl={impl}", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)

@@ -36,6 +36,7 @@ from implementations.mutants._base import (
     sdpa_implementation,
 )
 from implementations.registry import resolve
+from tests import pytest_process
 
 pytest_plugins = ["pytester"]
 
@@ -390,7 +391,7 @@ def test_ci_worst_ratios_of_random_properties_are_the_same_across_runs(tmp_path)
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed,
                    ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-        subprocess.run([sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
+        pytest_process.run([sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
                         "--impl=handwritten", "--dtype=float32", "--hypothesis-profile=ci",
                         "-k", "dropout_expectation or mha_gradients",
                         f"--conformance-report={tmp_path / seed}"], cwd=ROOT, env=env, capture_output=True,
@@ -466,7 +467,7 @@ def test_a_failure_found_under_dev_is_retried_first_by_the_next_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "f"))
     results = []
     for attempt in ("first", "second"):
-        subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider", "-q",
+        pytest_process.run([sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "no:cacheprovider", "-q",
                         f"--impl={impls}:ignores_scale", "--dtype=float64", "-k", "temperature or forward_agreement",
                         f"--conformance-report={tmp_path / attempt}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, check=False)

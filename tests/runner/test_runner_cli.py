@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_tests.py"
@@ -17,7 +18,7 @@ IMPLS = "tests/runner/impls_for_tests.py"
 
 def run(*args: str, tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-    return subprocess.run(
+    return pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
@@ -162,7 +163,7 @@ def test_a_projects_own_device_and_dtype_options_keep_working_beside_the_suite(t
         "    assert request.config.getoption('--dtype') == 'int8'\n")
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--hypothesis-profile=ci",
          "--pyargs", "conformance", "test_own.py", "--impl=spec", "--device=npu1",
          "--conformance-dtype=float64", "--conformance-device=cpu",

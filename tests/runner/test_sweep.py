@@ -14,6 +14,7 @@ import pytest
 
 from conformance.harness.sweep import Sweep, sweep_property
 from conformance.test_sdpa_sweep import EDGE_LENGTHS, SIZES, length_order, size_order
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = "tests/runner/impls_for_tests.py"
@@ -22,7 +23,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 def sweep(impl: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", f"--impl={IMPLS}:{impl}", "-k", "small_sizes_sweep",
          f"--conformance-report={tmp_path}/cert", *extra],
@@ -133,7 +134,7 @@ def test_the_long_sweep_visits_kernel_block_edges_inside_the_declarations():
 
 def test_a_bug_past_the_first_block_of_128_is_found_by_the_long_sweep(tmp_path):
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", "--impl=mutant:query_block128_causal_offset", "--dtype=float64",
          "-k", "sizes_sweep", f"--conformance-report={tmp_path}/cert"],

@@ -22,6 +22,7 @@ import pytest
 from implementations import guard
 from implementations.base import ImplementationError
 from implementations.registry import probing
+from tests import pytest_process
 
 _keys = itertools.count()
 
@@ -137,14 +138,13 @@ def test_an_implementation_whose_first_call_compiles_passes(tmp_path):
     property passes and the run says why the call was allowed."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"),
                ATTENTION_CONFORMANCE_STATE=str(tmp_path / "state"))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance", "-p", "no:cacheprovider", "-q",
          "--hypothesis-profile=ci", "--impl=tests/runner/hostile_impls.py:slow_first", "--dtype=float64",
          "-k", "forward_agreement", "--impl-option", "derived_flash=false", "--example-timeout=1",

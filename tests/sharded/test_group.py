@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from conformance.sharded import forkserver
 from conformance.sharded import group as groups
 from conformance.sharded.cases import ShardedCallSpec, run_call
 from conformance.sharded.strategies import make_case
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = "tests/sharded/broken_sharded.py"
@@ -140,7 +140,7 @@ def test_certificate_fails_saves_the_case_and_leaves_no_process(tmp_path, attr, 
     (and passes), and no rank process is left when pytest ends."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
     report = tmp_path / "cert"
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance/test_sharded.py", f"--impl={BROKEN}:{attr}",
          "--hypothesis-profile=ci", "--dtype=float64", "--example-timeout=4", "-p", "no:cacheprovider",
          "-k", "sharded_forward or sharded_layout_invariance", "-q", "--conformance-report", str(report)],

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_two_failures_are_reported_each_with_its_own_call(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env.update(PYTHONPATH=str(ROOT), ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
     report = tmp_path / "cert"
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance" / "test_sharded.py"),
          f"--impl={ROOT}/tests/sharded/broken_sharded.py:two_stories", "--hypothesis-profile=ci",
          "--dtype=float32", "-k", "test_sharded_forward", "-q", "-p", "no:cacheprovider",

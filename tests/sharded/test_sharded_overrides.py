@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from hypothesis import given, settings
 
 from conformance.sharded.strategies import sharded_cases, sharded_directed
 from implementations import registry
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = ("ring", "ulysses")
@@ -53,7 +53,7 @@ def test_dtypes_override_chooses_the_targets_pytest_runs(name):
     properties in float32 only (no float64 target)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", "conformance/test_sharded.py", f"--impl={name}",
          "--impl-option", "dtypes=float32", "--collect-only", "-q", "-p", "no:cacheprovider"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)

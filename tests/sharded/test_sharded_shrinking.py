@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests import pytest_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_a_failing_sharded_case_shrinks_to_a_small_world_and_sequence(tmp_path):
     report = tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
     env.update(PYTHONPATH=str(ROOT), ATTENTION_CONFORMANCE_FAILURES=str(tmp_path / "failures"))
-    proc = subprocess.run(
+    proc = pytest_process.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance"),
          "--impl=" + ",".join(f"mutant:{name}" for name in SMALLEST), "--hypothesis-profile=ci",
          "--dtype=float64", "-k", "test_sharded_forward", "-q", "-p", "no:cacheprovider",

@@ -1,0 +1,274 @@
+"""``python -m pytest`` for the tests that run the suite as a user would, forked from a
+server that has already imported torch.
+
+A fresh ``python -m pytest`` spends about 2 s on two cores before it collects anything
+(the interpreter, then torch, NumPy, Hypothesis and pytest), and the project's tests
+start some 300 of them: about a fifth of the test command's time (docs/SPEED.md). The
+server, one per test process and started on first use, imports those modules once and
+does nothing else (no thread, no torch op); each run is a child forked from it that
+takes the run's working directory, environment, ``sys.path`` and ``sys.argv`` as a fresh
+``python -m pytest`` would, then runs pytest's ``__main__`` and its exit handlers.
+
+:func:`run` is ``subprocess.run`` for such a command, and falls back to it wherever a
+fork cannot stand for a fresh interpreter: a command other than ``python -m pytest
+ARGS``, input on stdin, an environment that differs from the server's in a variable read
+when the interpreter or a preloaded module starts (``PYTHON*`` other than ``PYTHONPATH``,
+``OMP_*``, ``ATEN_*``, ``TORCH*``...), a platform without ``fork``, or
+``ATTENTION_CONFORMANCE_TEST_FORK=0`` in the environment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run", "forked"]
+
+#: Variables read when the interpreter starts or a preloaded module is imported: a run
+#: whose environment differs from the server's in one of these starts a real process.
+START_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "ATEN_", "TORCH", "PYTORCH",
+                   "CUDA", "NUMPY", "NPY_", "HYPOTHESIS", "LD_", "MALLOC", "GLIBC")
+#: What the server imports before it forks: most of a fresh pytest process's start.
+#: (Not the plugins pytest loads by entry point: it rewrites their asserts on import.)
+PRELOAD = ("numpy", "torch", "torch.nn.functional", "hypothesis", "pytest", "_pytest.python", "_pytest.main",
+           "_pytest.pytester")
+
+_SUPPORTED = {"cwd", "env", "capture_output", "text", "timeout", "check", "stdout", "stderr"}
+
+
+def _start_variable(key: str) -> bool:
+    return key != "PYTHONPATH" and key.upper().startswith(START_VARIABLES)
+
+
+class _Server:
+    """The test process's handle on its server (one at a time: runs are serialised)."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, env=self.env, cwd=os.getcwd())
+        self.lock = threading.Lock()
+        self._pending = b""
+        if self._message(120.0) != {"ready": True}:
+            self.close()
+            raise RuntimeError("the tests' pytest fork server did not start")
+
+    def _message(self, timeout: float | None) -> dict[str, Any] | None:
+        """The server's next message, None when ``timeout`` passes first."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return {"gone": True}
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def run(self, request: dict[str, Any], timeout: float | None) -> int | None:
+        """The child's exit code, or None when ``timeout`` passed (the child is killed)."""
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        started = self._message(30.0)
+        if not started or "pid" not in started:
+            raise RuntimeError("the tests' pytest fork server did not fork a run")
+        ended = self._message(timeout)
+        if ended is None:
+            try:
+                os.kill(started["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._message(30.0)
+            return None
+        if "code" not in ended:
+            raise RuntimeError("the tests' pytest fork server ended during a run")
+        return ended["code"]
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+_SERVER: _Server | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _server() -> _Server:
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None or not _SERVER.alive():
+            _SERVER = _Server()
+            atexit.register(_SERVER.close)
+        return _SERVER
+
+
+def forked(cmd: Any, env: dict[str, str] | None = None, **kwargs: Any) -> bool:
+    """Whether :func:`run` forks this command from the server (else it starts a process)."""
+    if not (hasattr(os, "fork") and sys.platform.startswith("linux")):
+        return False
+    environ = os.environ if env is None else env
+    if environ.get("ATTENTION_CONFORMANCE_TEST_FORK", "1") == "0":
+        return False
+    if not isinstance(cmd, (list, tuple)) or list(cmd[:3]) != [sys.executable, "-m", "pytest"]:
+        return False
+    if set(kwargs) - (_SUPPORTED - {"env"}):
+        return False
+    if kwargs.get("stdout") not in (None, subprocess.PIPE, subprocess.DEVNULL):
+        return False
+    if kwargs.get("stderr") not in (None, subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT):
+        return False
+    reference = _SERVER.env if _SERVER is not None and _SERVER.alive() else os.environ
+    return _compatible(environ, reference)
+
+
+def _compatible(environ: Any, reference: Any) -> bool:
+    """Whether a fork of a process started in ``reference`` can run in ``environ``."""
+    changed = {k for k in set(environ) | set(reference) if environ.get(k) != reference.get(k)}
+    return not any(_start_variable(k) for k in changed)
+
+
+def run(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, **kwargs)``, forked from the server where :func:`forked` says so."""
+    if not forked(cmd, **kwargs):
+        return subprocess.run(cmd, **kwargs)  # noqa: PLW1510 - the caller's check= stands
+    server = _server()
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    if not _compatible(env, server.env):
+        return subprocess.run(cmd, **kwargs)
+    capture = kwargs.get("capture_output", False)
+    wanted = {name: capture or kwargs.get(name) == subprocess.PIPE for name in ("stdout", "stderr")}
+    merged = kwargs.get("stderr") == subprocess.STDOUT
+    with tempfile.TemporaryDirectory(prefix="pytest-run-") as scratch:
+        paths = {name: str(Path(scratch) / name) if wanted[name] else os.devnull for name in wanted}
+        if merged:
+            paths["stderr"] = paths["stdout"]
+        request = {"args": [str(a) for a in cmd[3:]], "cwd": str(Path(kwargs.get("cwd") or os.getcwd()).resolve()),
+                   "env": env, "stdout": paths["stdout"], "stderr": paths["stderr"]}
+        with server.lock:
+            code = server.run(request, kwargs.get("timeout"))
+        outputs = {}
+        for name in ("stdout", "stderr"):
+            data = Path(paths[name]).read_bytes() if wanted[name] and not (merged and name == "stderr") else None
+            outputs[name] = data.decode(errors="replace") if data is not None and kwargs.get("text") else data
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"), output=outputs["stdout"], stderr=outputs["stderr"])
+    result = subprocess.CompletedProcess(cmd, code, outputs["stdout"], outputs["stderr"])
+    if kwargs.get("check"):
+        result.check_returncode()
+    return result
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def _child(request: dict[str, Any], base_path: list[str]) -> None:
+    """In the forked run: a fresh ``python -m pytest``'s state, then pytest's __main__."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        err = out if request["stderr"] == request["stdout"] else os.open(
+            request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {out, err}:
+            os.close(fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [request["cwd"], *(os.path.abspath(p) for p in extra), *base_path]
+        sys.argv = ["-m", *request["args"]]
+        sys.orig_argv = [sys.executable, "-m", "pytest", *request["args"]]
+        import runpy
+
+        runpy.run_module("pytest", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the run's output says why, as an interpreter's would
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _already_rewritten() -> None:
+    """Mark the preloaded modules of pytest plugins' distributions (Hypothesis') as pytest's
+    assertion rewriter's docstring marker does, so that a child's pytest does not warn that
+    they were imported before it could rewrite them (a fresh process imports them after)."""
+    from importlib import metadata
+
+    plugins = {ep.dist.name for ep in metadata.entry_points(group="pytest11") if ep.dist is not None}
+    for top, dists in metadata.packages_distributions().items():
+        module = sys.modules.get(top)
+        if module is not None and plugins & set(dists):
+            module.__doc__ = f"{module.__doc__ or ''}\n\nPYTEST_DONT_REWRITE"
+
+
+def _serve() -> None:
+    import importlib
+
+    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    base_path = [p for p in sys.path[1:] if p and os.path.abspath(p) not in own]  # less the script's folder
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    _already_rewritten()
+    out = os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but messages on the pipe
+
+    def send(message: dict[str, Any]) -> None:
+        os.write(out, (json.dumps(message) + "\n").encode())
+
+    send({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.close(out)
+            _child(request, base_path)
+        send({"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        send({"code": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    _serve()
