@@ -15,7 +15,7 @@ level and spec section from its ``@conformance_property`` registration, what mus
 from the first paragraph of its docstring, its row order from the level's measured order
 (``conformance/harness/property_order.json``, unlisted properties after the listed ones), and the
 hand-written-attention checklist from :data:`CHECKLIST` below (every id in it must be a
-registered property). ``tests/runner/test_property_registry.py`` fails while a region is
+registered property), the ``--impl-option`` keys from ``implementations/registry/option_docs.py``. ``tests/runner/test_property_registry.py`` fails while a region is
 stale. The pages are those of a checkout (``README.md`` and ``docs/*.md``); an installed
 copy has no documentation to write.
 """
@@ -145,12 +145,32 @@ def render_requirements(props: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_options(props: Mapping[str, Any]) -> str:
+    """Every ``--impl-option`` key with an example value and what it declares (the keys a
+    declaration holds: ``implementations/registry/option_docs.py``), then the scopes."""
+    from implementations.base import ALL_DTYPES, PER_DTYPE_FIELDS
+    from implementations.registry.option_docs import option_rows
+    from implementations.registry.options import OPTION_LEVELS
+
+    lines = ["| option | what it declares |", "|---|---|"]
+    lines += [f"| `--impl-option {key}={_cell(example)}` | {_cell(meaning)} |" for key, example, meaning in option_rows()]
+    levels, dtypes = "`, `".join(f"{level}." for level in OPTION_LEVELS), "`, `".join(f"{d}." for d in ALL_DTYPES)
+    lines.append(f"| `--impl-option flash.head_dims=64,128` | a level-scoped key: `{levels}` before a capability "
+                 "key applies it at that level only (also to the flash level derived from an SDPA callable) |")
+    per_dtype = ", ".join(f"`{name}`" for name in PER_DTYPE_FIELDS)
+    lines.append(f"| `--impl-option float16.fully_masked=nan` | a dtype-scoped key: `{dtypes}` before one of "
+                 f"{per_dtype} applies it in that dtype only (float16's fully-masked rows NaN, the other dtypes' "
+                 "as declared or probed) |")
+    return "\n".join(lines)
+
+
 #: Region name -> its renderer (given the registry).
 GENERATORS: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "properties": render_properties,
     "checklist": render_checklist,
     "property-ids": render_property_ids,
     "requirements": render_requirements,
+    "options": render_options,
 }
 
 

@@ -10,14 +10,6 @@ import pytest
 
 from implementations import registry
 from implementations.base import (
-    ALL_FLASH_FEATURES,
-    ALL_KVCACHE_FEATURES,
-    ALL_MASK_KINDS,
-    ALL_MHA_FEATURES,
-    ALL_SHARDED_FEATURES,
-    ALL_VARLEN_FEATURES,
-    FP8_DESCALE_FORMS,
-    FP8_DTYPES,
     ImplementationError,
 )
 from implementations.registry.declaration import (
@@ -27,38 +19,22 @@ from implementations.registry.declaration import (
     read_declaration,
     toml_value,
 )
+from implementations.registry.option_docs import DOCS, EXAMPLES
 from implementations.registry.options import CAPABILITY_OPTION_KEYS, parse_options
 
 EXAMPLE = "examples/sdpa_function.py:attention"
 IMPLS = "tests/runner/partial_support_impls.py"
 
-#: Option text tried for a capability key, first that parses wins (a new key is covered
-#: when one of these is a valid value for it; else the test below names it).
-_CANDIDATES = ("true", "16", "8,16", "float32,float16", "cpu,cuda", "none,bool", "lower_right",
-               "bool:uniform,additive:nan", "1",
-               *(",".join(sorted(choices)[:2]) for choices in (
-                   ALL_MASK_KINDS, ALL_FLASH_FEATURES, ALL_MHA_FEATURES, ALL_VARLEN_FEATURES,
-                   ALL_KVCACHE_FEATURES, ALL_SHARDED_FEATURES, FP8_DESCALE_FORMS, FP8_DTYPES)),
-               "none")
-#: The keys read as text by the bridge, the learner and ONNX (not capabilities): a value each.
-_TEXT_SAMPLES = {"derived_flash": "false", "framework": "jax", "layout": "BLNE", "interface_mask": "bool",
-                 "call_kwargs": "interpret=True",
-                 "learner_mask": "keep", "learner_fused": "qkv", "learner_projections": "q_proj,k_proj,v_proj,o",
-                 "learner_init": "d_model,n_heads", "learner_config": "dropout=0,bias=1",
-                 "learner_layout": "seq_first", "onnx_exporter": "dynamo", "onnx_opset": "18",
-                 "onnx_inputs": "q,k,v,mask", "onnx_layout": "BLNE", "onnx_causal": "lower_right"}
-
-
 def _sample(key: str) -> str | None:
-    if key in _TEXT_SAMPLES:
-        return _TEXT_SAMPLES[key]
-    for text in _CANDIDATES:
-        try:
-            parse_options({key: text})
-        except ImplementationError:
-            continue
-        return text
-    return None
+    """The key's documented example (docs/OPTIONS.md's table is generated from them)."""
+    return EXAMPLES.get(key)
+
+
+def test_every_option_key_has_a_documented_meaning_and_an_example_that_parses():
+    assert set(DOCS) == set(EXAMPLES) == set(known_keys()), "a key without a row in option_docs (or a row for no key)"
+    for key in CAPABILITY_OPTION_KEYS:
+        parse_options({key: EXAMPLES[key]})  # an ImplementationError names the key
+    assert all(meaning.strip() for meaning in DOCS.values())
 
 
 def _native(text: str):
@@ -85,7 +61,7 @@ def _declare(key: str, value) -> dict:
 @pytest.mark.parametrize("key", known_keys())
 def test_every_option_key_declared_natively_parses_as_the_option(key):
     text = _sample(key)
-    assert text is not None, f"no sample value for the new option {key!r}: add one to _CANDIDATES or _TEXT_SAMPLES"
+    assert text is not None, f"no example for the new option {key!r}: add one to option_docs.EXAMPLES"
     for value in (_native(text), text):  # TOML's own value, and the option's text as a string
         declared = read_declaration(_declare(key, value), source="t.toml", base=Path.cwd())
         if key in CAPABILITY_OPTION_KEYS:
