@@ -62,13 +62,15 @@ def test_a_tile_limited_kernel_round_trips_with_its_declarations(tmp_path):
 
 @pytest.mark.slow
 def test_a_kernel_with_tile_limits_certifies_from_a_pyproject_table(tmp_path):
-    """The table of docs/OPTIONS.md, no --impl-option: a flash kernel that runs only 16-bit,
-    head dims >= 16 and lengths in blocks of 16."""
-    (tmp_path / "pyproject.toml").write_text(
-        "[tool.attention-conformance.implementations.my_kernel]\n"
-        f'spec = "{ROOT / "tests/implementations/declared_kernels.py"}:tiled_16bit"\n'
-        'dtypes = ["float16", "bfloat16"]\nmin_head_dim = 16\nseq_multiple = 16\n')
+    """The README's table, no --impl-option: a flash kernel that runs only 16-bit, head
+    dims >= 16 and lengths in blocks of 16 (its spec line points at the test's kernel)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert table.startswith("[tool.attention-conformance.implementations.my_kernel]\nspec = "), table
+    kernel = f'spec = "{ROOT / "tests/implementations/declared_kernels.py"}:tiled_16bit"'
+    (tmp_path / "pyproject.toml").write_text("\n".join(kernel if line.startswith("spec = ") else line
+                                                      for line in table.splitlines()) + "\n")
     cert, out = certify("my_kernel", tmp_path, "cert", cwd=tmp_path)
     outcomes = {r["outcome"] for r in cert["results"]}
     assert "failed" not in outcomes and "error" not in outcomes and "passed" in outcomes, out[-3000:]
-    assert "declaration used" in out and "seq_multiple = 16" in out
+    assert "declaration used" in out and "seq_multiple = 16" in out and "min_head_dim = 16" in out
