@@ -112,3 +112,92 @@ def test_the_mha_cross_attention_probes_tell_key_value_apart_and_other_lengths(m
     assert without <= plain and keeps <= plain
     assert not (without & features) and keeps <= features, sorted(features)
     assert features == plain - without
+
+
+def _refusing(feature: str) -> type:
+    """An nn.MultiheadAttention drop-in that raises on ``feature`` alone (a constructor
+    option, a forward argument or form), or for ``need_weights`` returns no weights."""
+
+    def refuse(condition: bool) -> None:
+        if condition:
+            raise NotImplementedError(f"{feature} is not supported")
+
+    class Refusing(torch.nn.MultiheadAttention):
+        def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                     kdim=None, vdim=None, batch_first=False, device=None, dtype=None):
+            refuse({"no_bias": not bias, "kdim_vdim": kdim is not None or vdim is not None,
+                    "bias_kv": add_bias_kv, "zero_attn": add_zero_attn, "batch_first": batch_first,
+                    "dropout": dropout > 0}.get(feature, False))
+            super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                             add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                             device=device, dtype=dtype)
+
+        def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                    average_attn_weights=True, is_causal=False):
+            refuse({"unbatched": query.dim() == 2, "key_padding_mask": key_padding_mask is not None,
+                    "attn_mask": attn_mask is not None,
+                    "per_head_attn_mask": attn_mask is not None and attn_mask.dim() == 3,
+                    "is_causal": is_causal, "per_head_weights": need_weights and not average_attn_weights,
+                    "float_masks": any(m is not None and m.is_floating_point() for m in (attn_mask, key_padding_mask)),
+                    }.get(feature, False))
+            out, weights = super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                           need_weights=need_weights, attn_mask=attn_mask,
+                                           average_attn_weights=average_attn_weights, is_causal=is_causal)
+            return (out, None) if feature == "need_weights" else (out, weights)
+
+    Refusing.__name__ = Refusing.__qualname__ = f"Refuses_{feature}"
+    return Refusing
+
+
+#: feature a module refuses -> the MHA features its probe must find missing (a feature
+#: whose probe call goes through the refused one is missing with it).
+MHA_AUDIT = {
+    "no_bias": {"no_bias"},
+    "kdim_vdim": {"kdim_vdim"},
+    "bias_kv": {"bias_kv"},
+    "zero_attn": {"zero_attn"},
+    "batch_first": {"batch_first"},
+    "dropout": {"dropout"},
+    "unbatched": {"unbatched"},
+    "key_padding_mask": {"key_padding_mask"},
+    "attn_mask": {"attn_mask", "per_head_attn_mask", "is_causal"},  # the two others pass an attn_mask too
+    "per_head_attn_mask": {"per_head_attn_mask"},
+    "is_causal": {"is_causal"},
+    "need_weights": {"need_weights", "per_head_weights"},
+    "per_head_weights": {"per_head_weights"},
+}
+
+
+@pytest.fixture(scope="module")
+def plain_mha():
+    from implementations.registry.recognition import recognise
+
+    return recognise(torch.nn.MultiheadAttention, name="torch").capabilities
+
+
+@pytest.mark.parametrize("feature", list(MHA_AUDIT))
+def test_each_mha_feature_probe_finds_that_feature_alone_missing(feature, plain_mha):
+    """Every MHA feature probe: a drop-in that refuses that one feature loses it (and only
+    the features whose probe calls use it), with a note; the mask kinds, dtypes and
+    autograd stay as for nn.MultiheadAttention."""
+    from implementations.registry.recognition import recognise
+
+    caps = recognise(_refusing(feature), name=f"refuses-{feature}").capabilities
+    assert MHA_AUDIT[feature] <= plain_mha.mha_features
+    assert caps.mha_features == plain_mha.mha_features - MHA_AUDIT[feature], sorted(caps.mha_features)
+    assert any(f"mha_features: {feature} in float32" in note for note in caps.probe_notes), caps.probe_notes
+    for field in ("mask_kinds", "dtypes", "autograd"):
+        assert getattr(caps, field) == getattr(plain_mha, field), (feature, field)
+    assert caps.dropout == (feature != "dropout")
+
+
+def test_the_mha_float_mask_probe_finds_bool_masks_only():
+    """A drop-in that takes bool masks only keeps both mask features and loses the kind
+    ``additive``: its masks are drawn bool."""
+    from implementations.registry.recognition import recognise
+
+    caps = recognise(_refusing("float_masks"), name="refuses-float-masks").capabilities
+    plain = recognise(torch.nn.MultiheadAttention, name="torch").capabilities
+    assert {"attn_mask", "key_padding_mask"} <= caps.mha_features == plain.mha_features
+    assert caps.mask_kinds == plain.mask_kinds - {"additive"} and "additive" in plain.mask_kinds
+    assert any("float masks declared unsupported" in note for note in caps.probe_notes), caps.probe_notes
