@@ -3,18 +3,22 @@ server that has already imported torch.
 
 A fresh ``python -m pytest`` spends about 2 s on two cores before it collects anything
 (the interpreter, then torch, NumPy, Hypothesis and pytest), and the project's tests
-start some 300 of them: about a fifth of the test command's time (docs/SPEED.md). The
-server, one per test process and started on first use, imports those modules once and
-does nothing else (no thread, no torch op); each run is a child forked from it that
-takes the run's working directory, environment, ``sys.path`` and ``sys.argv`` as a fresh
-``python -m pytest`` would, then runs pytest's ``__main__`` and its exit handlers.
+start some 300 of them: about a fifth of the test command's time (docs/SPEED.md). A
+server, started on first use by the test process, imports those modules once and does
+nothing else (no thread, no torch op); each run is a child forked from it that takes the
+run's working directory, environment, ``sys.path`` and ``sys.argv`` as a fresh ``python
+-m pytest`` would, then runs pytest's ``__main__`` and its exit handlers.
 
-:func:`run` is ``subprocess.run`` for such a command, and falls back to it wherever a
-fork cannot stand for a fresh interpreter: a command other than ``python -m pytest
-ARGS``, input on stdin, an environment that differs from the server's in a variable read
-when the interpreter or a preloaded module starts (``PYTHON*`` other than ``PYTHONPATH``,
-``OMP_*``, ``ATEN_*``, ``TORCH*``...), a platform without ``fork``, or
-``ATTENTION_CONFORMANCE_TEST_FORK=0`` in the environment.
+What a fork cannot change is the environment read when the interpreter starts or a
+preloaded module is imported (``PYTHON*`` other than ``PYTHONPATH``, ``OMP_*``,
+``ATEN_*``, ``TORCH*``...): a server is started in each such environment a run asks
+for (the two used last are kept), so that its children start as a fresh process in that
+environment would. Paddle sets ``OMP_NUM_THREADS=1`` in the test process on import, for
+one: the runs after it get a server started with it.
+
+:func:`run` is ``subprocess.run`` for such a command, and falls back to it for a command
+other than ``python -m pytest ARGS``, input on stdin, output to a file object, a platform
+without ``fork``, or ``ATTENTION_CONFORMANCE_TEST_FORK=0`` in the run's environment.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 __all__ = ["run", "forked"]
 
 #: Variables read when the interpreter starts or a preloaded module is imported: a run
-#: whose environment differs from the server's in one of these starts a real process.
+#: gets a server started with its own values of these.
 START_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "ATEN_", "TORCH", "PYTORCH",
                    "CUDA", "NUMPY", "NPY_", "HYPOTHESIS", "LD_", "MALLOC", "GLIBC")
 #: What the server imports before it forks: most of a fresh pytest process's start.
@@ -50,10 +54,10 @@ def _start_variable(key: str) -> bool:
 
 
 class _Server:
-    """The test process's handle on its server (one at a time: runs are serialised)."""
+    """The test process's handle on a server started in ``env`` (runs are serialised)."""
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
         self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, env=self.env, cwd=os.getcwd())
@@ -110,21 +114,34 @@ class _Server:
             self.process.kill()
 
 
-_SERVER: _Server | None = None
-_SERVER_LOCK = threading.Lock()
+#: Servers by the start variables of their environment, the one used last at the end.
+_SERVERS: dict[tuple[tuple[str, str], ...], _Server] = {}
+_SERVERS_LOCK = threading.Lock()
+#: Servers kept at a time (a run in an environment of its own, such as a PYTHONHASHSEED
+#: check, then starts one where it would have started a process).
+KEPT = 2
 
 
-def _server() -> _Server:
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None or not _SERVER.alive():
-            _SERVER = _Server()
-            atexit.register(_SERVER.close)
-        return _SERVER
+def _signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if _start_variable(k)))
+
+
+def _server(env: dict[str, str]) -> _Server:
+    """The server started in ``env``'s start variables (started now if none is)."""
+    key = _signature(env)
+    with _SERVERS_LOCK:
+        server = _SERVERS.pop(key, None)
+        if server is None or not server.alive():
+            server = _Server(env)
+            atexit.register(server.close)
+        _SERVERS[key] = server
+        while len(_SERVERS) > KEPT:
+            _SERVERS.pop(next(iter(_SERVERS))).close()
+        return server
 
 
 def forked(cmd: Any, env: dict[str, str] | None = None, **kwargs: Any) -> bool:
-    """Whether :func:`run` forks this command from the server (else it starts a process)."""
+    """Whether :func:`run` forks this command from a server (else it starts a process)."""
     if not (hasattr(os, "fork") and sys.platform.startswith("linux")):
         return False
     environ = os.environ if env is None else env
@@ -136,26 +153,15 @@ def forked(cmd: Any, env: dict[str, str] | None = None, **kwargs: Any) -> bool:
         return False
     if kwargs.get("stdout") not in (None, subprocess.PIPE, subprocess.DEVNULL):
         return False
-    if kwargs.get("stderr") not in (None, subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT):
-        return False
-    reference = _SERVER.env if _SERVER is not None and _SERVER.alive() else os.environ
-    return _compatible(environ, reference)
-
-
-def _compatible(environ: Any, reference: Any) -> bool:
-    """Whether a fork of a process started in ``reference`` can run in ``environ``."""
-    changed = {k for k in set(environ) | set(reference) if environ.get(k) != reference.get(k)}
-    return not any(_start_variable(k) for k in changed)
+    return kwargs.get("stderr") in (None, subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT)
 
 
 def run(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, **kwargs)``, forked from the server where :func:`forked` says so."""
     if not forked(cmd, **kwargs):
         return subprocess.run(cmd, **kwargs)  # noqa: PLW1510 - the caller's check= stands
-    server = _server()
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    if not _compatible(env, server.env):
-        return subprocess.run(cmd, **kwargs)
+    server = _server(env)
     capture = kwargs.get("capture_output", False)
     wanted = {name: capture or kwargs.get(name) == subprocess.PIPE for name in ("stdout", "stderr")}
     merged = kwargs.get("stderr") == subprocess.STDOUT

@@ -73,17 +73,47 @@ def test_a_forked_run_past_its_timeout_is_killed(tmp_path):
     assert again.returncode == 0 and "1 test collected" in again.stdout  # the server goes on
 
 
-@pytest.mark.parametrize("change", [
-    {"OMP_NUM_THREADS": "3"}, {"ATEN_CPU_CAPABILITY": "default"}, {"PYTHONHASHSEED": "7"},
-    {"ATTENTION_CONFORMANCE_TEST_FORK": "0"},
-])
-def test_an_environment_read_at_interpreter_start_gets_a_real_process(change):
+START_STATE = """
+    import os, sys, torch
+
+    def test_started_in_its_environment():
+        seen = {"EXPECTED_HASH": str(hash("attention")), "EXPECTED_THREADS": str(torch.get_num_threads()),
+                "EXPECTED_CAPABILITY": torch.backends.cpu.get_cpu_capability()}
+        [(name, want)] = [(k, v) for k, v in os.environ.items() if k.startswith("EXPECTED_")]
+        assert seen[name] == want, name
+"""
+
+
+def _fresh(env: dict[str, str]) -> dict[str, str]:
+    """What a fresh interpreter in ``env`` sees: the hash of a string, torch's threads and
+    CPU capability."""
+    code = ("import torch; print(hash('attention'), torch.get_num_threads(), "
+            "torch.backends.cpu.get_cpu_capability())")
+    seen = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return dict(zip(("EXPECTED_HASH", "EXPECTED_THREADS", "EXPECTED_CAPABILITY"), seen.stdout.split(), strict=True))
+
+
+@pytest.mark.parametrize("change, seen", [({"PYTHONHASHSEED": "7"}, "EXPECTED_HASH"),
+                                          ({"OMP_NUM_THREADS": "1"}, "EXPECTED_THREADS"),
+                                          ({"ATEN_CPU_CAPABILITY": "default"}, "EXPECTED_CAPABILITY")])
+def test_a_run_in_another_start_environment_gets_a_server_started_in_it(change, seen, tmp_path):
+    """Variables read at interpreter start or at torch's import: the forked run sees what a
+    fresh interpreter in its environment sees (hash seed, torch's threads, CPU kernels),
+    which is not what this process sees."""
+    (tmp_path / "test_start.py").write_text(textwrap.dedent(START_STATE))
     env = dict(os.environ, **change)
-    assert not pytest_process.forked(PYTEST, env=env)
-    assert pytest_process.forked(PYTEST, env=dict(os.environ, ATTENTION_CONFORMANCE_FAILURES="x"))
+    fresh, here = _fresh(env)[seen], _fresh(dict(os.environ, PYTHONHASHSEED="8"))[seen]
+    if fresh == here:  # one core: OMP_NUM_THREADS=1 is torch's default
+        pytest.skip(f"{seen}: a fresh interpreter sees {fresh} with and without {change}")
+    env[seen] = fresh
+    cmd = [*PYTEST, "test_start.py"]
+    assert pytest_process.forked(cmd, env=env)
+    proc = pytest_process.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 def test_what_a_fork_cannot_carry_gets_a_real_process():
+    assert not pytest_process.forked(PYTEST, env=dict(os.environ, ATTENTION_CONFORMANCE_TEST_FORK="0"))
     assert not pytest_process.forked([sys.executable, "-c", "pass"])
     assert not pytest_process.forked([sys.executable, "-X", "importtime", "-m", "pytest"])
     assert not pytest_process.forked(PYTEST, input="x")
