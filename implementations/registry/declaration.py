@@ -317,6 +317,34 @@ def _source(key: str, caps: Any, given: Mapping[str, str], scoped_key: str, reco
     return "signature" if recognised else "the implementation's own declaration"
 
 
+def _learner_entries(impl: Any, given: Mapping[str, str]) -> list[str]:
+    """The conventions the learner level probed on a hand-written module (its layout, the
+    cut of a fused projection, the mask convention), as ``learner_*`` entries that a
+    read-back takes instead of probing them; one that was assumed, or whose declaration
+    would change what is certified, is written as a comment saying why."""
+    plan = getattr(getattr(impl, "mha", None), "plan", None)
+    if plan is None or not hasattr(plan, "mask_how"):
+        return []
+    out = []
+    if "learner_layout" not in given:
+        layout = "seq_first" if plan.seq_first else "batch_first"
+        out.append(f"learner_layout = {toml_value(layout)}  # probe: {plan.layout_how or 'batch-first, on its calls'}")
+    if plan.role("qkv") and "learner_fused" not in given:
+        entry = f"learner_fused = {toml_value(plan.fused)}"
+        out.append(f"# {entry}  ({plan.fused_how})" if plan.fused_how.startswith("assumed") else
+                   f"{entry}  # probe: {plan.fused_how.split(' (', 1)[0]}")
+    if plan.mask is not None and "learner_mask" not in given:
+        entry = f"learner_mask = {toml_value(plan.mask)}"
+        if "ASSUMED" in plan.mask_how:
+            out.append(f"# {entry}  (assumed: no convention passed the probe)")
+        elif plan.also_additive:
+            out.append(f"# {entry}  (probe; declaring it would stop float masks going additive, which the "
+                       "probe saw the module follow)")
+        else:
+            out.append(f"{entry}  # probe: {plan.mask_how.split(' (', 1)[0]}")
+    return out
+
+
 def draft_declaration(impl: Any, spec: str, options: Mapping[str, str] | None = None,
                       declaration: Declaration | None = None) -> str:
     """The effective declaration of ``impl`` (resolved from ``--impl=spec`` with ``options``,
@@ -351,6 +379,7 @@ def draft_declaration(impl: Any, spec: str, options: Mapping[str, str] | None = 
                        f"# {entry}  (no option value gives this; {why})")
         return out
 
+    lines += _learner_entries(impl, given)
     lines += entries(base, CAPABILITY_OPTION_KEYS, "")
     for level in ("mha", "flash"):
         if getattr(impl, level, None) is None:

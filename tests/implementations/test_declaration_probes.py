@@ -88,3 +88,31 @@ def test_a_kernel_read_back_from_its_draft_is_probed_once(spec, options, tmp_pat
     assert count_calls == ["a plain call"] and calls > 10, (calls, count_calls)
     for level in ("sdpa", "mha", "flash"):
         assert _plain(declared.caps(level)) == _plain(probed.caps(level)), level
+
+
+@pytest.mark.parametrize("cls", ["KeepMaskAttention", "FusedBlockedAttention", "AnnotatedMultiHeadedAttention"])
+def test_a_learner_module_read_back_from_its_draft_skips_its_convention_probes(cls, tmp_path, monkeypatch):
+    """The draft of a hand-written module declares the conventions the learner level
+    probed (layout, fused cut, mask convention): read back, the module is read the same
+    and those probes are not made again."""
+    from implementations.registry.declaration import draft_declaration
+    from implementations.registry.learner import probes
+
+    seen: list[str] = []
+    for method in ("call", "value"):
+        real = getattr(probes._Probe, method)
+        monkeypatch.setattr(probes._Probe, method, lambda self, what, fn, _real=real: (seen.append(what),
+                                                                                       _real(self, what, fn))[1])
+    spec = f"tests/implementations/learner_modules/tutorial_modules.py:{cls}"
+    probed = registry.resolve(spec)
+    before, calls = list(seen), len(seen)
+    seen.clear()
+    draft = draft_declaration(probed, spec)
+    assert "learner_layout = " in draft and "learner_mask = " in draft, draft
+    (tmp_path / "d.toml").write_text(draft)
+    declared = registry.resolve(str(tmp_path / "d.toml"))
+    fields = ("mask", "mask_dtype", "mask_shapes", "also_additive", "fused", "seq_first", "projections", "causal")
+    assert ({f: getattr(declared.mha.plan, f) for f in fields} == {f: getattr(probed.mha.plan, f) for f in fields})
+    assert _plain(declared.caps("mha")) == _plain(probed.caps("mha"))
+    assert "the layout" in before and "the layout" not in seen, seen
+    assert len(seen) < calls, (calls, len(seen))

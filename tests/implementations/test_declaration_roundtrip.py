@@ -44,11 +44,14 @@ def _round_trip(impl: str, options: tuple[str, ...], tmp_path: Path) -> str:
 @pytest.mark.parametrize("impl, options", [
     ("handwritten", ()),
     ("examples/sdpa_function.py:attention", ()),
+    ("tests/implementations/learner_modules/tutorial_modules.py:FusedBlockedAttention", ()),
 ])
 def test_a_written_declaration_read_back_certifies_alike(impl, options, tmp_path):
     text = _round_trip(impl, options, tmp_path)
     if impl == "handwritten":
         assert "# the implementation's own declaration" in text and "# probe" not in text
+    elif "learner_modules" in impl:  # a hand-written module: the conventions the learner level probed
+        assert 'learner_fused = "qkv"  # probe' in text and 'learner_mask = "blocked"  # probe' in text, text
     else:
         assert "dtypes = [" in text and "# probe" in text and "causal = \"upper_left\"  # contract" in text
 
