@@ -345,6 +345,21 @@ def _learner_entries(impl: Any, given: Mapping[str, str]) -> list[str]:
     return out
 
 
+def _bridge_entries(impl: Any, given: Mapping[str, str]) -> list[str]:
+    """The framework and layout the bridge read for a function of another framework."""
+    from implementations.bridge import BridgedSDPA
+
+    bridged = getattr(impl, "sdpa", None)
+    if not isinstance(bridged, BridgedSDPA):
+        return []
+    out = []
+    if "framework" not in given:
+        out.append(f"framework = {toml_value(bridged.framework.name)}  # read: the function's module and body")
+    if "layout" not in given:
+        out.append(f"layout = {toml_value(bridged.layout)}  # read: the function's own layout")
+    return out
+
+
 def draft_declaration(impl: Any, spec: str, options: Mapping[str, str] | None = None,
                       declaration: Declaration | None = None) -> str:
     """The effective declaration of ``impl`` (resolved from ``--impl=spec`` with ``options``,
@@ -379,7 +394,7 @@ def draft_declaration(impl: Any, spec: str, options: Mapping[str, str] | None = 
                        f"# {entry}  (no option value gives this; {why})")
         return out
 
-    lines += _learner_entries(impl, given)
+    lines += _learner_entries(impl, given) + _bridge_entries(impl, given)
     lines += entries(base, CAPABILITY_OPTION_KEYS, "")
     for level in ("mha", "flash"):
         if getattr(impl, level, None) is None:

@@ -116,3 +116,19 @@ def test_a_learner_module_read_back_from_its_draft_skips_its_convention_probes(c
     assert _plain(declared.caps("mha")) == _plain(probed.caps("mha"))
     assert "the layout" in before and "the layout" not in seen, seen
     assert len(seen) < calls, (calls, len(seen))
+
+
+def test_a_bridged_function_s_draft_holds_its_framework_and_layout(tmp_path):
+    """JAX's own dot_product_attention, read as JAX's and (B, L, N, E): its draft says so,
+    and read back it is bridged alike, with the same capabilities."""
+    pytest.importorskip("jax")
+    from implementations.registry.declaration import draft_declaration
+
+    spec = "jax.nn:dot_product_attention"
+    probed = registry.resolve(spec)
+    draft = draft_declaration(probed, spec)
+    assert 'framework = "jax"  # read' in draft and 'layout = "BLNE"  # read' in draft, draft
+    (tmp_path / "d.toml").write_text(draft)
+    declared = registry.resolve(str(tmp_path / "d.toml"))
+    assert (declared.sdpa.framework.name, declared.sdpa.layout) == ("jax", "BLNE")
+    assert _plain(declared.capabilities) == _plain(probed.capabilities)
