@@ -41,8 +41,9 @@ __all__ = ["run", "forked"]
 #: gets a server started with its own values of these.
 START_VARIABLES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "ATEN_", "TORCH", "PYTORCH",
                    "CUDA", "NUMPY", "NPY_", "HYPOTHESIS", "LD_", "MALLOC", "GLIBC")
-#: What the server imports before it forks: most of a fresh pytest process's start.
-#: (Not the plugins pytest loads by entry point: it rewrites their asserts on import.)
+#: What the server imports before it forks: most of a fresh pytest process's start. The
+#: other pytest plugins installed (entry points, jaxtyping's and anyio's here) are imported
+#: too, except this project's, whose modules read the run's environment when imported.
 PRELOAD = ("numpy", "torch", "torch.nn.functional", "hypothesis", "pytest", "_pytest.python", "_pytest.main",
            "_pytest.pytester")
 
@@ -252,10 +253,13 @@ def _serve() -> None:
 
     own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     base_path = [p for p in sys.path[1:] if p and os.path.abspath(p) not in own]  # less the script's folder
-    for name in PRELOAD:
+    from importlib import metadata
+
+    plugins = [ep.module for ep in metadata.entry_points(group="pytest11") if not ep.module.startswith("conformance")]
+    for name in (*PRELOAD, *plugins):  # not this project's plugin: its modules read the run's environment
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a plugin that cannot load here loads (or fails) in the run
             pass
     _already_rewritten()
     out = os.dup(1)
