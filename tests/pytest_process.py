@@ -135,6 +135,10 @@ def _server(env: dict[str, str]) -> _Server:
         if server is None or not server.alive():
             server = _Server(env)
             atexit.register(server.close)
+            log = os.environ.get("ATTENTION_CONFORMANCE_TEST_FORK_LOG")
+            if log:  # which environments servers were started in (docs/SPEED.md)
+                with open(log, "a") as f:
+                    f.write(json.dumps({"pid": os.getpid(), "start": dict(key)}) + "\n")
         _SERVERS[key] = server
         while len(_SERVERS) > KEPT:
             _SERVERS.pop(next(iter(_SERVERS))).close()
