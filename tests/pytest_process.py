@@ -105,14 +105,9 @@ class _Server:
         return ended["code"]
 
     def close(self) -> None:
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        from conformance.sharded.forkserver import stop
+
+        stop(self.process)
 
 
 #: Servers by the start variables of their environment, the one used last at the end.

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ForkServer", "ForkedRank", "available", "server"]
+__all__ = ["ForkServer", "ForkedRank", "available", "server", "stop"]
 
 #: Seconds the server may take to import what the ranks need.
 START_TIMEOUT = 120.0
@@ -140,15 +140,21 @@ class ForkServer:
             return ForkedRank(self._pids[ident], self)
 
     def close(self) -> None:
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop(self.process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a server that reads requests on its stdin: close its input (it ends when its
+    input does) and wait for it, killing it after 5 s."""
+    try:
+        process.stdin.close()
+    except OSError:
+        pass
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 _SERVER: ForkServer | None = None
