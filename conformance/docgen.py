@@ -15,8 +15,9 @@ level and spec section from its ``@conformance_property`` registration, what mus
 from the first paragraph of its docstring, its row order from the level's measured order
 (``conformance/harness/property_order.json``, unlisted properties after the listed ones), and the
 hand-written-attention checklist from :data:`CHECKLIST` below (every id in it must be a
-registered property), the ``--impl-option`` keys from ``implementations/registry/option_docs.py``. ``tests/runner/test_property_registry.py`` fails while a region is
-stale. The pages are those of a checkout (``README.md`` and ``docs/*.md``); an installed
+registered property), the ``--impl-option`` keys from
+``implementations/registry/option_docs.py``. ``tests/runner/test_property_registry.py``
+fails while a region is stale. The pages are those of a checkout (``README.md`` and ``docs/*.md``); an installed
 copy has no documentation to write.
 """
 

@@ -58,10 +58,9 @@ class _Server:
     """The test process's handle on a server started in ``env`` (runs are serialised)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, env=self.env, cwd=os.getcwd())
+                                        stderr=subprocess.DEVNULL, env=env, cwd=os.getcwd())
         self.lock = threading.Lock()
         self._pending = b""
         if self._message(120.0) != {"ready": True}:
@@ -234,13 +233,14 @@ def _child(request: dict[str, Any], base_path: list[str]) -> None:
             os._exit(code)
 
 
-def _already_rewritten() -> None:
-    """Mark the preloaded modules of pytest plugins' distributions (Hypothesis') as pytest's
-    assertion rewriter's docstring marker does, so that a child's pytest does not warn that
-    they were imported before it could rewrite them (a fresh process imports them after)."""
+def _already_rewritten(entry_points: Any) -> None:
+    """Mark the preloaded modules of pytest plugins' distributions (``entry_points``' own;
+    Hypothesis') as pytest's assertion rewriter's docstring marker does, so that a child's
+    pytest does not warn that they were imported before it could rewrite them (a fresh
+    process imports them after)."""
     from importlib import metadata
 
-    plugins = {ep.dist.name for ep in metadata.entry_points(group="pytest11") if ep.dist is not None}
+    plugins = {ep.dist.name for ep in entry_points if ep.dist is not None}
     for top, dists in metadata.packages_distributions().items():
         module = sys.modules.get(top)
         if module is not None and plugins & set(dists):
@@ -249,18 +249,18 @@ def _already_rewritten() -> None:
 
 def _serve() -> None:
     import importlib
+    from importlib import metadata
 
     own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     base_path = [p for p in sys.path[1:] if p and os.path.abspath(p) not in own]  # less the script's folder
-    from importlib import metadata
-
-    plugins = [ep.module for ep in metadata.entry_points(group="pytest11") if not ep.module.startswith("conformance")]
+    entry_points = metadata.entry_points(group="pytest11")
+    plugins = [ep.module for ep in entry_points if not ep.module.startswith("conformance")]
     for name in (*PRELOAD, *plugins):  # not this project's plugin: its modules read the run's environment
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a plugin that cannot load here loads (or fails) in the run
             pass
-    _already_rewritten()
+    _already_rewritten(entry_points)
     out = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but messages on the pipe
 

@@ -322,8 +322,10 @@ def _learner_entries(impl: Any, given: Mapping[str, str]) -> list[str]:
     cut of a fused projection, the mask convention), as ``learner_*`` entries that a
     read-back takes instead of probing them; one that was assumed, or whose declaration
     would change what is certified, is written as a comment saying why."""
+    from implementations.registry.learner.plan import LearnerPlan
+
     plan = getattr(getattr(impl, "mha", None), "plan", None)
-    if plan is None or not hasattr(plan, "mask_how"):
+    if not isinstance(plan, LearnerPlan):
         return []
     out = []
     if "learner_layout" not in given:
